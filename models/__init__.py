@@ -1,0 +1,19 @@
+"""Annotated language models for shardflow: Llama-style and GPT-2-style, in Flax NNX."""
+from .config import PRESETS, REMAT_POLICIES, ModelConfig, preset
+from .gpt2 import GPT2
+from .llama import Llama
+from .sharding import (RULES, activation_sharding, check_rules, constrain, get_rules,
+                       logical_axes, param_logical_axes, param_specs, spec_for)
+
+
+def build(cfg: ModelConfig, seed: int = 0):
+    """A freshly initialised model of the config's family."""
+    from flax import nnx
+    cls = {"llama": Llama, "gpt2": GPT2}[cfg.family]
+    return cls(cfg, rngs=nnx.Rngs(seed))
+
+
+def count_params(model) -> int:
+    from flax import nnx
+    import jax
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

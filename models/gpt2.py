@@ -1,0 +1,75 @@
+"""GPT-2-style decoder: learned positions, pre-LayerNorm, GELU MLP, tied embeddings.
+
+Built from Flax's own layers and annotated the Flax way — ``nnx.with_partitioning`` on each
+initializer — to show that the trainer's rules tables honour that metadata as well as the
+``@logical_axes`` decorator the Llama model uses.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .attention import attention
+from .config import ModelConfig
+from .llama import RESIDUAL, scan_layers, stacked
+from .sharding import constrain
+
+
+def _init(std: float, axes):
+    # eager_sharding=False: record the logical axes only; the trainer decides placement.
+    return nnx.with_partitioning(nnx.initializers.normal(std), axes, eager_sharding=False)
+
+
+def _linear(d_in, d_out, axes, std, rngs):
+    return nnx.Linear(d_in, d_out, rngs=rngs, kernel_init=_init(std, axes),
+                      bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), axes[1:],
+                                                      eager_sharding=False))
+
+
+def _layer_norm(d, eps, rngs):
+    return nnx.LayerNorm(d, epsilon=eps, rngs=rngs,
+                         scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",),
+                                                          eager_sharding=False),
+                         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("norm",),
+                                                         eager_sharding=False))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, std = cfg.d_model, cfg.init_std
+        out_std = std / (2 * cfg.n_layers) ** 0.5
+        self.n_heads, self.impl = cfg.n_heads, cfg.attention_impl
+        self.ln_1 = _layer_norm(d, cfg.norm_eps, rngs)
+        # "heads" here is the merged heads*head_dim dimension; splitting it splits whole heads.
+        self.q = _linear(d, d, ("embed", "heads"), std, rngs)
+        self.k = _linear(d, d, ("embed", "heads"), std, rngs)
+        self.v = _linear(d, d, ("embed", "heads"), std, rngs)
+        self.proj = _linear(d, d, ("heads", "embed"), out_std, rngs)
+        self.ln_2 = _layer_norm(d, cfg.norm_eps, rngs)
+        self.fc = _linear(d, cfg.ffn_dim, ("embed", "mlp"), std, rngs)
+        self.fc_proj = _linear(cfg.ffn_dim, d, ("mlp", "embed"), out_std, rngs)
+
+    def __call__(self, x):
+        b, s, d = x.shape
+        h = self.ln_1(x)
+        q, k, v = (f(h).reshape(b, s, self.n_heads, d // self.n_heads)
+                   for f in (self.q, self.k, self.v))
+        x = x + self.proj(attention(q, k, v, causal=True, impl=self.impl).reshape(b, s, d))
+        return x + self.fc_proj(jax.nn.gelu(self.fc(self.ln_2(x))))
+
+
+class GPT2(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs,
+                             embedding_init=_init(cfg.init_std, ("vocab", "embed")))
+        self.wpe = nnx.Embed(cfg.max_seq_len, cfg.d_model, rngs=rngs,
+                             embedding_init=_init(0.01, ("pos", "embed")))
+        self.layers = stacked(lambda r: Block(cfg, r), cfg.n_layers, rngs)
+        self.ln_f = _layer_norm(cfg.d_model, cfg.norm_eps, rngs)
+
+    def __call__(self, tokens):
+        x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
+        x = scan_layers(self.layers, constrain(x, RESIDUAL), self.cfg.remat)
+        return constrain(self.wte.attend(self.ln_f(x)), ("batch", None, "vocab"))

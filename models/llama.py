@@ -1,0 +1,141 @@
+"""Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, layers scanned over depth.
+
+Weights are plain ``nnx.Param`` arrays used through einsums, each dimension named by the
+``@logical_axes`` decorator of its module (see sharding.py). Compute runs in the dtype of the
+parameters the model is merged with: the trainer keeps fp32 master weights and merges a bf16
+copy for the forward/backward pass; norms and softmax statistics are computed in fp32.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .attention import attention
+from .config import REMAT_POLICIES, ModelConfig
+from .sharding import constrain, logical_axes
+
+RESIDUAL = ("batch", "seq", None)  # logical axes of the residual stream between blocks
+
+
+@logical_axes(scale=("norm",))
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float):
+    """cos/sin of shape [seq, head_dim // 2], fp32."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (first half, second half) of the head dimension; x is [b, s, h, d]."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _normal(rngs: nnx.Rngs, shape, std):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+
+
+@logical_axes(wq=("embed", "heads", "head_dim"), wk=("embed", "kv_heads", "head_dim"),
+              wv=("embed", "kv_heads", "head_dim"), wo=("heads", "head_dim", "embed"))
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # GPT-2's residual-branch scaling
+        self.wq = _normal(rngs, (d, h, hd), cfg.init_std)
+        self.wk = _normal(rngs, (d, kv, hd), cfg.init_std)
+        self.wv = _normal(rngs, (d, kv, hd), cfg.init_std)
+        self.wo = _normal(rngs, (h, hd, d), out_std)
+        self.impl = cfg.attention_impl
+
+    def __call__(self, x, cos, sin):
+        q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...])
+        k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...])
+        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...])
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(q, k, v, causal=True, impl=self.impl)
+        return jnp.einsum("bshk,hkd->bsd", out, self.wo[...])
+
+
+@logical_axes(w_gate=("embed", "mlp"), w_up=("embed", "mlp"), w_down=("mlp", "embed"))
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.ffn_dim
+        self.w_gate = _normal(rngs, (d, f), cfg.init_std)
+        self.w_up = _normal(rngs, (d, f), cfg.init_std)
+        self.w_down = _normal(rngs, (f, d), cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+
+    def __call__(self, x):
+        gate = jax.nn.silu(x @ self.w_gate[...])
+        return (gate * (x @ self.w_up[...])) @ self.w_down[...]
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg, rngs)
+
+    def __call__(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def stacked(make_layer, n_layers: int, rngs: nnx.Rngs):
+    """n_layers copies of a layer with a leading depth dimension on every parameter."""
+
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return make_layer(rngs)
+
+    return make(rngs)
+
+
+def scan_layers(layers: nnx.Module, x, remat: str, *args):
+    """Run stacked layers over depth with lax.scan (one compiled layer, not n copies)."""
+    graphdef, params = nnx.split(layers)
+
+    def step(x, layer_params):
+        x = nnx.merge(graphdef, layer_params)(x, *args)
+        return constrain(x, RESIDUAL), None
+
+    policy = REMAT_POLICIES[remat]
+    if remat != "none":
+        step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+    x, _ = jax.lax.scan(step, x, params)
+    return x
+
+
+@logical_axes(embedding=("vocab", "embed"), lm_head=("embed", "vocab"))
+class Llama(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
+        self.layers = stacked(lambda r: Block(cfg, r), cfg.n_layers, rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head = _normal(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
+
+    def __call__(self, tokens):
+        """tokens [batch, seq] int → logits [batch, seq, vocab] in the compute dtype."""
+        cfg = self.cfg
+        x = constrain(jnp.take(self.embedding[...], tokens, axis=0), RESIDUAL)
+        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+        x = scan_layers(self.layers, x, cfg.remat, cos, sin)
+        x = self.final_norm(x)
+        head = self.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
+        return constrain(x @ head, ("batch", None, "vocab"))

@@ -1,0 +1,224 @@
+"""Logical-axis annotation of model parameters, and rules tables that map them to a mesh.
+
+A model names what each parameter dimension *is* ("embed", "heads", "mlp", "vocab", ...);
+a rules table, one per parallelism strategy, says which mesh axis (if any) splits that kind of
+dimension. Changing strategy is changing the table, never the model.
+
+Two ways to annotate a parameter; the per-variable one wins where both are given:
+
+1. The class decorator ``@logical_axes(wq=("embed", "heads", "head_dim"), ...)``: keys are
+   parameter paths relative to the decorated module ("wq", or "proj.kernel" for a parameter of
+   a sub-module).
+2. Flax's own metadata, ``nnx.with_partitioning(init, ("embed", "mlp"))`` (stored by flax as
+   the variable's ``out_sharding``).
+
+Parameters of layers stacked for a scan over depth carry one extra leading dimension; it is
+given the logical axis "layers" automatically.
+
+Activations are annotated inside the model with ``constrain(x, ("batch", "seq", None))``: a
+no-op unless a trainer has set :func:`activation_sharding`, so the same model runs unchanged
+on one device, under ``jax.jit`` shardings, or under ``shardflow.parallelize``.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Callable, Mapping, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+LogicalAxes = tuple  # one logical name (or None) per dimension
+Rules = Mapping[str, "str | tuple[str, ...] | None"]
+
+STACKED_AXIS = "layers"
+
+
+def logical_axes(**axes_by_param: Sequence[str | None]):
+    """Class decorator naming the logical axis of each dimension of the module's parameters."""
+
+    def decorate(cls):
+        inherited = dict(getattr(cls, "__logical_axes__", {}))
+        inherited.update({name: tuple(axes) for name, axes in axes_by_param.items()})
+        cls.__logical_axes__ = inherited
+        return cls
+
+    return decorate
+
+
+# Strategy presets. Mesh axes: "data" (batch / FSDP shards) and "model" (tensor parallel).
+# Logical axes absent from a table are replicated.
+_TP = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
+    "dp": {"batch": "data"},
+    "fsdp": {"batch": "data", "embed": "data"},
+    "tp": {"batch": "data", **_TP},
+    # Sequence parallelism: the residual stream between blocks (norms, dropout-free adds) is
+    # split along the sequence over the same axis that splits heads / mlp inside the blocks.
+    "tp_sp": {"batch": "data", "seq": "model", **_TP},
+    "2d": {"batch": "data", "embed": "data", **_TP},
+}
+
+
+def get_rules(strategy_or_rules: str | Rules) -> dict:
+    if isinstance(strategy_or_rules, str):
+        if strategy_or_rules not in RULES:
+            raise ValueError(
+                f"unknown strategy {strategy_or_rules!r}; choose one of {sorted(RULES)} "
+                "or give an explicit rules table")
+        return dict(RULES[strategy_or_rules])
+    return dict(strategy_or_rules)
+
+
+def _mesh_axes_of(rule) -> tuple[str, ...]:
+    if rule is None:
+        return ()
+    return (rule,) if isinstance(rule, str) else tuple(rule)
+
+
+def check_rules(rules: Rules, mesh_axis_names: Sequence[str]) -> None:
+    """Every mesh axis a rule names must exist in the mesh."""
+    for logical, rule in rules.items():
+        for axis in _mesh_axes_of(rule):
+            if axis not in mesh_axis_names:
+                raise ValueError(
+                    f"rule {logical!r} -> {rule!r} names mesh axis {axis!r}, which the mesh "
+                    f"{tuple(mesh_axis_names)} does not have")
+
+
+def spec_for(axes: LogicalAxes, rules: Rules) -> PartitionSpec:
+    """PartitionSpec for a tensor whose dims have the given logical names.
+
+    A mesh axis may split only one dimension of a tensor; a later dimension that maps to an
+    axis already used stays replicated along it.
+    """
+    used: set[str] = set()
+    entries = []
+    for name in axes:
+        mesh_axes = tuple(a for a in _mesh_axes_of(rules.get(name)) if a not in used)
+        used.update(mesh_axes)
+        entries.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*entries)
+
+
+def _set_nested(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def param_logical_axes(model: nnx.Module) -> tuple[dict, list[str]]:
+    """Logical axes of every nnx.Param, as a nested dict shaped like ``nnx.to_pure_dict``.
+
+    Returns (axes tree, paths of parameters nobody annotated — those are replicated).
+    Works on abstract models from ``nnx.eval_shape`` as well as real ones.
+    """
+    modules: dict[tuple, nnx.Module] = {}
+    params: list[tuple[tuple, nnx.Variable]] = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            modules[tuple(path)] = node
+        elif isinstance(node, nnx.Param):
+            params.append((tuple(path), node))
+
+    tree: dict = {}
+    unannotated: list[str] = []
+    for path, var in params:
+        ndim = len(var.shape)
+        axes = var.get_metadata().get("out_sharding")
+        if not axes:
+            axes = None
+            for cut in range(len(path) - 1, -1, -1):  # nearest annotated ancestor first
+                table = getattr(type(modules.get(path[:cut])), "__logical_axes__", {})
+                key = ".".join(str(p) for p in path[cut:])
+                if key in table:
+                    axes = table[key]
+                    break
+        if axes is None:
+            unannotated.append("/".join(map(str, path)))
+            axes = (None,) * ndim
+        axes = tuple(axes)
+        if len(axes) == ndim - 1:
+            axes = (STACKED_AXIS,) + axes
+        if len(axes) != ndim:
+            raise ValueError(
+                f"parameter {'/'.join(map(str, path))} has shape {tuple(var.shape)} but its "
+                f"logical axes {axes} name {len(axes)} dimensions")
+        _set_nested(tree, path, axes)
+    return tree, unannotated
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple)
+
+
+def param_specs(model: nnx.Module, rules: Rules, mesh: jax.sharding.Mesh | None = None) -> dict:
+    """PartitionSpec per parameter (nested dict like ``nnx.to_pure_dict``).
+
+    With a mesh, also checks that every split dimension divides evenly, raising a ValueError
+    that names the parameter — before anything is compiled.
+    """
+    axes_tree, _ = param_logical_axes(model)
+    specs = jax.tree.map(lambda axes: spec_for(axes, rules), axes_tree, is_leaf=_is_axes)
+    if mesh is not None:
+        shapes = {p: v.shape for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+        for path, shape in shapes.items():
+            spec = _get_nested(specs, tuple(path))
+            check_divisible("parameter " + "/".join(map(str, path)), shape, spec, mesh)
+    return specs
+
+
+def _get_nested(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def check_divisible(what: str, shape, spec: PartitionSpec, mesh: jax.sharding.Mesh) -> None:
+    for dim, (size, entry) in enumerate(zip(shape, spec)):
+        axes = _mesh_axes_of(entry)
+        ways = math.prod(mesh.shape[a] for a in axes)
+        if size % ways:
+            raise ValueError(
+                f"{what}: dimension {dim} (size {size}) is split over mesh axes {axes} "
+                f"({ways} ways), which does not divide it")
+
+
+# --- activation constraints ------------------------------------------------------------
+
+_ACTIVATIONS: contextvars.ContextVar = contextvars.ContextVar("shardflow_activation_sharding",
+                                                              default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(rules: Rules, pin: Callable[[jax.Array, PartitionSpec], jax.Array]):
+    """While active, ``constrain(x, axes)`` calls ``pin(x, spec_for(axes, rules))``.
+
+    ``pin`` is ``shardflow.constrain`` under the shardflow engine, or a
+    ``with_sharding_constraint`` on a NamedSharding under plain jit. It must be active while
+    the step function is *traced*.
+    """
+    token = _ACTIVATIONS.set((dict(rules), pin))
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.reset(token)
+
+
+def jit_pin(mesh: jax.sharding.Mesh):
+    def pin(x, spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return pin
+
+
+def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+    active = _ACTIVATIONS.get()
+    if active is None:
+        return x
+    rules, pin = active
+    spec = spec_for(axes, rules)
+    if all(entry is None for entry in spec):
+        return x
+    return pin(x, spec)
