@@ -1,0 +1,16 @@
+"""shardflow: a compiler-style SPMD sharding framework on JAX.
+
+    mesh = sf.make_mesh({"data": 2, "model": 4})
+    step = sf.parallelize(train_step, mesh=mesh, in_specs=(param_specs, PartitionSpec("data")))
+    print(step.explain(params, batch))      # every collective, its bytes and your source line
+    params, loss = step(params, batch)
+"""
+from shardflow.specs import B, P, S, Broadcast, Partial, ShardingError, Split, to_partition_spec, to_sbp
+from shardflow.mesh import LinkModel, make_mesh
+from shardflow.primitives import constrain
+from shardflow.api import parallelize, Parallelized
+from shardflow.explain import Plan, Collective
+
+__all__ = ["B", "P", "S", "Broadcast", "Partial", "Split", "ShardingError", "to_partition_spec", "to_sbp",
+           "LinkModel", "make_mesh", "constrain", "parallelize", "Parallelized", "Plan", "Collective"]
+__version__ = "0.1.0"

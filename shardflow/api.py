@@ -1,0 +1,146 @@
+"""``sf.parallelize``: trace -> inline -> propagate -> boxing -> lower, cached per argument shapes."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax._src import tree_util as jtu
+
+from shardflow.passes.boxing import boxing
+from shardflow.passes.inline import inline
+from shardflow.passes.lower import lower
+from shardflow.passes.propagate import propagate
+from shardflow.explain import Plan, make_plan
+from shardflow.mesh import LinkModel
+from shardflow.program import Program, trace
+from shardflow.specs import (Partial, ShardingError, check_divisible, describe, format_sbp, is_spec_leaf,
+                             to_sbp)
+
+
+def _flat_specs(specs, tree_of, what: str, paths):
+    """Broadcast a spec prefix tree over the flat leaves of ``tree_of``."""
+    try:
+        flat = jtu.broadcast_prefix(specs, tree_of, is_leaf=is_spec_leaf)
+    except ValueError as e:
+        raise ShardingError(f"{what} {specs!r} do not match the {what.split('_')[0]}put tree: {e}") from None
+    if len(flat) != len(paths):
+        raise ShardingError(f"{what} {specs!r} give {len(flat)} specs for {len(paths)} values")
+    return flat
+
+
+@dataclasses.dataclass
+class Compiled:
+    program: Program            # the boxed program
+    fn: Callable                # jitted shard_map over flat global arrays
+    in_shardings: tuple
+    out_tree: Any
+    arg_names: tuple
+
+
+class Parallelized:
+    def __init__(self, fn, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None):
+        self.fn = fn
+        self.mesh = mesh
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.links = links or LinkModel()
+        self._cache: dict = {}
+        functools.update_wrapper(self, fn)
+
+    # ------------------------------------------------------------------ compile
+
+    def _compile(self, args) -> Compiled:
+        leaves, in_tree = jax.tree.flatten(args)
+        avals = tuple(jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves)
+        key = (in_tree, avals)
+        if key not in self._cache:
+            self._cache[key] = self._build(args, in_tree, avals)
+        return self._cache[key]
+
+    def _build(self, args, in_tree, avals) -> Compiled:
+        paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(args)[0]]
+        names = tuple(f"args{p}" for p in paths)
+        in_specs = _flat_specs(self.in_specs, args, "in_specs", paths)
+        in_sbp = []
+        for name, aval, spec in zip(names, avals, in_specs):
+            what = f"argument {name} {describe(aval)}"
+            sbp = to_sbp(spec, self.mesh, len(aval.shape), what=what)
+            if any(isinstance(s, Partial) for s in sbp):
+                raise ShardingError(f"{what}: in_specs {format_sbp(sbp)} has P; inputs are whole values "
+                                    "(pass them B or S)")
+            check_divisible(aval.shape, aval.dtype, sbp, self.mesh, what="argument " + name)
+            in_sbp.append(sbp)
+
+        def flat_fn(*flat):
+            out = self.fn(*jax.tree.unflatten(in_tree, flat))
+            return jax.tree.leaves(out)
+
+        closed, _ = trace(flat_fn, *avals)
+        out_tree = jax.tree.structure(jax.eval_shape(lambda *f: self.fn(*jax.tree.unflatten(in_tree, f)), *avals))
+        out_sbp = self._out_sbp(closed, out_tree)
+        program = Program(closed, self.mesh, tuple(in_sbp), out_sbp, links=self.links)
+        program = boxing(propagate(inline(program)), names)
+        fn, in_ps, _ = lower(program)
+        shardings = tuple(NamedSharding(self.mesh, p) for p in in_ps)
+        return Compiled(program, fn, shardings, out_tree, names)
+
+    def _out_sbp(self, closed, out_tree):
+        outs = closed.jaxpr.outvars
+        if self.out_specs is None:
+            return (None,) * len(outs)
+        shaped = jax.tree.unflatten(out_tree, list(range(len(outs))))
+        try:
+            flat = jtu.broadcast_prefix(self.out_specs, shaped, is_leaf=is_spec_leaf)
+        except ValueError as e:
+            raise ShardingError(f"out_specs {self.out_specs!r} do not match the output tree {out_tree}: {e}") from None
+        sbp = []
+        for i, (v, spec) in enumerate(zip(outs, flat)):
+            what = f"output {i} {describe(v.aval)}"
+            s = to_sbp(spec, self.mesh, len(v.aval.shape), what=what)
+            if any(isinstance(a, Partial) for a in s):
+                raise ShardingError(f"{what}: out_specs {format_sbp(s)} asks for P; partial outputs are not "
+                                    "supported yet — outputs are reduced")
+            check_divisible(v.aval.shape, v.aval.dtype, s, self.mesh, what=f"output {i}")
+            sbp.append(s)
+        return tuple(sbp)
+
+    # ------------------------------------------------------------------ public
+
+    def __call__(self, *args):
+        c = self._compile(args)
+        leaves = [jax.device_put(x, s) for x, s in zip(jax.tree.leaves(args), c.in_shardings)]
+        return jax.tree.unflatten(c.out_tree, c.fn(*leaves))
+
+    def lower(self, *args):
+        c = self._compile(args)
+        structs = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=s)
+                   for x, s in zip(jax.tree.leaves(args), c.in_shardings)]
+        return c.fn.lower(*structs)
+
+    def explain(self, *args) -> Plan:
+        c = self._compile(args)
+        return make_plan(c.program, c.arg_names)
+
+    def program(self, *args) -> Program:
+        """The boxed Program (a jaxpr with explicit ``sf_box`` conversions), for inspection."""
+        return self._compile(args).program
+
+
+def _dtype(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def parallelize(fn=None, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None):
+    """Run single-device ``fn`` as one SPMD program on ``mesh``.
+
+    ``in_specs`` / ``out_specs`` are pytree prefixes of the arguments / outputs; leaves are SBP
+    (``(sf.S(0), sf.B)``, ``"S(0), B"``) or ``PartitionSpec``. ``out_specs=None``: as propagated.
+    Usable as a decorator: ``@sf.parallelize(mesh=..., in_specs=...)``.
+    """
+    if fn is None:
+        return lambda f: Parallelized(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, links=links)
+    return Parallelized(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, links=links)

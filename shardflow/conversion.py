@@ -1,0 +1,131 @@
+"""How to turn one NdSbp into another: a list of steps, each a collective or a local op.
+
+``plan(shape, dtype, src, dst, mesh)`` is the single source of truth for boxing: propagation
+prices candidates with it, the boxing pass stores it in the program, lowering runs it and
+``explain`` reports it. Per mesh axis it follows DESIGN.md's table:
+
+  S(i) -> B      all_gather       (n-1)/n · T      (T: bytes of the tensor it produces)
+  P    -> B      all_reduce       2(n-1)/n · T
+  P    -> S(i)   reduce_scatter   (n-1)/n · T      (T: bytes of the tensor it reduces)
+  S(i) -> S(j)   all_to_all       (n-1)/n · L      (L: local block)
+  B    -> S(i)   slice            0
+  B    -> P      mask             0  (value on index 0 of the axis, zeros elsewhere)
+  S    -> P      all_gather, then mask (DESIGN.md's free "own shard in place" is not built yet)
+
+For several axes the order is chosen to keep tensors small while they travel: local slices
+first, then reductions that scatter, all_to_all, all_reduce, all_gather last. A dim split by
+several axes is split in mesh order; a conversion that would break that order gathers the
+minor axes first (correct, if not always cheapest).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from shardflow.specs import B, Broadcast, NdSbp, P, Partial, Split, axis_sizes, nbytes
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    kind: str              # one of COLLECTIVES, or "slice" / "mask" / "pad"
+    axes: tuple            # mesh axis names
+    dim: int = -1          # tensor dim gathered / scattered / sliced (all_to_all: split dim)
+    src_dim: int = -1      # all_to_all: the dim that was split before
+    op: str = "sum"        # all_reduce: "sum" or "max"
+    local_shape: tuple = ()  # shape of the local block the step starts from
+    bytes: int = 0         # per-device bytes sent
+    after: tuple = ()      # NdSbp after this step
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVES
+
+
+def _local(shape, sbp, names, sizes):
+    out = list(shape)
+    for a, s in zip(names, sbp):
+        if isinstance(s, Split):
+            out[s.dim] //= sizes[a]
+    return tuple(out)
+
+
+def _axes_on(sbp, dim, names):
+    return [a for a, s in zip(names, sbp) if isinstance(s, Split) and s.dim == dim]
+
+
+def plan(shape, dtype, src: NdSbp, dst: NdSbp, mesh) -> tuple:
+    """Steps converting a ``dtype[shape]`` value from ``src`` to ``dst`` (both NdSbp)."""
+    if tuple(src) == tuple(dst):
+        return ()
+    names = tuple(mesh.axis_names)
+    sizes = axis_sizes(mesh)
+    order = {a: i for i, a in enumerate(names)}
+    itemsize = np.dtype(dtype).itemsize
+    cur = dict(zip(names, src))
+    want = dict(zip(names, dst))
+    steps = []
+
+    def now():
+        return tuple(cur[a] for a in names)
+
+    def block_bytes():
+        return math.prod(_local(shape, now(), names, sizes)) * itemsize
+
+    def step(kind, changes: dict, *, dim=-1, src_dim=-1, op="sum", cost=lambda n, before, after: 0.0):
+        before_shape = _local(shape, now(), names, sizes)
+        before = block_bytes()
+        cur.update(changes)
+        n = math.prod(sizes[a] for a in changes)
+        sent = cost(n, before, block_bytes())
+        steps.append(Step(kind, tuple(changes), dim, src_dim, op, before_shape, int(round(sent)), now()))
+
+    def can_append(axis, dim):
+        """May ``axis`` split ``dim`` next, as its minor-most axis, on the way to ``dst``?"""
+        have = [a for a in _axes_on(now(), dim, names) if a != axis]
+        return have == [a for a in _axes_on(dst, dim, names) if order[a] < order[axis]]
+
+    def slices():
+        for a in names:
+            if isinstance(cur[a], Broadcast) and isinstance(want[a], Split) and can_append(a, want[a].dim):
+                step("slice", {a: want[a]}, dim=want[a].dim)
+
+    slices()
+    for a in names:  # P(sum) -> S: reduce_scatter
+        if isinstance(cur[a], Partial) and cur[a].op == "sum" and isinstance(want[a], Split) \
+                and can_append(a, want[a].dim):
+            step("reduce_scatter", {a: want[a]}, dim=want[a].dim, cost=lambda n, b, _: (n - 1) / n * b)
+    for a in names:  # S(i) -> S(j) on one axis: all_to_all
+        s, t = cur[a], want[a]
+        if isinstance(s, Split) and isinstance(t, Split) and s.dim != t.dim \
+                and _axes_on(now(), s.dim, names)[-1] == a and can_append(a, t.dim):
+            step("all_to_all", {a: t}, dim=t.dim, src_dim=s.dim, cost=lambda n, b, _: (n - 1) / n * b)
+    for op in ("sum", "max"):  # P -> B: all_reduce, one collective over all such axes
+        group = [a for a in names if cur[a] == Partial(op) and want[a] != cur[a]]
+        if group:
+            step("all_reduce", {a: B for a in group}, op=op, cost=lambda n, b, _: 2 * (n - 1) / n * b)
+    for dim in range(len(shape)):  # S -> B: gather what differs from the wanted split order
+        have, goal = _axes_on(now(), dim, names), _axes_on(dst, dim, names)
+        k = 0
+        while k < min(len(have), len(goal)) and have[k] == goal[k]:
+            k += 1
+        if have[k:]:
+            step("all_gather", {a: B for a in have[k:]}, dim=dim, cost=lambda n, _, after: (n - 1) / n * after)
+    slices()
+    for a in names:  # B -> P: keep the value on index 0 of the axis
+        if isinstance(want[a], Partial) and cur[a] != want[a]:
+            assert isinstance(cur[a], Broadcast), (src, dst, now())
+            step("mask", {a: want[a]}, op=want[a].op)
+    assert now() == tuple(dst), (src, dst, now())
+    return tuple(steps)
+
+
+def total_bytes(steps) -> int:
+    return sum(s.bytes for s in steps)
+
+
+def seconds(steps, links) -> float:
+    return sum(links.seconds(s.axes, s.bytes) for s in steps if s.is_collective)

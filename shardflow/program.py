@@ -1,0 +1,101 @@
+"""Program: a closed jaxpr, a mesh, and an NdSbp for every value.
+
+``Program.sbp`` maps each ``jax.core.Var`` — of the top-level jaxpr and of every nested one
+(scan / while / cond bodies, remat) — to its NdSbp. Nested jaxprs are cloned per call site by
+``passes.inline``, so a Var names one value in one place and a plain dict keyed by Var is enough.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Iterator
+
+import jax
+from jax._src import core, source_info_util
+from jax.sharding import Mesh
+
+from shardflow.mesh import LinkModel
+
+source_info_util.register_exclusion(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + "shardflow")
+source_info_util.register_exclusion(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + "passes")
+
+
+@dataclasses.dataclass
+class Program:
+    jaxpr: core.ClosedJaxpr
+    mesh: Mesh
+    in_sbp: tuple                      # NdSbp of each flat input, fixed by in_specs
+    out_sbp: tuple                     # NdSbp (or None: as propagated) of each flat output
+    sbp: dict = dataclasses.field(default_factory=dict)          # Var -> NdSbp
+    uses: dict = dataclasses.field(default_factory=dict)         # id(eqn) -> NdSbp each operand needs
+    results: dict = dataclasses.field(default_factory=dict)      # id(jaxpr) -> NdSbp each output needs
+    links: LinkModel = dataclasses.field(default_factory=LinkModel)
+    fallbacks: list = dataclasses.field(default_factory=list)    # (primitive name, source) run whole
+
+    def replace(self, **kw) -> "Program":
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def axis_names(self) -> tuple:
+        return tuple(self.mesh.axis_names)
+
+    def __str__(self):
+        return str(self.jaxpr)
+
+
+def source_line(eqn) -> str:
+    """``file.py:LINE`` of the user's code that made this equation's value."""
+    frame = source_info_util.user_frame(eqn.source_info.traceback) if eqn.source_info else None
+    if frame is None:
+        return "<unknown>"
+    return f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+
+
+# ----------------------------------------------------------------------------- nested jaxprs
+
+def subjaxprs(params: dict) -> Iterator[tuple[str, Any]]:
+    """(param name, Jaxpr | ClosedJaxpr | tuple of them) for every jaxpr-valued param."""
+    for name, value in params.items():
+        if isinstance(value, (core.Jaxpr, core.ClosedJaxpr)):
+            yield name, value
+        elif isinstance(value, tuple) and value and all(isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value):
+            yield name, value
+
+
+def map_subjaxprs(eqn, fn: Callable[[core.Jaxpr], core.Jaxpr]):
+    """The eqn with ``fn`` applied to every nested (open) jaxpr; ClosedJaxprs keep their consts."""
+    def one(j):
+        if isinstance(j, core.ClosedJaxpr):
+            return core.ClosedJaxpr(fn(j.jaxpr), j.consts)
+        return fn(j)
+
+    new = {}
+    for name, value in subjaxprs(eqn.params):
+        new[name] = tuple(one(v) for v in value) if isinstance(value, tuple) else one(value)
+    return eqn.replace(params={**eqn.params, **new}) if new else eqn
+
+
+def open_jaxpr(j) -> core.Jaxpr:
+    return j.jaxpr if isinstance(j, core.ClosedJaxpr) else j
+
+
+def all_eqns(jaxpr: core.Jaxpr) -> Iterator:
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for _, value in subjaxprs(eqn.params):
+            for j in value if isinstance(value, tuple) else (value,):
+                yield from all_eqns(open_jaxpr(j))
+
+
+def new_var(aval) -> core.Var:
+    return core.Var(aval)
+
+
+def is_literal(x) -> bool:
+    return isinstance(x, core.Literal)
+
+
+def trace(fn, *args) -> tuple[core.ClosedJaxpr, Any]:
+    """Trace ``fn`` on abstract arguments; returns (closed jaxpr, output tree)."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    return closed, jax.tree.structure(out_shape)

@@ -1,0 +1,238 @@
+"""SBP: how one tensor lies on a device mesh.
+
+Per mesh axis a tensor is one of
+  ``S(d)``  split along tensor dim ``d``,
+  ``B``     broadcast (every device holds the whole tensor),
+  ``P``     partial (the global value is the sum — or max — of the local ones).
+An ``NdSbp`` is a tuple with one entry per mesh axis, in mesh order. When several mesh axes
+split the same tensor dim, the dim is split in mesh order (the earlier axis is the major one),
+exactly like ``PartitionSpec(("data", "model"))`` on a ``Mesh(("data", "model"))``.
+
+``PartitionSpec`` converts both ways: a dim naming axis ``a`` <-> ``S(dim)`` on ``a``; an axis
+named nowhere <-> ``B``; ``unreduced={a}`` <-> ``P`` on ``a``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Sequence, Union
+
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+
+class ShardingError(ValueError):
+    """Every refusal of shardflow: names the value, the spec and the user's source line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    dim: int
+
+    def __repr__(self):
+        return f"S({self.dim})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Broadcast:
+    def __repr__(self):
+        return "B"
+
+
+@dataclasses.dataclass(frozen=True)
+class Partial:
+    op: str = "sum"
+
+    def __post_init__(self):
+        if self.op not in ("sum", "max"):
+            raise ShardingError(f"P({self.op!r}): a partial value is reduced by 'sum' or 'max'")
+
+    def __call__(self, op: str) -> "Partial":
+        return Partial(op)
+
+    def __repr__(self):
+        return "P" if self.op == "sum" else f"P({self.op})"
+
+
+Sbp = Union[Split, Broadcast, Partial]
+NdSbp = tuple  # tuple[Sbp, ...], one entry per mesh axis
+
+S = Split
+B = Broadcast()
+P = Partial("sum")
+
+_ATOM = re.compile(r"\s*(S\s*\(\s*(-?\d+)\s*\)|B|P\s*\(\s*['\"]?(sum|max)['\"]?\s*\)|P)\s*")
+
+
+def is_sbp_atom(x) -> bool:
+    return isinstance(x, (Split, Broadcast, Partial))
+
+
+def is_spec_leaf(x) -> bool:
+    """A leaf of an in_specs/out_specs tree: a PartitionSpec, an SBP string, an SBP tuple, None."""
+    return (
+        x is None
+        or isinstance(x, (PartitionSpec, str))
+        or is_sbp_atom(x)
+        or (isinstance(x, tuple) and len(x) > 0 and all(is_sbp_atom(a) for a in x))
+    )
+
+
+def parse_sbp_string(text: str) -> tuple:
+    atoms, pos = [], 0
+    for part in _split_top_level(text):
+        m = _ATOM.fullmatch(part)
+        if not m:
+            raise ShardingError(f"cannot read SBP {part!r} in spec {text!r}: expected S(d), B, P or P(max)")
+        tok = m.group(1)
+        if tok.startswith("S"):
+            atoms.append(Split(int(m.group(2))))
+        elif tok == "B":
+            atoms.append(B)
+        elif tok == "P":
+            atoms.append(P)
+        else:
+            atoms.append(Partial(m.group(3)))
+    return tuple(atoms)
+
+
+def _split_top_level(text: str):
+    depth, start = 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            yield text[start:i]
+            start = i + 1
+    yield text[start:]
+
+
+def axis_sizes(mesh: Mesh) -> dict:
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+def to_sbp(spec, mesh: Mesh, ndim: int | None = None, *, what: str = "value") -> NdSbp:
+    """Any accepted spec (NdSbp tuple, SBP string, PartitionSpec, None) -> NdSbp for ``mesh``.
+
+    ``ndim`` (the tensor's rank) is checked when given; ``what`` names the value in errors.
+    """
+    names = tuple(mesh.axis_names)
+    if spec is None:
+        return (B,) * len(names)
+    if is_sbp_atom(spec):
+        spec = (spec,)
+    if isinstance(spec, str):
+        spec = parse_sbp_string(spec)
+    if isinstance(spec, PartitionSpec):
+        sbp = _from_partition_spec(spec, mesh, ndim, what)
+    else:
+        spec = tuple(spec)
+        if not all(is_sbp_atom(a) for a in spec):
+            raise ShardingError(f"{what}: spec {spec!r} is neither SBP (S(d), B, P) nor a PartitionSpec")
+        if len(spec) != len(names):
+            raise ShardingError(
+                f"{what}: SBP spec {spec!r} has {len(spec)} entries but mesh axes {names} need {len(names)}"
+            )
+        sbp = spec
+    if ndim is not None:
+        for axis, s in zip(names, sbp):
+            if isinstance(s, Split) and not (0 <= s.dim < ndim):
+                raise ShardingError(f"{what}: {s!r} on mesh axis {axis!r} but the tensor has rank {ndim}")
+    return tuple(sbp)
+
+
+def _from_partition_spec(spec: PartitionSpec, mesh: Mesh, ndim, what) -> NdSbp:
+    names = tuple(mesh.axis_names)
+    if ndim is not None and len(spec) > ndim:
+        raise ShardingError(f"{what}: PartitionSpec {spec} is longer than the tensor's rank {ndim}")
+    out = {a: B for a in names}
+    seen = set()
+
+    def take(axis, sbp):
+        if axis not in out:
+            raise ShardingError(f"{what}: unknown mesh axis {axis!r} in {spec}; the mesh has {names}")
+        if axis in seen:
+            raise ShardingError(f"{what}: mesh axis {axis!r} is used twice in {spec}")
+        seen.add(axis)
+        out[axis] = sbp
+
+    for dim, entry in enumerate(spec.partitions):
+        group = entry if isinstance(entry, tuple) else (() if entry is None else (entry,))
+        order = [names.index(a) if a in names else -1 for a in group]
+        for axis in group:
+            take(axis, Split(dim))
+        if order != sorted(order):
+            raise ShardingError(
+                f"{what}: {spec} splits dim {dim} over {group} against mesh order {names}; "
+                "shardflow splits a dim over several axes in mesh order"
+            )
+    for axis in sorted(getattr(spec, "unreduced", ()) or ()):
+        take(axis, P)
+    return tuple(out[a] for a in names)
+
+
+def to_partition_spec(sbp, mesh: Mesh, ndim: int | None = None) -> PartitionSpec:
+    """NdSbp -> PartitionSpec (P axes become ``unreduced``)."""
+    sbp = to_sbp(sbp, mesh, ndim)
+    names = tuple(mesh.axis_names)
+    rank = ndim if ndim is not None else 1 + max([s.dim for s in sbp if isinstance(s, Split)], default=-1)
+    dims = [[] for _ in range(rank)]
+    unreduced = set()
+    for axis, s in zip(names, sbp):
+        if isinstance(s, Split):
+            dims[s.dim].append(axis)
+        elif isinstance(s, Partial):
+            unreduced.add(axis)
+    entries = [None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims]
+    while entries and entries[-1] is None:
+        entries.pop()
+    if unreduced:
+        return PartitionSpec(*entries, unreduced=frozenset(unreduced))
+    return PartitionSpec(*entries)
+
+
+def split_axes(sbp: NdSbp, dim: int, names: Sequence[str]) -> tuple:
+    """The mesh axes that split tensor dim ``dim``, major first."""
+    return tuple(a for a, s in zip(names, sbp) if isinstance(s, Split) and s.dim == dim)
+
+
+def partial_axes(sbp: NdSbp, names: Sequence[str]) -> tuple:
+    return tuple(a for a, s in zip(names, sbp) if isinstance(s, Partial))
+
+
+def local_shape(shape: Sequence[int], sbp: NdSbp, mesh: Mesh) -> tuple:
+    sizes = axis_sizes(mesh)
+    out = list(shape)
+    for axis, s in zip(mesh.axis_names, sbp):
+        if isinstance(s, Split):
+            out[s.dim] //= sizes[axis]
+    return tuple(out)
+
+
+def check_divisible(shape, dtype, sbp: NdSbp, mesh: Mesh, *, what: str, source: str = "") -> None:
+    sizes = axis_sizes(mesh)
+    for dim in range(len(shape)):
+        axes = split_axes(sbp, dim, mesh.axis_names)
+        n = math.prod(sizes[a] for a in axes)
+        if axes and shape[dim] % n:
+            where = f" at {source}" if source else ""
+            raise ShardingError(
+                f"{what} {dtype}{list(shape)}{where}: dim {dim} of size {shape[dim]} is not divisible by "
+                f"{n} (mesh axes {axes}) under spec {format_sbp(sbp)}; shardflow never replicates silently"
+            )
+
+
+def format_sbp(sbp: NdSbp) -> str:
+    return "(" + ", ".join(repr(s) for s in sbp) + ")"
+
+
+def nbytes(shape, dtype) -> int:
+    return int(math.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def describe(aval) -> str:
+    return f"{np.dtype(aval.dtype).name}{list(aval.shape)}"
+
+
+Spec = Any
