@@ -1,0 +1,41 @@
+"""The `shardflow` command: `shardflow train ...` and `shardflow prepare ...`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _prepare(args) -> int:
+    from shardflow import data
+    out = data.prepare(args.input, args.out, tokenizer=args.tokenizer,
+                       vocab_size=args.vocab_size, val_fraction=args.val_fraction)
+    meta = (out / "meta.json").read_text()
+    print(f"wrote {out}: {meta}")
+    return 0
+
+
+def main(argv=None) -> int:
+    from shardflow import train
+
+    parser = argparse.ArgumentParser(prog="shardflow")
+    commands = parser.add_subparsers(dest="command")
+    train_parser = commands.add_parser(
+        "train", help="pretrain a language model (no arguments: tiny model on the stdlib)")
+    train.add_arguments(train_parser)
+    prep = commands.add_parser("prepare", help="tokenise text files into a training data dir")
+    prep.add_argument("--input", nargs="+", required=True, metavar="FILE")
+    prep.add_argument("--out", required=True, metavar="DIR")
+    prep.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
+    prep.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
+    prep.add_argument("--val-fraction", type=float, default=0.005)
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return train.run_from_args(args)
+    if args.command == "prepare":
+        return _prepare(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Training configuration: defaults < YAML file < ``--set key=value`` overrides.
+
+Every key is a dataclass field, so a misspelt key is an error that lists the valid ones, and
+:func:`validate` checks the mesh against the devices and the batch against the data axes —
+all before anything is traced or compiled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; raised before anything compiles."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    path: str | None = None   # a `shardflow prepare` output dir; None = embedded stdlib corpus
+    seq_len: int = 256
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1      # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.1      # not applied to norms, biases or other 1-D parameters
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0         # global-norm gradient clipping; 0 disables
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every: int = 100               # steps between saves; 0 disables checkpointing
+    keep: int = 3                  # keep the last N
+    async_save: bool = True
+    resume: bool = True            # continue from the latest checkpoint in out/ if any
+
+
+@dataclasses.dataclass
+class Config:
+    model: dict = dataclasses.field(default_factory=lambda: {"preset": "tiny"})
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    # Mesh axis name -> size; None puts every device on one "data" axis.
+    mesh: dict | None = None
+    # A preset name (dp, fsdp, tp, tp_sp, 2d) or an explicit {logical axis: mesh axis} table.
+    strategy: Any = "dp"
+    engine: str = "shardflow"      # "shardflow" (sf.parallelize) or "jit" (the jax.jit baseline)
+    batch_size: int = 32           # sequences per optimizer step, all devices together
+    grad_accum: int = 1            # micro-batches per optimizer step
+    compute_dtype: str = "bfloat16"  # parameters stay float32; this is the forward/backward dtype
+    steps: int = 300
+    seed: int = 0
+    out: str = "runs/default"
+    log_every: int = 10
+    peak_flops: float | None = None  # per device; None = known accelerators, else MFU is n/a
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _merge(obj, updates: dict, where: str):
+    """Set fields of a dataclass from a mapping, recursing into nested config sections."""
+    if not isinstance(updates, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {updates!r}")
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in updates.items():
+        if key not in fields:
+            raise ConfigError(f"unknown config key {where + key!r}; valid keys here: "
+                              f"{', '.join(sorted(fields))}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _merge(current, value, f"{where}{key}.")
+        elif key == "model" and isinstance(value, str):
+            setattr(obj, key, {"preset": value})
+        elif key == "model":
+            setattr(obj, key, {**current, **value})
+        else:
+            setattr(obj, key, value)
+
+
+def _set_path(tree: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[keys[-1]] = value
+
+
+def load(path: str | None = None, overrides: list[str] = (), **direct) -> Config:
+    """Build a Config from an optional YAML file and ``key.sub=value`` strings (YAML values)."""
+    cfg = Config()
+    if path:
+        with open(path) as f:
+            _merge(cfg, yaml.safe_load(f) or {}, "")
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        _set_path(tree, key.strip(), yaml.safe_load(raw))
+    _merge(cfg, tree, "")
+    _merge(cfg, {k: v for k, v in direct.items() if v is not None}, "")
+    return cfg
+
+
+def model_config(cfg: Config):
+    from shardflow.models import ModelConfig, preset
+    fields = dict(cfg.model)
+    name = fields.pop("preset", None)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    for key in fields:
+        if key not in known:
+            raise ConfigError(f"unknown config key 'model.{key}'; valid keys: preset, "
+                              f"{', '.join(sorted(known))}")
+    try:
+        return preset(name, **fields) if name else ModelConfig(**fields)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def validate(cfg: Config, n_devices: int) -> dict:
+    """Check what can be checked without compiling; returns the mesh shape to build."""
+    if cfg.engine not in ("shardflow", "jit"):
+        raise ConfigError(f"engine must be 'shardflow' or 'jit', got {cfg.engine!r}")
+    if cfg.compute_dtype not in ("bfloat16", "float32"):
+        raise ConfigError(f"compute_dtype must be 'bfloat16' or 'float32', got {cfg.compute_dtype!r}")
+    for name in ("steps", "batch_size", "grad_accum", "log_every"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {getattr(cfg, name)!r}")
+    mesh = dict(cfg.mesh) if cfg.mesh else {"data": n_devices}
+    if math.prod(mesh.values()) != n_devices:
+        raise ConfigError(f"mesh {mesh} has {math.prod(mesh.values())} devices but "
+                          f"{n_devices} are available")
+    from shardflow.models import check_rules, get_rules
+    try:
+        rules = get_rules(cfg.strategy)
+        check_rules(rules, list(mesh))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.batch_size % cfg.grad_accum:
+        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by "
+                          f"grad_accum {cfg.grad_accum}")
+    micro = cfg.batch_size // cfg.grad_accum
+    batch_rule = rules.get("batch")
+    batch_axes = () if batch_rule is None else (batch_rule,) if isinstance(batch_rule, str) else tuple(batch_rule)
+    ways = math.prod(mesh[a] for a in batch_axes)
+    if micro % ways:
+        raise ConfigError(f"micro-batch {micro} (batch_size {cfg.batch_size} / grad_accum "
+                          f"{cfg.grad_accum}) is not divisible by the data axes "
+                          f"{batch_axes} of the mesh ({ways} ways)")
+    mc = model_config(cfg)
+    if cfg.data.seq_len > mc.max_seq_len and mc.family == "gpt2":
+        raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds gpt2 max_seq_len {mc.max_seq_len}")
+    return mesh

@@ -1,0 +1,169 @@
+"""Token data: ``shardflow prepare`` writes flat token files; training memory-maps them.
+
+A prepared directory holds ``train.bin`` and ``val.bin`` (flat little-endian uint16 or uint32
+token ids) and ``meta.json`` (vocab size, dtype, tokenizer). Tokenizers:
+
+- ``byte`` (default): token = byte value, vocabulary 256; documents are separated by byte 0,
+  which never occurs in text files.
+- ``bpe``: byte-level BPE trained on the inputs with the ``tokenizers`` library; the trained
+  ``tokenizer.json`` is saved alongside; documents end with ``<|endoftext|>`` (id 0).
+
+With no data path the trainer uses an embedded corpus that exists on every machine: the
+``.py`` sources of the running Python's standard library, byte-tokenised once into a cache dir.
+
+A batch is a pure function of (seed, step): resuming at step s reads exactly the batches an
+uninterrupted run would have read. Each process reads only the rows of its own devices.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_CORPUS_BYTES = 24 << 20   # enough text for minutes of CPU training, quick to build
+
+
+def stdlib_sources(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
+    """The standard library's .py files in a fixed order, up to about max_bytes of text."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if "site-packages" in rel or "dist-packages" in rel:
+            continue
+        size = path.stat().st_size
+        if total + size > max_bytes:
+            break
+        files.append(path)
+        total += size
+    return files
+
+
+def _token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+
+def _tokenize_bytes(files) -> tuple[np.ndarray, int]:
+    chunks = []
+    for path in files:
+        chunks.append(np.frombuffer(Path(path).read_bytes().replace(b"\0", b""), np.uint8))
+        chunks.append(np.zeros(1, np.uint8))  # document separator
+    return np.concatenate(chunks).astype(np.uint16), 256
+
+
+def _tokenize_bpe(files, vocab_size: int, out: Path) -> tuple[np.ndarray, int]:
+    from tokenizers import ByteLevelBPETokenizer
+
+    eot = "<|endoftext|>"
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train([str(f) for f in files], vocab_size=vocab_size, special_tokens=[eot],
+                    show_progress=False)
+    tokenizer.save(str(out / "tokenizer.json"))
+    eot_id = tokenizer.token_to_id(eot)
+    texts = [Path(f).read_text(errors="replace") for f in files]
+    ids = []
+    for enc in tokenizer.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(eot_id)
+    vocab = tokenizer.get_vocab_size()
+    return np.asarray(ids, _token_dtype(vocab)), vocab
+
+
+def prepare(inputs, out, *, tokenizer: str = "byte", vocab_size: int = 8192,
+            val_fraction: float = 0.005) -> Path:
+    """Tokenise text files into ``out``/{train,val}.bin + meta.json; returns ``out``."""
+    files = [Path(f) for f in inputs]
+    missing = [str(f) for f in files if not f.is_file()]
+    if not files or missing:
+        raise FileNotFoundError(f"prepare needs existing input files; missing: {missing or 'all'}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer == "byte":
+        tokens, vocab = _tokenize_bytes(files)
+    elif tokenizer == "bpe":
+        tokens, vocab = _tokenize_bpe(files, vocab_size, out)
+    else:
+        raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {tokenizer!r}")
+    n_val = max(int(len(tokens) * val_fraction), 1)
+    tokens[:-n_val].tofile(out / "train.bin")
+    tokens[-n_val:].tofile(out / "val.bin")
+    meta = {"vocab_size": vocab, "dtype": np.dtype(tokens.dtype).name, "tokenizer": tokenizer,
+            "train_tokens": int(len(tokens) - n_val), "val_tokens": int(n_val),
+            "documents": len(files)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    return out
+
+
+def default_corpus_dir() -> Path:
+    """The byte-tokenised standard library, built on first use (atomically) and cached."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardflow"
+    version = f"py{sys.version_info.major}{sys.version_info.minor}"
+    target = cache / f"stdlib-bytes-{version}-{DEFAULT_CORPUS_BYTES >> 20}mb"
+    if (target / "meta.json").exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".building-"))
+    prepare(stdlib_sources(), tmp, tokenizer="byte")
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+class TokenFile:
+    """A memory-mapped token file and the batches drawn from it."""
+
+    def __init__(self, directory, split: str = "train"):
+        directory = Path(directory)
+        meta_path = directory / "meta.json"
+        if not meta_path.exists():
+            raise FileNotFoundError(f"{directory} is not a prepared data dir (no meta.json); "
+                                    "create one with `shardflow prepare --input FILES --out DIR`")
+        self.meta = json.loads(meta_path.read_text())
+        self.vocab_size = self.meta["vocab_size"]
+        self.tokens = np.memmap(directory / f"{split}.bin", dtype=self.meta["dtype"], mode="r")
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def window_starts(self, step: int, shape: tuple, seq_len: int, seed: int) -> np.ndarray:
+        """Random start offsets for every sequence of the batch at ``step``, shape ``shape``."""
+        if len(self.tokens) <= seq_len + 1:
+            raise ValueError(f"token file has {len(self.tokens)} tokens, fewer than "
+                             f"seq_len + 1 = {seq_len + 1}")
+        rng = np.random.default_rng([seed, step])
+        return rng.integers(0, len(self.tokens) - seq_len - 1, size=shape)
+
+    def windows(self, starts: np.ndarray, seq_len: int) -> np.ndarray:
+        """Token windows of length seq_len + 1 (inputs and shifted targets) as int32."""
+        flat = starts.reshape(-1)
+        rows = np.stack([self.tokens[s:s + seq_len + 1] for s in flat]) if flat.size else \
+            np.zeros((0, seq_len + 1), self.tokens.dtype)
+        return rows.astype(np.int32).reshape(starts.shape + (seq_len + 1,))
+
+
+def global_batch(data: TokenFile, step: int, shape: tuple, seq_len: int, seed: int, sharding):
+    """{"inputs", "targets"} of shape ``shape + (seq_len,)`` as jax.Arrays with ``sharding``.
+
+    Only rows that live on this process's devices are read from disk.
+    """
+    import jax
+
+    starts = data.window_starts(step, shape, seq_len, seed)
+    full_shape = tuple(shape) + (seq_len,)
+
+    def reader(shift):
+        def read(index):
+            rows = data.windows(starts[index[:-1]], seq_len)
+            return rows[..., shift:shift + seq_len][..., index[-1]]
+        return read
+
+    return {"inputs": jax.make_array_from_callback(full_shape, sharding, reader(0)),
+            "targets": jax.make_array_from_callback(full_shape, sharding, reader(1))}

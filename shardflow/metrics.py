@@ -1,0 +1,64 @@
+"""Throughput accounting (FLOPs, MFU) and metric sinks (metrics.jsonl, TensorBoard)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Dense bf16 peak per device, FLOP/s, by a substring of jax's device_kind.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12,
+              "TPU v5 lite": 197e12, "TPU v4": 275e12}
+
+
+def peak_flops(device, override: float | None = None) -> float | None:
+    """Per-device peak; None when unknown (CPU), in which case MFU is reported as n/a."""
+    if override:
+        return float(override)
+    kind = getattr(device, "device_kind", "")
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops
+    return None
+
+
+def flops_per_token(model_cfg, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N for the weights plus the attention score/value matmuls.
+
+    N excludes the input embedding table when it is not tied to the output head (a gather is
+    not a matmul). Attention: QKᵀ and AV are 2·2·S·H·D FLOPs per token forward, halved for the
+    causal mask, ×3 for forward + backward → 6·L·S·H·D.
+    """
+    n = n_params
+    if model_cfg.family == "llama" and not model_cfg.tie_embeddings:
+        n -= model_cfg.vocab_size * model_cfg.d_model
+    if model_cfg.family == "gpt2":
+        n -= model_cfg.max_seq_len * model_cfg.d_model  # learned positions: a gather too
+    attn = 6 * model_cfg.n_layers * seq_len * model_cfg.n_heads * model_cfg.head_dim
+    return 6 * n + attn
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to DIR/metrics.jsonl and mirrors scalars to
+    TensorBoard event files in DIR/tb. Only process 0 writes."""
+
+    def __init__(self, out: str | Path, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(out) / "metrics.jsonl"
+        self._tb = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(str(Path(out) / "tb"))
+
+    def log(self, step: int, **scalars) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: v for k, v in scalars.items() if v is not None}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for name, value in record.items():
+            if name != "step":
+                self._tb.add_scalar(f"train/{name}", value, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,386 @@
+"""`shardflow train`: pretrain a language model from a config.
+
+    shardflow train                                   # tiny Llama on the stdlib, 8 CPU devices
+    shardflow train --config configs/1b.yaml --set optimizer.lr=3e-4 --steps 1000 --out runs/1b
+    python -m shardflow.train ...                     # the same
+
+The training step is an ordinary single-device function of (params, opt_state, batch). The
+parallelism lives outside it: the strategy's rules table turns the model's logical axes into a
+PartitionSpec per parameter, and the engine runs the step as one SPMD program —
+``shardflow.parallelize`` with those specs, or ``jax.jit`` with the same specs as
+NamedShardings (the baseline the benchmarks compare against).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+SIMULATED_CPU_DEVICES = 8
+
+
+def configure_host_platform(n_devices: int = SIMULATED_CPU_DEVICES) -> None:
+    """On a CPU-only machine, simulate n devices, unless the user has chosen a count.
+
+    XLA reads this flag when JAX first creates its backends, so this must run before anything
+    asks JAX for devices; once backends exist it changes nothing.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags or not _platform_is_cpu():
+        return
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+        if xla_bridge.backends_are_initialized():
+            return
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_devices}".strip()
+
+
+def _platform_is_cpu() -> bool:
+    chosen = os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORM_NAME")
+    if chosen:
+        return chosen.split(",")[0].strip().lower() == "cpu"
+    accelerator_plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+                           "jax_rocm7_plugin", "libtpu")
+    return not any(importlib.util.find_spec(name) for name in accelerator_plugins)
+
+
+def maybe_initialize_distributed() -> None:
+    """jax.distributed.initialize() when the environment describes a multi-process job."""
+    env = os.environ
+    multi_process = (
+        "JAX_COORDINATOR_ADDRESS" in env
+        or int(env.get("SLURM_NTASKS", "1")) > 1
+        or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+        or int(env.get("JAX_NUM_PROCESSES", "1")) > 1
+    )
+    if multi_process:
+        import jax
+        jax.distributed.initialize()
+
+
+# --- the pieces of a run -----------------------------------------------------------------
+
+def build_optimizer(ocfg, total_steps: int, decay_mask):
+    import optax
+    warmup = min(ocfg.warmup_steps, total_steps - 1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=ocfg.lr, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=ocfg.lr * ocfg.min_lr_ratio)
+    adamw = optax.adamw(schedule, b1=ocfg.beta1, b2=ocfg.beta2, eps=ocfg.eps,
+                        weight_decay=ocfg.weight_decay, mask=decay_mask)
+    clip = optax.clip_by_global_norm(ocfg.clip_norm) if ocfg.clip_norm > 0 else optax.identity()
+    return optax.chain(clip, adamw), schedule
+
+
+def make_train_step(graphdef, optimizer, compute_dtype, grad_accum: int):
+    """(params, opt_state, batch) -> (params, opt_state, {"loss", "grad_norm"}).
+
+    batch["inputs"/"targets"] are [grad_accum, micro_batch, seq]; gradients of the
+    micro-batches are summed in fp32 by a scan, then averaged.
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    def loss_fn(params, inputs, targets):
+        # fp32 master weights; the forward and backward run on a compute_dtype copy.
+        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
+        logits = model(inputs).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def train_step(params, opt_state, batch):
+        if grad_accum == 1:
+            loss, grads = grad_fn(params, batch["inputs"][0], batch["targets"][0])
+        else:
+            def accumulate(total, micro):
+                loss, grads = grad_fn(params, micro["inputs"], micro["targets"])
+                return jax.tree.map(jnp.add, total, (loss, grads)), None
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
+            loss, grads = jax.tree.map(lambda x: x / grad_accum, (loss, grads))
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    return train_step
+
+
+def parallelize_step(step_fn, engine: str, mesh, rules, in_specs, out_specs):
+    """Run step_fn as one SPMD program on mesh with the engine the config names."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from shardflow.models import activation_sharding, sharding as model_sharding
+
+    if engine == "shardflow":
+        import shardflow as sf
+        pin = sf.constrain
+    else:
+        pin = model_sharding.jit_pin(mesh)
+
+    def step_with_activation_rules(*args):
+        with activation_sharding(rules, pin):
+            return step_fn(*args)
+
+    if engine == "shardflow":
+        return sf.parallelize(step_with_activation_rules, mesh=mesh, in_specs=in_specs,
+                              out_specs=out_specs)
+    to_sharding = lambda tree: jax.tree.map(  # noqa: E731
+        lambda s: NamedSharding(mesh, s if s is not None else PartitionSpec()), tree,
+        is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+    return jax.jit(step_with_activation_rules, in_shardings=to_sharding(in_specs),
+                   out_shardings=to_sharding(out_specs), donate_argnums=(0, 1))
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a training run needs, built (and checked) before any step compiles."""
+    cfg: object
+    model_cfg: object
+    mesh: object
+    rules: dict
+    graphdef: object
+    param_specs: dict
+    opt_specs: object
+    batch_spec: object
+    optimizer: object
+    schedule: object
+    n_params: int
+    data: object
+
+    def shardings(self, specs):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def setup(cfg) -> Run:
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh, PartitionSpec
+
+    from shardflow import config as config_lib, data as data_lib, models
+    from shardflow.models import sharding as model_sharding
+
+    mesh_shape = config_lib.validate(cfg, jax.device_count())
+    model_cfg = config_lib.model_config(cfg)
+    data_dir = cfg.data.path or data_lib.default_corpus_dir()
+    data = data_lib.TokenFile(data_dir)
+    if data.vocab_size > model_cfg.vocab_size:
+        raise config_lib.ConfigError(
+            f"the data's vocabulary ({data.vocab_size}, {data_dir}) is larger than "
+            f"model.vocab_size ({model_cfg.vocab_size})")
+    mesh = Mesh(np.asarray(jax.devices()).reshape(tuple(mesh_shape.values())),
+                tuple(mesh_shape))
+    rules = models.get_rules(cfg.strategy)
+
+    abstract_model = nnx.eval_shape(lambda: models.build(model_cfg, cfg.seed))
+    graphdef, abstract_params = nnx.split(abstract_model)
+    try:
+        param_specs = models.param_specs(abstract_model, rules, mesh)
+    except ValueError as e:
+        raise config_lib.ConfigError(f"strategy {cfg.strategy!r} on mesh {mesh_shape}: {e}") from None
+    axes_tree, unannotated = models.param_logical_axes(abstract_model)
+    if unannotated and jax.process_index() == 0:
+        print(f"note: parameters without logical axes (replicated): {unannotated}")
+    # Weight decay on matrices only: dims other than the stacked-layers one, at least two.
+    decay_mask = jax.tree.map(
+        lambda axes: sum(a != model_sharding.STACKED_AXIS for a in axes) >= 2, axes_tree,
+        is_leaf=lambda x: isinstance(x, tuple))
+    optimizer, schedule = build_optimizer(cfg.optimizer, cfg.steps, decay_mask)
+    params_shape = nnx.to_pure_dict(abstract_params)
+    opt_shape = jax.eval_shape(optimizer.init, params_shape)
+    opt_specs = optax.tree_map_params(
+        optimizer, lambda _, spec: spec, opt_shape, param_specs,
+        transform_non_params=lambda _: PartitionSpec(),
+        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    batch_spec = model_sharding.spec_for((None, "batch", None), rules)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_shape))
+    return Run(cfg, model_cfg, mesh, rules, graphdef, param_specs, opt_specs, batch_spec,
+               optimizer, schedule, n_params, data)
+
+
+def init_state(run: Run):
+    """Fresh fp32 parameters and optimizer state, created directly in their shardings."""
+    import jax
+    from flax import nnx
+    from shardflow import models
+
+    def init():
+        model = models.build(run.model_cfg, run.cfg.seed)
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return params, run.optimizer.init(params)
+
+    out = (run.shardings(run.param_specs), run.shardings(run.opt_specs))
+    return jax.jit(init, out_shardings=out)()
+
+
+def train(cfg, *, progress: bool = True) -> dict:
+    """Train per cfg; returns {"losses": {step: loss}, "stopped": None | reason, ...}."""
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    from shardflow import data as data_lib, metrics as metrics_lib
+    from shardflow.checkpoint import Checkpoints, abstract_like
+
+    run = setup(cfg)
+    main_process = jax.process_index() == 0
+    out = Path(cfg.out)
+    if main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
+
+    ckpt = Checkpoints(out / "checkpoints", keep=cfg.checkpoint.keep,
+                       async_save=cfg.checkpoint.async_save) if cfg.checkpoint.every else None
+    start = 0
+    if ckpt and cfg.checkpoint.resume and ckpt.latest_step() is not None:
+        start = ckpt.latest_step()
+        params_shape, opt_shape = jax.eval_shape(lambda: init_state(run))
+        target = {"params": abstract_like(params_shape, run.shardings(run.param_specs)),
+                  "opt_state": abstract_like(opt_shape, run.shardings(run.opt_specs))}
+        restored = ckpt.restore(start, target)
+        params, opt_state = restored["params"], restored["opt_state"]
+        if main_process:
+            print(f"resumed from step {start} ({ckpt.directory})")
+    else:
+        params, opt_state = init_state(run)
+
+    step_fn = parallelize_step(
+        make_train_step(run.graphdef, run.optimizer, cfg.compute_dtype, cfg.grad_accum),
+        cfg.engine, run.mesh, run.rules,
+        in_specs=(run.param_specs, run.opt_specs, run.batch_spec),
+        out_specs=(run.param_specs, run.opt_specs, None))
+    batch_sharding = run.shardings(run.batch_spec)
+    micro = cfg.batch_size // cfg.grad_accum
+    seq_len = cfg.data.seq_len
+    tokens_per_step = cfg.batch_size * seq_len
+    flops_per_token = metrics_lib.flops_per_token(run.model_cfg, run.n_params, seq_len)
+    peak = metrics_lib.peak_flops(jax.devices()[0], cfg.peak_flops)
+    log = metrics_lib.MetricsLog(out, enabled=main_process)
+    if main_process:
+        print(f"model {cfg.model} {run.n_params / 1e6:.1f}M params | mesh {dict(run.mesh.shape)} "
+              f"strategy {cfg.strategy} engine {cfg.engine} | batch {cfg.batch_size}x{seq_len} "
+              f"(accum {cfg.grad_accum}) | data {run.data.meta.get('tokenizer')} "
+              f"{len(run.data) / 1e6:.1f}M tokens | {jax.device_count()} x "
+              f"{jax.devices()[0].device_kind}")
+
+    losses: dict[int, float] = {}
+    summary = {"losses": losses, "stopped": None, "start_step": start, "out": str(out)}
+    last_good_save = ckpt.latest_step() if ckpt else None
+    bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main_process),
+               dynamic_ncols=True, unit="step")
+    window_start, window_steps = None, 0
+
+    def check(step, metrics):
+        """Host-side look at a finished step: record the loss, stop on NaN/inf."""
+        loss = float(metrics["loss"])
+        losses[step + 1] = loss
+        if not math.isfinite(loss):
+            where = (f"last good checkpoint: step {last_good_save} in {ckpt.directory}"
+                     if last_good_save is not None else "no checkpoint was saved")
+            summary["stopped"] = f"loss is {loss} at step {step + 1}; stopped ({where})"
+            return False
+        return True
+
+    pending = None  # the previous step's metrics: read one step late so dispatch runs ahead
+    try:
+        for step in range(start, cfg.steps):
+            batch = data_lib.global_batch(run.data, step, (cfg.grad_accum, micro), seq_len,
+                                          cfg.data.seed, batch_sharding)
+            params, opt_state, metrics = step_fn(params, opt_state, batch)
+            if pending is not None and not check(*pending):
+                break
+            pending = (step, metrics)
+            if window_start is None:  # the first step compiles; time from its end
+                jax.block_until_ready(metrics)
+                window_start, window_steps = time.perf_counter(), 0
+            else:
+                window_steps += 1
+            done = step + 1
+            bar.update(1)
+
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                jax.block_until_ready(metrics)
+                elapsed = time.perf_counter() - window_start
+                tok_s = window_steps * tokens_per_step / elapsed if window_steps else None
+                mfu = (tok_s * flops_per_token / (peak * jax.device_count())
+                       if tok_s and peak else None)
+                loss = float(metrics["loss"])
+                log.log(done, loss=loss, grad_norm=float(metrics["grad_norm"]),
+                        lr=float(run.schedule(step)), tokens_per_s=tok_s, mfu=mfu)
+                bar.set_postfix(loss=f"{loss:.3f}",
+                                tok_s=f"{tok_s:,.0f}" if tok_s else "-",
+                                mfu=f"{100 * mfu:.1f}%" if mfu else "n/a")
+                window_start, window_steps = time.perf_counter(), 0
+
+            if ckpt and (done % cfg.checkpoint.every == 0 or done == cfg.steps):
+                if not check(*pending):  # never save parameters that produced a bad loss
+                    break
+                pending = None
+                ckpt.save(done, {"params": params, "opt_state": opt_state})
+                last_good_save = done
+        else:
+            if pending is not None:
+                check(*pending)
+    finally:
+        bar.close()
+        log.close()
+        if ckpt:
+            ckpt.close()
+    if summary["stopped"] and main_process:
+        print(summary["stopped"], file=sys.stderr)
+    summary["params"] = params
+    summary["end_step"] = max(losses) if losses else start
+    return summary
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML file of config keys (see shardflow/config.py)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config key, e.g. optimizer.lr=3e-4")
+    parser.add_argument("--steps", type=int, help="total optimizer steps")
+    parser.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, tb/)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_from_args(args) -> int:
+    configure_host_platform()
+    from shardflow import config as config_lib
+    try:
+        cfg = config_lib.load(args.config, args.overrides, steps=args.steps, out=args.out)
+        maybe_initialize_distributed()
+        summary = train(cfg, progress=not args.no_progress)
+    except config_lib.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if summary["stopped"]:
+        return 1
+    losses = summary["losses"]
+    if losses:
+        first, last = losses[min(losses)], losses[max(losses)]
+        print(f"done: step {max(losses)}, loss {first:.3f} (step {min(losses)}) -> {last:.3f}; "
+              f"metrics in {Path(cfg.out) / 'metrics.jsonl'}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="shardflow train", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
