@@ -1,0 +1,223 @@
+"""Ops that shardflow's passes recognise and rewrite.
+
+`attention` is the one attention entry point. Whatever implementation runs, it shows in a jaxpr
+as one recognisable unit (except backend="cudnn", a comparison pass-through, see below):
+
+* forward: exactly one ``jit[name=sf_attention_fwd]`` eqn with operands
+  ``(q, k, v[, segment_ids][, q_offset, kv_offset])`` and results ``(out, lse)``;
+* backward (under `jax.grad` / `jax.vjp`): exactly one ``jit[name=sf_attention_bwd]`` eqn with
+  operands ``(q, k, v, out, lse, dout[, segment_ids][, q_offset, kv_offset][, dlse])`` and
+  results ``(dq, dk, dv)``.
+
+``q_offset``/``kv_offset`` are operands only when one of them is traced (both are then passed,
+as int32 scalars); static ints are closed over. ``dlse`` is an operand only when
+``return_lse=True`` (it carries the cotangent of lse). All other configuration (causal, scale,
+backend, block sizes) is closed over, so the eqn's operands are exactly the arrays above.
+Batch (dim 0) and heads (dim 2 of q/k/v/out/dout, dim 1 of lse) are independent in every
+implementation, so a pass may shard them by slicing the operands.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from shardflow.kernels import attention_xla, flash_attention_gpu
+
+BACKENDS = ("auto", "pallas", "interpret", "xla", "cudnn", "pallas_tpu", "interpret_tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class _AttentionConfig:
+  implementation: str  # "xla", "pallas_gpu", "pallas_tpu", "interpret_gpu", "interpret_tpu"
+  causal: bool
+  scale: float
+  static_offset_delta: int | None  # None when the offsets are operands
+  has_segment_ids: bool
+  has_dlse: bool
+
+
+def _implementation(backend: str) -> str:
+  if backend not in BACKENDS:
+    raise ValueError(f"attention: backend must be one of {BACKENDS}, got {backend!r}")
+  platform = jax.default_backend()
+  if backend == "auto":
+    return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
+  if backend == "pallas":
+    if platform in ("gpu", "cuda"):
+      return "pallas_gpu"
+    if platform == "tpu":
+      return "pallas_tpu"
+    raise ValueError(f"attention: backend='pallas' needs a GPU or TPU, the default backend is "
+                     f"{platform!r}; use backend='interpret' to run the kernels on CPU")
+  return {"interpret": "interpret_gpu", "xla": "xla", "cudnn": "cudnn",
+          "pallas_tpu": "pallas_tpu", "interpret_tpu": "interpret_tpu"}[backend]
+
+
+def _kernels(implementation: str):
+  """(forward, backward) callables with the attention_common conventions."""
+  if implementation == "xla":
+    return attention_xla.forward, attention_xla.backward
+  if implementation in ("pallas_gpu", "interpret_gpu"):
+    interpret = implementation == "interpret_gpu"
+    return (functools.partial(flash_attention_gpu.forward, interpret=interpret),
+            functools.partial(flash_attention_gpu.backward, interpret=interpret))
+  from shardflow.kernels import flash_attention_tpu  # imports jax's Mosaic TPU support
+  interpret = implementation == "interpret_tpu"
+  return (functools.partial(flash_attention_tpu.forward, interpret=interpret),
+          functools.partial(flash_attention_tpu.backward, interpret=interpret))
+
+
+def _split_extras(config: _AttentionConfig, extras, *, backward: bool):
+  """Trailing operands -> (segment_ids, offset_delta, dlse)."""
+  extras = list(extras)
+  segment_ids = extras.pop(0) if config.has_segment_ids else None
+  if config.static_offset_delta is None:
+    q_offset, kv_offset = extras.pop(0), extras.pop(0)
+    offset_delta = q_offset - kv_offset
+  else:
+    offset_delta = config.static_offset_delta
+  dlse = extras.pop(0) if backward and config.has_dlse else None
+  assert not extras
+  return segment_ids, offset_delta, dlse
+
+
+def sf_attention_fwd(config: _AttentionConfig, q, k, v, *extras):
+  """(q, k, v[, segment_ids][, q_offset, kv_offset]) -> (out, lse)."""
+  segment_ids, offset_delta, _ = _split_extras(config, extras, backward=False)
+  forward, _ = _kernels(config.implementation)
+  return forward(q, k, v, segment_ids, offset_delta, causal=config.causal, scale=config.scale)
+
+
+def sf_attention_bwd(config: _AttentionConfig, q, k, v, out, lse, dout, *extras):
+  """(q, k, v, out, lse, dout[, segment_ids][, q_offset, kv_offset][, dlse]) -> (dq, dk, dv)."""
+  segment_ids, offset_delta, dlse = _split_extras(config, extras, backward=True)
+  _, backward = _kernels(config.implementation)
+  return backward(q, k, v, segment_ids, offset_delta, out, lse, dout, causal=config.causal,
+                  scale=config.scale, dlse=dlse)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_fwd(config: _AttentionConfig):
+  return jax.jit(functools.partial(sf_attention_fwd, config))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_bwd(config: _AttentionConfig):
+  return jax.jit(functools.partial(sf_attention_bwd, config))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(config, q, k, v, extras):
+  return _jitted_fwd(config)(q, k, v, *extras)
+
+
+def _attention_fwd(config, q, k, v, extras):
+  out, lse = _jitted_fwd(config)(q, k, v, *extras)
+  return (out, lse), (q, k, v, extras, out, lse)
+
+
+def _attention_bwd(config, residuals, cotangents):
+  q, k, v, extras, out, lse = residuals
+  dout, dlse = cotangents
+  bwd_extras = tuple(extras) + ((dlse,) if config.has_dlse else ())
+  dq, dk, dv = _jitted_bwd(config)(q, k, v, out, lse, dout.astype(out.dtype), *bwd_extras)
+  # Integer operands (segment ids, offsets) get no cotangent.
+  return dq, dk, dv, tuple(None for _ in extras)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _check_shapes(q, k, v, segment_ids):
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"attention: q, k, v must be [batch, seq, heads, head_dim], got shapes "
+                     f"{q.shape}, {k.shape}, {v.shape}")
+  if k.shape != v.shape:
+    raise ValueError(f"attention: k and v must have the same shape, got {k.shape} and "
+                     f"{v.shape}")
+  batch, _, heads_q, head_dim = q.shape
+  if k.shape[0] != batch or k.shape[3] != head_dim:
+    raise ValueError(f"attention: batch and head_dim of q {q.shape} and k {k.shape} differ")
+  if heads_q % k.shape[2]:
+    raise ValueError(f"attention: heads_q={heads_q} is not a multiple of heads_kv="
+                     f"{k.shape[2]} (q {q.shape}, k {k.shape})")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise ValueError(f"attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+  if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    raise ValueError(f"attention: dtype must be bfloat16, float16 or float32, got {q.dtype}")
+  if segment_ids is not None:
+    if q.shape[1] != k.shape[1]:
+      raise ValueError(f"attention: segment_ids need seq_q == seq_kv, got q {q.shape}, "
+                       f"k {k.shape}")
+    if segment_ids.shape != q.shape[:2]:
+      raise ValueError(f"attention: segment_ids must be [batch, seq] = {q.shape[:2]}, got "
+                       f"{segment_ids.shape}")
+
+
+def _cudnn_attention(q, k, v, *, causal, scale, segment_ids, q_offset, kv_offset, return_lse):
+  """jax.nn.dot_product_attention(implementation="cudnn"), for comparison only.
+
+  It keeps JAX's own custom VJP (cuDNN's backward) and is not wrapped in the sf_attention_*
+  contract, since cuDNN through jax.nn returns no lse.
+  """
+  if return_lse:
+    raise ValueError("attention: backend='cudnn' cannot return lse")
+  if segment_ids is not None:
+    raise ValueError("attention: backend='cudnn' does not take segment_ids here")
+  if causal and not (isinstance(q_offset, int) and isinstance(kv_offset, int)
+                     and q_offset - kv_offset == 0 and q.shape[1] == k.shape[1]):
+    raise ValueError("attention: backend='cudnn' supports causal only with equal q/kv lengths "
+                     "and q_offset == kv_offset")
+  return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                      implementation="cudnn")
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
+              segment_ids=None, q_offset=0, kv_offset=0, return_lse: bool = False,
+              backend: str = "auto"):
+  """Softmax attention over [batch, seq, heads, head_dim] inputs, with GQA/MQA.
+
+  Args:
+    q: [batch, seq_q, heads_q, head_dim]; k, v: [batch, seq_kv, heads_kv, head_dim] with
+      heads_q a multiple of heads_kv (q head h uses kv head h // (heads_q // heads_kv)).
+      bfloat16, float16 or float32, all the same dtype.
+    causal: query at global position q_offset + i sees keys at kv_offset + j <= q_offset + i.
+    scale: logit scale, default 1 / sqrt(head_dim).
+    segment_ids: optional int [batch, seq] (seq_q == seq_kv); queries see only keys of the same
+      segment (packed documents).
+    q_offset, kv_offset: global positions of the first query / key (Python ints or traced int
+      scalars), e.g. for one step of ring attention.
+    return_lse: also return lse [batch, heads_q, seq_q], float32, natural log.
+    backend: "auto" (Pallas on GPU/TPU, XLA elsewhere), "pallas", "interpret" (the GPU Pallas
+      kernels in interpret mode), "interpret_tpu" (the TPU Pallas kernels in interpret mode),
+      "pallas_tpu", "xla" (blockwise, never materialises seq_q x seq_kv), "cudnn" (comparison
+      pass-through to jax.nn.dot_product_attention; no lse, segment ids or offsets).
+
+  A row that sees no key gives zeros and lse = -inf. Returns out [batch, seq_q, heads_q,
+  head_dim] in q's dtype, and lse if return_lse.
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  _check_shapes(q, k, v, segment_ids)
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+  implementation = _implementation(backend)
+  if implementation == "cudnn":
+    return _cudnn_attention(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids,
+                            q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse)
+
+  extras = ()
+  if segment_ids is not None:
+    extras += (jnp.asarray(segment_ids, jnp.int32),)
+  static_offsets = isinstance(q_offset, int) and isinstance(kv_offset, int)
+  if not static_offsets:
+    extras += (jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
+  config = _AttentionConfig(
+      implementation=implementation, causal=bool(causal), scale=float(scale),
+      static_offset_delta=q_offset - kv_offset if static_offsets else None,
+      has_segment_ids=segment_ids is not None, has_dlse=bool(return_lse))
+  out, lse = _attention(config, q, k, v, extras)
+  return (out, lse) if return_lse else out

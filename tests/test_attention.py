@@ -1,0 +1,277 @@
+"""shardflow.ops.attention: kernels in interpret mode and the XLA path against a dense fp32
+reference (forward, lse, dq/dk/dv), fully masked rows, and the jaxpr contract with the
+compiler passes. GPU-only checks skip without a GPU."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardflow.ops import attention
+
+# Relative L2 error bounds against the fp32 reference.
+TOLERANCE = {jnp.float32: 1e-3, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
+
+
+def reference_attention(q, k, v, *, causal, scale, segment_ids, q_offset, kv_offset):
+  """Dense fp32 attention, returns (out, lse); fully masked rows give 0 and -inf."""
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  group = q.shape[2] // k.shape[2]
+  k = jnp.repeat(k, group, axis=2)
+  v = jnp.repeat(v, group, axis=2)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
+  mask = jnp.ones(s.shape[-2:], bool)[None, None]
+  if causal:
+    q_pos = q_offset + jnp.arange(q.shape[1])
+    kv_pos = kv_offset + jnp.arange(k.shape[1])
+    mask = mask & (q_pos[:, None] >= kv_pos[None, :])[None, None]
+  if segment_ids is not None:
+    mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+  s = jnp.where(mask, s, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=-1)
+  p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+  out = jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
+  return out, lse
+
+
+def rel_err(x, ref):
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  assert np.all(np.isfinite(x)), "non-finite values"
+  return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def make_inputs(seed, batch, q_len, kv_len, heads_kv, group, head_dim, dtype,
+                num_segments=0):
+  keys = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(keys[0], (batch, q_len, heads_kv * group, head_dim), jnp.float32)
+  k = jax.random.normal(keys[1], (batch, kv_len, heads_kv, head_dim), jnp.float32)
+  v = jax.random.normal(keys[2], (batch, kv_len, heads_kv, head_dim), jnp.float32)
+  dout = jax.random.normal(keys[3], q.shape, jnp.float32)
+  segment_ids = None
+  if num_segments:
+    # Sorted random segment ids: packed documents of random lengths.
+    segment_ids = jnp.sort(jax.random.randint(keys[4], (batch, q_len), 0, num_segments), -1)
+  cast = lambda x: x.astype(dtype)
+  return cast(q), cast(k), cast(v), cast(dout), segment_ids
+
+
+def check_against_reference(backend, *, seed=0, batch=1, q_len=33, kv_len=33, heads_kv=2,
+                            group=1, head_dim=32, dtype=jnp.float32, causal=False,
+                            num_segments=0, q_offset=0, kv_offset=0, check_grads=True):
+  q, k, v, dout, segment_ids = make_inputs(seed, batch, q_len, kv_len, heads_kv, group,
+                                           head_dim, dtype, num_segments)
+  scale = 0.7 / np.sqrt(head_dim)
+  kwargs = dict(causal=causal, scale=scale, segment_ids=segment_ids, q_offset=q_offset,
+                kv_offset=kv_offset)
+
+  def ours(q, k, v):
+    return attention(q, k, v, return_lse=True, backend=backend, **kwargs)
+
+  def ref(q, k, v):
+    return reference_attention(q, k, v, **kwargs)
+
+  (out, lse), vjp = jax.vjp(ours, q, k, v)
+  f32 = functools.partial(jax.tree.map, lambda x: x.astype(jnp.float32))
+  (out_ref, lse_ref), vjp_ref = jax.vjp(ref, *f32((q, k, v)))
+  tol = TOLERANCE[dtype]
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert lse.shape == (batch, q.shape[2], q_len) and lse.dtype == jnp.float32
+  assert rel_err(out, out_ref) < tol
+  finite = np.isfinite(np.asarray(lse_ref))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite],
+                             rtol=tol, atol=tol)
+  if check_grads:
+    # The lse cotangent is zero here; test_lse_gradient covers a non-zero one.
+    grads = vjp((dout, jnp.zeros_like(lse)))
+    grads_ref = vjp_ref((dout.astype(jnp.float32), jnp.zeros_like(lse_ref)))
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+      assert g.dtype == dtype
+      assert rel_err(g, g_ref) < tol, name
+
+
+KERNEL_BACKENDS = ["interpret", "xla"]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_reference(backend, dtype, causal):
+  check_against_reference(backend, dtype=dtype, causal=causal, q_len=80, kv_len=80,
+                          head_dim=64, group=2)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    backend=st.sampled_from(KERNEL_BACKENDS),
+    q_len=st.integers(1, 70),
+    kv_extra=st.integers(-20, 40),
+    group=st.sampled_from([1, 2, 4, 8]),
+    heads_kv=st.integers(1, 2),
+    head_dim=st.sampled_from([16, 40, 64]),
+    causal=st.booleans(),
+    use_segments=st.booleans(),
+    offsets=st.tuples(st.integers(0, 40), st.integers(0, 40)),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes(backend, q_len, kv_extra, group, heads_kv, head_dim, causal,
+                       use_segments, offsets, dtype, seed):
+  kv_len = max(1, q_len + kv_extra)
+  if use_segments:
+    kv_len = q_len  # segment ids are shared by queries and keys
+  check_against_reference(backend, seed=seed, q_len=q_len, kv_len=kv_len, heads_kv=heads_kv,
+                          group=group, head_dim=head_dim, dtype=dtype, causal=causal,
+                          num_segments=3 if use_segments else 0, q_offset=offsets[0],
+                          kv_offset=offsets[1])
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_fully_masked_rows_are_zero_with_minus_inf_lse(backend):
+  # Queries at positions 0..15 against keys at 20..51: causal hides every key from rows < 20.
+  q, k, v, dout, _ = make_inputs(1, 1, 40, 32, 1, 2, 32, jnp.float32)
+
+  def loss(q, k, v):
+    out, lse = attention(q, k, v, causal=True, q_offset=0, kv_offset=20, return_lse=True,
+                         backend=backend)
+    return jnp.sum(out * dout), (out, lse)
+
+  grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  assert np.all(np.asarray(out[:, :20]) == 0.0)
+  assert np.all(np.isneginf(np.asarray(lse[:, :, :20])))
+  assert np.all(np.isfinite(np.asarray(lse[:, :, 20:])))
+  for g in grads:
+    assert np.all(np.isfinite(np.asarray(g)))
+  assert np.all(np.asarray(grads[0][:, :20]) == 0.0)
+  check_against_reference(backend, q_len=40, kv_len=32, group=2, causal=True, kv_offset=20)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_traced_offsets(backend):
+  q, k, v, dout, _ = make_inputs(2, 1, 48, 48, 1, 1, 32, jnp.float32)
+
+  @jax.jit
+  def f(q, k, v, q_offset, kv_offset):
+    return attention(q, k, v, causal=True, q_offset=q_offset, kv_offset=kv_offset,
+                     backend=backend)
+
+  for q_offset, kv_offset in [(48, 0), (0, 10), (5, 30)]:
+    ref, _ = reference_attention(q, k, v, causal=True, scale=32 ** -0.5, segment_ids=None,
+                                 q_offset=q_offset, kv_offset=kv_offset)
+    assert rel_err(f(q, k, v, q_offset, kv_offset), ref) < 1e-3
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_lse_gradient(backend):
+  # A loss that uses lse, as ring attention's combination of partial results does.
+  q, k, v, dout, segment_ids = make_inputs(3, 2, 24, 24, 1, 2, 16, jnp.float32, 2)
+  weights = jax.random.normal(jax.random.key(9), (2, 2, 24))
+
+  def loss(fn):
+    def f(q, k, v):
+      out, lse = fn(q, k, v)
+      return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * weights)
+    return f
+
+  kwargs = dict(causal=True, segment_ids=segment_ids, scale=0.25, q_offset=0, kv_offset=0)
+  ours = loss(lambda q, k, v: attention(q, k, v, return_lse=True, backend=backend, **kwargs))
+  ref = loss(lambda q, k, v: reference_attention(q, k, v, **kwargs))
+  for g, g_ref in zip(jax.grad(ours, (0, 1, 2))(q, k, v), jax.grad(ref, (0, 1, 2))(q, k, v)):
+    assert rel_err(g, g_ref) < 1e-3
+
+
+def test_fp16_interpret():
+  check_against_reference("interpret", dtype=jnp.float16, causal=True, q_len=40, kv_len=40,
+                          group=4, heads_kv=1, head_dim=64)
+
+
+# ------------------------------------------------------------------------------------------
+# The jaxpr contract with the compiler passes.
+
+
+def _jit_eqns(jaxpr, name):
+  """All jit eqns called `name` in a jaxpr, searching nested jaxprs."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == name:
+      found.append(eqn)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          found += _jit_eqns(sub.jaxpr, name)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          found += _jit_eqns(sub, name)
+  return found
+
+
+def _operand_shapes(eqn):
+  return [tuple(var.aval.shape) for var in eqn.invars]
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("with_segments", [False, True])
+@pytest.mark.parametrize("traced_offsets", [False, True])
+def test_jaxpr_contract(backend, with_segments, traced_offsets):
+  q, k, v, dout, segment_ids = make_inputs(4, 2, 16, 16, 2, 2, 16, jnp.float32,
+                                           2 if with_segments else 0)
+  q_shape, kv_shape = q.shape, k.shape
+
+  def f(q, k, v, q_offset, kv_offset):
+    if not traced_offsets:
+      q_offset, kv_offset = 3, 0
+    return attention(q, k, v, causal=True, segment_ids=segment_ids, q_offset=q_offset,
+                     kv_offset=kv_offset, backend=backend)
+
+  args = (q, k, v, jnp.int32(3), jnp.int32(0))
+  extra_shapes = ([(2, 16)] if with_segments else []) + ([(), ()] if traced_offsets else [])
+
+  fwd_jaxpr = jax.make_jaxpr(f)(*args).jaxpr
+  [fwd] = _jit_eqns(fwd_jaxpr, "sf_attention_fwd")
+  assert not _jit_eqns(fwd_jaxpr, "sf_attention_bwd")
+  assert _operand_shapes(fwd) == [q_shape, kv_shape, kv_shape] + extra_shapes
+  assert [tuple(v.aval.shape) for v in fwd.outvars] == [q_shape, (2, 4, 16)]
+  assert [v.aval.dtype for v in fwd.outvars] == [q.dtype, jnp.float32]
+
+  loss = lambda *a: jnp.sum(f(*a) * dout)
+  grad_jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args).jaxpr
+  [fwd] = _jit_eqns(grad_jaxpr, "sf_attention_fwd")
+  [bwd] = _jit_eqns(grad_jaxpr, "sf_attention_bwd")
+  assert _operand_shapes(fwd) == [q_shape, kv_shape, kv_shape] + extra_shapes
+  assert _operand_shapes(bwd) == ([q_shape, kv_shape, kv_shape, q_shape, (2, 4, 16), q_shape]
+                                  + extra_shapes)
+  assert [tuple(v.aval.shape) for v in bwd.outvars] == [q_shape, kv_shape, kv_shape]
+  # The kernels run inside the named calls: no pallas_call outside them.
+  outside = [e for e in grad_jaxpr.eqns if e.primitive.name == "pallas_call"]
+  assert not outside
+
+
+def test_rejects_bad_shapes():
+  q = jnp.zeros((1, 8, 3, 16))
+  k = jnp.zeros((1, 8, 2, 16))
+  with pytest.raises(ValueError, match="heads_q=3"):
+    attention(q, k, k, backend="xla")
+  with pytest.raises(ValueError, match="segment_ids"):
+    attention(q, jnp.zeros((1, 4, 3, 16)), jnp.zeros((1, 4, 3, 16)),
+              segment_ids=jnp.zeros((1, 8), jnp.int32), backend="xla")
+  with pytest.raises(ValueError, match="backend"):
+    attention(q, q, q, backend="flash")
+
+
+# ------------------------------------------------------------------------------------------
+# GPU only: the compiled Triton kernels (benchmarks/attention.py --check covers more).
+
+requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_kernels(causal):
+  check_against_reference("pallas", dtype=jnp.bfloat16, causal=causal, batch=2, q_len=300,
+                          kv_len=300, heads_kv=2, group=4, head_dim=128)
