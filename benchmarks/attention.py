@@ -1,0 +1,281 @@
+"""Attention on the GPU: correctness of our Pallas kernels, and TFLOP/s against cuDNN and JAX's
+Pallas Triton `mha`, all in one process.
+
+  python benchmarks/attention.py            # the ANCHORS.md table (fwd and fwd+bwd, ratios)
+  python benchmarks/attention.py --check    # compiled kernels vs an fp32 reference
+  python benchmarks/attention.py --sweep    # per-kernel times over block-size choices
+
+FLOPs: 4*B*S^2*H*D forward (H = q heads), half when causal, x3.5 for forward+backward.
+Times: median of --iters runs after --warmup runs, each ended by block_until_ready.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+try:
+  importlib.import_module("shardflow.kernels")
+except ImportError:  # a checkout that is not pip-installed: map the package-dir layout by hand
+  for name in ("kernels", "passes", "models"):
+    if (ROOT / name / "__init__.py").exists():
+      sys.modules[f"shardflow.{name}"] = importlib.import_module(name)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from shardflow.kernels import flash_attention_gpu  # noqa: E402
+from shardflow.ops import attention  # noqa: E402
+
+# (batch, seq, heads_q, heads_kv, head_dim); the last is GQA 32 q heads over 8 kv heads.
+ANCHOR_SHAPES = [
+    (4, 4096, 16, 16, 128),
+    (1, 16384, 16, 16, 128),
+    (8, 2048, 32, 32, 64),
+    (2, 4096, 32, 8, 128),
+]
+
+
+def attention_flops(batch, seq, heads_q, head_dim, causal):
+  flops = 4.0 * batch * seq * seq * heads_q * head_dim
+  return flops / 2 if causal else flops
+
+
+def median_seconds(fn, args, *, warmup, iters):
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def random_inputs(batch, seq, heads_q, heads_kv, head_dim, dtype=jnp.bfloat16, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(keys[0], (batch, seq, heads_q, head_dim), dtype)
+  k = jax.random.normal(keys[1], (batch, seq, heads_kv, head_dim), dtype)
+  v = jax.random.normal(keys[2], (batch, seq, heads_kv, head_dim), dtype)
+  dout = jax.random.normal(keys[3], q.shape, dtype)
+  return q, k, v, dout
+
+
+def implementations(causal, group):
+  """name -> attention(q, k, v) for the three contenders."""
+  from jax.experimental.pallas.ops.gpu import attention as pallas_triton
+
+  def ours(q, k, v):
+    return attention(q, k, v, causal=causal, backend="pallas")
+
+  def cudnn(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+  def triton_mha(q, k, v):
+    # mha has no GQA: it gets K/V repeated per q head.
+    k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+    return pallas_triton.mha(q, k, v, segment_ids=None, causal=causal,
+                             sm_scale=q.shape[-1] ** -0.5)
+
+  return {"ours": ours, "cudnn": cudnn, "triton_mha": triton_mha}
+
+
+def fwd_and_fwd_bwd(fn):
+  fwd = jax.jit(fn)
+
+  @jax.jit
+  def fwd_bwd(q, k, v, dout):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(dout)
+
+  return fwd, fwd_bwd
+
+
+def run_table(args):
+  rows = []
+  for batch, seq, heads_q, heads_kv, head_dim in ANCHOR_SHAPES:
+    q, k, v, dout = random_inputs(batch, seq, heads_q, heads_kv, head_dim)
+    for causal in (False, True):
+      flops = attention_flops(batch, seq, heads_q, head_dim, causal)
+      row = {"shape": f"{batch},{seq},{heads_q}/{heads_kv},{head_dim}", "causal": causal}
+      for name, fn in implementations(causal, heads_q // heads_kv).items():
+        fwd, fwd_bwd = fwd_and_fwd_bwd(fn)
+        try:
+          t_fwd = median_seconds(fwd, (q, k, v), warmup=args.warmup, iters=args.iters)
+          t_all = median_seconds(fwd_bwd, (q, k, v, dout), warmup=args.warmup,
+                                 iters=args.iters)
+          row[name] = (flops / t_fwd / 1e12, 3.5 * flops / t_all / 1e12)
+        except Exception as e:  # report and go on: one failing contender must not hide the rest
+          print(f"{name} failed on {row['shape']} causal={causal}: {type(e).__name__}: "
+                f"{str(e)[:300]}", flush=True)
+          row[name] = (float("nan"), float("nan"))
+      print(row, flush=True)
+      rows.append(row)
+
+  header = ("| shape B,S,Hq/Hkv,D | causal | ours fwd | cuDNN fwd | mha fwd | ours/cuDNN fwd | "
+            "ours fwd+bwd | cuDNN fwd+bwd | mha fwd+bwd | ours/cuDNN f+b | ours/mha f+b |")
+  lines = [header, "|" + "---|" * (header.count("|") - 1)]
+  for r in rows:
+    o, c, m = r["ours"], r["cudnn"], r["triton_mha"]
+    lines.append(f"| {r['shape']} | {'yes' if r['causal'] else 'no'} | {o[0]:.0f} | {c[0]:.0f} "
+                 f"| {m[0]:.0f} | {o[0] / c[0]:.2f} | {o[1]:.0f} | {c[1]:.0f} | {m[1]:.0f} | "
+                 f"{o[1] / c[1]:.2f} | {o[1] / m[1]:.2f} |")
+  print("\nTFLOP/s, bf16, " + jax.devices()[0].device_kind + ", jax " + jax.__version__)
+  print("\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def reference(q, k, v, *, causal, scale, segment_ids, q_offset, kv_offset):
+  """Dense fp32 attention on the device (exact fp32 matmuls)."""
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  group = q.shape[2] // k.shape[2]
+  k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
+  mask = jnp.ones(s.shape[-2:], bool)[None, None]
+  if causal:
+    mask = mask & ((q_offset + jnp.arange(q.shape[1]))[:, None]
+                   >= (kv_offset + jnp.arange(k.shape[1]))[None, :])
+  if segment_ids is not None:
+    mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+  s = jnp.where(mask, s, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=-1)
+  p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest"), lse
+
+
+def rel_err(x, ref):
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  if not np.all(np.isfinite(x)):
+    return float("inf")
+  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+CHECK_CASES = [
+    # batch, q_len, kv_len, heads_q, heads_kv, head_dim, dtype, causal, segments, offsets
+    (2, 1024, 1024, 8, 8, 128, jnp.bfloat16, False, False, (0, 0)),
+    (2, 1024, 1024, 8, 8, 128, jnp.bfloat16, True, False, (0, 0)),
+    (2, 1000, 1000, 8, 2, 64, jnp.bfloat16, True, False, (0, 0)),
+    (1, 777, 1300, 8, 1, 128, jnp.float16, True, False, (600, 100)),
+    (2, 512, 512, 4, 4, 96, jnp.float32, False, False, (0, 0)),
+    (2, 640, 640, 4, 2, 64, jnp.bfloat16, True, True, (0, 0)),
+    (1, 256, 512, 4, 4, 64, jnp.bfloat16, True, False, (0, 300)),  # rows with no visible key
+    (1, 384, 384, 32, 4, 128, jnp.bfloat16, False, True, (0, 0)),
+]
+
+
+def run_check(args):
+  failures = 0
+  print("| case | out | lse | dq | dk | dv | bound | ok |\n|---|---|---|---|---|---|---|---|")
+  for seed, case in enumerate(CHECK_CASES):
+    batch, q_len, kv_len, hq, hkv, dim, dtype, causal, segments, (q_off, kv_off) = case
+    keys = jax.random.split(jax.random.key(100 + seed), 5)
+    q = jax.random.normal(keys[0], (batch, q_len, hq, dim), dtype)
+    k = jax.random.normal(keys[1], (batch, kv_len, hkv, dim), dtype)
+    v = jax.random.normal(keys[2], (batch, kv_len, hkv, dim), dtype)
+    dout = jax.random.normal(keys[3], q.shape, dtype)
+    segment_ids = (jnp.sort(jax.random.randint(keys[4], (batch, q_len), 0, 4), -1)
+                   if segments else None)
+    kw = dict(causal=causal, scale=dim ** -0.5, segment_ids=segment_ids, q_offset=q_off,
+              kv_offset=kv_off)
+    ours = jax.jit(lambda q, k, v: jax.vjp(
+        lambda q, k, v: attention(q, k, v, return_lse=True, backend="pallas", **kw), q, k, v))
+    (out, lse), vjp = ours(q, k, v)
+    grads = vjp((dout, jnp.zeros_like(lse)))
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (out_ref, lse_ref), vjp_ref = jax.vjp(lambda q, k, v: reference(q, k, v, **kw), *f32)
+    grads_ref = vjp_ref((dout.astype(jnp.float32), jnp.zeros_like(lse_ref)))
+    finite = np.isfinite(np.asarray(lse_ref))
+    lse_ok = np.array_equal(np.isfinite(np.asarray(lse)), finite)
+    lse_err = rel_err(np.asarray(lse)[finite], np.asarray(lse_ref)[finite]) if lse_ok else 1.0
+    errs = [rel_err(out, out_ref), lse_err] + [rel_err(g, r) for g, r in zip(grads, grads_ref)]
+    bound = 1e-3 if dtype == jnp.float32 else 1e-2
+    ok = all(e < bound for e in errs)
+    failures += not ok
+    name = (f"{batch},{q_len}x{kv_len},{hq}/{hkv},{dim},{jnp.dtype(dtype).name}"
+            f"{',causal' if causal else ''}{',segments' if segments else ''}"
+            f"{f',off={q_off}/{kv_off}' if (q_off, kv_off) != (0, 0) else ''}")
+    print(f"| {name} | " + " | ".join(f"{e:.1e}" for e in errs) + f" | {bound:.0e} | "
+          f"{'yes' if ok else 'NO'} |", flush=True)
+  print(f"check: {len(CHECK_CASES) - failures}/{len(CHECK_CASES)} cases passed")
+  return failures
+
+
+# ------------------------------------------------------------------------------------------
+
+
+SWEEP = {
+    "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
+            (128, 32, 4, 4)],
+    "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2)],
+    "dkv": [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+}
+
+
+def run_sweep(args):
+  """Times each kernel alone over block-size choices (block_q, block_k, warps, stages)."""
+  shapes = [(4, 4096, 16, 16, 128), (8, 2048, 32, 32, 64)]
+  for batch, seq, hq, hkv, dim in shapes:
+    q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim)
+    for causal in (False, True):
+      flops = attention_flops(batch, seq, hq, dim, causal)
+      base = flash_attention_gpu.default_block_sizes(dim)
+      fwd = jax.jit(lambda q, k, v: flash_attention_gpu.forward(q, k, v, None, 0, causal=causal,
+                                                                scale=dim ** -0.5))
+      out, lse = fwd(q, k, v)
+      for kernel, choices in SWEEP.items():
+        for bq, bk, warps, stages in choices:
+          bs = dataclasses.replace(base, **{f"{kernel}_block_q": bq, f"{kernel}_block_k": bk,
+                                            f"{kernel}_num_warps": warps,
+                                            f"{kernel}_num_stages": stages})
+          if kernel == "fwd":
+            fn = jax.jit(lambda q, k, v, bs=bs: flash_attention_gpu.forward(
+                q, k, v, None, 0, causal=causal, scale=dim ** -0.5, block_sizes=bs))
+            kernel_args, kernel_flops = (q, k, v), flops
+          else:
+            # The whole backward (both kernels) is timed; 2.5x the forward's FLOPs.
+            fn = jax.jit(lambda q, k, v, out, lse, dout, bs=bs: flash_attention_gpu.backward(
+                q, k, v, None, 0, out, lse, dout, causal=causal, scale=dim ** -0.5,
+                block_sizes=bs))
+            kernel_args, kernel_flops = (q, k, v, out, lse, dout), 2.5 * flops
+          try:
+            t = median_seconds(fn, kernel_args, warmup=2, iters=args.iters)
+            print(f"sweep {batch},{seq},{hq},{dim} causal={causal} {kernel} "
+                  f"bq={bq} bk={bk} w={warps} s={stages}: {t * 1e3:.3f} ms "
+                  f"{kernel_flops / t / 1e12:.0f} TFLOP/s"
+                  + (" (whole backward)" if kernel != "fwd" else ""), flush=True)
+          except Exception as e:
+            print(f"sweep {kernel} bq={bq} bk={bk} w={warps} s={stages} failed: "
+                  f"{type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--check", action="store_true")
+  parser.add_argument("--sweep", action="store_true")
+  parser.add_argument("--table", action="store_true", help="the benchmark table (default)")
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--iters", type=int, default=20)
+  args = parser.parse_args()
+  print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
+  failures = 0
+  if args.check:
+    failures = run_check(args)
+  if args.sweep:
+    run_sweep(args)
+  if args.table or not (args.check or args.sweep):
+    run_table(args)
+  sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+  main()
