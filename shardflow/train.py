@@ -109,7 +109,7 @@ def make_train_step(graphdef, optimizer, compute_dtype, grad_accum: int):
             loss, grads = jax.tree.map(lambda x: x / grad_accum, (loss, grads))
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return train_step
 
@@ -227,8 +227,12 @@ def init_state(run: Run):
     return jax.jit(init, out_shardings=out)()
 
 
-def train(cfg, *, progress: bool = True) -> dict:
-    """Train per cfg; returns {"losses": {step: loss}, "stopped": None | reason, ...}."""
+def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
+    """Train per cfg; returns {"losses": {step: loss}, "stopped": None | reason, "params"}.
+
+    ``until`` ends this call after that step as if the run had been interrupted there (the
+    schedule still spans cfg.steps): for training in chunks from a notebook, and for tests.
+    """
     import jax
     import numpy as np
     from tqdm import tqdm
@@ -297,7 +301,7 @@ def train(cfg, *, progress: bool = True) -> dict:
 
     pending = None  # the previous step's metrics: read one step late so dispatch runs ahead
     try:
-        for step in range(start, cfg.steps):
+        for step in range(start, min(cfg.steps, until or cfg.steps)):
             batch = data_lib.global_batch(run.data, step, (cfg.grad_accum, micro), seq_len,
                                           cfg.data.seed, batch_sharding)
             params, opt_state, metrics = step_fn(params, opt_state, batch)
@@ -312,7 +316,8 @@ def train(cfg, *, progress: bool = True) -> dict:
             done = step + 1
             bar.update(1)
 
-            if done % cfg.log_every == 0 or done == cfg.steps:
+            last = done == cfg.steps or done == until
+            if done % cfg.log_every == 0 or last:
                 jax.block_until_ready(metrics)
                 elapsed = time.perf_counter() - window_start
                 tok_s = window_steps * tokens_per_step / elapsed if window_steps else None
@@ -326,7 +331,7 @@ def train(cfg, *, progress: bool = True) -> dict:
                                 mfu=f"{100 * mfu:.1f}%" if mfu else "n/a")
                 window_start, window_steps = time.perf_counter(), 0
 
-            if ckpt and (done % cfg.checkpoint.every == 0 or done == cfg.steps):
+            if ckpt and (done % cfg.checkpoint.every == 0 or last):
                 if not check(*pending):  # never save parameters that produced a bad loss
                     break
                 pending = None

@@ -1,0 +1,133 @@
+"""Models: annotations → specs, and every strategy preset computing the single-device loss."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from shardflow import config, data, models, train
+from shardflow.models import sharding
+
+ENGINE = "jit"
+
+SMALL_LLAMA = dict(preset="tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
+                   ffn_dim=128, max_seq_len=32)
+SMALL_GPT2 = dict(preset="gpt2-tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
+                  head_dim=16, ffn_dim=128, max_seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return data.prepare(data.stdlib_sources(max_bytes=300_000)[:10],
+                        tmp_path_factory.mktemp("tokens"))
+
+
+def small_config(data_dir, out, **overrides):
+    cfg = config.Config()
+    cfg.model = dict(SMALL_LLAMA)
+    cfg.data.path, cfg.data.seq_len = str(data_dir), 32
+    cfg.batch_size, cfg.steps, cfg.log_every = 8, 3, 1
+    cfg.compute_dtype, cfg.engine, cfg.out = "float32", ENGINE, str(out)
+    cfg.checkpoint.every = 0
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def single_device_losses(cfg):
+    """The same steps with no mesh at all: everything on device 0, one batch of all rows."""
+    run = train.setup(cfg)
+    params, opt_state = jax.device_get(train.init_state(run))
+    step_fn = jax.jit(train.make_train_step(run.graphdef, run.optimizer, jnp.float32, 1))
+    losses = []
+    for step in range(cfg.steps):
+        windows = run.data.windows(
+            run.data.window_starts(step, (1, cfg.batch_size), cfg.data.seq_len, cfg.data.seed),
+            cfg.data.seq_len)
+        batch = {"inputs": windows[..., :-1], "targets": windows[..., 1:]}
+        params, opt_state, metrics = step_fn(params, opt_state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+def test_decorator_and_flax_metadata_both_name_axes():
+    llama_axes, missing = models.param_logical_axes(nnx.eval_shape(
+        lambda: models.build(models.ModelConfig(**{k: v for k, v in SMALL_LLAMA.items()
+                                                   if k != "preset"}))))
+    assert missing == []
+    assert llama_axes["layers"]["attn"]["wk"] == ("layers", "embed", "kv_heads", "head_dim")
+    assert llama_axes["embedding"] == ("vocab", "embed")
+    gpt2_axes, missing = models.param_logical_axes(nnx.eval_shape(
+        lambda: models.build(models.preset("gpt2-tiny"))))
+    assert missing == []
+    assert gpt2_axes["layers"]["fc"]["kernel"] == ("layers", "embed", "mlp")  # with_partitioning
+    assert gpt2_axes["wte"]["embedding"] == ("vocab", "embed")
+
+
+def test_decorator_paths_reach_into_submodules_and_unannotated_params_are_reported():
+    @models.logical_axes(**{"proj.kernel": ("embed", "mlp")})
+    class Outer(nnx.Module):
+        def __init__(self, rngs):
+            self.proj = nnx.Linear(4, 8, rngs=rngs)
+
+    axes, missing = models.param_logical_axes(Outer(nnx.Rngs(0)))
+    assert axes["proj"]["kernel"] == ("embed", "mlp")
+    assert missing == ["proj/bias"]
+    assert axes["proj"]["bias"] == (None,)
+
+
+def test_rules_map_logical_axes_to_mesh_axes():
+    assert models.spec_for(("layers", "embed", "mlp"), models.RULES["2d"]) == P(None, "data", "model")
+    # one mesh axis splits at most one dimension of a tensor
+    assert models.spec_for(("batch", "embed"), models.RULES["fsdp"]) == P("data", None)
+    assert models.spec_for(("batch", "seq", None), models.RULES["tp_sp"]) == P("data", "model", None)
+    with pytest.raises(ValueError, match="names mesh axis 'model'"):
+        models.check_rules(models.RULES["tp"], ["data"])
+
+
+def test_constrain_is_identity_without_active_rules():
+    x = jnp.ones((2, 4, 8))
+    assert models.constrain(x, ("batch", "seq", None)) is x
+    pinned = []
+    with sharding.activation_sharding(models.RULES["tp_sp"], lambda x, s: pinned.append(s) or x):
+        models.constrain(x, ("batch", "seq", None))
+    assert pinned == [P("data", "model", None)]
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_forward_shapes_and_remat_agree(model):
+    fields = {k: v for k, v in (SMALL_LLAMA if model == "llama" else SMALL_GPT2).items()
+              if k != "preset"}
+    fields["family"] = model
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+    plain = models.build(models.ModelConfig(**fields))
+    remat = models.build(models.ModelConfig(**fields, remat="full"))
+    logits = plain(tokens)
+    assert logits.shape == (2, 16, 256)
+    np.testing.assert_allclose(remat(tokens), logits, rtol=1e-6)
+    # causal: changing a later token leaves earlier logits alone
+    changed = plain(tokens.at[:, 10].set((tokens[:, 10] + 1) % 256))
+    np.testing.assert_allclose(changed[:, :10], logits[:, :10], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(changed[:, 10:], logits[:, 10:])
+
+
+CASES = [
+    ("dp", {"data": 8}, {}),
+    ("fsdp", {"data": 8}, {}),
+    ("tp", {"data": 2, "model": 4}, {}),
+    ("tp_sp", {"data": 2, "model": 4}, {}),
+    ("2d", {"data": 2, "model": 4}, {}),
+    ("dp", {"data": 4, "model": 2}, {"grad_accum": 2}),
+    ("tp", {"data": 2, "model": 4}, {"model": SMALL_GPT2}),
+]
+
+
+@pytest.mark.parametrize("strategy,mesh,extra", CASES,
+                         ids=["dp", "fsdp", "tp", "tp_sp", "2d", "dp-accum", "gpt2-tp"])
+def test_strategy_matches_single_device(strategy, mesh, extra, data_dir, tmp_path):
+    cfg = small_config(data_dir, tmp_path, strategy=strategy, mesh=mesh, **extra)
+    expected = single_device_losses(cfg)
+    got = train.train(cfg, progress=False)["losses"]
+    np.testing.assert_allclose([got[s] for s in (1, 2, 3)], expected, rtol=1e-5)
+    assert expected[2] < expected[0]
