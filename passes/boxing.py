@@ -15,7 +15,7 @@ from jax._src import core
 from shardflow import conversion
 from shardflow.primitives import box_p
 from shardflow.program import Program, is_literal, map_subjaxprs, new_var, source_line
-from shardflow.specs import format_sbp
+from shardflow.specs import B, format_sbp
 
 
 class Boxing:
@@ -30,19 +30,20 @@ class Boxing:
         cache, eqns = {}, []
 
         def convert(x, want, reason, used_at):
-            if is_literal(x) or self.sbp[x] == want:
+            have = self.sbp[x] if not is_literal(x) else (B,) * len(want)
+            if have == want:
                 return x
-            if (x, want) not in cache:
-                have = self.sbp[x]
+            key = (x.val.item() if is_literal(x) else x, x.aval, want)
+            if key not in cache:
                 steps = conversion.plan(x.aval.shape, x.aval.dtype, have, want, self.p.mesh)
                 out = new_var(x.aval)
-                params = dict(src=have, dst=want, steps=steps, reason=reason,
-                              source=self.made_at.get(x, "<unknown>"), used_at=used_at)
+                made_at = "literal" if is_literal(x) else self.made_at.get(x, "<unknown>")
+                params = dict(src=have, dst=want, steps=steps, reason=reason, source=made_at, used_at=used_at)
                 eqns.append(core.new_jaxpr_eqn([x], [out], box_p, params, frozenset()))
                 self.sbp[out] = want
-                self.made_at[out] = self.made_at.get(x, "<unknown>")
-                cache[(x, want)] = out
-            return cache[(x, want)]
+                self.made_at[out] = made_at
+                cache[key] = out
+            return cache[key]
 
         for eqn in jaxpr.eqns:
             uses = self.p.uses.get(id(eqn))
@@ -51,9 +52,9 @@ class Boxing:
             invars = list(eqn.invars)
             if uses is not None:
                 for k, (x, want) in enumerate(zip(invars, uses)):
-                    if not is_literal(x) and self.sbp[x] != want:
-                        reason = (f"{eqn.primitive.name} needs {format_sbp(want)} of operand {k}, "
-                                  f"has {format_sbp(self.sbp[x])}")
+                    have = (B,) * len(want) if is_literal(x) else self.sbp[x]
+                    if have != want:
+                        reason = f"{eqn.primitive.name} needs {format_sbp(want)} of operand {k}, has {format_sbp(have)}"
                         invars[k] = convert(x, want, reason, used_at)
             eqns.append(eqn.replace(invars=invars))
             for v in eqn.outvars:

@@ -173,16 +173,21 @@ class Propagation:
 
     def cost(self, eqn, req, outs, i, sig) -> float:
         total = 0.0
+        creates_partial = not any(isinstance(self.of(x)[i], Partial) for x in eqn.invars)
         for k, (x, s) in enumerate(zip(eqn.invars, sig.ins)):
             trial = req[k][:i] + [s] + req[k][i + 1:]
             if not self.valid(x.aval, trial):
                 return math.inf
             if is_literal(x):
-                if s != B:
+                if isinstance(s, Split):
                     return math.inf
+                total += 0.0 if s == B else EPSILON  # B -> P of a literal: a local mask
                 continue
             if (x, i, s) not in self.made:
                 total += self.price(x.aval, req[k], i, s)
+            want = self.demand.get(x)
+            if want is not None and want[i] != s and (x, i, want[i]) not in self.made:
+                total += self.price(x.aval, tuple(trial), i, want[i])  # its other users will pay this
         for j, (v, s) in enumerate(zip(eqn.outvars, sig.outs)):
             trial = outs[j][:i] + [s] + outs[j][i + 1:]
             if not self.valid(v.aval, trial):
@@ -190,6 +195,10 @@ class Propagation:
             want = self.demand.get(v)
             if want is not None and want[i] != s:
                 total += self.price(v.aval, tuple(trial), i, want[i])
+            elif want is None and isinstance(s, Partial) and creates_partial:
+                # A partial value is reduced sooner or later: charge the cheapest reduction now,
+                # so a P output is not mistaken for a free one.
+                total += self.price(v.aval, tuple(trial), i, Split(0) if v.aval.shape else B)
         return total
 
     # ---------------------------------------------------------------- nested jaxprs

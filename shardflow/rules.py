@@ -57,13 +57,18 @@ def _all(n, sbp):
 # ------------------------------------------------------------------------------ elementwise
 
 def _elementwise(eqn, *, partial_ok: bool):
-    out_rank = rank(eqn.outvars[0])
-    sigs = []
-    for d in range(out_rank):
-        ins = tuple(S(d) if rank(x) == out_rank else B for x in eqn.invars)
-        sigs.append(Sig(ins, _all(len(eqn.outvars), S(d))))
-    if partial_ok and all(rank(x) == out_rank for x in eqn.invars):
-        sigs.append(Sig(_all(len(eqn.invars), P), _all(len(eqn.outvars), P)))
+    """Same-shape operands split alike. An operand broadcast along a dim (size 1 there, or a
+    scalar) stays B on that dim's axis."""
+    out_shape = shape(eqn.outvars[0])
+    n_out = len(eqn.outvars)
+
+    def operand_sbp(x, d):
+        return S(d) if rank(x) == len(out_shape) and shape(x)[d] == out_shape[d] else B
+
+    sigs = [Sig(tuple(operand_sbp(x, d) for x in eqn.invars), _all(n_out, S(d)))
+            for d in range(len(out_shape)) if out_shape[d] > 1]
+    if partial_ok and all(rank(x) == len(out_shape) for x in eqn.invars):
+        sigs.append(Sig(_all(len(eqn.invars), P), _all(n_out, P)))
     return sigs
 
 
@@ -149,8 +154,9 @@ def _cumulative(eqn):
 def _broadcast_in_dim(eqn):
     x = eqn.invars[0]
     out_shape, bdims = eqn.params["shape"], eqn.params["broadcast_dimensions"]
+    # No B -> S(new dim) signature: a broadcast of a B value stays B, and its users slice it
+    # for free where they need it split.
     sigs = [Sig((S(d),), (S(e),)) for d, e in enumerate(bdims) if shape(x)[d] == out_shape[e]]
-    sigs += [Sig((B,), (S(e),)) for e in range(len(out_shape)) if e not in bdims or shape(x)[bdims.index(e)] == 1]
     sigs.append(Sig((P,), (P,)))
     return sigs
 
@@ -240,9 +246,9 @@ def _split(eqn):
     return [Sig((S(d),), _all(n, S(d))) for d in range(rank(eqn.invars[0])) if d != axis] + [Sig((P,), _all(n, P))]
 
 
-@rule(lax.iota_p)
-def _iota(eqn):
-    return [Sig((), (S(d),)) for d in range(len(eqn.params["shape"]))]
+@rule(lax.iota_p, lax.rng_bit_generator_p)
+def _constants(eqn):
+    return []  # made whole (B); a user that needs a split slices it for free
 
 
 @rule(lax.sort_p)
