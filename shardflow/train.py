@@ -32,13 +32,17 @@ def configure_host_platform(n_devices: int = SIMULATED_CPU_DEVICES) -> None:
     asks JAX for devices; once backends exist it changes nothing.
     """
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" in flags or not _platform_is_cpu():
+    if ("xla_force_host_platform_device_count" in flags or not _platform_is_cpu()
+            or _jax_backends_initialized()):
         return
-    if "jax" in sys.modules:
-        from jax._src import xla_bridge
-        if xla_bridge.backends_are_initialized():
-            return
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_devices}".strip()
+
+
+def _jax_backends_initialized() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized()
 
 
 def _platform_is_cpu() -> bool:

@@ -1,0 +1,112 @@
+"""`shardflow train`: resume, cross-mesh restore, config errors, NaN stop, CLI and logs."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from shardflow import cli, config, train
+from test_models import ENGINE, data_dir, small_config  # noqa: F401  (data_dir is a fixture)
+
+
+def test_resume_gives_the_uninterrupted_loss_sequence(data_dir, tmp_path):
+    def cfg(out):
+        c = small_config(data_dir, out, steps=6, compute_dtype="bfloat16")
+        c.checkpoint.every = 3
+        return c
+
+    whole = train.train(cfg(tmp_path / "whole"), progress=False)["losses"]
+    first = train.train(cfg(tmp_path / "split"), progress=False, until=3)
+    assert sorted(first["losses"]) == [1, 2, 3]
+    second = train.train(cfg(tmp_path / "split"), progress=False)
+    assert second["start_step"] == 3 and sorted(second["losses"]) == [4, 5, 6]
+    assert [whole[s] for s in range(1, 7)] == [first["losses"][s] for s in (1, 2, 3)] + \
+        [second["losses"][s] for s in (4, 5, 6)]
+
+
+def test_restore_onto_a_different_mesh_gives_the_same_parameters(data_dir, tmp_path):
+    saved = small_config(data_dir, tmp_path, steps=2, strategy="dp", mesh={"data": 8})
+    saved.checkpoint.every = 2
+    params_dp = jax.device_get(train.train(saved, progress=False)["params"])
+
+    restored_cfg = small_config(data_dir, tmp_path, steps=2, strategy="tp",
+                                mesh={"data": 2, "model": 4})
+    restored_cfg.checkpoint.every = 2
+    result = train.train(restored_cfg, progress=False)
+    assert result["start_step"] == 2 and result["losses"] == {}
+    wq = result["params"]["layers"]["attn"]["wq"]
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "model", None)
+    jax.tree.map(np.testing.assert_array_equal, params_dp, jax.device_get(result["params"]))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optimiser.lr=1e-3"], "unknown config key 'optimiser'"),
+    (["optimizer.learning_rate=1e-3"], "unknown config key 'optimizer.learning_rate'"),
+    (["model.dim=3"], "unknown config key 'model.dim'"),
+    (["mesh={data: 4}"], "mesh {'data': 4} has 4 devices but 8 are available"),
+    (["batch_size=12"], "not divisible by the data axes"),
+    (["batch_size=16", "grad_accum=4"], "micro-batch 4"),
+    (["strategy=tp", "mesh={data: 8}"], "names mesh axis 'model'"),
+    (["strategy=tp", "mesh={data: 1, model: 8}", "model.n_kv_heads=2", "model.n_heads=4"],
+     "kv_heads.* does not divide|dimension 2 \\(size 2\\)"),
+    (["strategy=zero9"], "unknown strategy 'zero9'"),
+])
+def test_config_errors_are_clear_and_early(overrides, message, data_dir, tmp_path, monkeypatch):
+    compiles = []
+    monkeypatch.setattr(train, "parallelize_step", lambda *a, **k: compiles.append(1))
+    with pytest.raises(config.ConfigError, match=message):
+        cfg = config.load(None, overrides + [f"data.path={data_dir}"], out=str(tmp_path))
+        train.train(cfg, progress=False)
+    assert compiles == []
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):
+    cfg = small_config(data_dir, tmp_path, steps=8)
+    cfg.checkpoint.every = 2
+    cfg.optimizer.lr, cfg.optimizer.clip_norm, cfg.optimizer.warmup_steps = 1e30, 0.0, 0
+    result = train.train(cfg, progress=False)
+    assert result["stopped"] and "loss is" in result["stopped"]
+    bad = min(s for s, loss in result["losses"].items() if not np.isfinite(loss))
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and max(saved) < bad and f"step {max(saved)}" in result["stopped"]
+
+
+def test_cli_trains_and_writes_metrics_and_tensorboard(data_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = cli.main(["train", "--steps", "4", "--out", str(out), "--no-progress",
+                     "--set", f"data.path={data_dir}", "--set", f"engine={ENGINE}",
+                     "--set", "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8}",
+                     "--set", "batch_size=8", "--set", "data.seq_len=32", "--set", "log_every=2"])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    assert all(np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in records)
+    assert any(p.name.startswith("events.out.tfevents") for p in (out / "tb").iterdir())
+    assert "done: step 4" in capsys.readouterr().out
+
+
+def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
+    assert cli.main(["train", "--set", "nonsense=1", "--out", str(tmp_path)]) == 2
+    assert "config error: unknown config key 'nonsense'" in capsys.readouterr().err
+
+
+def test_prepare_command(tmp_path, capsys):
+    src = tmp_path / "a.txt"
+    src.write_text("hello world\n" * 100)
+    assert cli.main(["prepare", "--input", str(src), "--out", str(tmp_path / "d")]) == 0
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["train_tokens"] > 1000
+
+
+def test_cpu_platform_gets_simulated_devices(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setattr(train, "_jax_backends_initialized", lambda: False)  # as before JAX starts
+    train.configure_host_platform()
+    assert train.os.environ["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=8"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    train.configure_host_platform()
+    assert train.os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    train.configure_host_platform()
+    assert train.os.environ["XLA_FLAGS"] == ""
