@@ -21,7 +21,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False   # gpt2 always ties
     remat: str = "none"            # see REMAT_POLICIES
-    attention_impl: str = "ops"    # "ops" (shardflow.ops.attention) or "jax"
+    attention_impl: str = "ops"    # "ops" (shardflow.ops.attention); "jax"/"cudnn": reference only
     init_std: float = 0.02
 
     def __post_init__(self):

@@ -1,0 +1,113 @@
+"""Training throughput and MFU: shardflow vs a plain-JAX reference of the same model, same run.
+
+    python benchmarks/train_mfu.py                  # 1b at 8x4096, then 3b with remat (GPU)
+    python benchmarks/train_mfu.py --preset tiny    # end-to-end check on CPU
+
+shardflow: the `shardflow train` step (fp32 master weights, bf16 compute, AdamW + clipping,
+attention through shardflow.ops.attention) run by ``sf.parallelize``.
+reference: the same model and optimizer as one ``jax.jit`` program — scan over layers, cuDNN
+attention called directly (``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU),
+optax — i.e. what the plain-JAX numbers in ../shared/ANCHORS.md measure.
+
+Both run on the same random token batch, resident on device; the first steps (compilation)
+are not timed. MFU = tokens/s · FLOPs per token / (peak · devices), with FLOPs per token from
+shardflow.metrics.flops_per_token (6·N + causal attention).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+
+from shardflow.train import configure_host_platform
+
+CASES = {  # preset -> (batch, seq, remat), the ../shared/ANCHORS.md rows
+    "1b": (8, 4096, "none"),
+    "3b": (8, 4096, "dots"),
+    "tiny": (16, 256, "none"),
+}
+
+
+def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: int,
+            warmup: int, peak: float | None):
+    import jax
+    import numpy as np
+
+    from shardflow import config, metrics, train
+
+    on_gpu = jax.default_backend() == "gpu"
+    cfg = config.Config()
+    cfg.model = {"preset": preset, "remat": remat,
+                 "attention_impl": "ops" if engine == "shardflow" else
+                 ("cudnn" if on_gpu else "jax")}
+    cfg.engine = "shardflow" if engine == "shardflow" else "jit"
+    cfg.batch_size, cfg.data.seq_len, cfg.steps = batch, seq, warmup + steps
+    cfg.strategy, cfg.compute_dtype = "dp", "bfloat16"
+    run = train.setup(cfg)
+    params, opt_state = train.init_state(run)
+    step_fn = train.parallelize_step(
+        train.make_train_step(run.graphdef, run.optimizer, cfg.compute_dtype, 1),
+        cfg.engine, run.mesh, run.rules,
+        in_specs=(run.param_specs, run.opt_specs, run.batch_spec),
+        out_specs=(run.param_specs, run.opt_specs, None))
+    tokens = np.random.default_rng(0).integers(0, run.model_cfg.vocab_size, (1, batch, seq + 1))
+    sharding = run.shardings(run.batch_spec)
+    data = {"inputs": jax.device_put(tokens[..., :-1].astype(np.int32), sharding),
+            "targets": jax.device_put(tokens[..., 1:].astype(np.int32), sharding)}
+    for _ in range(warmup):
+        params, opt_state, out = step_fn(params, opt_state, data)
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    for _ in range(steps):
+        params, opt_state, out = step_fn(params, opt_state, data)
+    jax.block_until_ready(out)
+    elapsed = time.perf_counter() - start
+    tok_s = steps * batch * seq / elapsed
+    flops = metrics.flops_per_token(run.model_cfg, run.n_params, seq)
+    peak = metrics.peak_flops(jax.devices()[0], peak)
+    mfu = tok_s * flops / (peak * jax.device_count()) if peak else None
+    return {"tokens_per_s": tok_s, "mfu": mfu, "loss": float(out["loss"]),
+            "params": run.n_params, "step_s": elapsed / steps}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", action="append", choices=sorted(CASES),
+                        help="model preset (repeatable); default: 1b and 3b")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation)")
+    parser.add_argument("--batch", type=int, help="override the preset's batch")
+    parser.add_argument("--seq", type=int, help="override the preset's sequence length")
+    parser.add_argument("--peak-flops", type=float, help="per-device peak (default: known GPUs)")
+    args = parser.parse_args(argv)
+    configure_host_platform()
+    import jax
+
+    print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}")
+    for preset in args.preset or ["1b", "3b"]:
+        batch, seq, remat = CASES[preset]
+        batch, seq = args.batch or batch, args.seq or seq
+        results = {}
+        for engine in ("reference", "shardflow"):
+            try:
+                results[engine] = measure(preset, batch, seq, remat, engine, args.steps,
+                                          args.warmup, args.peak_flops)
+            except Exception as e:  # report and go on: the other engine's number still counts
+                traceback.print_exc()
+                results[engine] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        print(f"\n{preset}  batch {batch} x {seq}  remat {remat}")
+        for engine, r in results.items():
+            if "error" in r:
+                print(f"  {engine:10s} FAILED  {r['error']}")
+                continue
+            mfu = f"{100 * r['mfu']:.1f} %" if r["mfu"] is not None else "n/a"
+            print(f"  {engine:10s} {r['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>7s}  "
+                  f"step {1e3 * r['step_s']:8.1f} ms  loss {r['loss']:.3f}  "
+                  f"params {r['params'] / 1e9:.2f} B")
+        if all("error" not in r for r in results.values()):
+            ratio = results["shardflow"]["tokens_per_s"] / results["reference"]["tokens_per_s"]
+            print(f"  ratio shardflow / reference: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
