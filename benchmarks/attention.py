@@ -227,7 +227,7 @@ def run_sweep(args):
     q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim)
     for causal in (False, True):
       flops = attention_flops(batch, seq, hq, dim, causal)
-      base = flash_attention_gpu.default_block_sizes(dim)
+      base = flash_attention_gpu.default_block_sizes(dim, causal)
       fwd = jax.jit(lambda q, k, v: flash_attention_gpu.forward(q, k, v, None, 0, causal=causal,
                                                                 scale=dim ** -0.5))
       out, lse = fwd(q, k, v)
@@ -257,11 +257,57 @@ def run_sweep(args):
                   f"{type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
+def _patched_attention_mgpu():
+  """JAX's Mosaic GPU attention with its float16-only shared-memory buffers made dtype-generic
+  (jax 0.11.2 allocates them as float16, so bfloat16 inputs fail). Probe only."""
+  import types
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+  source = Path(attention_mgpu.__file__).read_text()
+  source = source.replace("head_dim), jnp.float16,", "head_dim), dtype,")
+  module = types.ModuleType("attention_mgpu_patched")
+  module.__file__ = attention_mgpu.__file__
+  sys.modules[module.__name__] = module  # dataclasses look their module up there
+  exec(compile(source, "attention_mgpu_patched", "exec"), module.__dict__)
+  return module
+
+
+def run_probe_mgpu(args):
+  """JAX's own Mosaic GPU (FA3-style) kernel, to see what that lowering reaches here."""
+  attention_mgpu = _patched_attention_mgpu()
+  for batch, seq, hq, hkv, dim in [(4, 4096, 16, 16, 128), (1, 16384, 16, 16, 128),
+                                   (8, 2048, 32, 32, 64)]:
+    q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim)
+    for causal in (False, True):
+      flops = attention_flops(batch, seq, hq, dim, causal)
+      for block_kv, bwd_blocks in ((128, 64), (64, 64), (128, 128)):
+        config = attention_mgpu.TuningConfig(
+            block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=causal,
+            block_q_dkv=bwd_blocks, block_kv_dkv=bwd_blocks, block_q_dq=bwd_blocks,
+            block_kv_dq=bwd_blocks)
+        fn = lambda q, k, v, config=config: attention_mgpu.attention(q, k, v, config)
+        fwd, fwd_bwd = fwd_and_fwd_bwd(fn)
+        try:
+          out = fwd(q, k, v)
+          ref, _ = reference(q[:1, :1024], k[:1, :1024], v[:1, :1024], causal=causal,
+                             scale=dim ** -0.5, segment_ids=None, q_offset=0, kv_offset=0)
+          err = rel_err(fwd(q[:1, :1024], k[:1, :1024], v[:1, :1024]), ref)
+          t = median_seconds(fwd, (q, k, v), warmup=2, iters=args.iters)
+          msg = f"fwd {flops / t / 1e12:.0f} TFLOP/s (err {err:.1e})"
+          if not causal:
+            t = median_seconds(fwd_bwd, (q, k, v, dout), warmup=2, iters=args.iters)
+            msg += f", fwd+bwd {3.5 * flops / t / 1e12:.0f}"
+        except Exception as e:
+          msg = f"failed: {type(e).__name__}: {str(e)[:300]}"
+        print(f"mgpu {batch},{seq},{hq},{dim} causal={causal} block_kv={block_kv} "
+              f"bwd_blocks={bwd_blocks}: {msg}", flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--check", action="store_true")
   parser.add_argument("--sweep", action="store_true")
+  parser.add_argument("--probe-mgpu", action="store_true")
   parser.add_argument("--table", action="store_true", help="the benchmark table (default)")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--iters", type=int, default=20)
@@ -272,7 +318,9 @@ def main():
     failures = run_check(args)
   if args.sweep:
     run_sweep(args)
-  if args.table or not (args.check or args.sweep):
+  if args.probe_mgpu:
+    run_probe_mgpu(args)
+  if args.table or not (args.check or args.sweep or args.probe_mgpu):
     run_table(args)
   sys.exit(1 if failures else 0)
 

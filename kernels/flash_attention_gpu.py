@@ -33,25 +33,32 @@ from .attention_common import LN_2, LOG2_E
 
 @dataclasses.dataclass(frozen=True)
 class GpuBlockSizes:
-  """Tile sizes and Triton launch parameters; see `default_block_sizes`."""
-  fwd_block_q: int = 128
-  fwd_block_k: int = 64
-  fwd_num_warps: int = 8
-  fwd_num_stages: int = 3
-  dq_block_q: int = 128
-  dq_block_k: int = 64
-  dq_num_warps: int = 8
-  dq_num_stages: int = 2
-  dkv_block_q: int = 64
-  dkv_block_k: int = 128
-  dkv_num_warps: int = 8
-  dkv_num_stages: int = 2
+  """Tile sizes and Triton launch parameters of the three kernels."""
+  fwd_block_q: int
+  fwd_block_k: int
+  fwd_num_warps: int
+  fwd_num_stages: int
+  dq_block_q: int
+  dq_block_k: int
+  dq_num_warps: int
+  dq_num_stages: int
+  dkv_block_q: int
+  dkv_block_k: int
+  dkv_num_warps: int
+  dkv_num_stages: int
 
 
-def default_block_sizes(head_dim: int) -> GpuBlockSizes:
+def default_block_sizes(head_dim: int, causal: bool) -> GpuBlockSizes:
+  """Best of the sweep in benchmarks/attention.py on an H200 (results/attention.md)."""
   if head_dim <= 64:
-    return GpuBlockSizes(fwd_num_warps=4, dq_num_warps=4, dkv_num_warps=4)
-  return GpuBlockSizes()
+    return GpuBlockSizes(
+        fwd_block_q=128 if causal else 64, fwd_block_k=64, fwd_num_warps=4, fwd_num_stages=3,
+        dq_block_q=64, dq_block_k=64, dq_num_warps=4, dq_num_stages=3,
+        dkv_block_q=64, dkv_block_k=64, dkv_num_warps=4, dkv_num_stages=3)
+  return GpuBlockSizes(
+      fwd_block_q=128, fwd_block_k=128 if causal else 64, fwd_num_warps=8, fwd_num_stages=3,
+      dq_block_q=128, dq_block_k=64, dq_num_warps=8, dq_num_stages=3,
+      dkv_block_q=64, dkv_block_k=128, dkv_num_warps=8, dkv_num_stages=3)
 
 
 def _dot(a, b, *, transpose_b=False, precision):
@@ -158,7 +165,7 @@ def forward(q, k, v, segment_ids, offset_delta, *, causal: bool, scale: float,
             block_sizes: GpuBlockSizes | None = None, interpret: bool = False):
   """Returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32)."""
   batch, q_len, heads_q, head_dim = q.shape
-  bs = block_sizes or default_block_sizes(head_dim)
+  bs = block_sizes or default_block_sizes(head_dim, causal)
   block_q, block_k = bs.fwd_block_q, bs.fwd_block_k
   geo = _Geometry.of(q, k, block_q, block_k)
   qp = _pad(q, geo.q_len_padded, geo.head_dim_padded)
@@ -307,7 +314,7 @@ def backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal: bool
   """Returns (dq, dk, dv) in the dtypes of q, k, v."""
   batch, q_len, heads_q, head_dim = q.shape
   heads_kv = k.shape[2]
-  bs = block_sizes or default_block_sizes(head_dim)
+  bs = block_sizes or default_block_sizes(head_dim, causal)
   multiple_q = max(bs.dq_block_q, bs.dkv_block_q)
   multiple_k = max(bs.dq_block_k, bs.dkv_block_k)
   geo = _Geometry.of(q, k, multiple_q, multiple_k)
