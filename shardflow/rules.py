@@ -246,11 +246,6 @@ def _split(eqn):
     return [Sig((S(d),), _all(n, S(d))) for d in range(rank(eqn.invars[0])) if d != axis] + [Sig((P,), _all(n, P))]
 
 
-@rule(lax.iota_p, lax.rng_bit_generator_p)
-def _constants(eqn):
-    return []  # made whole (B); a user that needs a split slices it for free
-
-
 @rule(lax.sort_p)
 def _sort(eqn):
     n, dim = len(eqn.invars), eqn.params["dimension"]
@@ -349,7 +344,9 @@ def signatures(eqn):
         named = NAMED_CALL_RULES.get(str(eqn.params.get("name")))
         return named(eqn) if named else None
     fn = RULES.get(eqn.primitive)
-    return None if fn is None else fn(eqn)
+    if fn is None:
+        return [] if not eqn.invars else None  # made from nothing (iota, empty, rng): whole, B
+    return fn(eqn)
 
 
 JIT_P = _jit_p

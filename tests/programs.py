@@ -77,9 +77,14 @@ def mlp(x, p):
     return jax.nn.gelu(x @ p["w1"]) @ p["w2"]
 
 
-def decoder_layer(x, p, cfg: Cfg):
-    x = x + gqa_attention(rmsnorm(x, p["ln1"]), p, cfg)
-    return x + swiglu(rmsnorm(x, p["ln2"]), p)
+def identity(x):
+    return x
+
+
+def decoder_layer(x, p, cfg: Cfg, pin=identity):
+    """``pin`` marks the activations between blocks (sequence parallelism pins them S(seq))."""
+    x = pin(x + gqa_attention(rmsnorm(x, p["ln1"]), p, cfg))
+    return pin(x + swiglu(rmsnorm(x, p["ln2"]), p))
 
 
 def cross_entropy(logits, targets):
@@ -104,14 +109,16 @@ def llama_params(cfg: Cfg, seed=0):
             "unembed": (r.standard_normal((cfg.dim, cfg.vocab)) / np.sqrt(cfg.dim)).astype(np.float32)}
 
 
-def llama_loss(params, tokens, targets, cfg: Cfg):
-    x = params["embed"][tokens]
-    x = decoder_layer(x, params["layer"], cfg)
+def llama_loss(params, tokens, targets, cfg: Cfg, pin=identity):
+    x = pin(params["embed"][tokens])
+    x = decoder_layer(x, params["layer"], cfg, pin)
     logits = rmsnorm(x, params["norm"]) @ params["unembed"]
     return cross_entropy(logits, targets)
 
 
-OPTIMIZER = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1))
+# eps=1e-6 rather than 1e-8: Adam's m/sqrt(v) maps a gradient entry near 1e-8 to about ±lr
+# whatever its value, so summation-order noise in such entries would swamp an rtol=1e-5 oracle.
+OPTIMIZER = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, eps=1e-6, weight_decay=0.1))
 
 
 def make_train_step(loss_fn):
@@ -187,3 +194,123 @@ def activation_spec(strategy, mesh) -> PS:
 def opt_state_specs(opt_state, params, p_specs):
     return optax.tree_map_params(OPTIMIZER, lambda _, s: s, opt_state, p_specs,
                                  transform_non_params=lambda _: PS())
+
+
+def pin_for(strategy, mesh):
+    """The activation pin of a strategy: sequence parallelism constrains [batch, seq, dim] values."""
+    import shardflow as sf
+    if axes_roles(strategy, mesh)[3]:
+        spec = activation_spec(strategy, mesh)
+        return lambda x: sf.constrain(x, spec)
+    return identity
+
+
+# ------------------------------------------------------------------------------ test cases
+# Each builder: (strategy, mesh) -> (fn, args, in_specs, out_specs), fn a single-device program.
+
+def case_mlp(strategy, mesh, cfg=Cfg()):
+    r = rng(2)
+    params = {"w1": (r.standard_normal((cfg.dim, cfg.ffn)) / 6).astype(np.float32),
+              "w2": (r.standard_normal((cfg.ffn, cfg.dim)) / 8).astype(np.float32)}
+    x = r.standard_normal((cfg.batch, cfg.seq, cfg.dim)).astype(np.float32)
+    pin = pin_for(strategy, mesh)
+
+    def fn(params, x):
+        loss = lambda p: jnp.mean(pin(x + mlp(pin(x), p)) ** 2)
+        return jax.value_and_grad(loss)(params)
+
+    ps = param_specs(params, strategy, mesh)
+    return fn, (params, x), (ps, batch_spec(strategy, mesh, 3)), (PS(), ps)
+
+
+def case_attention(strategy, mesh, cfg=Cfg()):
+    params = layer_params(cfg, rng(3))
+    params = {k: params[k] for k in ("wq", "wk", "wv", "wo", "ln1")}
+    x = rng(4).standard_normal((cfg.batch, cfg.seq, cfg.dim)).astype(np.float32)
+    pin = pin_for(strategy, mesh)
+
+    def fn(params, x):
+        loss = lambda p: jnp.mean(pin(x + gqa_attention(rmsnorm(pin(x), p["ln1"]), p, cfg)) ** 2)
+        return jax.value_and_grad(loss)(params)
+
+    ps = param_specs(params, strategy, mesh)
+    return fn, (params, x), (ps, batch_spec(strategy, mesh, 3)), (PS(), ps)
+
+
+def case_llama_step(strategy, mesh, cfg=Cfg()):
+    params = llama_params(cfg)
+    opt_state = OPTIMIZER.init(params)
+    pin = pin_for(strategy, mesh)
+    step = make_train_step(lambda p, a, b: llama_loss(p, a, b, cfg, pin))
+    ps = param_specs(params, strategy, mesh)
+    os_ = opt_state_specs(opt_state, params, ps)
+    bs = batch_spec(strategy, mesh)
+    return step, (params, opt_state, *tokens(cfg)), (ps, os_, bs, bs), (ps, os_, PS())
+
+
+def case_vocab_ce(strategy, mesh, cfg=Cfg()):
+    full = llama_params(cfg)
+    params = {"embed": full["embed"], "unembed": full["unembed"]}
+
+    def fn(params, toks, targets):
+        def loss(p):
+            x = jnp.tanh(p["embed"][toks])
+            return cross_entropy(x @ p["unembed"], targets)
+        return jax.value_and_grad(loss)(params)
+
+    ps = param_specs(params, strategy, mesh)
+    bs = batch_spec(strategy, mesh)
+    return fn, (params, *tokens(cfg)), (ps, bs, bs), (PS(), ps)
+
+
+def case_scan(strategy, mesh, cfg=Cfg()):
+    r = rng(5)
+    layers = [layer_params(cfg, r) for _ in range(cfg.layers)]
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *layers)
+    params = {"embed": llama_params(cfg)["embed"], "layers": stacked, "unembed": llama_params(cfg)["unembed"]}
+    opt_state = OPTIMIZER.init(params)
+    pin = pin_for(strategy, mesh)
+
+    def loss(p, toks, targets):
+        x = pin(p["embed"][toks])
+        x, _ = lax.scan(lambda h, lp: (decoder_layer(h, lp, cfg, pin), None), x, p["layers"])
+        return cross_entropy(x @ p["unembed"], targets)
+
+    step = make_train_step(loss)
+    flat = param_specs({"embed": params["embed"], "unembed": params["unembed"], **layers[0]}, strategy, mesh)
+    ps = {"embed": flat["embed"], "unembed": flat["unembed"],
+          "layers": {k: PS(None, *flat[k]) for k in layers[0]}}
+    os_ = opt_state_specs(opt_state, params, ps)
+    bs = batch_spec(strategy, mesh)
+    return step, (params, opt_state, *tokens(cfg)), (ps, os_, bs, bs), (ps, os_, PS())
+
+
+def case_cond(strategy, mesh, cfg=Cfg()):
+    fn0, args, in_specs, out_specs = case_mlp(strategy, mesh, cfg)
+    pin = pin_for(strategy, mesh)
+
+    def fn(params, x):
+        def loss(p):
+            y = lax.cond(jnp.mean(x) > 0, lambda: mlp(pin(x), p), lambda: -mlp(pin(x), p) * 0.5)
+            return jnp.mean(pin(x + y) ** 2)
+        return jax.value_and_grad(loss)(params)
+
+    return fn, args, in_specs, out_specs
+
+
+def case_while(strategy, mesh, cfg=Cfg()):
+    _, args, in_specs, _ = case_mlp(strategy, mesh, cfg)
+    pin = pin_for(strategy, mesh)
+
+    def fn(params, x):
+        def body(state):
+            i, h = state
+            return i + 1, pin(h + 0.1 * mlp(pin(h), params))
+        _, h = lax.while_loop(lambda s: (s[0] < 3) & (jnp.max(jnp.abs(s[1])) < 1e6), body, (0, x))
+        return h
+
+    return fn, args, in_specs, batch_spec(strategy, mesh, 3)
+
+
+CASES = {"mlp": case_mlp, "attention": case_attention, "llama_step": case_llama_step,
+         "vocab_ce": case_vocab_ce, "scan": case_scan, "cond": case_cond, "while": case_while}

@@ -1,0 +1,34 @@
+"""The oracle: a parallelized program equals the same program on one device."""
+import jax
+import numpy as np
+import pytest
+
+import shardflow as sf
+from programs import CASES, STRATEGIES
+
+MESHES = {"8": {"data": 8}, "2x4": {"data": 2, "model": 4}, "4x2": {"data": 4, "model": 2}}
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
+    actual_leaves, expected_leaves = jax.tree.leaves(actual), jax.tree.leaves(expected)
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(actual_leaves, expected_leaves):
+        e = np.asarray(e)
+        scale = max(1.0, float(np.max(np.abs(e)))) if e.size else 1.0
+        np.testing.assert_allclose(np.asarray(a), e, rtol=rtol, atol=atol * scale)
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("case", CASES)
+def test_parallelized_equals_single_device(case, strategy, mesh_name):
+    mesh = sf.make_mesh(MESHES[mesh_name])
+    fn, args, in_specs, out_specs = CASES[case](strategy, mesh)
+    expected = jax.jit(fn)(*args)
+    f = sf.parallelize(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    actual = f(*args)
+    assert_trees_close(actual, expected)
+    plan = f.explain(*args)
+    assert not plan.fallbacks, plan.fallbacks
+    for leaf, spec in zip(jax.tree.leaves(actual), jax.tree.leaves(out_specs, is_leaf=lambda x: x is None)):
+        assert leaf.sharding.mesh == mesh
