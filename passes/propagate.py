@@ -327,6 +327,11 @@ _HANDLERS = {
 }
 
 
+def reduced(sbp):
+    """An output left to propagation is never partial: P axes become B."""
+    return tuple(B if isinstance(s, Partial) else s for s in sbp)
+
+
 def propagate(program: Program) -> Program:
     prop = Propagation(program)
     jaxpr = program.jaxpr.jaxpr
@@ -336,6 +341,6 @@ def propagate(program: Program) -> Program:
     for v, s in zip(jaxpr.invars, program.in_sbp):
         prop.set(v, s, "in_specs")
     prop.run(jaxpr)
-    prop.results[id(jaxpr)] = tuple(s if s is not None else prop.of(v)
+    prop.results[id(jaxpr)] = tuple(s if s is not None else reduced(prop.of(v))
                                     for v, s in zip(jaxpr.outvars, program.out_sbp))
     return program.replace(sbp=prop.sbp, uses=prop.uses, results=prop.results, fallbacks=prop.fallbacks)

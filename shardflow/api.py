@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Callable
 
 import jax
@@ -64,15 +65,16 @@ class Parallelized:
     def _build(self, args, in_tree, avals) -> Compiled:
         paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(args)[0]]
         names = tuple(f"args{p}" for p in paths)
+        where = _definition(self.fn)
         in_specs = _flat_specs(self.in_specs, args, "in_specs", paths)
         in_sbp = []
         for name, aval, spec in zip(names, avals, in_specs):
-            what = f"argument {name} {describe(aval)}"
+            what = f"argument {name} {describe(aval)} of {where}"
             sbp = to_sbp(spec, self.mesh, len(aval.shape), what=what)
             if any(isinstance(s, Partial) for s in sbp):
                 raise ShardingError(f"{what}: in_specs {format_sbp(sbp)} has P; inputs are whole values "
                                     "(pass them B or S)")
-            check_divisible(aval.shape, aval.dtype, sbp, self.mesh, what="argument " + name)
+            check_divisible(aval.shape, aval.dtype, sbp, self.mesh, what=f"argument {name}", source=where)
             in_sbp.append(sbp)
 
         def flat_fn(*flat):
@@ -98,13 +100,14 @@ class Parallelized:
         except ValueError as e:
             raise ShardingError(f"out_specs {self.out_specs!r} do not match the output tree {out_tree}: {e}") from None
         sbp = []
+        where = _definition(self.fn)
         for i, (v, spec) in enumerate(zip(outs, flat)):
-            what = f"output {i} {describe(v.aval)}"
+            what = f"output {i} {describe(v.aval)} of {where}"
             s = to_sbp(spec, self.mesh, len(v.aval.shape), what=what)
             if any(isinstance(a, Partial) for a in s):
                 raise ShardingError(f"{what}: out_specs {format_sbp(s)} asks for P; partial outputs are not "
                                     "supported yet — outputs are reduced")
-            check_divisible(v.aval.shape, v.aval.dtype, s, self.mesh, what=f"output {i}")
+            check_divisible(v.aval.shape, v.aval.dtype, s, self.mesh, what=f"output {i}", source=where)
             sbp.append(s)
         return tuple(sbp)
 
@@ -128,6 +131,15 @@ class Parallelized:
     def program(self, *args) -> Program:
         """The boxed Program (a jaxpr with explicit ``sf_box`` conversions), for inspection."""
         return self._compile(args).program
+
+
+def _definition(fn) -> str:
+    """``name (file.py:LINE)`` of the user's function, for errors about its arguments/outputs."""
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if code is None:
+        return name
+    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 
 
 def _dtype(x):

@@ -1,0 +1,132 @@
+"""SBP <-> PartitionSpec, and every refusal a user can meet, with what it must name."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as PS
+
+import shardflow as sf
+from shardflow.specs import parse_sbp_string
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return sf.make_mesh({"data": 2, "model": 4})
+
+
+def test_sbp_forms_agree(mesh):
+    assert sf.to_sbp("S(0), B", mesh) == (sf.S(0), sf.B)
+    assert sf.to_sbp((sf.S(1), sf.P), mesh) == (sf.S(1), sf.P)
+    assert sf.to_sbp("B, P(max)", mesh) == (sf.B, sf.P("max"))
+    assert sf.to_sbp(PS("data", "model"), mesh, 2) == (sf.S(0), sf.S(1))
+    assert sf.to_sbp(PS(("data", "model")), mesh, 2) == (sf.S(0), sf.S(0))
+    assert sf.to_sbp(PS(None, "data", unreduced={"model"}), mesh, 2) == (sf.S(1), sf.P)
+    assert sf.to_sbp(None, mesh) == (sf.B, sf.B)
+    assert parse_sbp_string("S(2),P") == (sf.S(2), sf.P)
+
+
+@pytest.mark.parametrize("sbp", [(sf.S(0), sf.B), (sf.B, sf.S(1)), (sf.S(1), sf.S(0)), (sf.S(0), sf.S(0)),
+                                 (sf.B, sf.B), (sf.P, sf.S(0)), (sf.B, sf.P)])
+def test_partition_spec_round_trip(mesh, sbp):
+    assert sf.to_sbp(sf.to_partition_spec(sbp, mesh, 2), mesh, 2) == sbp
+
+
+def test_make_mesh_refuses_too_many_devices():
+    with pytest.raises(sf.ShardingError, match="needs 16 devices"):
+        sf.make_mesh({"data": 16})
+
+
+# ------------------------------------------------------------------------------ bad input
+
+def double(x):
+    return x * 2
+
+
+def run(mesh, in_specs, *args, fn=double, out_specs=None):
+    return sf.parallelize(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+
+
+X = np.ones((8, 12), np.float32)
+
+
+def test_unknown_mesh_axis(mesh):
+    with pytest.raises(sf.ShardingError, match=r"float32\[8, 12\] of double \(test_specs.py:\d+\): unknown mesh axis 'tensor'"):
+        run(mesh, PS("tensor"), X)
+
+
+def test_partition_spec_longer_than_rank(mesh):
+    with pytest.raises(sf.ShardingError, match=r"float32\[8, 12\].*longer than the tensor's rank 2"):
+        run(mesh, PS("data", None, "model"), X)
+
+
+def test_split_dim_out_of_range(mesh):
+    with pytest.raises(sf.ShardingError, match=r"float32\[8, 12\].*S\(2\) on mesh axis 'data'.*rank 2"):
+        run(mesh, "S(2), B", X)
+
+
+def test_mesh_axis_used_twice(mesh):
+    with pytest.raises(sf.ShardingError, match=r"float32\[8, 12\].*'data' is used twice"):
+        run(mesh, PS("data", "data"), X)
+
+
+def test_indivisible_dimension_is_never_replicated(mesh):
+    with pytest.raises(sf.ShardingError, match=r"float32\[6, 12\] at double \(test_specs.py:\d+\): dim 0 of size 6 is not divisible by 4"):
+        run(mesh, PS("model"), np.ones((6, 12), np.float32))
+
+
+def test_indivisible_output_spec(mesh):
+    with pytest.raises(sf.ShardingError, match=r"output 0 float32\[8, 12\].*dim 1 of size 12.*8"):
+        run(mesh, PS(), X, out_specs=PS(None, ("data", "model")))
+
+
+def test_sbp_with_wrong_number_of_axes(mesh):
+    with pytest.raises(sf.ShardingError, match=r"float32\[8, 12\].*has 1 entries but mesh axes"):
+        run(mesh, "S(0)", X)
+
+
+def test_in_specs_not_matching_argument_tree(mesh):
+    with pytest.raises(sf.ShardingError, match="in_specs .* do not match"):
+        run(mesh, (PS("data"), PS("data")), X, fn=double)
+
+
+def test_conflicting_constraints_name_both_lines(mesh):
+    def fn(x):
+        y = sf.constrain(x, PS("data"))
+        z = sf.constrain(x, PS(None, "model"))
+        return y + z
+
+    with pytest.raises(sf.ShardingError, match=r"conflicting constraints on float32\[8, 12\].*test_specs.py:\d+.*test_specs.py:\d+"):
+        run(mesh, PS(), X, fn=fn)
+
+
+def test_bad_constraint_names_the_source_line(mesh):
+    def fn(x):
+        return sf.constrain(x * 3, PS("model")) + 1
+
+    with pytest.raises(sf.ShardingError, match=r"float32\[6, 12\] at test_specs.py:\d+.*not divisible by 4"):
+        run(mesh, PS(), np.ones((6, 12), np.float32), fn=fn)
+
+
+def test_partial_inputs_are_refused(mesh):
+    with pytest.raises(sf.ShardingError, match=r"float32\[8, 12\].*has P"):
+        run(mesh, "P, B", X)
+
+
+def test_constrain_is_the_identity_outside_parallelize():
+    x = jnp.arange(6.0)
+    np.testing.assert_array_equal(sf.constrain(x, PS("data")), x)
+    np.testing.assert_array_equal(jax.jit(lambda x: sf.constrain(x, "S(0)") * 2)(x), x * 2)
+    g = jax.grad(lambda x: jnp.sum(sf.constrain(x, PS("data")) ** 2))(x)
+    np.testing.assert_allclose(g, 2 * x)
+
+
+def test_decorator_form_and_inputs_of_any_sharding(mesh):
+    @sf.parallelize(mesh=mesh, in_specs=PS("data", "model"))
+    def f(x):
+        return jnp.tanh(x) @ x.T
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 12)), jnp.float32)
+    x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, PS("model")))
+    out = f(x_sharded)
+    np.testing.assert_allclose(np.asarray(out), np.tanh(x) @ x.T, rtol=1e-5, atol=1e-5)
+    assert out.sharding.mesh == mesh
