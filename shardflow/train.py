@@ -382,6 +382,9 @@ def run_from_args(args) -> int:
         first, last = losses[min(losses)], losses[max(losses)]
         print(f"done: step {max(losses)}, loss {first:.3f} (step {min(losses)}) -> {last:.3f}; "
               f"metrics in {Path(cfg.out) / 'metrics.jsonl'}")
+    else:
+        print(f"nothing to train: {cfg.out} already holds a checkpoint at step "
+              f"{summary['start_step']} of {cfg.steps} (raise --steps or pick another --out)")
     return 0
 
 
