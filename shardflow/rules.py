@@ -200,6 +200,12 @@ def _transpose(eqn):
     return [Sig((S(p),), (S(i),)) for i, p in enumerate(perm)] + [Sig((P,), (P,))]
 
 
+@rule(lax.rev_p)
+def _rev(eqn):
+    dims = eqn.params["dimensions"]
+    return [Sig((S(d),), (S(d),)) for d in range(rank(eqn.invars[0])) if d not in dims] + [Sig((P,), (P,))]
+
+
 @rule(lax.squeeze_p)
 def _squeeze(eqn):
     dims = eqn.params["dimensions"]

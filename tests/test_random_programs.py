@@ -1,0 +1,128 @@
+"""Hypothesis: random small programs under random specs equal themselves on one device, and
+every conversion between two NdSbps preserves the value and costs what the table says."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shardflow as sf
+from shardflow import conversion
+from shardflow.specs import B, P, S, Partial
+
+EXAMPLES = int(os.environ.get("SHARDFLOW_HYPOTHESIS_EXAMPLES", "200"))
+MESH = sf.make_mesh({"data": 2, "model": 4})
+SBP_1D = st.sampled_from([B, S(0), S(1)])
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+
+
+def nd_sbp(rank=2, partial=False):
+    atoms = [B, P] + [S(d) for d in range(rank)] if partial else [B] + [S(d) for d in range(rank)]
+    return st.tuples(st.sampled_from(atoms), st.sampled_from(atoms))
+
+
+# ------------------------------------------------------------------------------ conversions
+
+@settings(max_examples=60, **SETTINGS)
+@given(src=nd_sbp(partial=True), dst=nd_sbp(partial=False))
+def test_every_conversion_preserves_the_value(src, dst):
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+
+    def fn(x):
+        return sf.constrain(sf.constrain(x, src) * 1.5, dst)
+
+    out = sf.parallelize(fn, mesh=MESH, in_specs=(None,), out_specs=dst)(x)
+    np.testing.assert_allclose(np.asarray(out), x * 1.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("src, dst, kind, factor", [
+    ((S(0), B), (B, B), "all_gather", 1 / 2),            # (n-1)/n of the gathered tensor
+    ((P, B), (B, B), "all_reduce", 2 * 1 / 2),           # 2(n-1)/n
+    ((B, P), (B, S(1)), "reduce_scatter", 3 / 4),        # (n-1)/n of the reduced tensor
+    ((B, S(0)), (B, S(1)), "all_to_all", 3 / 4 / 4),     # (n-1)/n of the local block
+    ((B, B), (S(0), S(1)), None, 0),                     # local slices
+])
+def test_conversion_bytes_follow_the_table(src, dst, kind, factor):
+    steps = conversion.plan((8, 16), np.float32, src, dst, MESH)
+    sent = conversion.total_bytes(steps)
+    assert sent == int(round(factor * 8 * 16 * 4))
+    assert [s.kind for s in steps if s.is_collective] == ([kind] if kind else [])
+
+
+# ------------------------------------------------------------------------------ random programs
+
+SHAPES = {"a": (8, 16), "b": (16, 8), "c": (8, 16)}
+
+
+def _ops():
+    unary = {
+        "tanh": jnp.tanh, "exp": lambda x: jnp.exp(0.1 * x), "square": lambda x: x * x * 0.5,
+        "neg": jnp.negative, "cumsum0": lambda x: jnp.cumsum(x, 0) * 0.1,
+        "cumsum1": lambda x: jnp.cumsum(x, 1) * 0.1, "softmax0": lambda x: jax.nn.softmax(x, 0),
+        "softmax1": lambda x: jax.nn.softmax(x, 1), "center0": lambda x: x - jnp.mean(x, 0, keepdims=True),
+        "center1": lambda x: x - jnp.max(x, 1, keepdims=True), "T": lambda x: x.T,
+        "reshape": lambda x: x.reshape(x.shape[1], x.shape[0]),
+        "split_merge": lambda x: x.reshape(x.shape[0], 4, x.shape[1] // 4).sum(-1).repeat(4, 1),
+        "concat_slice": lambda x: jnp.concatenate([x, 2 * x], 0)[x.shape[0]:],
+        "take": lambda x: x[jnp.arange(x.shape[0])[::-1] % x.shape[0]],
+        "pad_slice": lambda x: jnp.pad(x, ((0, 0), (1, 1)))[:, 1:-1],
+    }
+    binary = {"add": jnp.add, "mul": jnp.multiply, "sub": jnp.subtract, "max": jnp.maximum}
+    return unary, binary
+
+
+UNARY, BINARY = _ops()
+STEP = st.one_of(
+    st.tuples(st.just("unary"), st.sampled_from(sorted(UNARY)), st.integers(0, 50)),
+    st.tuples(st.just("binary"), st.sampled_from(sorted(BINARY)), st.integers(0, 50), st.integers(0, 50)),
+    st.tuples(st.just("matmul"), st.integers(0, 50), st.integers(0, 50)),
+    st.tuples(st.just("constrain"), st.integers(0, 50), nd_sbp()),
+)
+
+
+def build(steps):
+    def fn(a, b, c):
+        pool = [a, b, c]
+
+        def pick(i, shape=None):
+            cands = [v for v in pool if shape is None or v.shape == shape]
+            return cands[i % len(cands)] if cands else None
+
+        for step in steps:
+            kind = step[0]
+            if kind == "unary":
+                pool.append(UNARY[step[1]](pick(step[2])))
+            elif kind == "binary":
+                x = pick(step[2])
+                y = pick(step[3], x.shape)
+                pool.append(BINARY[step[1]](x, y))
+            elif kind == "matmul":
+                x = pick(step[1])
+                y = pick(step[2], (x.shape[1], x.shape[0]))
+                if y is not None:
+                    pool.append(jnp.tanh(x @ y / x.shape[1]))
+            else:  # pin a value, once: later steps see only the pinned version
+                x = pick(step[1])
+                k = next(i for i, v in enumerate(pool) if v is x)
+                pool[k] = sf.constrain(x, step[2])
+        return pool[-1], sum(jnp.sum(v) for v in pool[3:]) if len(pool) > 3 else jnp.sum(a)
+
+    return fn
+
+
+@settings(max_examples=EXAMPLES, **SETTINGS)
+@given(steps=st.lists(STEP, min_size=1, max_size=6),
+       specs=st.tuples(nd_sbp(), nd_sbp(), nd_sbp()))
+def test_random_program_equals_single_device(steps, specs):
+    r = np.random.default_rng(0)
+    args = [r.standard_normal(SHAPES[k]).astype(np.float32) for k in "abc"]
+    fn = build(steps)
+    expected = jax.jit(fn)(*args)
+    f = sf.parallelize(fn, mesh=MESH, in_specs=specs)
+    actual = f(*args)
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-4, atol=2e-4)
+    assert not f.explain(*args).fallbacks
