@@ -6,7 +6,8 @@ Pallas Triton `mha`, all in one process.
   python benchmarks/attention.py --sweep    # per-kernel times over block-size choices
 
 FLOPs: 4*B*S^2*H*D forward (H = q heads), half when causal, x3.5 for forward+backward.
-Times: median of --iters runs after --warmup runs, each ended by block_until_ready.
+Times: median of 3 interleaved rounds of --iters runs each (after --warmup runs), each run
+ended by block_until_ready.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from shardflow.kernels import flash_attention_gpu  # noqa: E402
+from shardflow.kernels import flash_attention_gpu, flash_attention_mgpu  # noqa: E402
 from shardflow.ops import attention  # noqa: E402
 
 # (batch, seq, heads_q, heads_kv, head_dim); the last is GQA 32 q heads over 8 kv heads.
@@ -43,20 +44,27 @@ ANCHOR_SHAPES = [
 ]
 
 
+ROUNDS = 3
+
+
 def attention_flops(batch, seq, heads_q, head_dim, causal):
   flops = 4.0 * batch * seq * seq * heads_q * head_dim
   return flops / 2 if causal else flops
 
 
-def median_seconds(fn, args, *, warmup, iters):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
+def time_samples(fn, args, *, iters):
   times = []
   for _ in range(iters):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return times
+
+
+def median_seconds(fn, args, *, warmup, iters):
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  return statistics.median(time_samples(fn, args, iters=iters))
 
 
 def random_inputs(batch, seq, heads_q, heads_kv, head_dim, dtype=jnp.bfloat16, seed=0):
@@ -105,17 +113,27 @@ def run_table(args):
     for causal in (False, True):
       flops = attention_flops(batch, seq, heads_q, head_dim, causal)
       row = {"shape": f"{batch},{seq},{heads_q}/{heads_kv},{head_dim}", "causal": causal}
+      # Contenders are timed in interleaved rounds so that drifting clocks hit all of them.
+      timed = {}
       for name, fn in implementations(causal, heads_q // heads_kv).items():
         fwd, fwd_bwd = fwd_and_fwd_bwd(fn)
         try:
-          t_fwd = median_seconds(fwd, (q, k, v), warmup=args.warmup, iters=args.iters)
-          t_all = median_seconds(fwd_bwd, (q, k, v, dout), warmup=args.warmup,
-                                 iters=args.iters)
-          row[name] = (flops / t_fwd / 1e12, 3.5 * flops / t_all / 1e12)
+          for _ in range(args.warmup):
+            jax.block_until_ready(fwd(q, k, v))
+            jax.block_until_ready(fwd_bwd(q, k, v, dout))
+          timed[name] = (fwd, fwd_bwd)
         except Exception as e:  # report and go on: one failing contender must not hide the rest
           print(f"{name} failed on {row['shape']} causal={causal}: {type(e).__name__}: "
                 f"{str(e)[:300]}", flush=True)
           row[name] = (float("nan"), float("nan"))
+      samples = {name: ([], []) for name in timed}
+      for _ in range(ROUNDS):
+        for name, (fwd, fwd_bwd) in timed.items():
+          samples[name][0].extend(time_samples(fwd, (q, k, v), iters=args.iters))
+          samples[name][1].extend(time_samples(fwd_bwd, (q, k, v, dout), iters=args.iters))
+      for name, (t_fwd, t_all) in samples.items():
+        row[name] = (flops / statistics.median(t_fwd) / 1e12,
+                     3.5 * flops / statistics.median(t_all) / 1e12)
       print(row, flush=True)
       rows.append(row)
 
@@ -169,12 +187,16 @@ CHECK_CASES = [
     (2, 640, 640, 4, 2, 64, jnp.bfloat16, True, True, (0, 0)),
     (1, 256, 512, 4, 4, 64, jnp.bfloat16, True, False, (0, 300)),  # rows with no visible key
     (1, 384, 384, 32, 4, 128, jnp.bfloat16, False, True, (0, 0)),
+    (1, 2048, 2048, 16, 4, 64, jnp.bfloat16, True, False, (0, 0)),
+    (2, 512, 512, 4, 1, 128, jnp.float16, False, False, (0, 0)),
+    (1, 256, 256, 2, 2, 128, jnp.bfloat16, True, False, (7, 7)),
 ]
 
 
 def run_check(args):
   failures = 0
-  print("| case | out | lse | dq | dk | dv | bound | ok |\n|---|---|---|---|---|---|---|---|")
+  print("| case | fwd kernel | out | lse | dq | dk | dv | bound | ok |\n"
+        "|---|---|---|---|---|---|---|---|---|")
   for seed, case in enumerate(CHECK_CASES):
     batch, q_len, kv_len, hq, hkv, dim, dtype, causal, segments, (q_off, kv_off) = case
     keys = jax.random.split(jax.random.key(100 + seed), 5)
@@ -203,7 +225,10 @@ def run_check(args):
     name = (f"{batch},{q_len}x{kv_len},{hq}/{hkv},{dim},{jnp.dtype(dtype).name}"
             f"{',causal' if causal else ''}{',segments' if segments else ''}"
             f"{f',off={q_off}/{kv_off}' if (q_off, kv_off) != (0, 0) else ''}")
-    print(f"| {name} | " + " | ".join(f"{e:.1e}" for e in errs) + f" | {bound:.0e} | "
+    mosaic = flash_attention_mgpu.supports(q, k, segment_ids, q_off - kv_off, causal=causal,
+                                           scale=dim ** -0.5)
+    print(f"| {name} | {'mosaic' if mosaic else 'triton'} | "
+          + " | ".join(f"{e:.1e}" for e in errs) + f" | {bound:.0e} | "
           f"{'yes' if ok else 'NO'} |", flush=True)
   print(f"check: {len(CHECK_CASES) - failures}/{len(CHECK_CASES)} cases passed")
   return failures
@@ -213,6 +238,7 @@ def run_check(args):
 
 
 SWEEP = {
+    # (block_q, block_k, warps, stages); causal runs add the default with heavy_first=False.
     "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
             (128, 32, 4, 4)],
     "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2)],
@@ -227,15 +253,26 @@ def run_sweep(args):
     q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim)
     for causal in (False, True):
       flops = attention_flops(batch, seq, hq, dim, causal)
-      base = flash_attention_gpu.default_block_sizes(dim, causal)
-      fwd = jax.jit(lambda q, k, v: flash_attention_gpu.forward(q, k, v, None, 0, causal=causal,
-                                                                scale=dim ** -0.5))
+      base = flash_attention_gpu.default_block_sizes(dim, causal, q.dtype)
+      fwd = jax.jit(lambda q, k, v: flash_attention_gpu.forward(
+          q, k, v, None, 0, causal=causal, scale=dim ** -0.5, allow_mosaic=False))
       out, lse = fwd(q, k, v)
+      mosaic = jax.jit(lambda q, k, v: flash_attention_gpu.forward(
+          q, k, v, None, 0, causal=causal, scale=dim ** -0.5))
+      t = median_seconds(mosaic, (q, k, v), warmup=2, iters=args.iters)
+      print(f"sweep {batch},{seq},{hq},{dim} causal={causal} fwd default (mosaic if supported): "
+            f"{t * 1e3:.3f} ms {flops / t / 1e12:.0f} TFLOP/s", flush=True)
       for kernel, choices in SWEEP.items():
-        for bq, bk, warps, stages in choices:
+        if causal and kernel != "dkv":
+          choices = list(choices) + [(getattr(base, f"{kernel}_block_q"),
+                                      getattr(base, f"{kernel}_block_k"),
+                                      getattr(base, f"{kernel}_num_warps"),
+                                      getattr(base, f"{kernel}_num_stages"), False)]
+        for bq, bk, warps, stages, *heavy_first in choices:
           bs = dataclasses.replace(base, **{f"{kernel}_block_q": bq, f"{kernel}_block_k": bk,
                                             f"{kernel}_num_warps": warps,
-                                            f"{kernel}_num_stages": stages})
+                                            f"{kernel}_num_stages": stages},
+                                   heavy_first=heavy_first[0] if heavy_first else True)
           if kernel == "fwd":
             fn = jax.jit(lambda q, k, v, bs=bs: flash_attention_gpu.forward(
                 q, k, v, None, 0, causal=causal, scale=dim ** -0.5, block_sizes=bs))
@@ -249,7 +286,8 @@ def run_sweep(args):
           try:
             t = median_seconds(fn, kernel_args, warmup=2, iters=args.iters)
             print(f"sweep {batch},{seq},{hq},{dim} causal={causal} {kernel} "
-                  f"bq={bq} bk={bk} w={warps} s={stages}: {t * 1e3:.3f} ms "
+                  f"bq={bq} bk={bk} w={warps} s={stages} heavy_first={bs.heavy_first}: "
+                  f"{t * 1e3:.3f} ms "
                   f"{kernel_flops / t / 1e12:.0f} TFLOP/s"
                   + (" (whole backward)" if kernel != "fwd" else ""), flush=True)
           except Exception as e:
@@ -274,32 +312,31 @@ def _patched_attention_mgpu():
 def run_probe_mgpu(args):
   """JAX's own Mosaic GPU (FA3-style) kernel, to see what that lowering reaches here."""
   attention_mgpu = _patched_attention_mgpu()
-  for batch, seq, hq, hkv, dim in [(4, 4096, 16, 16, 128), (1, 16384, 16, 16, 128),
-                                   (8, 2048, 32, 32, 64)]:
-    q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim)
-    for causal in (False, True):
-      flops = attention_flops(batch, seq, hq, dim, causal)
-      for block_kv, bwd_blocks in ((128, 64), (64, 64), (128, 128)):
+  for dtype in (jnp.float16, jnp.bfloat16):
+    for batch, seq, hq, hkv, dim in [(4, 4096, 16, 16, 128), (8, 2048, 32, 32, 64)]:
+      q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim, dtype)
+      for causal in (False, True):
+        flops = attention_flops(batch, seq, hq, dim, causal)
         config = attention_mgpu.TuningConfig(
-            block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=causal,
-            block_q_dkv=bwd_blocks, block_kv_dkv=bwd_blocks, block_q_dq=bwd_blocks,
-            block_kv_dq=bwd_blocks)
+            block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
+            block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
         fn = lambda q, k, v, config=config: attention_mgpu.attention(q, k, v, config)
         fwd, fwd_bwd = fwd_and_fwd_bwd(fn)
+        msg = ""
         try:
-          out = fwd(q, k, v)
-          ref, _ = reference(q[:1, :1024], k[:1, :1024], v[:1, :1024], causal=causal,
-                             scale=dim ** -0.5, segment_ids=None, q_offset=0, kv_offset=0)
-          err = rel_err(fwd(q[:1, :1024], k[:1, :1024], v[:1, :1024]), ref)
+          small = [x[:1, :1024] for x in (q, k, v)]
+          ref, _ = reference(*small, causal=causal, scale=dim ** -0.5, segment_ids=None,
+                             q_offset=0, kv_offset=0)
+          msg += f"err {rel_err(fwd(*small), ref):.1e}"
           t = median_seconds(fwd, (q, k, v), warmup=2, iters=args.iters)
-          msg = f"fwd {flops / t / 1e12:.0f} TFLOP/s (err {err:.1e})"
+          msg += f", fwd {flops / t / 1e12:.0f} TFLOP/s"
           if not causal:
             t = median_seconds(fwd_bwd, (q, k, v, dout), warmup=2, iters=args.iters)
             msg += f", fwd+bwd {3.5 * flops / t / 1e12:.0f}"
         except Exception as e:
-          msg = f"failed: {type(e).__name__}: {str(e)[:300]}"
-        print(f"mgpu {batch},{seq},{hq},{dim} causal={causal} block_kv={block_kv} "
-              f"bwd_blocks={bwd_blocks}: {msg}", flush=True)
+          msg += f" failed: {type(e).__name__}: {str(e)[:300]}"
+        print(f"mgpu {jnp.dtype(dtype).name} {batch},{seq},{hq},{dim} causal={causal}: {msg}",
+              flush=True)
 
 
 def main():

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import attention_common as common
+from . import flash_attention_mgpu
 from .attention_common import LN_2, LOG2_E
 
 
@@ -46,10 +47,23 @@ class GpuBlockSizes:
   dkv_block_k: int
   dkv_num_warps: int
   dkv_num_stages: int
+  # Causal only: launch the q blocks that see the most kv blocks first.
+  heavy_first: bool = True
 
 
-def default_block_sizes(head_dim: int, causal: bool) -> GpuBlockSizes:
+# Shared memory per block is ~227 KB on Hopper; the default tiles assume rows of at most
+# 256 bytes (bf16/fp16 with head_dim <= 128), the small ones rows of at most 512 bytes.
+_MAX_ROW_BYTES = 512
+
+
+def default_block_sizes(head_dim: int, causal: bool, dtype=jnp.bfloat16) -> GpuBlockSizes:
   """Best of the sweep in benchmarks/attention.py on an H200 (results/attention.md)."""
+  row_bytes = _pow2_at_least(head_dim) * jnp.dtype(dtype).itemsize
+  if row_bytes > 256:  # fp32 with head_dim 128, bf16 with head_dim 256
+    return GpuBlockSizes(
+        fwd_block_q=64, fwd_block_k=32, fwd_num_warps=4, fwd_num_stages=2,
+        dq_block_q=64, dq_block_k=32, dq_num_warps=4, dq_num_stages=2,
+        dkv_block_q=32, dkv_block_k=64, dkv_num_warps=4, dkv_num_stages=2)
   if head_dim <= 64:
     return GpuBlockSizes(
         fwd_block_q=128 if causal else 64, fwd_block_k=64, fwd_num_warps=4, fwd_num_stages=3,
@@ -59,6 +73,14 @@ def default_block_sizes(head_dim: int, causal: bool) -> GpuBlockSizes:
       fwd_block_q=128, fwd_block_k=128 if causal else 64, fwd_num_warps=8, fwd_num_stages=3,
       dq_block_q=128, dq_block_k=64, dq_num_warps=8, dq_num_stages=3,
       dkv_block_q=64, dkv_block_k=128, dkv_num_warps=8, dkv_num_stages=3)
+
+
+def _check_head_dim(q):
+  row_bytes = _pow2_at_least(q.shape[-1]) * q.dtype.itemsize
+  if row_bytes > _MAX_ROW_BYTES:
+    raise ValueError(
+        f"attention: the GPU kernel takes head_dim up to {_MAX_ROW_BYTES // q.dtype.itemsize} "
+        f"for {q.dtype} (q shape {q.shape}); use backend='xla' for larger heads")
 
 
 def _dot(a, b, *, transpose_b=False, precision):
@@ -96,6 +118,14 @@ class _Geometry:
                group=q.shape[2] // k.shape[2])
 
 
+def _q_block_order(causal: bool):
+  """Grid index -> q block. Causal q blocks do unequal work (the last sees every kv block);
+  launching the heaviest first shortens the tail of the last wave."""
+  if not causal:
+    return lambda i, num_q_blocks: i
+  return lambda i, num_q_blocks: num_q_blocks - 1 - i
+
+
 def _pad(x, seq_len, head_dim):
   return jnp.pad(x, ((0, 0), (0, seq_len - x.shape[1]), (0, 0), (0, head_dim - x.shape[3])))
 
@@ -110,13 +140,14 @@ def _pad_segments(segment_ids, seq_len, fill):
 
 
 def _forward_kernel(offset_ref, q_ref, k_ref, v_ref, *refs, causal, has_segment_ids, scale,
-                    block_q, block_k, kv_len, precision):
+                    block_q, block_k, kv_len, precision, heavy_first):
   if has_segment_ids:
     q_segment_ref, kv_segment_ref, out_ref, lse_ref = refs
   else:
     out_ref, lse_ref = refs
   offset_delta = offset_ref[0]
-  q_start = pl.program_id(0) * block_q
+  q_block = _q_block_order(causal and heavy_first)(pl.program_id(0), pl.num_programs(0))
+  q_start = q_block * block_q
   q = q_ref[...]
   num_kv_blocks = k_ref.shape[0] // block_k
   num_full, end = common.kv_block_range(
@@ -162,10 +193,20 @@ def _forward_kernel(offset_ref, q_ref, k_ref, v_ref, *refs, causal, has_segment_
 
 
 def forward(q, k, v, segment_ids, offset_delta, *, causal: bool, scale: float,
-            block_sizes: GpuBlockSizes | None = None, interpret: bool = False):
-  """Returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32)."""
+            block_sizes: GpuBlockSizes | None = None, interpret: bool = False,
+            allow_mosaic: bool = True):
+  """Returns (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32).
+
+  On Hopper, the shapes flash_attention_mgpu supports go to that (faster) kernel unless
+  allow_mosaic is False or a block_sizes override is given.
+  """
+  if (allow_mosaic and not interpret and block_sizes is None
+      and flash_attention_mgpu.supports(q, k, segment_ids, offset_delta, causal=causal,
+                                        scale=scale)):
+    return flash_attention_mgpu.forward(q, k, v, causal=causal, scale=scale)
+  _check_head_dim(q)
   batch, q_len, heads_q, head_dim = q.shape
-  bs = block_sizes or default_block_sizes(head_dim, causal)
+  bs = block_sizes or default_block_sizes(head_dim, causal, q.dtype)
   block_q, block_k = bs.fwd_block_q, bs.fwd_block_k
   geo = _Geometry.of(q, k, block_q, block_k)
   qp = _pad(q, geo.q_len_padded, geo.head_dim_padded)
@@ -173,28 +214,33 @@ def forward(q, k, v, segment_ids, offset_delta, *, causal: bool, scale: float,
   vp = _pad(v, geo.kv_len_padded, geo.head_dim_padded)
   group, dim = geo.group, geo.head_dim_padded
 
-  grid = (geo.q_len_padded // block_q, batch, heads_q)
+  num_q_blocks = geo.q_len_padded // block_q
+  order = functools.partial(_q_block_order(causal and bs.heavy_first),
+                            num_q_blocks=num_q_blocks)
+  grid = (num_q_blocks, batch, heads_q)
   in_specs = [
       pl.BlockSpec((1,), lambda i, b, h: (0,)),
-      pl.BlockSpec((None, block_q, None, dim), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, block_q, None, dim), lambda i, b, h: (b, order(i), h, 0)),
       pl.BlockSpec((None, geo.kv_len_padded, None, dim), lambda i, b, h: (b, 0, h // group, 0)),
       pl.BlockSpec((None, geo.kv_len_padded, None, dim), lambda i, b, h: (b, 0, h // group, 0)),
   ]
   operands = [jnp.asarray(offset_delta, jnp.int32).reshape(1), qp, kp, vp]
   if segment_ids is not None:
-    in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
+    in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (b, order(i))),
                  pl.BlockSpec((None, geo.kv_len_padded), lambda i, b, h: (b, 0))]
     operands += [_pad_segments(segment_ids, geo.q_len_padded, -1),
                  _pad_segments(segment_ids, geo.kv_len_padded, -2)]
   kernel = functools.partial(
       _forward_kernel, causal=causal, has_segment_ids=segment_ids is not None, scale=scale,
-      block_q=block_q, block_k=block_k, kv_len=geo.kv_len, precision=_precision(q.dtype))
+      block_q=block_q, block_k=block_k, kv_len=geo.kv_len, precision=_precision(q.dtype),
+      heavy_first=bs.heavy_first)
   out, lse = pl.pallas_call(
       kernel,
       grid=grid,
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, block_q, None, dim), lambda i, b, h: (b, i, h, 0)),
-                 pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
+      out_specs=[pl.BlockSpec((None, block_q, None, dim),
+                              lambda i, b, h: (b, order(i), h, 0)),
+                 pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, order(i)))],
       out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype),
                  jax.ShapeDtypeStruct((batch, heads_q, geo.q_len_padded), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=bs.fwd_num_warps,
@@ -210,13 +256,14 @@ def forward(q, k, v, segment_ids, offset_delta, *, causal: bool, scale: float,
 
 
 def _dq_kernel(offset_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, *refs, causal,
-               has_segment_ids, scale, block_q, block_k, kv_len, precision):
+               has_segment_ids, scale, block_q, block_k, kv_len, precision, heavy_first):
   if has_segment_ids:
     q_segment_ref, kv_segment_ref, dq_ref = refs
   else:
     (dq_ref,) = refs
   offset_delta = offset_ref[0]
-  q_start = pl.program_id(0) * block_q
+  q_block = _q_block_order(causal and heavy_first)(pl.program_id(0), pl.num_programs(0))
+  q_start = q_block * block_q
   q = q_ref[...]
   dout = dout_ref[...]
   lse2 = lse_ref[...] * LOG2_E
@@ -312,9 +359,10 @@ def backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal: bool
              scale: float, block_sizes: GpuBlockSizes | None = None, interpret: bool = False,
              dlse=None):
   """Returns (dq, dk, dv) in the dtypes of q, k, v."""
+  _check_head_dim(q)
   batch, q_len, heads_q, head_dim = q.shape
   heads_kv = k.shape[2]
-  bs = block_sizes or default_block_sizes(head_dim, causal)
+  bs = block_sizes or default_block_sizes(head_dim, causal, q.dtype)
   multiple_q = max(bs.dq_block_q, bs.dkv_block_q)
   multiple_k = max(bs.dq_block_k, bs.dkv_block_k)
   geo = _Geometry.of(q, k, multiple_q, multiple_k)
@@ -338,28 +386,30 @@ def backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal: bool
 
   # dq: grid over (q blocks, batch, q heads).
   bq, bk = bs.dq_block_q, bs.dq_block_k
+  order = functools.partial(_q_block_order(causal and bs.heavy_first),
+                            num_q_blocks=geo.q_len_padded // bq)
   in_specs = [
       pl.BlockSpec((1,), lambda i, b, h: (0,)),
-      pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, order(i), h, 0)),
       pl.BlockSpec((None, geo.kv_len_padded, None, dim), lambda i, b, h: (b, 0, h // group, 0)),
       pl.BlockSpec((None, geo.kv_len_padded, None, dim), lambda i, b, h: (b, 0, h // group, 0)),
-      pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, i, h, 0)),
-      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+      pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, order(i), h, 0)),
+      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, order(i))),
+      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, order(i))),
   ]
   operands = [offsets, qp, kp, vp, doutp, lse, delta]
   if has_segment_ids:
-    in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+    in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, order(i))),
                  pl.BlockSpec((None, geo.kv_len_padded), lambda i, b, h: (b, 0))]
     operands += [_pad_segments(segment_ids, geo.q_len_padded, -1),
                  _pad_segments(segment_ids, geo.kv_len_padded, -2)]
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, causal=causal, has_segment_ids=has_segment_ids,
                         scale=scale, block_q=bq, block_k=bk, kv_len=geo.kv_len,
-                        precision=precision),
+                        precision=precision, heavy_first=bs.heavy_first),
       grid=(geo.q_len_padded // bq, batch, heads_q),
       in_specs=in_specs,
-      out_specs=pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, i, h, 0)),
+      out_specs=pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, order(i), h, 0)),
       out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=bs.dq_num_warps,
                                            num_stages=bs.dq_num_stages),
