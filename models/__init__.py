@@ -10,7 +10,9 @@ def build(cfg: ModelConfig, seed: int = 0):
     """A freshly initialised model of the config's family."""
     from flax import nnx
     cls = {"llama": Llama, "gpt2": GPT2}[cfg.family]
-    return cls(cfg, rngs=nnx.Rngs(seed))
+    # Placement is the trainer's decision: nnx.with_partitioning only records logical axes.
+    with nnx.use_eager_sharding(False):
+        return cls(cfg, rngs=nnx.Rngs(seed))
 
 
 def count_params(model) -> int:

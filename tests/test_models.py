@@ -112,22 +112,44 @@ def test_forward_shapes_and_remat_agree(model):
     assert not np.allclose(changed[:, 10:], logits[:, 10:])
 
 
-CASES = [
-    ("dp", {"data": 8}, {}),
-    ("fsdp", {"data": 8}, {}),
-    ("tp", {"data": 2, "model": 4}, {}),
-    ("tp_sp", {"data": 2, "model": 4}, {}),
-    ("2d", {"data": 2, "model": 4}, {}),
-    ("dp", {"data": 4, "model": 2}, {"grad_accum": 2}),
-    ("tp", {"data": 2, "model": 4}, {"model": SMALL_GPT2}),
-]
+CASES = {
+    "dp": ("dp", {"data": 8}, {}),
+    "fsdp": ("fsdp", {"data": 8}, {}),
+    "tp": ("tp", {"data": 2, "model": 4}, {}),
+    "tp_sp": ("tp_sp", {"data": 2, "model": 4}, {}),
+    "2d": ("2d", {"data": 2, "model": 4}, {}),
+    "dp-accum": ("dp", {"data": 4, "model": 2}, {"grad_accum": 2}),
+    "gpt2-tp": ("tp", {"data": 2, "model": 4}, {"model": SMALL_GPT2}),
+}
+# shardflow.ops.attention does not yet run under sf.parallelize (see the xfail below), so the
+# shardflow-engine cases call jax.nn.dot_product_attention; everything else is the same step.
+SHARDFLOW_CASES = ["dp", "fsdp", "tp", "tp_sp", "2d"]
 
 
-@pytest.mark.parametrize("strategy,mesh,extra", CASES,
-                         ids=["dp", "fsdp", "tp", "tp_sp", "2d", "dp-accum", "gpt2-tp"])
-def test_strategy_matches_single_device(strategy, mesh, extra, data_dir, tmp_path):
-    cfg = small_config(data_dir, tmp_path, strategy=strategy, mesh=mesh, **extra)
+def strategy_config(case, engine, data_dir, out):
+    strategy, mesh, extra = CASES[case]
+    cfg = small_config(data_dir, out, strategy=strategy, mesh=mesh, engine=engine, **extra)
+    if engine == "shardflow":
+        cfg.model = {**cfg.model, "attention_impl": "jax"}
+    return cfg
+
+
+@pytest.mark.parametrize("engine,case", [("jit", c) for c in CASES] +
+                         [("shardflow", c) for c in SHARDFLOW_CASES])
+def test_strategy_matches_single_device(engine, case, data_dir, tmp_path):
+    cfg = strategy_config(case, engine, data_dir, tmp_path)
     expected = single_device_losses(cfg)
     got = train.train(cfg, progress=False)["losses"]
     np.testing.assert_allclose([got[s] for s in (1, 2, 3)], expected, rtol=1e-5)
     assert expected[2] < expected[0]
+
+
+@pytest.mark.xfail(strict=True, reason="shardflow.ops.attention inside lax.scan fails in "
+                   "propagation (KeyError in rules._attention); remove this marker once it runs")
+def test_ops_attention_under_the_shardflow_engine(data_dir, tmp_path):
+    cfg = strategy_config("dp", "shardflow", data_dir, tmp_path)
+    cfg.model["attention_impl"] = "ops"
+    cfg.steps = 2
+    expected = single_device_losses(cfg)
+    got = train.train(cfg, progress=False)["losses"]
+    np.testing.assert_allclose([got[1], got[2]], expected, rtol=1e-5)
