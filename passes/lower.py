@@ -9,7 +9,6 @@ shapes and shard offsets, and each ``sf_box`` runs its steps as lax collectives
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
@@ -20,7 +19,7 @@ from jax._src import core
 from shardflow.primitives import box_p, constrain_p
 from shardflow.program import Program, is_literal, open_jaxpr
 from shardflow.rules import JIT_P
-from shardflow.specs import Partial, Split, axis_sizes, local_shape, split_axes, to_partition_spec
+from shardflow.specs import axis_sizes, local_shape, split_axes, to_partition_spec
 
 LOCAL_RULES: dict[str, Callable] = {}
 LOCAL_CALLS: dict[str, Callable] = {}   # jit[name=...] kernels: fn(eqn, *local operands) -> outputs

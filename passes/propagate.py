@@ -120,10 +120,7 @@ class Propagation:
         x = eqn.invars[0]
         spec = eqn.params["spec"].spec
         src = source_line(eqn)
-        try:
-            sbp = to_sbp(spec, self.mesh, len(x.aval.shape), what=f"sf.constrain of {describe(x.aval)} at {src}")
-        except ShardingError:
-            raise
+        sbp = to_sbp(spec, self.mesh, len(x.aval.shape), what=f"sf.constrain of {describe(x.aval)} at {src}")
         check_divisible(x.aval.shape, x.aval.dtype, sbp, self.mesh, what="sf.constrain of", source=src)
         return sbp
 

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from shardflow.specs import B, Broadcast, NdSbp, P, Partial, Split, axis_sizes, nbytes
+from shardflow.specs import B, Broadcast, NdSbp, Partial, Split, axis_sizes
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 
 from shardflow.primitives import box_p
-from shardflow.program import Program, all_eqns, is_literal, open_jaxpr, subjaxprs
+from shardflow.program import Program, all_eqns, is_literal, open_jaxpr, source_line, subjaxprs
 from shardflow.specs import describe, format_sbp
 
 
@@ -83,6 +83,6 @@ def make_plan(program: Program, arg_names) -> Plan:
     inputs = [(n, tuple(v.aval.shape), program.sbp[v]) for n, v in zip(arg_names, jaxpr.invars)]
     outputs = [(i, tuple(v.aval.shape), program.sbp[v] if not is_literal(v) else None)
                for i, v in enumerate(jaxpr.outvars)]
-    values = [(e.primitive.name, e.params.get("used_at", ""), describe(v.aval), program.sbp.get(v))
+    values = [(e.primitive.name, source_line(e), describe(v.aval), program.sbp.get(v))
               for e in all_eqns(jaxpr) for v in e.outvars if v in program.sbp]
     return Plan(collectives, inputs, outputs, values, list(program.fallbacks))

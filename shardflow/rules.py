@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 from jax import lax
 from jax._src import core
 
-from shardflow.specs import B, P, Partial, Split, S
+from shardflow.specs import B, P, Partial, S
 
 try:  # the pjit primitive is spelled "jit" in jaxprs; its object lives here
     from jax._src.pjit import jit_p as _jit_p
@@ -80,8 +80,7 @@ NONLINEAR = [
     lax.abs_p, lax.sign_p, lax.floor_p, lax.ceil_p, lax.round_p, lax.is_finite_p, lax.square_p,
     lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p, lax.and_p, lax.or_p, lax.not_p,
     lax.xor_p, lax.rem_p, lax.nextafter_p, lax.select_n_p, lax.clamp_p, lax.shift_left_p,
-    lax.shift_right_logical_p, lax.shift_right_arithmetic_p, lax.population_count_p,
-    lax.stop_gradient_p if hasattr(lax, "stop_gradient_p") else lax.neg_p,
+    lax.shift_right_logical_p, lax.shift_right_arithmetic_p, lax.population_count_p, lax.stop_gradient_p,
 ]
 try:
     from jax._src.ad_util import add_jaxvals_p as _add_any_p

@@ -80,7 +80,7 @@ def is_spec_leaf(x) -> bool:
 
 
 def parse_sbp_string(text: str) -> tuple:
-    atoms, pos = [], 0
+    atoms = []
     for part in _split_top_level(text):
         m = _ATOM.fullmatch(part)
         if not m:

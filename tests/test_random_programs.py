@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import shardflow as sf
 from shardflow import conversion
-from shardflow.specs import B, P, S, Partial
+from shardflow.specs import B, P, S
 
 EXAMPLES = int(os.environ.get("SHARDFLOW_HYPOTHESIS_EXAMPLES", "200"))
 MESH = sf.make_mesh({"data": 2, "model": 4})
