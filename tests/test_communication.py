@@ -173,3 +173,29 @@ def test_explain_names_the_user_line_for_every_collective():
         assert c.source.startswith("programs.py:") or c.source.startswith("args["), c
         assert c.used_at.startswith("programs.py:") or c.used_at == "output", c
     assert "programs.py:" in str(plan)
+
+
+def test_gradient_accumulation_reduces_once_after_the_loop():
+    """A scan over micro-batches carries partial gradients (the carry's fixed point is P) and
+    all-reduces them once, not once per micro-batch."""
+    mesh, cfg = sf.make_mesh({"data": 8}), pg.Cfg()
+    params = pg.llama_params(cfg)
+    toks, tgts = (np.stack([t] * 4) for t in pg.tokens(cfg))
+
+    def accumulate(params, toks, tgts):
+        def body(g, mb):
+            loss, gi = jax.value_and_grad(pg.llama_loss)(params, mb[0], mb[1], cfg)
+            return jax.tree.map(jnp.add, g, gi), loss
+        g, losses = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), (toks, tgts))
+        return g, losses.mean()
+
+    ps = pg.param_specs(params, "dp", mesh)
+    f = sf.parallelize(accumulate, mesh=mesh, in_specs=(ps, PS(None, "data"), PS(None, "data")),
+                       out_specs=(ps, PS()))
+    plan = check(f, params, toks, tgts)
+    tensors = tensor_collectives(plan)
+    assert all(c.count == 1 and c.kind == "all_reduce" for c in tensors)
+    assert sum(c.bytes for c in tensors) == pytest.approx(2 * ring(8) * nbytes(params), abs=len(tensors))
+    expected = jax.jit(accumulate)(params, toks, tgts)
+    for a, e in zip(jax.tree.leaves(f(params, toks, tgts)), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-6)
