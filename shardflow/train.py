@@ -185,7 +185,8 @@ def setup(cfg) -> Run:
     if data.vocab_size > model_cfg.vocab_size:
         raise config_lib.ConfigError(
             f"the data's vocabulary ({data.vocab_size}, {data_dir}) is larger than "
-            f"model.vocab_size ({model_cfg.vocab_size})")
+            f"model.vocab_size ({model_cfg.vocab_size}); --set model.vocab_size=N with N >= "
+            f"{data.vocab_size} (a multiple of 128 keeps the matmuls aligned)")
     mesh = Mesh(np.asarray(jax.devices()).reshape(tuple(mesh_shape.values())),
                 tuple(mesh_shape))
     rules = models.get_rules(cfg.strategy)
