@@ -120,6 +120,8 @@ CASES = {
     "2d": ("2d", {"data": 2, "model": 4}, {}),
     "dp-accum": ("dp", {"data": 4, "model": 2}, {"grad_accum": 2}),
     "gpt2-tp": ("tp", {"data": 2, "model": 4}, {"model": SMALL_GPT2}),
+    "explicit-rules": ({"batch": "model", "mlp": "data", "vocab": "data"},
+                       {"data": 2, "model": 4}, {}),
 }
 # shardflow.ops.attention does not yet run under sf.parallelize (see the xfail below), so the
 # shardflow-engine cases call jax.nn.dot_product_attention; everything else is the same step.
