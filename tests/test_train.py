@@ -15,7 +15,10 @@ def test_resume_gives_the_uninterrupted_loss_sequence(data_dir, tmp_path):
         c.checkpoint.every = 3
         return c
 
-    whole = train.train(cfg(tmp_path / "whole"), progress=False)["losses"]
+    whole_cfg = cfg(tmp_path / "whole")
+    whole_cfg.checkpoint.keep = 1
+    whole = train.train(whole_cfg, progress=False)["losses"]
+    assert [p.name for p in (tmp_path / "whole" / "checkpoints").iterdir()] == ["6"]  # keep 1
     first = train.train(cfg(tmp_path / "split"), progress=False, until=3)
     assert sorted(first["losses"]) == [1, 2, 3]
     second = train.train(cfg(tmp_path / "split"), progress=False)
@@ -110,3 +113,18 @@ def test_cpu_platform_gets_simulated_devices(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     train.configure_host_platform()
     assert train.os.environ["XLA_FLAGS"] == ""
+
+
+def test_multi_process_environment_initializes_jax_distributed(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda: calls.append(1))
+    for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+                "JAX_NUM_PROCESSES"):
+        monkeypatch.delenv(var, raising=False)
+    train.maybe_initialize_distributed()
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    train.maybe_initialize_distributed()
+    assert calls == []
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    train.maybe_initialize_distributed()
+    assert calls == [1]
