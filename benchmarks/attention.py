@@ -238,7 +238,7 @@ def run_check(args):
 
 
 SWEEP = {
-    # (block_q, block_k, warps, stages); causal runs add the default with heavy_first=False.
+    # (block_q, block_k, warps, stages)
     "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
             (128, 32, 4, 4)],
     "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2)],
@@ -263,16 +263,10 @@ def run_sweep(args):
       print(f"sweep {batch},{seq},{hq},{dim} causal={causal} fwd default (mosaic if supported): "
             f"{t * 1e3:.3f} ms {flops / t / 1e12:.0f} TFLOP/s", flush=True)
       for kernel, choices in SWEEP.items():
-        if causal and kernel != "dkv":
-          choices = list(choices) + [(getattr(base, f"{kernel}_block_q"),
-                                      getattr(base, f"{kernel}_block_k"),
-                                      getattr(base, f"{kernel}_num_warps"),
-                                      getattr(base, f"{kernel}_num_stages"), False)]
-        for bq, bk, warps, stages, *heavy_first in choices:
+        for bq, bk, warps, stages in choices:
           bs = dataclasses.replace(base, **{f"{kernel}_block_q": bq, f"{kernel}_block_k": bk,
                                             f"{kernel}_num_warps": warps,
-                                            f"{kernel}_num_stages": stages},
-                                   heavy_first=heavy_first[0] if heavy_first else True)
+                                            f"{kernel}_num_stages": stages})
           if kernel == "fwd":
             fn = jax.jit(lambda q, k, v, bs=bs: flash_attention_gpu.forward(
                 q, k, v, None, 0, causal=causal, scale=dim ** -0.5, block_sizes=bs))
@@ -286,8 +280,7 @@ def run_sweep(args):
           try:
             t = median_seconds(fn, kernel_args, warmup=2, iters=args.iters)
             print(f"sweep {batch},{seq},{hq},{dim} causal={causal} {kernel} "
-                  f"bq={bq} bk={bk} w={warps} s={stages} heavy_first={bs.heavy_first}: "
-                  f"{t * 1e3:.3f} ms "
+                  f"bq={bq} bk={bk} w={warps} s={stages}: {t * 1e3:.3f} ms "
                   f"{kernel_flops / t / 1e12:.0f} TFLOP/s"
                   + (" (whole backward)" if kernel != "fwd" else ""), flush=True)
           except Exception as e:

@@ -47,8 +47,6 @@ class GpuBlockSizes:
   dkv_block_k: int
   dkv_num_warps: int
   dkv_num_stages: int
-  # Causal only: launch the q blocks that see the most kv blocks first.
-  heavy_first: bool = True
 
 
 # Shared memory per block is ~227 KB on Hopper; the default tiles assume rows of at most
@@ -118,14 +116,6 @@ class _Geometry:
                group=q.shape[2] // k.shape[2])
 
 
-def _q_block_order(causal: bool):
-  """Grid index -> q block. Causal q blocks do unequal work (the last sees every kv block);
-  launching the heaviest first shortens the tail of the last wave."""
-  if not causal:
-    return lambda i, num_q_blocks: i
-  return lambda i, num_q_blocks: num_q_blocks - 1 - i
-
-
 def _pad(x, seq_len, head_dim):
   return jnp.pad(x, ((0, 0), (0, seq_len - x.shape[1]), (0, 0), (0, head_dim - x.shape[3])))
 
@@ -140,14 +130,13 @@ def _pad_segments(segment_ids, seq_len, fill):
 
 
 def _forward_kernel(offset_ref, q_ref, k_ref, v_ref, *refs, causal, has_segment_ids, scale,
-                    block_q, block_k, kv_len, precision, heavy_first):
+                    block_q, block_k, kv_len, precision):
   if has_segment_ids:
     q_segment_ref, kv_segment_ref, out_ref, lse_ref = refs
   else:
     out_ref, lse_ref = refs
   offset_delta = offset_ref[0]
-  q_block = _q_block_order(causal and heavy_first)(pl.program_id(0), pl.num_programs(0))
-  q_start = q_block * block_q
+  q_start = pl.program_id(0) * block_q
   q = q_ref[...]
   num_kv_blocks = k_ref.shape[0] // block_k
   num_full, end = common.kv_block_range(
@@ -214,33 +203,28 @@ def forward(q, k, v, segment_ids, offset_delta, *, causal: bool, scale: float,
   vp = _pad(v, geo.kv_len_padded, geo.head_dim_padded)
   group, dim = geo.group, geo.head_dim_padded
 
-  num_q_blocks = geo.q_len_padded // block_q
-  order = functools.partial(_q_block_order(causal and bs.heavy_first),
-                            num_q_blocks=num_q_blocks)
-  grid = (num_q_blocks, batch, heads_q)
+  grid = (geo.q_len_padded // block_q, batch, heads_q)
   in_specs = [
       pl.BlockSpec((1,), lambda i, b, h: (0,)),
-      pl.BlockSpec((None, block_q, None, dim), lambda i, b, h: (b, order(i), h, 0)),
+      pl.BlockSpec((None, block_q, None, dim), lambda i, b, h: (b, i, h, 0)),
       pl.BlockSpec((None, geo.kv_len_padded, None, dim), lambda i, b, h: (b, 0, h // group, 0)),
       pl.BlockSpec((None, geo.kv_len_padded, None, dim), lambda i, b, h: (b, 0, h // group, 0)),
   ]
   operands = [jnp.asarray(offset_delta, jnp.int32).reshape(1), qp, kp, vp]
   if segment_ids is not None:
-    in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (b, order(i))),
+    in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
                  pl.BlockSpec((None, geo.kv_len_padded), lambda i, b, h: (b, 0))]
     operands += [_pad_segments(segment_ids, geo.q_len_padded, -1),
                  _pad_segments(segment_ids, geo.kv_len_padded, -2)]
   kernel = functools.partial(
       _forward_kernel, causal=causal, has_segment_ids=segment_ids is not None, scale=scale,
-      block_q=block_q, block_k=block_k, kv_len=geo.kv_len, precision=_precision(q.dtype),
-      heavy_first=bs.heavy_first)
+      block_q=block_q, block_k=block_k, kv_len=geo.kv_len, precision=_precision(q.dtype))
   out, lse = pl.pallas_call(
       kernel,
       grid=grid,
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, block_q, None, dim),
-                              lambda i, b, h: (b, order(i), h, 0)),
-                 pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, order(i)))],
+      out_specs=[pl.BlockSpec((None, block_q, None, dim), lambda i, b, h: (b, i, h, 0)),
+                 pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
       out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype),
                  jax.ShapeDtypeStruct((batch, heads_q, geo.q_len_padded), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=bs.fwd_num_warps,
@@ -256,14 +240,13 @@ def forward(q, k, v, segment_ids, offset_delta, *, causal: bool, scale: float,
 
 
 def _dq_kernel(offset_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, *refs, causal,
-               has_segment_ids, scale, block_q, block_k, kv_len, precision, heavy_first):
+               has_segment_ids, scale, block_q, block_k, kv_len, precision):
   if has_segment_ids:
     q_segment_ref, kv_segment_ref, dq_ref = refs
   else:
     (dq_ref,) = refs
   offset_delta = offset_ref[0]
-  q_block = _q_block_order(causal and heavy_first)(pl.program_id(0), pl.num_programs(0))
-  q_start = q_block * block_q
+  q_start = pl.program_id(0) * block_q
   q = q_ref[...]
   dout = dout_ref[...]
   lse2 = lse_ref[...] * LOG2_E
@@ -386,30 +369,28 @@ def backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal: bool
 
   # dq: grid over (q blocks, batch, q heads).
   bq, bk = bs.dq_block_q, bs.dq_block_k
-  order = functools.partial(_q_block_order(causal and bs.heavy_first),
-                            num_q_blocks=geo.q_len_padded // bq)
   in_specs = [
       pl.BlockSpec((1,), lambda i, b, h: (0,)),
-      pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, order(i), h, 0)),
+      pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, i, h, 0)),
       pl.BlockSpec((None, geo.kv_len_padded, None, dim), lambda i, b, h: (b, 0, h // group, 0)),
       pl.BlockSpec((None, geo.kv_len_padded, None, dim), lambda i, b, h: (b, 0, h // group, 0)),
-      pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, order(i), h, 0)),
-      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, order(i))),
-      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, order(i))),
+      pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
   ]
   operands = [offsets, qp, kp, vp, doutp, lse, delta]
   if has_segment_ids:
-    in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, order(i))),
+    in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                  pl.BlockSpec((None, geo.kv_len_padded), lambda i, b, h: (b, 0))]
     operands += [_pad_segments(segment_ids, geo.q_len_padded, -1),
                  _pad_segments(segment_ids, geo.kv_len_padded, -2)]
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, causal=causal, has_segment_ids=has_segment_ids,
                         scale=scale, block_q=bq, block_k=bk, kv_len=geo.kv_len,
-                        precision=precision, heavy_first=bs.heavy_first),
+                        precision=precision),
       grid=(geo.q_len_padded // bq, batch, heads_q),
       in_specs=in_specs,
-      out_specs=pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, order(i), h, 0)),
+      out_specs=pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, i, h, 0)),
       out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=bs.dq_num_warps,
                                            num_stages=bs.dq_num_stages),
