@@ -257,18 +257,29 @@ def _scan(prop: Propagation, eqn):
     xs_outer = [tuple(B if s == Split(0) else s for s in x) for x in xs]
     xs_inner = [tuple(Split(s.dim - 1) if isinstance(s, Split) else s for s in x) for x in xs_outer]
     src = source_line(eqn)
+    # What the scan's stacked outputs are wanted as, per iteration: a per-layer gradient that
+    # must end up split is reduce-scattered inside the loop, not stacked whole and scattered after.
+    ys_wanted = [_unstacked(prop.demand.get(v)) for v in eqn.outvars[nk:]]
+    prop.spread_demands(body, [None] * nk + ys_wanted)
 
     def run(carry):
         return prop.run_body(body, consts + list(carry) + xs_inner, src)[:nk]
 
     carry = prop.loop(run, init)
-    prop.results[id(body)] = tuple(carry) + (None,) * (len(body.outvars) - nk)
+    prop.results[id(body)] = tuple(carry) + tuple(ys_wanted)
     prop.uses[id(eqn)] = tuple(consts + carry + xs_outer)
-    ys = [prop.of(v) for v in body.outvars[nk:]]
+    ys = [want or prop.of(v) for v, want in zip(body.outvars[nk:], ys_wanted)]
     for v, s in zip(eqn.outvars[:nk], carry):
         prop.set(v, s, src)
     for v, s in zip(eqn.outvars[nk:], ys):
         prop.set(v, tuple(Split(t.dim + 1) if isinstance(t, Split) else t for t in s), src)
+
+
+def _unstacked(sbp):
+    """The NdSbp of one slice of a value stacked on a new leading dim, or None."""
+    if sbp is None or Split(0) in sbp:
+        return None
+    return tuple(Split(s.dim - 1) if isinstance(s, Split) else s for s in sbp)
 
 
 def _while(prop: Propagation, eqn):
