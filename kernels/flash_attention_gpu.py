@@ -14,6 +14,8 @@ transpose. Each kernel runs the kv (or q) blocks that are visible in full withou
 only the boundary blocks with the element mask; fully masked blocks are skipped
 (attention_common gives the ranges). Sequences are padded to the block sizes and head_dim to a
 power of two (zeros change neither q.k nor the output's real columns); the padding is sliced off.
+On Hopper, `forward` hands the shapes that flash_attention_mgpu supports to that Mosaic GPU
+(FlashAttention-3-style) kernel; the backward is always the Triton kernels here.
 Conventions: see attention_common.
 """
 from __future__ import annotations
@@ -73,9 +75,12 @@ def default_block_sizes(head_dim: int, causal: bool, dtype=jnp.bfloat16) -> GpuB
       dkv_block_q=64, dkv_block_k=128, dkv_num_warps=8, dkv_num_stages=3)
 
 
+def supports_head_dim(head_dim: int, dtype) -> bool:
+  return _pow2_at_least(head_dim) * jnp.dtype(dtype).itemsize <= _MAX_ROW_BYTES
+
+
 def _check_head_dim(q):
-  row_bytes = _pow2_at_least(q.shape[-1]) * q.dtype.itemsize
-  if row_bytes > _MAX_ROW_BYTES:
+  if not supports_head_dim(q.shape[-1], q.dtype):
     raise ValueError(
         f"attention: the GPU kernel takes head_dim up to {_MAX_ROW_BYTES // q.dtype.itemsize} "
         f"for {q.dtype} (q shape {q.shape}); use backend='xla' for larger heads")
@@ -97,7 +102,7 @@ def _pow2_at_least(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-  """Padded sizes of one call; `block_*` are the sizes of the kernel being built."""
+  """Sizes of one call before and after padding to the tiles."""
   q_len: int
   kv_len: int
   q_len_padded: int

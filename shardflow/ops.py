@@ -192,10 +192,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     q_offset, kv_offset: global positions of the first query / key (Python ints or traced int
       scalars), e.g. for one step of ring attention.
     return_lse: also return lse [batch, heads_q, seq_q], float32, natural log.
-    backend: "auto" (Pallas on GPU/TPU, XLA elsewhere), "pallas", "interpret" (the GPU Pallas
-      kernels in interpret mode), "interpret_tpu" (the TPU Pallas kernels in interpret mode),
-      "pallas_tpu", "xla" (blockwise, never materialises seq_q x seq_kv), "cudnn" (comparison
-      pass-through to jax.nn.dot_product_attention; no lse, segment ids or offsets).
+    backend: "auto" (Pallas on GPU/TPU; XLA elsewhere, or on GPU for heads too wide for the
+      kernel), "pallas", "interpret" (the GPU Pallas kernels in interpret mode),
+      "interpret_tpu" (the TPU Pallas kernels in interpret mode), "pallas_tpu", "xla"
+      (blockwise, never materialises seq_q x seq_kv), "cudnn" (comparison pass-through to
+      jax.nn.dot_product_attention; no lse, segment ids or offsets).
 
   A row that sees no key gives zeros and lse = -inf. Returns out [batch, seq_q, heads_q,
   head_dim] in q's dtype, and lse if return_lse.
@@ -205,6 +206,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
   implementation = _implementation(backend)
+  if (backend == "auto" and implementation == "pallas_gpu"
+      and not flash_attention_gpu.supports_head_dim(q.shape[-1], q.dtype)):
+    implementation = "xla"  # heads too wide for the kernel's shared-memory tiles
   if implementation == "cudnn":
     return _cudnn_attention(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids,
                             q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse)

@@ -264,6 +264,9 @@ def test_rejects_bad_shapes():
               segment_ids=jnp.zeros((1, 8), jnp.int32), backend="xla")
   with pytest.raises(ValueError, match="backend"):
     attention(q, q, q, backend="flash")
+  wide = jnp.zeros((1, 8, 1, 256), jnp.float32)  # fp32 rows of 1 KB: beyond the GPU tiles
+  with pytest.raises(ValueError, match="head_dim up to 128"):
+    attention(wide, wide, wide, backend="interpret")
 
 
 # ------------------------------------------------------------------------------------------
