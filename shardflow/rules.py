@@ -245,6 +245,23 @@ def _dynamic_update_slice(eqn):
     return [Sig((S(d), S(d)) + _all(len(idx), B), (S(d),)) for d in range(rank(x)) if shape(upd)[d] == shape(x)[d]]
 
 
+from jax._src.lax.lax import stack_p, unstack_p  # noqa: E402  (no public lax name yet)
+
+
+@rule(stack_p)
+def _stack(eqn):
+    n, axis = len(eqn.invars), eqn.params["axis"]
+    return ([Sig(_all(n, S(d)), (S(d if d < axis else d + 1),)) for d in range(rank(eqn.invars[0]))]
+            + [Sig(_all(n, P), (P,))])
+
+
+@rule(unstack_p)
+def _unstack(eqn):
+    n, axis = len(eqn.outvars), eqn.params["axis"]
+    return ([Sig((S(d),), _all(n, S(d if d < axis else d - 1))) for d in range(rank(eqn.invars[0])) if d != axis]
+            + [Sig((P,), _all(n, P))])
+
+
 @rule(lax.split_p)
 def _split(eqn):
     axis, n = eqn.params["axis"], len(eqn.outvars)

@@ -69,6 +69,10 @@ def _ops():
         "concat_slice": lambda x: jnp.concatenate([x, 2 * x], 0)[x.shape[0]:],
         "take": lambda x: x[jnp.arange(x.shape[0])[::-1] % x.shape[0]],
         "pad_slice": lambda x: jnp.pad(x, ((0, 0), (1, 1)))[:, 1:-1],
+        "scan": lambda x: jax.lax.scan(lambda c, xi: (jnp.tanh(0.5 * c + xi), c.sum(0)), x,
+                                       jnp.stack([x, -x, 2 * x]))[0],
+        "scan_ys": lambda x: jax.lax.scan(lambda c, xi: (c + 1, xi * c), 1.0, jnp.stack([x, x.T.T]))[1].sum(0),
+        "fori": lambda x: jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ x.T @ c * 0.01 + c), x),
     }
     binary = {"add": jnp.add, "mul": jnp.multiply, "sub": jnp.subtract, "max": jnp.maximum}
     return unary, binary
