@@ -1,4 +1,6 @@
 """Models: annotations → specs, and every strategy preset computing the single-device loss."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,8 +37,18 @@ def small_config(data_dir, out, **overrides):
     return cfg
 
 
+_single_device_cache: dict = {}
+
+
 def single_device_losses(cfg):
     """The same steps with no mesh at all: everything on device 0, one batch of all rows."""
+    key = (json.dumps(cfg.model, sort_keys=True), cfg.data.path, cfg.batch_size, cfg.steps)
+    if key not in _single_device_cache:
+        _single_device_cache[key] = _single_device_losses(cfg)
+    return _single_device_cache[key]
+
+
+def _single_device_losses(cfg):
     run = train.setup(cfg)
     params, opt_state = jax.device_get(train.init_state(run))
     step_fn = jax.jit(train.make_train_step(run.graphdef, run.optimizer, jnp.float32, 1))
