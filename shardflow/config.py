@@ -62,6 +62,8 @@ class Config:
     seed: int = 0
     out: str = "runs/default"
     log_every: int = 10
+    eval_every: int = 100          # steps between val.bin losses (on logged steps); 0 = never
+    eval_batches: int = 4          # micro-batches of val.bin per evaluation
     peak_flops: float | None = None  # per device; None = known accelerators, else MFU is n/a
 
     def to_dict(self) -> dict:
@@ -136,6 +138,10 @@ def validate(cfg: Config, n_devices: int) -> dict:
     for name in ("steps", "batch_size", "grad_accum", "log_every"):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be a positive integer, got {getattr(cfg, name)!r}")
+    if not isinstance(cfg.eval_every, int) or cfg.eval_every < 0:
+        raise ConfigError(f"eval_every must be an integer >= 0, got {cfg.eval_every!r}")
+    if cfg.eval_every and (not isinstance(cfg.eval_batches, int) or cfg.eval_batches < 1):
+        raise ConfigError(f"eval_batches must be a positive integer, got {cfg.eval_batches!r}")
     mesh = dict(cfg.mesh) if cfg.mesh else {"data": n_devices}
     if math.prod(mesh.values()) != n_devices:
         raise ConfigError(f"mesh {mesh} has {math.prod(mesh.values())} devices but "

@@ -118,7 +118,23 @@ def make_train_step(graphdef, optimizer, compute_dtype, grad_accum: int):
     return train_step
 
 
-def parallelize_step(step_fn, engine: str, mesh, rules, in_specs, out_specs):
+def make_eval_step(graphdef, compute_dtype):
+    """(params, batch) -> mean loss over the batch's tokens (batch as in train_step)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    def eval_step(params, batch):
+        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
+        logits = model(batch["inputs"][0]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"][0]).mean()
+
+    return eval_step
+
+
+def parallelize_step(step_fn, engine: str, mesh, rules, in_specs, out_specs,
+                     donate: tuple = (0, 1)):
     """Run step_fn as one SPMD program on mesh with the engine the config names."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -142,7 +158,7 @@ def parallelize_step(step_fn, engine: str, mesh, rules, in_specs, out_specs):
         lambda s: NamedSharding(mesh, s if s is not None else PartitionSpec()), tree,
         is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
     return jax.jit(step_with_activation_rules, in_shardings=to_sharding(in_specs),
-                   out_shardings=to_sharding(out_specs), donate_argnums=(0, 1))
+                   out_shardings=to_sharding(out_specs), donate_argnums=donate)
 
 
 @dataclasses.dataclass
@@ -160,6 +176,7 @@ class Run:
     schedule: object
     n_params: int
     data: object
+    val_data: object
 
     def shardings(self, specs):
         import jax
@@ -182,6 +199,7 @@ def setup(cfg) -> Run:
     model_cfg = config_lib.model_config(cfg)
     data_dir = cfg.data.path or data_lib.default_corpus_dir()
     data = data_lib.TokenFile(data_dir)
+    val_data = data_lib.TokenFile(data_dir, "val") if cfg.eval_every else None
     if data.vocab_size > model_cfg.vocab_size:
         raise config_lib.ConfigError(
             f"the data's vocabulary ({data.vocab_size}, {data_dir}) is larger than "
@@ -214,7 +232,7 @@ def setup(cfg) -> Run:
     batch_spec = model_sharding.spec_for((None, "batch", None), rules)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_shape))
     return Run(cfg, model_cfg, mesh, rules, graphdef, param_specs, opt_specs, batch_spec,
-               optimizer, schedule, n_params, data)
+               optimizer, schedule, n_params, data, val_data)
 
 
 def init_state(run: Run):
@@ -274,6 +292,18 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
         out_specs=(run.param_specs, run.opt_specs, None))
     batch_sharding = run.shardings(run.batch_spec)
     micro = cfg.batch_size // cfg.grad_accum
+    if run.val_data is not None:
+        eval_fn = parallelize_step(make_eval_step(run.graphdef, cfg.compute_dtype), cfg.engine,
+                                   run.mesh, run.rules, in_specs=(run.param_specs, run.batch_spec),
+                                   out_specs=None, donate=())
+
+    def val_loss():
+        """Mean loss over cfg.eval_batches fixed batches of val.bin (the same at every eval)."""
+        losses = [eval_fn(params, data_lib.global_batch(run.val_data, i, (1, micro), seq_len,
+                                                        cfg.data.seed, batch_sharding))
+                  for i in range(cfg.eval_batches)]
+        return float(sum(losses)) / len(losses)
+
     seq_len = cfg.data.seq_len
     tokens_per_step = cfg.batch_size * seq_len
     flops_per_token = metrics_lib.flops_per_token(run.model_cfg, run.n_params, seq_len)
@@ -322,7 +352,8 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
             bar.update(1)
 
             last = done == cfg.steps or done == until
-            if done % cfg.log_every == 0 or last:
+            evaluate = run.val_data is not None and (done % cfg.eval_every == 0 or last)
+            if done % cfg.log_every == 0 or last or evaluate:
                 jax.block_until_ready(metrics)
                 elapsed = time.perf_counter() - window_start
                 tok_s = window_steps * tokens_per_step / elapsed if window_steps else None
@@ -330,7 +361,8 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
                        if tok_s and peak else None)
                 loss = float(metrics["loss"])
                 log.log(done, loss=loss, grad_norm=float(metrics["grad_norm"]),
-                        lr=float(run.schedule(step)), tokens_per_s=tok_s, mfu=mfu)
+                        lr=float(run.schedule(step)), tokens_per_s=tok_s, mfu=mfu,
+                        val_loss=val_loss() if evaluate and math.isfinite(loss) else None)
                 bar.set_postfix(loss=f"{loss:.3f}",
                                 tok_s=f"{tok_s:,.0f}" if tok_s else "-",
                                 mfu=f"{100 * mfu:.1f}%" if mfu else "n/a")

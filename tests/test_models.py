@@ -31,7 +31,7 @@ def small_config(data_dir, out, **overrides):
     cfg.data.path, cfg.data.seq_len = str(data_dir), 32
     cfg.batch_size, cfg.steps, cfg.log_every = 8, 3, 1
     cfg.compute_dtype, cfg.engine, cfg.out = "float32", ENGINE, str(out)
-    cfg.checkpoint.every = 0
+    cfg.checkpoint.every, cfg.eval_every = 0, 0
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg

@@ -79,11 +79,14 @@ def test_cli_trains_and_writes_metrics_and_tensorboard(data_dir, tmp_path, capsy
     code = cli.main(["train", "--steps", "4", "--out", str(out), "--no-progress",
                      "--set", f"data.path={data_dir}", "--set", f"engine={ENGINE}",
                      "--set", "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8}",
-                     "--set", "batch_size=8", "--set", "data.seq_len=32", "--set", "log_every=2"])
+                     "--set", "batch_size=8", "--set", "data.seq_len=32", "--set", "log_every=2",
+                     "--set", "eval_every=3", "--set", "eval_batches=2"])
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [2, 4]
+    assert [r["step"] for r in records] == [2, 3, 4]
     assert all(np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in records)
+    assert [("val_loss" in r) for r in records] == [False, True, True]
+    assert 2.0 < records[-1]["val_loss"] < 6.0  # near ln(256) = 5.5 after 4 steps, finite
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tb").iterdir())
     assert "done: step 4" in capsys.readouterr().out
 
