@@ -135,6 +135,43 @@ def test_random_shapes(backend, q_len, kv_extra, group, heads_kv, head_dim, caus
                           kv_offset=offsets[1])
 
 
+@settings(max_examples=200, deadline=None)
+@given(block_q=st.sampled_from([16, 32, 64]), block_k=st.sampled_from([16, 32, 64]),
+       num_q_blocks=st.integers(1, 6), num_kv_blocks=st.integers(1, 6),
+       kv_pad=st.integers(0, 15), offset_delta=st.integers(-200, 200), causal=st.booleans())
+def test_block_ranges_agree_with_the_element_mask(block_q, block_k, num_q_blocks,
+                                                  num_kv_blocks, kv_pad, offset_delta, causal):
+  """The skip/no-mask/mask classification of blocks that every kernel relies on."""
+  from shardflow.kernels import attention_common as common
+  kv_len = max(num_kv_blocks * block_k - kv_pad, 1)
+  for qb in range(num_q_blocks):
+    num_full, end = common.kv_block_range(
+        qb * block_q, block_q=block_q, block_k=block_k, num_kv_blocks=num_kv_blocks,
+        kv_len=kv_len, causal=causal, has_segment_ids=False, offset_delta=offset_delta)
+    for kb in range(num_kv_blocks):
+      mask = np.asarray(common.element_mask(
+          jnp.arange(qb * block_q, (qb + 1) * block_q),
+          jnp.arange(kb * block_k, (kb + 1) * block_k), causal=causal, kv_len=kv_len,
+          offset_delta=offset_delta))
+      if kb < num_full:
+        assert mask.all()
+      if kb >= end:
+        assert not mask.any()
+      begin_q, begin_full_q = common.q_block_range(
+          kb * block_k, block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks,
+          causal=causal, has_segment_ids=False, offset_delta=offset_delta)
+      # The dk/dv kernel ignores kv padding (those rows are sliced off), so compare causally.
+      causal_mask = np.asarray(common.element_mask(
+          jnp.arange(qb * block_q, (qb + 1) * block_q),
+          jnp.arange(kb * block_k, (kb + 1) * block_k), causal=causal, kv_len=None,
+          offset_delta=offset_delta))
+      causal_mask = np.ones((block_q, block_k), bool) if causal_mask.ndim == 0 else causal_mask
+      if qb < begin_q:
+        assert not causal_mask.any()
+      if qb >= begin_full_q:
+        assert causal_mask.all()
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_fully_masked_rows_are_zero_with_minus_inf_lse(backend):
   # Queries at positions 0..15 against keys at 20..51: causal hides every key from rows < 20.
@@ -199,10 +236,10 @@ def test_fp16_interpret():
 
 
 def _jit_eqns(jaxpr, name):
-  """All jit eqns called `name` in a jaxpr, searching nested jaxprs."""
+  """All eqns of primitive `name` in a jaxpr, searching nested jaxprs."""
   found = []
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == name:
+    if eqn.primitive.name == name:
       found.append(eqn)
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
