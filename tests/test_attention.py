@@ -236,10 +236,12 @@ def test_fp16_interpret():
 
 
 def _jit_eqns(jaxpr, name):
-  """All eqns of primitive `name` in a jaxpr, searching nested jaxprs."""
+  """All eqns that are the unit `name`, searching nested jaxprs: a ``jit[name=...]`` call, or a
+  primitive of that name (the form the compiler's passes may move to)."""
   found = []
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == name:
+    is_named_jit = eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == name
+    if is_named_jit or eqn.primitive.name == name:
       found.append(eqn)
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
