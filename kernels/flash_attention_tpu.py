@@ -51,7 +51,9 @@ _COMPILER_PARAMS = pltpu.CompilerParams(
 
 
 def _interpret(interpret: bool):
-  return pltpu.InterpretParams() if interpret else False
+  # Pallas' generic interpreter: it has no effects (pltpu.InterpretParams' TPU simulator runs
+  # through io_callback), so the kernels can sit under any transformation or custom lowering.
+  return interpret
 
 
 def _segment_operands(segment_ids, seq_padded):
