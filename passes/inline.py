@@ -3,8 +3,7 @@
 Before: the jaxpr as traced — ``jit`` / ``closed_call`` / ``custom_jvp_call`` /
 ``custom_vjp_call`` wrappers, and nested jaxprs that JAX may share between call sites.
 After: those wrappers are replaced by their bodies (differentiation is done, so custom rules
-no longer matter), except kernel calls that have a named rule (``jit[name=sf_attention_fwd]``);
-scan / while / cond / remat bodies are cloned per call site, so every Var occurs in exactly one
+no longer matter); scan / while / cond / remat bodies are cloned per call site, so every Var occurs in exactly one
 place and ``Program.sbp`` can be a plain dict. The program computes the same values.
 """
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 from jax._src import core
 
 from shardflow.program import Program, is_literal, map_subjaxprs, new_var
-from shardflow.rules import JIT_P, NAMED_CALL_RULES
 from shardflow.specs import ShardingError
 
 INLINED = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
@@ -22,8 +20,6 @@ INLINED = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom
 def _body(eqn):
     """The ClosedJaxpr an inlinable call evaluates, or None."""
     if eqn.primitive.name not in INLINED:
-        return None
-    if eqn.primitive is JIT_P and str(eqn.params.get("name")) in NAMED_CALL_RULES:
         return None
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         j = eqn.params.get(key)

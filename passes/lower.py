@@ -18,11 +18,9 @@ from jax._src import core
 
 from shardflow.primitives import box_p, constrain_p
 from shardflow.program import Program, is_literal, open_jaxpr
-from shardflow.rules import JIT_P
 from shardflow.specs import axis_sizes, local_shape, split_axes, to_partition_spec
 
 LOCAL_RULES: dict[str, Callable] = {}
-LOCAL_CALLS: dict[str, Callable] = {}   # jit[name=...] kernels: fn(eqn, *local operands) -> outputs
 
 
 def local_rule(*names):
@@ -68,8 +66,6 @@ class Local:
             fn = LOCAL_RULES.get(eqn.primitive.name)
             if fn is not None:
                 outs = fn(self, eqn, ins)
-            elif eqn.primitive is JIT_P and str(eqn.params.get("name")) in LOCAL_CALLS:
-                outs = LOCAL_CALLS[str(eqn.params["name"])](eqn, *ins)
             else:
                 outs = eqn.primitive.bind(*ins, **eqn.params)
             if not eqn.primitive.multiple_results:

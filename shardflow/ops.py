@@ -3,18 +3,23 @@
 `attention` is the one attention entry point. Whatever implementation runs, it shows in a jaxpr
 as one recognisable unit (except backend="cudnn", a comparison pass-through, see below):
 
-* forward: exactly one ``jit[name=sf_attention_fwd]`` eqn with operands
+* forward: exactly one ``sf_attention_fwd[config=...]`` primitive with operands
   ``(q, k, v[, segment_ids][, q_offset, kv_offset])`` and results ``(out, lse)``;
-* backward (under `jax.grad` / `jax.vjp`): exactly one ``jit[name=sf_attention_bwd]`` eqn with
-  operands ``(q, k, v, out, lse, dout[, segment_ids][, q_offset, kv_offset][, dlse])`` and
-  results ``(dq, dk, dv)``.
+* backward (under `jax.grad` / `jax.vjp`): exactly one ``sf_attention_bwd[config=...]``
+  primitive with operands ``(q, k, v, out, lse, dout[, segment_ids][, q_offset, kv_offset][, dlse])``
+  and results ``(dq, dk, dv)``.
 
 ``q_offset``/``kv_offset`` are operands only when one of them is traced (both are then passed,
-as int32 scalars); static ints are closed over. ``dlse`` is an operand only when
+as int32 scalars); static ints live in ``config``. ``dlse`` is an operand only when
 ``return_lse=True`` (it carries the cotangent of lse). All other configuration (causal, scale,
-backend, block sizes) is closed over, so the eqn's operands are exactly the arrays above.
-Batch (dim 0) and heads (dim 2 of q/k/v/out/dout, dim 1 of lse) are independent in every
-implementation, so a pass may shard them by slicing the operands.
+backend) is the primitive's ``config`` param, so the operands are exactly the arrays above.
+
+They are primitives rather than named ``jit`` calls for two reasons the compiler needs: JAX's
+partial evaluation (inside a differentiated scan) never splits a primitive, and a primitive
+rebinds at any operand shapes — the sharding passes run it on the local blocks of a batch- or
+head-split q/k/v and its abstract evaluation gives the local result shapes. Batch (dim 0) and
+heads (dim 2 of q/k/v/out/dout, dim 1 of lse) are independent in every implementation, so
+``shardflow.rules`` lets a pass split them.
 """
 from __future__ import annotations
 
@@ -24,6 +29,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax._src import core, dispatch
+from jax._src.interpreters import mlir
+
+from shardflow import rules
 
 from shardflow.kernels import attention_xla, flash_attention_gpu
 
@@ -100,23 +109,34 @@ def sf_attention_bwd(config: _AttentionConfig, q, k, v, out, lse, dout, *extras)
                   scale=config.scale, dlse=dlse)
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_fwd(config: _AttentionConfig):
-  return jax.jit(functools.partial(sf_attention_fwd, config))
+def _attention_primitive(name: str, kernel):
+  """A primitive computing ``kernel(config, *operands)``; lowered by tracing the kernel."""
+  prim = core.Primitive(name)
+  prim.multiple_results = True
+  prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+
+  def abstract_eval(*avals, config):
+    shapes = jax.eval_shape(functools.partial(kernel, config), *avals)
+    return [core.ShapedArray(x.shape, x.dtype) for x in shapes]
+
+  prim.def_abstract_eval(abstract_eval)
+  mlir.register_lowering(prim, mlir.lower_fun(lambda *args, config: kernel(config, *args),
+                                              multiple_results=True))
+  return prim
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_bwd(config: _AttentionConfig):
-  return jax.jit(functools.partial(sf_attention_bwd, config))
+sf_attention_fwd_p = _attention_primitive("sf_attention_fwd", sf_attention_fwd)
+sf_attention_bwd_p = _attention_primitive("sf_attention_bwd", sf_attention_bwd)
+rules.rule(sf_attention_fwd_p, sf_attention_bwd_p)(rules.attention_signatures)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(config, q, k, v, extras):
-  return _jitted_fwd(config)(q, k, v, *extras)
+  return tuple(sf_attention_fwd_p.bind(q, k, v, *extras, config=config))
 
 
 def _attention_fwd(config, q, k, v, extras):
-  out, lse = _jitted_fwd(config)(q, k, v, *extras)
+  out, lse = sf_attention_fwd_p.bind(q, k, v, *extras, config=config)
   return (out, lse), (q, k, v, extras, out, lse)
 
 
@@ -124,7 +144,8 @@ def _attention_bwd(config, residuals, cotangents):
   q, k, v, extras, out, lse = residuals
   dout, dlse = cotangents
   bwd_extras = tuple(extras) + ((dlse,) if config.has_dlse else ())
-  dq, dk, dv = _jitted_bwd(config)(q, k, v, out, lse, dout.astype(out.dtype), *bwd_extras)
+  dq, dk, dv = sf_attention_bwd_p.bind(q, k, v, out, lse, dout.astype(out.dtype), *bwd_extras,
+                                       config=config)
   # Integer operands (segment ids, offsets) get no cotangent.
   return dq, dk, dv, tuple(None for _ in extras)
 

@@ -19,19 +19,12 @@ from jax._src import core
 
 from shardflow.specs import B, P, Partial, S
 
-try:  # the pjit primitive is spelled "jit" in jaxprs; its object lives here
-    from jax._src.pjit import jit_p as _jit_p
-except ImportError:  # pragma: no cover
-    from jax._src.pjit import pjit_p as _jit_p
-
-
 class Sig(NamedTuple):
     ins: tuple
     outs: tuple
 
 
 RULES: dict[core.Primitive, Callable[[core.JaxprEqn], list]] = {}
-NAMED_CALL_RULES: dict[str, Callable[[core.JaxprEqn], list]] = {}   # jit[name=...] kernels
 
 
 def rule(*prims):
@@ -340,14 +333,15 @@ def _scatter_add(eqn):
     return sigs
 
 
-# ------------------------------------------------------------------------------ kernels by name
+# ------------------------------------------------------------------------------ kernels
 
 # Attention kernels (shardflow.ops.attention) are independent per batch row and per head.
 # Layouts: q/k/v/out/dout/dq/dk/dv [B, S, H, D], lse [B, H, S], segment ids [B, S], offsets scalars.
 _ATTENTION_DIMS = {"batch": {4: 0, 3: 0, 2: 0}, "heads": {4: 2, 3: 1}}
 
 
-def _attention(eqn):
+def attention_signatures(eqn):
+    """Registered by shardflow.ops for its sf_attention_fwd / sf_attention_bwd primitives."""
     sigs = []
     for dims in _ATTENTION_DIMS.values():
         ins = tuple(S(dims[rank(x)]) if rank(x) in dims else B for x in eqn.invars)
@@ -356,19 +350,12 @@ def _attention(eqn):
     return sigs
 
 
-NAMED_CALL_RULES["sf_attention_fwd"] = _attention
-NAMED_CALL_RULES["sf_attention_bwd"] = _attention
 
 
 def signatures(eqn):
     """The 1-D signatures of ``eqn``, or None when it has no rule (it then runs whole)."""
-    if eqn.primitive is _jit_p:
-        named = NAMED_CALL_RULES.get(str(eqn.params.get("name")))
-        return named(eqn) if named else None
     fn = RULES.get(eqn.primitive)
     if fn is None:
         return [] if not eqn.invars else None  # made from nothing (iota, empty, rng): whole, B
     return fn(eqn)
 
-
-JIT_P = _jit_p

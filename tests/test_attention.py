@@ -235,20 +235,18 @@ def test_fp16_interpret():
 # The jaxpr contract with the compiler passes.
 
 
-def _jit_eqns(jaxpr, name):
-  """All eqns that are the unit `name`, searching nested jaxprs: a ``jit[name=...]`` call, or a
-  primitive of that name (the form the compiler's passes may move to)."""
+def _units(jaxpr, name):
+  """All eqns of the primitive `name`, searching nested jaxprs."""
   found = []
   for eqn in jaxpr.eqns:
-    is_named_jit = eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == name
-    if is_named_jit or eqn.primitive.name == name:
+    if eqn.primitive.name == name:
       found.append(eqn)
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
         if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          found += _jit_eqns(sub.jaxpr, name)
+          found += _units(sub.jaxpr, name)
         elif isinstance(sub, jax.extend.core.Jaxpr):
-          found += _jit_eqns(sub, name)
+          found += _units(sub, name)
   return found
 
 
@@ -274,16 +272,16 @@ def test_jaxpr_contract(backend, with_segments, traced_offsets):
   extra_shapes = ([(2, 16)] if with_segments else []) + ([(), ()] if traced_offsets else [])
 
   fwd_jaxpr = jax.make_jaxpr(f)(*args).jaxpr
-  [fwd] = _jit_eqns(fwd_jaxpr, "sf_attention_fwd")
-  assert not _jit_eqns(fwd_jaxpr, "sf_attention_bwd")
+  [fwd] = _units(fwd_jaxpr, "sf_attention_fwd")
+  assert not _units(fwd_jaxpr, "sf_attention_bwd")
   assert _operand_shapes(fwd) == [q_shape, kv_shape, kv_shape] + extra_shapes
   assert [tuple(v.aval.shape) for v in fwd.outvars] == [q_shape, (2, 4, 16)]
   assert [v.aval.dtype for v in fwd.outvars] == [q.dtype, jnp.float32]
 
   loss = lambda *a: jnp.sum(f(*a) * dout)
   grad_jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args).jaxpr
-  [fwd] = _jit_eqns(grad_jaxpr, "sf_attention_fwd")
-  [bwd] = _jit_eqns(grad_jaxpr, "sf_attention_bwd")
+  [fwd] = _units(grad_jaxpr, "sf_attention_fwd")
+  [bwd] = _units(grad_jaxpr, "sf_attention_bwd")
   assert _operand_shapes(fwd) == [q_shape, kv_shape, kv_shape] + extra_shapes
   assert _operand_shapes(bwd) == ([q_shape, kv_shape, kv_shape, q_shape, (2, 4, 16), q_shape]
                                   + extra_shapes)
