@@ -54,7 +54,7 @@ class Config:
     mesh: dict | None = None
     # A preset name (dp, fsdp, tp, tp_sp, 2d) or an explicit {logical axis: mesh axis} table.
     strategy: Any = "dp"
-    engine: str = "jit"            # "shardflow" (sf.parallelize) or "jit" (the jax.jit baseline)
+    engine: str = "shardflow"      # "shardflow" (sf.parallelize) or "jit" (the jax.jit baseline)
     batch_size: int = 16           # sequences per optimizer step, all devices together
     grad_accum: int = 1            # micro-batches per optimizer step
     compute_dtype: str = "bfloat16"  # parameters stay float32; this is the forward/backward dtype

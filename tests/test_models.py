@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from shardflow import config, data, models, train
 from shardflow.models import sharding
 
-ENGINE = "jit"
+ENGINE = "shardflow"  # the default engine; test_strategy_matches_single_device covers jit too
 
 SMALL_LLAMA = dict(preset="tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
                    ffn_dim=128, max_seq_len=32)
@@ -135,17 +135,12 @@ CASES = {
     "explicit-rules": ({"batch": "model", "mlp": "data", "vocab": "data"},
                        {"data": 2, "model": 4}, {}),
 }
-# shardflow.ops.attention does not yet run under sf.parallelize (see the xfail below), so the
-# shardflow-engine cases call jax.nn.dot_product_attention; everything else is the same step.
-SHARDFLOW_CASES = ["dp", "fsdp", "tp", "tp_sp", "2d"]
+SHARDFLOW_CASES = ["dp", "fsdp", "tp", "tp_sp", "2d", "gpt2-tp"]
 
 
 def strategy_config(case, engine, data_dir, out):
     strategy, mesh, extra = CASES[case]
-    cfg = small_config(data_dir, out, strategy=strategy, mesh=mesh, engine=engine, **extra)
-    if engine == "shardflow":
-        cfg.model = {**cfg.model, "attention_impl": "jax"}
-    return cfg
+    return small_config(data_dir, out, strategy=strategy, mesh=mesh, engine=engine, **extra)
 
 
 @pytest.mark.parametrize("engine,case", [("jit", c) for c in CASES] +
@@ -156,14 +151,3 @@ def test_strategy_matches_single_device(engine, case, data_dir, tmp_path):
     got = train.train(cfg, progress=False)["losses"]
     np.testing.assert_allclose([got[s] for s in (1, 2, 3)], expected, rtol=1e-5)
     assert expected[2] < expected[0]
-
-
-@pytest.mark.xfail(strict=True, reason="shardflow.ops.attention inside lax.scan fails in "
-                   "propagation (KeyError in rules._attention); remove this marker once it runs")
-def test_ops_attention_under_the_shardflow_engine(data_dir, tmp_path):
-    cfg = strategy_config("dp", "shardflow", data_dir, tmp_path)
-    cfg.model["attention_impl"] = "ops"
-    cfg.steps = 2
-    expected = single_device_losses(cfg)
-    got = train.train(cfg, progress=False)["losses"]
-    np.testing.assert_allclose([got[1], got[2]], expected, rtol=1e-5)
