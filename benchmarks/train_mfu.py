@@ -8,6 +8,8 @@ attention through shardflow.ops.attention) run by ``sf.parallelize``.
 reference: the same model and optimizer as one ``jax.jit`` program — scan over layers, cuDNN
 attention called directly (``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU),
 optax — i.e. what the plain-JAX numbers in ../shared/ANCHORS.md measure.
+shardflow-cudnn (optional): the shardflow engine with the reference's cuDNN attention, which
+separates what the compiler costs from what the attention kernel costs.
 
 Both run on the same random token batch, resident on device; the first steps (compilation)
 are not timed. MFU = tokens/s · FLOPs per token / (peak · devices), with FLOPs per token from
@@ -37,10 +39,10 @@ def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: i
 
     on_gpu = jax.default_backend() == "gpu"
     cfg = config.Config()
+    reference_attention = "cudnn" if on_gpu else "jax"
     cfg.model = {"preset": preset, "remat": remat,
-                 "attention_impl": "ops" if engine == "shardflow" else
-                 ("cudnn" if on_gpu else "jax")}
-    cfg.engine = "shardflow" if engine == "shardflow" else "jit"
+                 "attention_impl": "ops" if engine == "shardflow" else reference_attention}
+    cfg.engine = "jit" if engine == "reference" else "shardflow"
     cfg.batch_size, cfg.data.seq_len, cfg.steps = batch, seq, warmup + steps
     cfg.strategy, cfg.compute_dtype = "dp", "bfloat16"
     run = train.setup(cfg)
@@ -79,6 +81,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, help="override the preset's batch")
     parser.add_argument("--seq", type=int, help="override the preset's sequence length")
     parser.add_argument("--peak-flops", type=float, help="per-device peak (default: known GPUs)")
+    parser.add_argument("--engines", default="reference,shardflow",
+                        help="comma-separated: reference, shardflow, shardflow-cudnn")
     args = parser.parse_args(argv)
     configure_host_platform()
     import jax
@@ -88,7 +92,7 @@ def main(argv=None):
         batch, seq, remat = CASES[preset]
         batch, seq = args.batch or batch, args.seq or seq
         results = {}
-        for engine in ("reference", "shardflow"):
+        for engine in args.engines.split(","):
             try:
                 results[engine] = measure(preset, batch, seq, remat, engine, args.steps,
                                           args.warmup, args.peak_flops)
@@ -98,15 +102,17 @@ def main(argv=None):
         print(f"\n{preset}  batch {batch} x {seq}  remat {remat}")
         for engine, r in results.items():
             if "error" in r:
-                print(f"  {engine:10s} FAILED  {r['error']}")
+                print(f"  {engine:15s} FAILED  {r['error']}")
                 continue
             mfu = f"{100 * r['mfu']:.1f} %" if r["mfu"] is not None else "n/a"
-            print(f"  {engine:10s} {r['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>7s}  "
+            print(f"  {engine:15s} {r['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>7s}  "
                   f"step {1e3 * r['step_s']:8.1f} ms  loss {r['loss']:.3f}  "
-                  f"params {r['params'] / 1e9:.2f} B")
-        if all("error" not in r for r in results.values()):
-            ratio = results["shardflow"]["tokens_per_s"] / results["reference"]["tokens_per_s"]
-            print(f"  ratio shardflow / reference: {ratio:.3f}")
+                  f"params {r['params'] / 1e6:,.1f} M")
+        reference = results.get("reference", {})
+        for engine, r in results.items():
+            if engine != "reference" and "error" not in r and "error" not in reference and reference:
+                ratio = r["tokens_per_s"] / reference["tokens_per_s"]
+                print(f"  ratio {engine} / reference: {ratio:.3f}")
 
 
 if __name__ == "__main__":
