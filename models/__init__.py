@@ -1,4 +1,7 @@
 """Annotated language models for shardflow: Llama-style and GPT-2-style, in Flax NNX."""
+__all__ = ["GPT2", "Llama", "ModelConfig", "PRESETS", "REMAT_POLICIES", "RULES",
+           "activation_sharding", "build", "check_rules", "constrain", "count_params",
+           "get_rules", "logical_axes", "param_logical_axes", "param_specs", "preset", "spec_for"]
 from .config import PRESETS, REMAT_POLICIES, ModelConfig, preset
 from .gpt2 import GPT2
 from .llama import Llama

@@ -257,7 +257,6 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     schedule still spans cfg.steps): for training in chunks from a notebook, and for tests.
     """
     import jax
-    import numpy as np
     from tqdm import tqdm
 
     from shardflow import data as data_lib, metrics as metrics_lib

@@ -5,8 +5,14 @@ import jax
 import numpy as np
 import pytest
 
-from shardflow import cli, config, train
-from test_models import ENGINE, data_dir, small_config  # noqa: F401  (data_dir is a fixture)
+from shardflow import cli, config, data, train
+from test_models import ENGINE, small_config
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return data.prepare(data.stdlib_sources(max_bytes=300_000)[:10],
+                        tmp_path_factory.mktemp("tokens"))
 
 
 def test_resume_gives_the_uninterrupted_loss_sequence(data_dir, tmp_path):
