@@ -93,6 +93,11 @@ def apply_steps(local: Local, x, steps):
         elif st.kind == "slice":
             size = x.shape[st.dim] // local.sizes[st.axes[0]]
             x = lax.dynamic_slice_in_dim(x, lax.axis_index(st.axes[0]) * size, size, st.dim)
+        elif st.kind == "pad":
+            n, size = local.sizes[st.axes[0]], x.shape[st.dim]
+            shape = x.shape[:st.dim] + (size * n,) + x.shape[st.dim + 1:]
+            x = lax.dynamic_update_slice_in_dim(jnp.zeros(shape, x.dtype), x,
+                                                lax.axis_index(st.axes[0]) * size, st.dim)
         elif st.kind == "mask":
             if st.op == "sum":
                 x = jnp.where(lax.axis_index(st.axes[0]) == 0, x, jnp.zeros_like(x))

@@ -10,7 +10,7 @@ prices candidates with it, the boxing pass stores it in the program, lowering ru
   S(i) -> S(j)   all_to_all       (n-1)/n · L      (L: local block)
   B    -> S(i)   slice            0
   B    -> P      mask             0  (value on index 0 of the axis, zeros elsewhere)
-  S    -> P      all_gather, then mask (DESIGN.md's free "own shard in place" is not built yet)
+  S    -> P      pad              0  (own shard in place, zeros elsewhere)
 
 For several axes the order is chosen to keep tensors small while they travel: local slices
 first, then reductions that scatter, all_to_all, all_reduce, all_gather last. A dim split by
@@ -31,7 +31,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "pper
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    kind: str              # one of COLLECTIVES, or "slice" / "mask" / "pad"
+    kind: str              # one of COLLECTIVES, or the local "slice" / "mask" / "pad"
     axes: tuple            # mesh axis names
     dim: int = -1          # tensor dim gathered / scattered / sliced (all_to_all: split dim)
     src_dim: int = -1      # all_to_all: the dim that was split before
@@ -107,6 +107,10 @@ def plan(shape, dtype, src: NdSbp, dst: NdSbp, mesh) -> tuple:
         group = [a for a in names if cur[a] == Partial(op) and want[a] != cur[a]]
         if group:
             step("all_reduce", {a: B for a in group}, op=op, cost=lambda n, b, _: 2 * (n - 1) / n * b)
+    for a in names:  # S -> P(sum): own shard in place, zeros elsewhere
+        s, t = cur[a], want[a]
+        if isinstance(s, Split) and t == Partial("sum") and _axes_on(now(), s.dim, names)[-1] == a:
+            step("pad", {a: t}, dim=s.dim)
     for dim in range(len(shape)):  # S -> B: gather what differs from the wanted split order
         have, goal = _axes_on(now(), dim, names), _axes_on(dst, dim, names)
         k = 0

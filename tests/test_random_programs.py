@@ -26,13 +26,13 @@ def nd_sbp(rank=2, partial=False):
 
 # ------------------------------------------------------------------------------ conversions
 
-@settings(max_examples=60, **SETTINGS)
-@given(src=nd_sbp(partial=True), dst=nd_sbp(partial=False))
-def test_every_conversion_preserves_the_value(src, dst):
+@settings(max_examples=100, **SETTINGS)
+@given(src=nd_sbp(partial=True), mid=nd_sbp(partial=True), dst=nd_sbp(partial=False))
+def test_every_conversion_preserves_the_value(src, mid, dst):
     x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
 
     def fn(x):
-        return sf.constrain(sf.constrain(x, src) * 1.5, dst)
+        return sf.constrain(sf.constrain(sf.constrain(x, src) * 1.5, mid) + 0.0, dst)
 
     out = sf.parallelize(fn, mesh=MESH, in_specs=(None,), out_specs=dst)(x)
     np.testing.assert_allclose(np.asarray(out), x * 1.5, rtol=1e-6)
@@ -44,6 +44,7 @@ def test_every_conversion_preserves_the_value(src, dst):
     ((B, P), (B, S(1)), "reduce_scatter", 3 / 4),        # (n-1)/n of the reduced tensor
     ((B, S(0)), (B, S(1)), "all_to_all", 3 / 4 / 4),     # (n-1)/n of the local block
     ((B, B), (S(0), S(1)), None, 0),                     # local slices
+    ((S(0), S(1)), (P, P), None, 0),                     # own shard in place, zeros elsewhere
 ])
 def test_conversion_bytes_follow_the_table(src, dst, kind, factor):
     steps = conversion.plan((8, 16), np.float32, src, dst, MESH)
