@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 @dataclasses.dataclass
 class DataConfig:
     path: str | None = None   # a `shardflow prepare` output dir; None = embedded stdlib corpus
-    seq_len: int = 256
+    seq_len: int = 128
     seed: int = 0
 
 
