@@ -155,54 +155,52 @@ def _dynamic_slice(local, eqn, ins):
     return lax.dynamic_slice_p.bind(x, *idx, slice_sizes=tuple(sizes))
 
 
+def _local_indices(local, table, block, indices, index_map, dims):
+    """Indices into ``table``'s split ``dims`` made local to this device's ``block``, and which
+    of them fall in it (the others are clipped and must be masked out by the caller)."""
+    in_range = jnp.ones(indices.shape[:-1], bool)
+    for k in dims:
+        pos = index_map.index(k)
+        idx, _ = local.shard_index(table, k)
+        component = indices[..., pos] - (idx * block.shape[k]).astype(indices.dtype)
+        in_range &= (component >= 0) & (component < block.shape[k])
+        indices = indices.at[..., pos].set(jnp.clip(component, 0, block.shape[k] - 1))
+    return indices, in_range
+
+
+def _split_indexed_dims(local, table, index_map, collapsed):
+    return [k for k in index_map if k in collapsed and split_axes(local.p.sbp[table], k, local.names)]
+
+
 @local_rule("gather")
 def _gather(local, eqn, ins):
     operand, indices = ins
-    ovar = eqn.invars[0]
+    table = eqn.invars[0]
     dn = eqn.params["dimension_numbers"]
-    sizes = list(eqn.params["slice_sizes"])
-    for d in range(len(sizes)):
-        if sizes[d] == ovar.aval.shape[d]:
-            sizes[d] = operand.shape[d]
-    params = dict(eqn.params, slice_sizes=tuple(sizes))
-    split = [k for k in dn.start_index_map if split_axes(local.p.sbp[ovar], k, local.names)
-             and k in dn.collapsed_slice_dims]
+    sizes = tuple(operand.shape[d] if s == table.aval.shape[d] else s
+                  for d, s in enumerate(eqn.params["slice_sizes"]))
+    params = dict(eqn.params, slice_sizes=sizes)
+    split = _split_indexed_dims(local, table, dn.start_index_map, dn.collapsed_slice_dims)
     if not split:
         return lax.gather_p.bind(operand, indices, **params)
     # vocab-split table: look up the rows this device holds, zeros elsewhere (a partial sum)
-    in_range = jnp.ones(indices.shape[:-1], bool)
-    for k in split:
-        pos = dn.start_index_map.index(k)
-        idx, _ = local.shard_index(ovar, k)
-        start = idx * operand.shape[k]
-        component = indices[..., pos] - start.astype(indices.dtype)
-        in_range &= (component >= 0) & (component < operand.shape[k])
-        indices = indices.at[..., pos].set(jnp.clip(component, 0, operand.shape[k] - 1))
+    indices, in_range = _local_indices(local, table, operand, indices, dn.start_index_map, split)
     out = lax.gather_p.bind(operand, indices, **params)
-    out_rank = out.ndim
-    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
-    mask = lax.broadcast_in_dim(in_range, out.shape, tuple(batch_out))
-    return jnp.where(mask, out, jnp.zeros_like(out))
+    batch_dims = tuple(d for d in range(out.ndim) if d not in dn.offset_dims)
+    return jnp.where(lax.broadcast_in_dim(in_range, out.shape, batch_dims), out, jnp.zeros_like(out))
 
 
 @local_rule("scatter-add", "scatter_add")
 def _scatter_add(local, eqn, ins):
     operand, indices, updates = ins
-    ovar = eqn.invars[0]
+    table = eqn.invars[0]
     dn = eqn.params["dimension_numbers"]
-    split = [k for k in dn.scatter_dims_to_operand_dims if split_axes(local.p.sbp[ovar], k, local.names)
-             and k in dn.inserted_window_dims]
-    if split:
-        in_range = jnp.ones(indices.shape[:-1], bool)
-        for k in split:
-            pos = dn.scatter_dims_to_operand_dims.index(k)
-            idx, _ = local.shard_index(ovar, k)
-            component = indices[..., pos] - (idx * operand.shape[k]).astype(indices.dtype)
-            in_range &= (component >= 0) & (component < operand.shape[k])
-            indices = indices.at[..., pos].set(jnp.clip(component, 0, operand.shape[k] - 1))
-        scatter_dims = [d for d in range(updates.ndim) if d not in dn.update_window_dims]
-        mask = lax.broadcast_in_dim(in_range, updates.shape, tuple(scatter_dims))
-        updates = jnp.where(mask, updates, jnp.zeros_like(updates))
+    split = _split_indexed_dims(local, table, dn.scatter_dims_to_operand_dims, dn.inserted_window_dims)
+    if split:  # vocab-split table: add only the updates of rows this device holds
+        indices, in_range = _local_indices(local, table, operand, indices, dn.scatter_dims_to_operand_dims, split)
+        scatter_dims = tuple(d for d in range(updates.ndim) if d not in dn.update_window_dims)
+        updates = jnp.where(lax.broadcast_in_dim(in_range, updates.shape, scatter_dims), updates,
+                            jnp.zeros_like(updates))
     return eqn.primitive.bind(operand, indices, updates, **eqn.params)
 
 
