@@ -82,6 +82,22 @@ def build_optimizer(ocfg, total_steps: int, decay_mask):
     return optax.chain(clip, adamw), schedule
 
 
+def make_loss_fn(graphdef, compute_dtype):
+    """(params, inputs, targets) -> mean next-token cross-entropy, fp32."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    def loss_fn(params, inputs, targets):
+        # fp32 master weights; the forward (and backward) run on a compute_dtype copy.
+        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
+        logits = model(inputs).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    return loss_fn
+
+
 def make_train_step(graphdef, optimizer, compute_dtype, grad_accum: int):
     """(params, opt_state, batch) -> (params, opt_state, {"loss", "grad_norm"}).
 
@@ -91,15 +107,8 @@ def make_train_step(graphdef, optimizer, compute_dtype, grad_accum: int):
     import jax
     import jax.numpy as jnp
     import optax
-    from flax import nnx
 
-    def loss_fn(params, inputs, targets):
-        # fp32 master weights; the forward and backward run on a compute_dtype copy.
-        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-        logits = model(inputs).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = jax.value_and_grad(make_loss_fn(graphdef, compute_dtype))
 
     def train_step(params, opt_state, batch):
         if grad_accum == 1:
@@ -120,15 +129,10 @@ def make_train_step(graphdef, optimizer, compute_dtype, grad_accum: int):
 
 def make_eval_step(graphdef, compute_dtype):
     """(params, batch) -> mean loss over the batch's tokens (batch as in train_step)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
+    loss_fn = make_loss_fn(graphdef, compute_dtype)
 
     def eval_step(params, batch):
-        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-        logits = model(batch["inputs"][0]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"][0]).mean()
+        return loss_fn(params, batch["inputs"][0], batch["targets"][0])
 
     return eval_step
 
