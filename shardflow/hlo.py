@@ -38,6 +38,10 @@ def _bytes(text: str) -> int:
 
 
 def _group_size(attrs: str) -> int:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:  # replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}: groups span the named axes
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
     if m:
         return int(m.group(2))
