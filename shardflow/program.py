@@ -16,8 +16,11 @@ from jax.sharding import Mesh
 
 from shardflow.mesh import LinkModel
 
-source_info_util.register_exclusion(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + "shardflow")
-source_info_util.register_exclusion(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + "passes")
+# Frames of the compiler itself are never "the user's line"; shardflow's models and trainer are.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _module in ("api.py", "primitives.py", "program.py"):
+    source_info_util.register_exclusion(os.path.join(_HERE, _module))
+source_info_util.register_exclusion(os.path.join(os.path.dirname(_HERE), "passes") + os.sep)
 
 
 @dataclasses.dataclass
