@@ -1,5 +1,6 @@
 """Models: annotations → specs, and every strategy preset computing the single-device loss."""
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -151,3 +152,24 @@ def test_strategy_matches_single_device(engine, case, data_dir, tmp_path):
     got = train.train(cfg, progress=False)["losses"]
     np.testing.assert_allclose([got[s] for s in (1, 2, 3)], expected, rtol=1e-5)
     assert expected[2] < expected[0]
+
+
+def test_activation_constraints_reach_the_traced_step(data_dir, tmp_path):
+    """The model's constrain() calls become sharding constraints of the step: the residual
+    stream is split along the sequence under tp_sp, along the batch only under dp."""
+    def pinned_specs(strategy, mesh):
+        cfg = small_config(data_dir, tmp_path, strategy=strategy, mesh=mesh, engine="jit")
+        run = train.setup(cfg)
+        step = train.parallelize_step(
+            train.make_train_step(run.graphdef, run.optimizer, jnp.float32, 1), "jit",
+            run.mesh, run.rules, in_specs=(run.param_specs, run.opt_specs, run.batch_spec),
+            out_specs=(run.param_specs, run.opt_specs, None))
+        params, opt_state = jax.eval_shape(lambda: train.init_state(run))
+        batch = {k: jax.ShapeDtypeStruct((1, 8, 32), jnp.int32) for k in ("inputs", "targets")}
+        text = str(jax.make_jaxpr(step)(params, opt_state, batch))
+        return set(re.findall(r"sharding_constraint\[.*?spec=(P\([^)]*\))", text, re.S))
+
+    assert pinned_specs("dp", {"data": 8}) == {"P('data', None, None)"}
+    # residual stream [batch, seq, embed]; logits [batch, seq, vocab] split on vocab
+    assert pinned_specs("tp_sp", {"data": 2, "model": 4}) == {"P('data', 'model', None)",
+                                                              "P('data', None, 'model')"}
