@@ -1,0 +1,260 @@
+"""Scaling: tokens/s and MFU per parallelism strategy on all devices, shardflow vs plain jit.
+
+    python benchmarks/scaling.py                      # 1b and 7b on every GPU of the machine
+    python benchmarks/scaling.py --preset tiny        # end-to-end check on 8 simulated CPUs
+    python benchmarks/scaling.py --preset 1b --strategies dp,fsdp --out scaling.json
+
+For each preset, on N = jax.device_count() devices, the `shardflow train` step (fp32 master
+weights, bf16 compute, AdamW + clipping) runs under each strategy of docs/models.md with two
+engines: "shardflow" (sf.parallelize) and "jit" (jax.jit with the same specs as
+NamedShardings). Meshes: dp, fsdp {data: N}; tp, tp_sp {data: 1, model: N}; 2d
+{data: N/M, model: M} (M = --model-2d, default 2). When the model's dimensions do not divide by
+the model axis (tiny's 4 kv heads on 8 devices), the model axis shrinks to the largest divisor
+of N that fits and the rest goes to data; the printed mesh says so.
+
+Weak scaling: the batch is per data-parallel replica (global batch = batch x mesh["data"]),
+and each engine also runs one device with one replica's batch under dp. Weak-scaling
+efficiency = tokens/s on N devices / (N x tokens/s on one device), per engine; under tp the
+N devices share one replica's batch, so there it is the parallel efficiency of the same work.
+
+Per-replica batch x seq, remat (CASES): 1b 8 x 4096, no remat (the ../shared/ANCHORS.md row).
+7b 4 x 4096 with full remat: configs/7b-2d.yaml's micro-batch per data replica; fp32 weights,
+gradients and Adam moments are 16 bytes/param (107 GB for 6.7 B), so 7b under dp and on one
+device needs more than an 80 GB GPU holds. Such configs are skipped before compiling when the
+estimated per-device weights + gradients + Adam state + bf16 copy exceed the device's memory;
+whatever still runs out of memory is reported as OOM and the run goes on. (On GPU, jax reports
+the memory it may use: XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 of the card by default.)
+
+Attention: the shardflow engine uses shardflow.ops.attention (Pallas kernels on GPU). The jit
+engine uses jax.nn.dot_product_attention (cuDNN on GPU), which GSPMD can partition, whereas a
+Pallas custom call under jax.jit would be replicated. The shardflow/jit ratio therefore
+includes the attention-kernel difference (benchmarks/train_mfu.py's shardflow-cudnn engine
+separates it). MFU = tokens/s x shardflow.metrics.flops_per_token / (peak x devices); the peak
+comes from the device kind (n/a on CPU unless --peak-flops). Only steady-state steps after
+--warmup steps are timed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import time
+import traceback
+
+from shardflow.train import configure_host_platform
+
+# NVLink multicast off (the device machines' KINDS.md); NCCL reads it when JAX creates its
+# communicators, long after this line.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+CASES = {  # preset -> (batch per data-parallel replica, seq, remat)
+    "1b": (8, 4096, "none"),
+    "7b": (4, 4096, "full"),
+    "tiny": (2, 256, "none"),
+}
+STRATEGIES = ("dp", "fsdp", "tp", "tp_sp", "2d")
+ENGINES = ("shardflow", "jit")
+
+
+def candidate_meshes(strategy: str, n: int, model_2d: int) -> list[dict]:
+    """Meshes to try, preferred first (the model axis shrinks only if the model needs it)."""
+    if strategy in ("dp", "fsdp") or n == 1:
+        return [{"data": n}] if strategy in ("dp", "fsdp") else [{"data": 1, "model": 1}]
+    largest = n if strategy in ("tp", "tp_sp") else min(model_2d, n)
+    return [{"data": n // m, "model": m} for m in range(largest, 1, -1) if n % m == 0]
+
+
+def device_bytes(shapes, shardings) -> int:
+    import jax
+    import numpy as np
+    sizes = jax.tree.map(
+        lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize,
+        shapes, shardings)
+    return sum(jax.tree.leaves(sizes))
+
+
+def failure(e: Exception) -> str:
+    msg = str(e)
+    if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower():
+        return "OOM"
+    traceback.print_exc()
+    return f"error: {type(e).__name__}: {(msg.splitlines() or [''])[0][:160]}"
+
+
+def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_device=False):
+    """One config: a result row (status "ok", "OOM", "skip: ..." or "error: ...")."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from shardflow import config, metrics, train
+
+    jit_attention = "cudnn" if jax.default_backend() == "gpu" else "jax"
+    row = {"preset": preset, "strategy": strategy, "engine": engine,
+           "mesh": {"data": 1} if one_device else meshes[0] if meshes else {},
+           "batch_per_replica": batch, "seq": seq, "remat": remat}
+    error = "no mesh of this shape fits the device count"
+    for mesh in meshes:  # train.setup checks that the model's split dimensions divide
+        cfg = config.Config(mesh=mesh, strategy=strategy, engine=engine,
+                            batch_size=batch * mesh["data"], steps=args.warmup + args.steps,
+                            eval_every=0, peak_flops=args.peak_flops)
+        cfg.model = {"preset": preset, "remat": remat,
+                     "attention_impl": "ops" if engine == "shardflow" else jit_attention}
+        cfg.data.seq_len = seq
+        try:
+            run = train.setup(cfg)
+            break
+        except config.ConfigError as e:
+            error = e
+    else:
+        return {**row, "status": f"skip: {error}"}
+    if one_device:  # dp specs hold on a 1-device mesh: one replica's batch on one device
+        run = dataclasses.replace(run, mesh=Mesh(np.asarray(jax.devices()[:1]), ("data",)))
+    row["mesh"] = dict(run.mesh.shape)
+    row["devices"] = run.mesh.size
+    row["params"] = run.n_params
+
+    params_shape, opt_shape = jax.eval_shape(lambda: train.init_state(run))
+    param_bytes = device_bytes(params_shape, run.shardings(run.param_specs))
+    state = param_bytes * 2.5 + device_bytes(opt_shape, run.shardings(run.opt_specs))
+    row["state_gb_per_device"] = state / 1e9  # weights + fp32 grads + bf16 copy + Adam
+    limit = (args.device_memory_gb * 1e9 if args.device_memory_gb
+             else (jax.devices()[0].memory_stats() or {}).get("bytes_limit"))
+    if limit and state > limit:
+        return {**row, "status": f"skip: needs >= {state / 1e9:.3g} GB/device of state, "
+                                 f"device has {limit / 1e9:.3g} GB"}
+    try:
+        params, opt_state = train.init_state(run)
+        step_fn = train.parallelize_step(
+            train.make_train_step(run.graphdef, run.optimizer, cfg.compute_dtype, 1),
+            engine, run.mesh, run.rules,
+            in_specs=(run.param_specs, run.opt_specs, run.batch_spec),
+            out_specs=(run.param_specs, run.opt_specs, None))
+        global_batch = batch * run.mesh.shape["data"]
+        tokens = np.random.default_rng(0).integers(0, run.model_cfg.vocab_size,
+                                                   (1, global_batch, seq + 1))
+        sharding = run.shardings(run.batch_spec)
+        data = {"inputs": jax.device_put(tokens[..., :-1].astype(np.int32), sharding),
+                "targets": jax.device_put(tokens[..., 1:].astype(np.int32), sharding)}
+        for _ in range(args.warmup):
+            params, opt_state, out = step_fn(params, opt_state, data)
+        jax.block_until_ready((params, opt_state, out))
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            params, opt_state, out = step_fn(params, opt_state, data)
+        jax.block_until_ready((params, opt_state, out))
+        elapsed = time.perf_counter() - start
+        loss = float(out["loss"])
+    except Exception as e:  # noqa: BLE001 - report the config and go on with the others
+        return {**row, "status": failure(e)}
+    tok_s = args.steps * global_batch * seq / elapsed
+    peak = metrics.peak_flops(jax.devices()[0], args.peak_flops)
+    flops = metrics.flops_per_token(run.model_cfg, run.n_params, seq)
+    return {**row, "status": "ok", "global_batch": global_batch, "tokens_per_s": tok_s,
+            "step_s": elapsed / args.steps, "loss": loss,
+            "mfu": tok_s * flops / (peak * run.mesh.size) if peak else None}
+
+
+def fmt_mesh(mesh: dict) -> str:
+    return " ".join(f"{k}:{v}" for k, v in mesh.items())
+
+
+def pct(x) -> str:
+    return f"{100 * x:.1f} %" if x is not None else "n/a"
+
+
+def print_table(rows) -> None:
+    header = ("preset", "strategy", "mesh", "engine", "tokens/s", "MFU", "weak-scaling eff.",
+              "shardflow/jit")
+    lines = [header]
+    for r in rows:
+        ok = r["status"] == "ok"
+        ratio = r.get("shardflow_over_jit")
+        lines.append((r["preset"], r["strategy"], fmt_mesh(r["mesh"]), r["engine"],
+                      f"{r['tokens_per_s']:,.0f}" if ok else r["status"].split(":")[0],
+                      pct(r["mfu"]) if ok else "-",
+                      pct(r.get("weak_scaling_eff")) if ok and r["devices"] > 1 else "-",
+                      f"{ratio:.3f}" if ratio is not None else "-"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for i, line in enumerate(lines):
+        cells = zip(line, widths)
+        print("  ".join(c.ljust(w) if j < 4 else c.rjust(w) for j, (c, w) in enumerate(cells)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    for r in rows:
+        if r["status"].startswith(("skip", "error")):
+            print(f"{r['preset']} {r['strategy']} {r['engine']}: {r['status']}")
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", action="append", choices=sorted(CASES),
+                        help="model preset (repeatable); default: 1b and 7b")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated")
+    parser.add_argument("--batch", type=int, help="sequences per data-parallel replica")
+    parser.add_argument("--seq", type=int, help="sequence length")
+    parser.add_argument("--model-2d", type=int, default=2, help="model-axis size of the 2d mesh")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation)")
+    parser.add_argument("--peak-flops", type=float, help="per-device peak (default: known GPUs)")
+    parser.add_argument("--device-memory-gb", type=float,
+                        help="per-device memory for the fit check (default: what jax reports)")
+    parser.add_argument("--out", help="write all rows as JSON to this file")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be >= 1 (the first step compiles)")
+    strategies, engines = args.strategies.split(","), args.engines.split(",")
+    for name, allowed in ((strategies, STRATEGIES), (engines, ENGINES)):
+        if set(name) - set(allowed):
+            parser.error(f"unknown {sorted(set(name) - set(allowed))}; choose from {allowed}")
+    configure_host_platform()
+    import jax
+
+    n = jax.device_count()
+    print(f"jax {jax.__version__}, {n} x {jax.devices()[0].device_kind}, "
+          f"NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
+    rows = []
+    for preset in args.preset or ["1b", "7b"]:
+        batch, seq, remat = CASES[preset]
+        batch, seq = args.batch or batch, args.seq or seq
+        configs = [("1-device", [{"data": n}], engine, True) for engine in engines]
+        configs += [(s, candidate_meshes(s, n, args.model_2d), e, False)
+                    for s in strategies for e in engines]
+        for strategy, meshes, engine, one in configs:
+            row = measure(preset, "dp" if one else strategy, meshes, engine, batch, seq, remat,
+                          args, one_device=one)
+            row["strategy"] = strategy
+            rows.append(row)
+            gc.collect()
+            jax.clear_caches()
+            done = (f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['loss']:.3f}"
+                    if row["status"] == "ok" else row["status"])
+            print(f"{preset:5s} {strategy:8s} {fmt_mesh(row['mesh']):16s} {engine:9s} {done}",
+                  flush=True)
+
+    ok = {(r["preset"], r["strategy"], r["engine"]): r for r in rows if r["status"] == "ok"}
+    for r in rows:
+        base = ok.get((r["preset"], "1-device", r["engine"]))
+        if r["status"] == "ok" and base and r["strategy"] != "1-device":
+            r["weak_scaling_eff"] = r["tokens_per_s"] / (r["devices"] * base["tokens_per_s"])
+        jit = ok.get((r["preset"], r["strategy"], "jit"))
+        if r["status"] == "ok" and r["engine"] == "shardflow" and jit:
+            r["shardflow_over_jit"] = r["tokens_per_s"] / jit["tokens_per_s"]
+    print()
+    print_table(rows)
+    if args.out:
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "jax": jax.__version__, "devices": n, "device_kind": jax.devices()[0].device_kind,
+                "steps": args.steps, "warmup": args.warmup}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
