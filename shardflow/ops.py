@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jax._src import core, dispatch
 from jax._src.interpreters import mlir
 
-from shardflow import rules
+from shardflow import rules, specs
+from shardflow.passes import lower
 
 from shardflow.kernels import attention_xla, flash_attention_gpu
 
@@ -128,6 +129,26 @@ def _attention_primitive(name: str, kernel):
 sf_attention_fwd_p = _attention_primitive("sf_attention_fwd", sf_attention_fwd)
 sf_attention_bwd_p = _attention_primitive("sf_attention_bwd", sf_attention_bwd)
 rules.rule(sf_attention_fwd_p, sf_attention_bwd_p)(rules.attention_signatures)
+
+
+@lower.local_rule(sf_attention_fwd_p.name, sf_attention_bwd_p.name)
+def _local_attention(local, eqn, ins):
+  """Per-device attention. When the passes split the queries along the sequence, this shard's
+  queries start at its offset: the causal mask moves with them (offsets become operands)."""
+  config = eqn.params["config"]
+  q_var, q = eqn.invars[0], ins[0]
+  if not specs.split_axes(local.p.sbp[q_var], 1, local.names):
+    return eqn.primitive.bind(*ins, config=config)
+  shard, _ = local.shard_index(q_var, 1)
+  shift = (shard * q.shape[1]).astype(jnp.int32)
+  n_fixed = 6 if eqn.primitive is sf_attention_bwd_p else 3
+  fixed, extras = list(ins[:n_fixed]), list(ins[n_fixed:])
+  if config.static_offset_delta is None:   # extras: q_offset, kv_offset[, dlse]
+    extras[0] = extras[0] + shift
+  else:
+    extras = [jnp.int32(config.static_offset_delta) + shift, jnp.int32(0)] + extras
+    config = dataclasses.replace(config, static_offset_delta=None)
+  return eqn.primitive.bind(*fixed, *extras, config=config)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

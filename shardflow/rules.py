@@ -341,11 +341,22 @@ _ATTENTION_DIMS = {"batch": {4: 0, 3: 0, 2: 0}, "heads": {4: 2, 3: 1}}
 
 
 def attention_signatures(eqn):
-    """Registered by shardflow.ops for its sf_attention_fwd / sf_attention_bwd primitives."""
+    """Registered by shardflow.ops for its sf_attention_fwd / sf_attention_bwd primitives.
+
+    Besides batch and heads, queries may be split along the sequence with whole keys and values
+    (all-gather context parallelism): each shard attends its queries to every key, its causal
+    mask shifted by the shard's offset (shardflow.ops lowers that); the backward's dk and dv are
+    then partial sums over the query shards. Not with segment ids, which q and kv share.
+    """
     sigs = []
     for dims in _ATTENTION_DIMS.values():
         ins = tuple(S(dims[rank(x)]) if rank(x) in dims else B for x in eqn.invars)
         outs = tuple(S(dims[rank(x)]) for x in eqn.outvars)
+        sigs.append(Sig(ins, outs))
+    if not any(rank(x) == 2 for x in eqn.invars):
+        query_split = {4: S(1), 3: S(2)}  # q/out/dout [B, S, H, D]; lse/dlse [B, H, S]
+        ins = tuple(B if i in (1, 2) else query_split.get(rank(x), B) for i, x in enumerate(eqn.invars))
+        outs = (S(1), S(2)) if len(eqn.outvars) == 2 else (S(1), P, P)
         sigs.append(Sig(ins, outs))
     return sigs
 

@@ -59,3 +59,27 @@ def test_attention_inside_a_differentiated_scan():
     f = sf.parallelize(fn, mesh=mesh, in_specs=(PS(), PS("data"), PS("data"), PS("data")), out_specs=PS())
     np.testing.assert_allclose(np.asarray(f(w, q, k, v)), jax.jit(fn)(w, q, k, v), rtol=1e-5, atol=1e-6)
     assert not f.explain(w, q, k, v).fallbacks
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("traced_offsets", [False, True])
+def test_sequence_split_queries_gather_keys_and_shift_the_causal_mask(backend, traced_offsets):
+    mesh = sf.make_mesh({"data": 2, "model": 4})
+    q, k, v = inputs(b=2, s=32)
+    offsets = (jnp.int32(5), jnp.int32(5)) if traced_offsets else (5, 5)
+
+    def loss(q, k, v):
+        out, lse = attention(q, k, v, causal=True, q_offset=offsets[0], kv_offset=offsets[1],
+                             return_lse=True, backend=backend)
+        return jnp.sum(jnp.tanh(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * 0.1), out
+
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    seq = PS("data", "model")
+    f = sf.parallelize(lambda q, k, v: fn(sf.constrain(q, seq), k, v), mesh=mesh,
+                       in_specs=(seq, PS("data"), PS("data")), out_specs=((PS(), seq), (seq, PS("data"), PS("data"))))
+    expected = jax.jit(fn)(q, k, v)
+    for a, e in zip(jax.tree.leaves(f(q, k, v)), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)
+    plan = f.explain(q, k, v)
+    assert not plan.fallbacks
+    assert not any(c.kind == "all_to_all" for c in plan.collectives), str(plan)
