@@ -17,7 +17,7 @@ from jax import lax
 from jax._src import core
 
 from shardflow.primitives import box_p, constrain_p
-from shardflow.program import Program, is_literal, open_jaxpr
+from shardflow.program import Program, is_literal, open_jaxpr, scan_arity
 from shardflow.specs import axis_sizes, local_shape, split_axes, to_partition_spec
 
 LOCAL_RULES: dict[str, Callable] = {}
@@ -207,7 +207,7 @@ def _scatter_add(local, eqn, ins):
 @local_rule("scan")
 def _scan(local, eqn, ins):
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_arity(p)
     body = local.body_fn(p["jaxpr"])
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
 

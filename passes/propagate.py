@@ -23,7 +23,7 @@ from jax._src import core
 
 from shardflow import rules
 from shardflow.primitives import constrain_p
-from shardflow.program import Program, is_literal, open_jaxpr, source_line
+from shardflow.program import Program, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.rules import Sig
 from shardflow.specs import (B, Broadcast, Partial, ShardingError, Split, axis_sizes, check_divisible,
                              describe, format_sbp, to_sbp)
@@ -250,7 +250,7 @@ def _constrain(prop: Propagation, eqn):
 
 
 def _scan(prop: Propagation, eqn):
-    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    nc, nk = scan_arity(eqn.params)
     body = open_jaxpr(eqn.params["jaxpr"])
     cur = [prop.of(a) for a in eqn.invars]
     consts, init, xs = cur[:nc], cur[nc:nc + nk], cur[nc + nk:]

@@ -90,6 +90,15 @@ def all_eqns(jaxpr: core.Jaxpr) -> Iterator:
                 yield from all_eqns(open_jaxpr(j))
 
 
+def scan_arity(params) -> tuple[int, int]:
+    """(number of consts, number of carries) of a scan eqn. JAX 0.10 spells them
+    ``num_consts`` / ``num_carry``; JAX 0.11 groups operands as ``ft_in = (consts, carry, xs)``."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"]
+    return len(consts), len(carry)
+
+
 def new_var(aval) -> core.Var:
     return core.Var(aval)
 
