@@ -95,7 +95,7 @@ def scan_arity(params) -> tuple[int, int]:
     ``num_consts`` / ``num_carry``; JAX 0.11 groups operands as ``ft_in = (consts, carry, xs)``."""
     if "num_consts" in params:
         return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"]
+    consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
 
 

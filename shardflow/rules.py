@@ -75,6 +75,9 @@ NONLINEAR = [
     lax.xor_p, lax.rem_p, lax.nextafter_p, lax.select_n_p, lax.clamp_p, lax.shift_left_p,
     lax.shift_right_logical_p, lax.shift_right_arithmetic_p, lax.population_count_p, lax.stop_gradient_p,
 ]
+# Elementwise primitives only some JAX versions have (0.11 differentiates tanh with one_minus_square).
+from jax._src.lax import lax as _lax_internal  # noqa: E402
+NONLINEAR += [p for p in (getattr(_lax_internal, n, None) for n in ("one_minus_square_p",)) if p is not None]
 try:
     from jax._src.ad_util import add_jaxvals_p as _add_any_p
     LINEAR.append(_add_any_p)
