@@ -1,6 +1,7 @@
 """Optimal communication: explain's bytes equal the analytical optimum of each strategy, and
 the compiled HLO runs those collectives (bytes within 1 %)."""
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -169,9 +170,9 @@ def test_explain_names_the_user_line_for_every_collective():
     step, args, in_specs, out_specs = pg.case_llama_step("dp", mesh)
     plan = sf.parallelize(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs).explain(*args)
     assert plan.collectives
-    for c in plan.collectives:
+    for c in plan.collectives:  # made by the user's code; used there or in a library (optax)
         assert c.source.startswith("programs.py:") or c.source.startswith("args["), c
-        assert c.used_at.startswith("programs.py:") or c.used_at == "output", c
+        assert c.used_at == "output" or re.fullmatch(r"[\w.]+\.py:\d+", c.used_at), c
     assert "programs.py:" in str(plan)
 
 
