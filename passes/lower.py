@@ -242,8 +242,9 @@ def _checkpoint(local, eqn, ins):
                           policy=eqn.params["policy"])(*ins)
 
 
-def lower(program: Program):
-    """The jitted SPMD callable of a boxed program, taking and returning flat global arrays."""
+def lower(program: Program, donated: tuple = ()):
+    """The jitted SPMD callable of a boxed program, taking and returning flat global arrays;
+    ``donated``: flat argument indices whose buffers the outputs may reuse."""
     local = Local(program)
     jaxpr = program.jaxpr
     mesh = program.mesh
@@ -255,4 +256,4 @@ def lower(program: Program):
         return tuple(local.eval(jaxpr.jaxpr, jaxpr.consts, args))
 
     mapped = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return jax.jit(mapped), in_specs, out_specs
+    return jax.jit(mapped, donate_argnums=donated), in_specs, out_specs

@@ -43,8 +43,10 @@ class Compiled:
 
 
 class Parallelized:
-    def __init__(self, fn, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None):
+    def __init__(self, fn, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,
+                 donate_argnums=()):
         self.fn = fn
+        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self.mesh = mesh
         self.in_specs = in_specs
         self.out_specs = out_specs
@@ -86,7 +88,9 @@ class Parallelized:
         out_sbp = self._out_sbp(closed, out_tree)
         program = Program(closed, self.mesh, tuple(in_sbp), out_sbp, links=self.links)
         program = boxing(propagate(inline(program)), names)
-        fn, in_ps, _ = lower(program)
+        donated = tuple(i for i, (path, _) in enumerate(jtu.tree_flatten_with_path(args)[0])
+                        if path[0].idx in self.donate_argnums)
+        fn, in_ps, _ = lower(program, donated)
         shardings = tuple(NamedSharding(self.mesh, p) for p in in_ps)
         return Compiled(program, fn, shardings, out_tree, names)
 
@@ -146,13 +150,17 @@ def _dtype(x):
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
-def parallelize(fn=None, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None):
+def parallelize(fn=None, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,
+                donate_argnums=()):
     """Run single-device ``fn`` as one SPMD program on ``mesh``.
 
     ``in_specs`` / ``out_specs`` are pytree prefixes of the arguments / outputs; leaves are SBP
     (``(sf.S(0), sf.B)``, ``"S(0), B"``) or ``PartitionSpec``. ``out_specs=None``: as propagated.
-    Usable as a decorator: ``@sf.parallelize(mesh=..., in_specs=...)``.
+    ``donate_argnums``: as in ``jax.jit`` — a training step donates its parameters and optimizer
+    state so their buffers hold the new ones. Usable as a decorator:
+    ``@sf.parallelize(mesh=..., in_specs=...)``.
     """
+    kwargs = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, links=links, donate_argnums=donate_argnums)
     if fn is None:
-        return lambda f: Parallelized(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, links=links)
-    return Parallelized(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, links=links)
+        return lambda f: Parallelized(f, **kwargs)
+    return Parallelized(fn, **kwargs)

@@ -157,7 +157,7 @@ def parallelize_step(step_fn, engine: str, mesh, rules, in_specs, out_specs,
 
     if engine == "shardflow":
         return sf.parallelize(step_with_activation_rules, mesh=mesh, in_specs=in_specs,
-                              out_specs=out_specs)
+                              out_specs=out_specs, donate_argnums=donate)
     to_sharding = lambda tree: jax.tree.map(  # noqa: E731
         lambda s: NamedSharding(mesh, s if s is not None else PartitionSpec()), tree,
         is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)

@@ -130,3 +130,11 @@ def test_decorator_form_and_inputs_of_any_sharding(mesh):
     out = f(x_sharded)
     np.testing.assert_allclose(np.asarray(out), np.tanh(x) @ x.T, rtol=1e-5, atol=1e-5)
     assert out.sharding.mesh == mesh
+
+
+def test_donated_arguments_are_consumed(mesh):
+    x = jax.device_put(np.ones((8, 12), np.float32), jax.sharding.NamedSharding(mesh, PS("data")))
+    f = sf.parallelize(lambda x: x * 2, mesh=mesh, in_specs=PS("data"), out_specs=PS("data"),
+                       donate_argnums=0)
+    np.testing.assert_array_equal(np.asarray(f(x)), 2 * np.ones((8, 12)))
+    assert x.is_deleted()
