@@ -8,7 +8,6 @@ never repeated. Conventions: see attention_common.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

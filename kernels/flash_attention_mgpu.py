@@ -17,7 +17,6 @@ Mosaic GPU has no interpret mode: benchmarks/attention.py --check tests this ker
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
