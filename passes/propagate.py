@@ -107,7 +107,7 @@ class Propagation:
             d = self.demand.get(out) if out is not None else None
             if d is None:
                 continue
-            if rules.RULES.get(eqn.primitive) is not None and eqn.primitive in _SHAPE_KEEPING:
+            if eqn.primitive in _SHAPE_KEEPING:
                 for x in eqn.invars:
                     if not is_literal(x) and x.aval.shape == out.aval.shape:
                         self.demand.setdefault(x, d)
