@@ -79,12 +79,15 @@ class Parallelized:
             check_divisible(aval.shape, aval.dtype, sbp, self.mesh, what=f"argument {name}", source=where)
             in_sbp.append(sbp)
 
-        def flat_fn(*flat):
-            out = self.fn(*jax.tree.unflatten(in_tree, flat))
-            return jax.tree.leaves(out)
+        out_trees = []
 
-        closed, _ = trace(flat_fn, *avals)
-        out_tree = jax.tree.structure(jax.eval_shape(lambda *f: self.fn(*jax.tree.unflatten(in_tree, f)), *avals))
+        def flat_fn(*flat):
+            leaves, tree = jax.tree.flatten(self.fn(*jax.tree.unflatten(in_tree, flat)))
+            out_trees.append(tree)
+            return leaves
+
+        closed = trace(flat_fn, *avals)
+        (out_tree,) = out_trees
         out_sbp = self._out_sbp(closed, out_tree)
         program = Program(closed, self.mesh, tuple(in_sbp), out_sbp, links=self.links)
         program = boxing(propagate(inline(program)), names)

@@ -107,7 +107,6 @@ def is_literal(x) -> bool:
     return isinstance(x, core.Literal)
 
 
-def trace(fn, *args) -> tuple[core.ClosedJaxpr, Any]:
-    """Trace ``fn`` on abstract arguments; returns (closed jaxpr, output tree)."""
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    return closed, jax.tree.structure(out_shape)
+def trace(fn, *args) -> core.ClosedJaxpr:
+    """The closed jaxpr of ``fn`` on abstract arguments."""
+    return jax.make_jaxpr(fn)(*args)
