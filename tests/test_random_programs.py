@@ -15,6 +15,7 @@ from shardflow.specs import B, P, S
 
 EXAMPLES = int(os.environ.get("SHARDFLOW_HYPOTHESIS_EXAMPLES", "200"))
 MESH = sf.make_mesh({"data": 2, "model": 4})
+MESHES = {"2x4": MESH, "4x2": sf.make_mesh({"data": 4, "model": 2})}
 SBP_1D = st.sampled_from([B, S(0), S(1)])
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
@@ -120,13 +121,14 @@ def build(steps):
 
 @settings(max_examples=EXAMPLES, **SETTINGS)
 @given(steps=st.lists(STEP, min_size=1, max_size=6),
-       specs=st.tuples(nd_sbp(), nd_sbp(), nd_sbp()))
-def test_random_program_equals_single_device(steps, specs):
+       specs=st.tuples(nd_sbp(), nd_sbp(), nd_sbp()),
+       mesh=st.sampled_from(sorted(MESHES)))
+def test_random_program_equals_single_device(steps, specs, mesh):
     r = np.random.default_rng(0)
     args = [r.standard_normal(SHAPES[k]).astype(np.float32) for k in "abc"]
     fn = build(steps)
     expected = jax.jit(fn)(*args)
-    f = sf.parallelize(fn, mesh=MESH, in_specs=specs)
+    f = sf.parallelize(fn, mesh=MESHES[mesh], in_specs=specs)
     actual = f(*args)
     for a, e in zip(actual, expected):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-4, atol=2e-4)
