@@ -6,7 +6,8 @@ import pytest
 import shardflow as sf
 from programs import CASES, STRATEGIES
 
-MESHES = {"8": {"data": 8}, "2x4": {"data": 2, "model": 4}, "4x2": {"data": 4, "model": 2}}
+MESHES = {"8": {"data": 8}, "2x4": {"data": 2, "model": 4}, "4x2": {"data": 4, "model": 2},
+          "2x2x2": {"pod": 2, "data": 2, "model": 2}}
 # After an AdamW step a parameter moves by about lr * m / sqrt(v): for an entry whose gradient is
 # near zero that ratio turns summation-order noise into a visible fraction of lr (1e-3). Train
 # steps are therefore compared to 2 % of one step (2e-5) absolute; everything else at 1e-6.
