@@ -24,13 +24,16 @@ class Boxing:
         self.sbp = dict(program.sbp)
         self.made_at: dict = {}
 
+    def of(self, atom):
+        return (B,) * len(self.p.axis_names) if is_literal(atom) else self.sbp[atom]
+
     def jaxpr(self, jaxpr: core.Jaxpr, arg_names=None) -> core.Jaxpr:
         for i, v in enumerate(jaxpr.invars):
             self.made_at.setdefault(v, arg_names[i] if arg_names else "loop/branch input")
         cache, eqns = {}, []
 
         def convert(x, want, reason, used_at):
-            have = self.sbp[x] if not is_literal(x) else (B,) * len(want)
+            have = self.of(x)
             if have == want:
                 return x
             key = (x.val.item() if is_literal(x) else x, x.aval, want)
@@ -52,7 +55,7 @@ class Boxing:
             invars = list(eqn.invars)
             if uses is not None:
                 for k, (x, want) in enumerate(zip(invars, uses)):
-                    have = (B,) * len(want) if is_literal(x) else self.sbp[x]
+                    have = self.of(x)
                     if have != want:
                         reason = f"{eqn.primitive.name} needs {format_sbp(want)} of operand {k}, has {format_sbp(have)}"
                         invars[k] = convert(x, want, reason, used_at)
