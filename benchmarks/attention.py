@@ -4,8 +4,6 @@ Pallas Triton `mha`, all in one process.
   python benchmarks/attention.py            # the ANCHORS.md table (fwd and fwd+bwd, ratios)
   python benchmarks/attention.py --check    # compiled kernels vs an fp32 reference
   python benchmarks/attention.py --sweep    # per-kernel times over block-size choices
-  python benchmarks/attention.py --sweep-bwd     # split vs fused backward, anchor shapes
-  python benchmarks/attention.py --probe-atomics # the fused backward's atomics, measured
 
 FLOPs: 4*B*S^2*H*D forward (H = q heads), half when causal, x3.5 for forward+backward.
 Times: median of 3 interleaved rounds of --iters runs each (after --warmup runs), each run
@@ -34,8 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from shardflow.kernels import (flash_attention_gpu, flash_attention_gpu_fused_bwd,  # noqa: E402
-                               flash_attention_mgpu)
+from shardflow.kernels import flash_attention_gpu, flash_attention_mgpu  # noqa: E402
 from shardflow.ops import attention  # noqa: E402
 
 # (batch, seq, heads_q, heads_kv, head_dim); the last is GQA 32 q heads over 8 kv heads.
@@ -291,107 +288,6 @@ def run_sweep(args):
                   f"{type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
-# The fused backward (kernels/flash_attention_gpu_fused_bwd.py) over (block_q, block_k, warps,
-# stages) of its one kernel, per head_dim.
-BWD_SWEEP = {
-    128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
-    64: [(64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (32, 128, 4, 3)],
-}
-
-
-def _backward_fn(module, causal, dim, **kw):
-  return jax.jit(lambda q, k, v, out, lse, dout: module.backward(
-      q, k, v, None, 0, out, lse, dout, causal=causal, scale=dim ** -0.5, **kw))
-
-
-def _forward_for_backward(q, k, v, causal, dim):
-  return jax.jit(lambda q, k, v: flash_attention_gpu.forward(
-      q, k, v, None, 0, causal=causal, scale=dim ** -0.5))(q, k, v)
-
-
-def run_sweep_bwd(args):
-  """The whole backward on every anchor shape: the split pair (dq kernel + dk/dv kernel, at
-  its defaults) against the fused kernel at each BWD_SWEEP tiling; each fused variant's
-  gradients are compared with the split kernels' on the same inputs."""
-  for batch, seq, hq, hkv, dim in ANCHOR_SHAPES:
-    q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim, seed=1)
-    for causal in (False, True):
-      flops = 2.5 * attention_flops(batch, seq, hq, dim, causal)
-      name = f"{batch},{seq},{hq}/{hkv},{dim} causal={causal}"
-      out, lse = _forward_for_backward(q, k, v, causal, dim)
-      variants = [("split (dq + dk/dv)", _backward_fn(flash_attention_gpu, causal, dim))]
-      for bq, bk, w, st in BWD_SWEEP[dim]:
-        bs = flash_attention_gpu_fused_bwd.FusedBlockSizes(bq, bk, w, st)
-        variants.append((f"fused bq={bq} bk={bk} w={w} s={st}",
-                         _backward_fn(flash_attention_gpu_fused_bwd, causal, dim,
-                                      block_sizes=bs)))
-      split_time, split_grads = None, None
-      for label, fn in variants:
-        try:
-          grads = fn(q, k, v, out, lse, dout)
-          t = median_seconds(fn, (q, k, v, out, lse, dout), warmup=2, iters=args.iters)
-        except Exception as e:
-          print(f"sweep-bwd {name} {label} failed: {type(e).__name__}: {str(e)[:200]}",
-                flush=True)
-          continue
-        if split_grads is None:
-          split_time, split_grads = t, grads
-        errs = [rel_err(g, r) for g, r in zip(grads, split_grads)]
-        print(f"sweep-bwd {name} {label}: {t * 1e3:.3f} ms {flops / t / 1e12:.0f} TFLOP/s "
-              f"x{split_time / t:.2f} vs split, err vs split "
-              + "/".join(f"{e:.1e}" for e in errs) + ("" if max(errs) < 1e-2 else " WRONG"),
-              flush=True)
-
-
-def run_probe_atomics(args):
-  """Where the fused backward's time goes: the split backward against the fused kernel with
-  Pallas's atomic adds (lowered with acq_rel semantics), with relaxed atomic adds (jax's
-  private lowering default patched: probe only), and with the atomic add replaced by a plain
-  store (wrong dq: what the fused kernel would cost if dq accumulation were free)."""
-  import types
-  from jax._src.lib.triton import dialect as tt_dialect
-  from jax._src.pallas.triton import lowering as triton_lowering
-  fused = flash_attention_gpu_fused_bwd
-  atomic_defaults = triton_lowering._atomic_rmw.__defaults__
-  relaxed = (None, tt_dialect.MemSemantic.RELAXED, tt_dialect.MemSyncScope.GPU)
-  real_plgpu = fused.plgpu
-
-  def store(ref, idx, val):
-    ref[idx] = val
-
-  store_plgpu = types.SimpleNamespace(atomic_add=store, CompilerParams=real_plgpu.CompilerParams)
-  for batch, seq, hq, hkv, dim, causal in [(4, 4096, 16, 16, 128, False),
-                                           (4, 4096, 16, 16, 128, True),
-                                           (8, 2048, 32, 32, 64, True)]:
-    q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim, seed=2)
-    flops = 2.5 * attention_flops(batch, seq, hq, dim, causal)
-    out, lse = _forward_for_backward(q, k, v, causal, dim)
-    split_grads = None
-    for label, module, defaults, plgpu in [
-        ("split", flash_attention_gpu, atomic_defaults, real_plgpu),
-        ("fused, acq_rel atomics", fused, atomic_defaults, real_plgpu),
-        ("fused, relaxed atomics", fused, relaxed, real_plgpu),
-        ("fused, plain store (wrong dq)", fused, atomic_defaults, store_plgpu)]:
-      jax.clear_caches()  # the patches act at lowering time
-      triton_lowering._atomic_rmw.__defaults__ = defaults
-      fused.plgpu = plgpu
-      try:
-        fn = _backward_fn(module, causal, dim)
-        grads = fn(q, k, v, out, lse, dout)
-        if split_grads is None:
-          split_grads = grads
-        errs = "/".join(f"{rel_err(g, r):.1e}" for g, r in zip(grads, split_grads))
-        t = median_seconds(fn, (q, k, v, out, lse, dout), warmup=2, iters=args.iters)
-        print(f"probe-atomics {batch},{seq},{hq},{dim} causal={causal} {label}: "
-              f"{t * 1e3:.3f} ms {flops / t / 1e12:.0f} TFLOP/s, err vs split {errs}",
-              flush=True)
-      except Exception as e:
-        print(f"probe-atomics {label} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-      finally:
-        triton_lowering._atomic_rmw.__defaults__ = atomic_defaults
-        fused.plgpu = real_plgpu
-
-
 def _patched_attention_mgpu():
   """JAX's Mosaic GPU attention with its float16-only shared-memory buffers made dtype-generic
   (jax 0.11.2 allocates them as float16, so bfloat16 inputs fail). Probe only."""
@@ -441,9 +337,7 @@ def main():
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--check", action="store_true")
   parser.add_argument("--sweep", action="store_true")
-  parser.add_argument("--sweep-bwd", action="store_true")
   parser.add_argument("--probe-mgpu", action="store_true")
-  parser.add_argument("--probe-atomics", action="store_true")
   parser.add_argument("--table", action="store_true", help="the benchmark table (default)")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--iters", type=int, default=20)
@@ -454,14 +348,9 @@ def main():
     failures = run_check(args)
   if args.sweep:
     run_sweep(args)
-  if args.sweep_bwd:
-    run_sweep_bwd(args)
   if args.probe_mgpu:
     run_probe_mgpu(args)
-  if args.probe_atomics:
-    run_probe_atomics(args)
-  if args.table or not (args.check or args.sweep or args.sweep_bwd or args.probe_mgpu
-                        or args.probe_atomics):
+  if args.table or not (args.check or args.sweep or args.probe_mgpu):
     run_table(args)
   sys.exit(1 if failures else 0)
 

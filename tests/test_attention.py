@@ -231,46 +231,6 @@ def test_fp16_interpret():
                           group=4, heads_kv=1, head_dim=64)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    q_len=st.integers(1, 70),
-    kv_extra=st.integers(-20, 40),
-    group=st.sampled_from([1, 2, 4]),
-    head_dim=st.sampled_from([16, 40]),
-    causal=st.booleans(),
-    use_segments=st.booleans(),
-    offsets=st.tuples(st.integers(0, 40), st.integers(0, 40)),
-    with_dlse=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_fused_backward_interpret(q_len, kv_extra, group, head_dim, causal, use_segments,
-                                  offsets, with_dlse, seed):
-  """kernels/flash_attention_gpu_fused_bwd (not behind any backend: benchmarks/attention.py
-  --sweep-bwd runs it compiled) against the dense reference, with tiles small enough that
-  several kv blocks add into each dq block."""
-  from shardflow.kernels import flash_attention_gpu, flash_attention_gpu_fused_bwd as fused
-  kv_len = q_len if use_segments else max(1, q_len + kv_extra)
-  q, k, v, dout, segment_ids = make_inputs(seed, 2, q_len, kv_len, 2, group, head_dim,
-                                           jnp.float32, 3 if use_segments else 0)
-  scale = 0.7 / np.sqrt(head_dim)
-  q_offset, kv_offset = offsets
-  kwargs = dict(causal=causal, scale=scale, segment_ids=segment_ids, q_offset=q_offset,
-                kv_offset=kv_offset)
-  out, lse = flash_attention_gpu.forward(q, k, v, segment_ids, q_offset - kv_offset,
-                                         causal=causal, scale=scale, interpret=True)
-  dlse = jax.random.normal(jax.random.key(seed + 1), lse.shape) if with_dlse else None
-  grads = fused.backward(q, k, v, segment_ids, q_offset - kv_offset, out, lse, dout,
-                         causal=causal, scale=scale, interpret=True, dlse=dlse,
-                         block_sizes=fused.FusedBlockSizes(16, 16, 4, 2))
-  (_, lse_ref), vjp_ref = jax.vjp(lambda q, k, v: reference_attention(q, k, v, **kwargs),
-                                  q, k, v)
-  dlse_ref = jnp.zeros_like(lse_ref) if dlse is None else jnp.where(
-      jnp.isfinite(lse_ref), dlse, 0.0)
-  for name, g, g_ref in zip(("dq", "dk", "dv"), grads, vjp_ref((dout, dlse_ref))):
-    assert g.shape == g_ref.shape
-    assert rel_err(g, g_ref) < 1e-3, name
-
-
 # ------------------------------------------------------------------------------------------
 # The jaxpr contract with the compiler passes.
 
