@@ -43,15 +43,19 @@ def ring(n):
     return (n - 1) / n
 
 
+def llama_step_plan(strategy, shape):
+    """(plan checked against HLO, params, device count) of the Llama train step."""
+    mesh = sf.make_mesh(shape)
+    step, args, in_specs, out_specs = pg.case_llama_step(strategy, mesh)
+    plan = check(sf.parallelize(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs), *args)
+    return plan, args[0], math.prod(shape.values())
+
+
 # ------------------------------------------------------------------------------ data parallel
 
 @pytest.mark.parametrize("shape", [{"data": 8}, {"data": 2, "model": 4}])
 def test_dp_gradient_all_reduce(shape):
-    mesh = sf.make_mesh(shape)
-    n = math.prod(shape.values())
-    step, args, in_specs, out_specs = pg.case_llama_step("dp", mesh)
-    plan = check(sf.parallelize(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs), *args)
-    params = args[0]
+    plan, params, n = llama_step_plan("dp", shape)
     tensors = tensor_collectives(plan)
     assert {c.kind for c in tensors} == {"all_reduce"}
     assert sum(c.bytes for c in tensors) == pytest.approx(2 * ring(n) * nbytes(params), abs=len(tensors))
@@ -61,15 +65,12 @@ def test_dp_gradient_all_reduce(shape):
 
 @pytest.mark.parametrize("shape", [{"data": 8}, {"data": 4, "model": 2}])
 def test_fsdp_gathers_params_and_scatters_grads(shape):
-    mesh = sf.make_mesh(shape)
-    n = math.prod(shape.values())
-    step, args, in_specs, out_specs = pg.case_llama_step("fsdp", mesh)
-    plan = check(sf.parallelize(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs), *args)
+    plan, params, n = llama_step_plan("fsdp", shape)
     by_kind = {}
     for c in tensor_collectives(plan):
         by_kind[c.kind] = by_kind.get(c.kind, 0) + c.bytes
     assert set(by_kind) == {"all_gather", "reduce_scatter"}
-    p = nbytes(args[0])
+    p = nbytes(params)
     assert by_kind["all_gather"] == pytest.approx(ring(n) * p, abs=16)
     assert by_kind["reduce_scatter"] == pytest.approx(ring(n) * p, abs=16)
 
