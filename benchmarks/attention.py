@@ -4,6 +4,7 @@ Pallas Triton `mha`, all in one process.
   python benchmarks/attention.py            # the ANCHORS.md table (fwd and fwd+bwd, ratios)
   python benchmarks/attention.py --check    # compiled kernels vs an fp32 reference
   python benchmarks/attention.py --sweep    # per-kernel times over block-size choices
+  python benchmarks/attention.py --bwd      # the two backwards alone: Mosaic GPU vs Triton
 
 FLOPs: 4*B*S^2*H*D forward (H = q heads), half when causal, x3.5 for forward+backward.
 Times: median of 3 interleaved rounds of --iters runs each (after --warmup runs), each run
@@ -190,12 +191,14 @@ CHECK_CASES = [
     (1, 2048, 2048, 16, 4, 64, jnp.bfloat16, True, False, (0, 0)),
     (2, 512, 512, 4, 1, 128, jnp.float16, False, False, (0, 0)),
     (1, 256, 256, 2, 2, 128, jnp.bfloat16, True, False, (7, 7)),
+    (2, 512, 512, 8, 2, 128, jnp.bfloat16, False, False, (0, 0)),
+    (1, 768, 768, 4, 4, 64, jnp.float16, False, False, (0, 0)),
 ]
 
 
 def run_check(args):
   failures = 0
-  print("| case | fwd kernel | out | lse | dq | dk | dv | bound | ok |\n"
+  print("| case | fwd/bwd kernel | out | lse | dq | dk | dv | bound | ok |\n"
         "|---|---|---|---|---|---|---|---|---|")
   for seed, case in enumerate(CHECK_CASES):
     batch, q_len, kv_len, hq, hkv, dim, dtype, causal, segments, (q_off, kv_off) = case
@@ -225,9 +228,11 @@ def run_check(args):
     name = (f"{batch},{q_len}x{kv_len},{hq}/{hkv},{dim},{jnp.dtype(dtype).name}"
             f"{',causal' if causal else ''}{',segments' if segments else ''}"
             f"{f',off={q_off}/{kv_off}' if (q_off, kv_off) != (0, 0) else ''}")
-    mosaic = flash_attention_mgpu.supports(q, k, segment_ids, q_off - kv_off, causal=causal,
-                                           scale=dim ** -0.5)
-    print(f"| {name} | {'mosaic' if mosaic else 'triton'} | "
+    kernels = "/".join(
+        "mosaic" if supports(q, k, segment_ids, q_off - kv_off, causal=causal,
+                             scale=dim ** -0.5) else "triton"
+        for supports in (flash_attention_mgpu.supports, flash_attention_mgpu.supports_backward))
+    print(f"| {name} | {kernels} | "
           + " | ".join(f"{e:.1e}" for e in errs) + f" | {bound:.0e} | "
           f"{'yes' if ok else 'NO'} |", flush=True)
   print(f"check: {len(CHECK_CASES) - failures}/{len(CHECK_CASES)} cases passed")
@@ -288,6 +293,31 @@ def run_sweep(args):
                   f"{type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
+def run_bwd(args):
+  """Times the backward alone: the fused Mosaic GPU kernel against the split Triton pair, on
+  the anchor shapes (2.5x the forward's FLOPs), and how far apart their gradients are."""
+  print("| shape | causal | mosaic ms | TFLOP/s | triton ms | TFLOP/s | triton/mosaic time | "
+        "max rel diff dq,dk,dv |\n|---|---|---|---|---|---|---|---|")
+  for batch, seq, hq, hkv, dim in ANCHOR_SHAPES:
+    q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim)
+    for causal in (False, True):
+      flops = 2.5 * attention_flops(batch, seq, hq, dim, causal)
+      out, lse = jax.jit(lambda q, k, v: flash_attention_gpu.forward(
+          q, k, v, None, 0, causal=causal, scale=dim ** -0.5))(q, k, v)
+      times, grads = {}, {}
+      for name, allow in (("mosaic", True), ("triton", False)):
+        fn = jax.jit(lambda q, k, v, out, lse, dout, allow=allow: flash_attention_gpu.backward(
+            q, k, v, None, 0, out, lse, dout, causal=causal, scale=dim ** -0.5,
+            allow_mosaic=allow))
+        grads[name] = fn(q, k, v, out, lse, dout)
+        times[name] = median_seconds(fn, (q, k, v, out, lse, dout), warmup=2, iters=args.iters)
+      diff = max(rel_err(a, b) for a, b in zip(grads["mosaic"], grads["triton"]))
+      tm, tt = times["mosaic"], times["triton"]
+      print(f"| {batch},{seq},{hq}/{hkv},{dim} | {'yes' if causal else 'no'} | {tm * 1e3:.2f} | "
+            f"{flops / tm / 1e12:.0f} | {tt * 1e3:.2f} | {flops / tt / 1e12:.0f} | "
+            f"{tt / tm:.2f} | {diff:.1e} |", flush=True)
+
+
 def _patched_attention_mgpu():
   """JAX's Mosaic GPU attention with its float16-only shared-memory buffers made dtype-generic
   (jax 0.11.2 allocates them as float16, so bfloat16 inputs fail). Probe only."""
@@ -338,6 +368,7 @@ def main():
   parser.add_argument("--check", action="store_true")
   parser.add_argument("--sweep", action="store_true")
   parser.add_argument("--probe-mgpu", action="store_true")
+  parser.add_argument("--bwd", action="store_true")
   parser.add_argument("--table", action="store_true", help="the benchmark table (default)")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--iters", type=int, default=20)
@@ -350,7 +381,9 @@ def main():
     run_sweep(args)
   if args.probe_mgpu:
     run_probe_mgpu(args)
-  if args.table or not (args.check or args.sweep or args.probe_mgpu):
+  if args.bwd:
+    run_bwd(args)
+  if args.table or not (args.check or args.sweep or args.probe_mgpu or args.bwd):
     run_table(args)
   sys.exit(1 if failures else 0)
 

@@ -15,7 +15,7 @@ only the boundary blocks with the element mask; fully masked blocks are skipped
 (attention_common gives the ranges). Sequences are padded to the block sizes and head_dim to a
 power of two (zeros change neither q.k nor the output's real columns); the padding is sliced off.
 On Hopper, `forward` hands the shapes that flash_attention_mgpu supports to that Mosaic GPU
-(FlashAttention-3-style) kernel; the backward is always the Triton kernels here.
+(FlashAttention-3-style) kernel, and `backward` hands it the shapes its fused backward takes.
 Conventions: see attention_common.
 """
 from __future__ import annotations
@@ -345,8 +345,17 @@ def _dkv_kernel(offset_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, *
 
 def backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal: bool,
              scale: float, block_sizes: GpuBlockSizes | None = None, interpret: bool = False,
-             dlse=None):
-  """Returns (dq, dk, dv) in the dtypes of q, k, v."""
+             dlse=None, allow_mosaic: bool = True):
+  """Returns (dq, dk, dv) in the dtypes of q, k, v.
+
+  On Hopper, the shapes flash_attention_mgpu.supports_backward takes go to its fused Mosaic GPU
+  backward unless allow_mosaic is False or a block_sizes override is given.
+  """
+  if (allow_mosaic and not interpret and block_sizes is None
+      and flash_attention_mgpu.supports_backward(q, k, segment_ids, offset_delta, causal=causal,
+                                                 scale=scale)):
+    return flash_attention_mgpu.backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
+                                         dlse=dlse)
   _check_head_dim(q)
   batch, q_len, heads_q, head_dim = q.shape
   heads_kv = k.shape[2]

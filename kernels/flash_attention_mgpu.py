@@ -238,3 +238,236 @@ def forward(q, k, v, *, causal: bool, scale: float):
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v)
   return out, lse
+
+
+# ------------------------------------------------------------------------------------------
+# Backward.
+
+BWD_BLOCK_Q = 64   # q rows per pipeline step
+BWD_BLOCK_KV = 64  # kv rows per compute warpgroup; a CTA covers 2 * BWD_BLOCK_KV
+BWD_STAGES = 2     # q/dout pipeline depth
+
+
+def supports_backward(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> bool:
+  """The forward's conditions, plus kv blocks of 2 * BWD_BLOCK_KV rows."""
+  return (supports(q, k, segment_ids, offset_delta, causal=causal, scale=scale)
+          and k.shape[1] % (2 * BWD_BLOCK_KV) == 0)
+
+
+def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
+  """FlashAttention-2/3-style fused backward: returns (dq, dk, dv) in q's dtype.
+
+  One CTA per (kv head, 128 kv rows, batch): two compute warpgroups own 64 kv rows each and keep
+  their dk, dv in registers; a memory warpgroup streams (q, dout, lse, delta) blocks of 64 rows
+  for every q head of the kv head's group (GQA never repeats K/V or writes per-q-head dk/dv).
+  Per step each compute warpgroup runs four wgmmas in transposed form (s^T = k q^T,
+  dp^T = v dout^T, dv += p^T dout, dk += ds^T q) and writes its ds^T tile to shared memory;
+  the warpgroups then take turns (even steps warpgroup 0, odd steps 1) computing the step's
+  dq tile from both tiles, dq = ds k over all 128 kv rows — five matmuls per tile pair, not
+  the split backward's seven — and add it to an fp32 dq in global memory with a TMA
+  reduce-add. Causal: a CTA starts at the first q block that can see its keys; the first two
+  steps of each head carry the element mask.
+  """
+  import jax.experimental.pallas.mosaic_gpu as plgpu  # needs a CUDA build of jaxlib
+
+  batch_size, q_len, heads_q, head_dim = q.shape
+  kv_len, heads_kv = k.shape[1], k.shape[2]
+  group = heads_q // heads_kv
+  dtype = q.dtype
+  bq, bkv, stages = BWD_BLOCK_Q, BWD_BLOCK_KV, BWD_STAGES
+  num_q_blocks = q_len // bq
+  logit_scale = scale * LOG2_E
+  # delta_i = sum_d dout_id * out_id; a cotangent of lse enters as -dlse (d lse / d s = p).
+  delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
+  if dlse is not None:
+    delta = delta - dlse
+  lse2 = lse * LOG2_E
+  dq_accumulator = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
+             smem, barriers):
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
+    (k_bar, v_bar, q_bar, do_bar, lse_bar, delta_bar, consumed, ds_ready, ds_free,
+     cta_sync) = barriers
+    b = lax.axis_index("batch")
+    kv_head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    kv_start = lax.axis_index("kv_seq") * (2 * bkv)
+    first_q_block = lax.div(kv_start, jnp.int32(bq)) if causal else jnp.int32(0)
+    steps_per_head = num_q_blocks - first_q_block
+
+    def for_each_step(body, carry):
+      """Runs body(step, q_block, q_head, carry, masked) over the CTA's (q head, q block)s."""
+      def per_head(member, carry):
+        q_head = kv_head * group + member
+        base = member * steps_per_head - first_q_block
+        run = lambda lo, hi, masked, c: lax.fori_loop(
+            lo, hi, lambda j, c: body(base + j, j, q_head, c, masked), c)
+        if not causal:
+          return run(0, num_q_blocks, False, carry)
+        # Only the first two q blocks hold keys above the diagonal (2 * bkv == 2 * bq rows).
+        carry = run(first_q_block, first_q_block + 2, True, carry)
+        return run(first_q_block + 2, num_q_blocks, False, carry)
+      return lax.fori_loop(0, group, per_head, carry)
+
+    @pl.when(wg < 2)
+    def _compute_wg():
+      plgpu.set_max_registers(240, action="increase")
+      kv_rows = kv_start + wg * bkv
+      k_w, v_w = k_smem.at[wg], v_smem.at[wg]
+      kv_slice = (b, pl.ds(kv_rows, bkv), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[kv_slice], k_w, k_bar.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[kv_slice], v_w, v_bar.at[wg])
+      plgpu.barrier_wait(k_bar.at[wg])
+      plgpu.barrier_wait(v_bar.at[wg])
+      zeros = lambda: plgpu.layout_cast(jnp.zeros((bkv, head_dim), jnp.float32),
+                                        plgpu.Layout.WGMMA)
+
+      def step(s, q_block, q_head, carry, masked):
+        dk, dv = carry
+        slot = lax.rem(s, jnp.int32(stages))
+        q_s, do_s = q_smem.at[slot], do_smem.at[slot]
+        plgpu.barrier_wait(q_bar.at[slot])
+
+        def compute_st(acc_ref):
+          plgpu.wgmma(acc_ref, k_w, plgpu.transpose_ref(q_s, (1, 0)))
+          return acc_ref[...]
+
+        st = pl.run_scoped(compute_st, plgpu.ACC((bkv, bq), jnp.float32))
+        plgpu.barrier_wait(lse_bar.at[slot])
+        lse = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        logits = st * logit_scale - lax.broadcast_in_dim(lse, (bkv, bq), [1])
+        if masked:
+          kv_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
+          q_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
+          visible = q_ids + q_block * bq >= kv_ids + kv_rows
+          logits = jnp.where(visible, logits, -jnp.inf)
+        pt = jnp.exp2(logits)
+
+        plgpu.barrier_wait(do_bar.at[slot])
+
+        def compute_dv_dpt(refs):
+          dv_ref, dpt_ref = refs  # one block: one wgmma wait for both
+          plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
+          plgpu.wgmma(dpt_ref, v_w, plgpu.transpose_ref(do_s, (1, 0)))
+
+        dpt_zeros = plgpu.layout_cast(jnp.zeros((bkv, bq), jnp.float32), plgpu.Layout.WGMMA)
+        dv, dpt = pl.run_state(compute_dv_dpt)((plgpu.ACC.init(dv), plgpu.ACC.init(dpt_zeros)))
+        plgpu.barrier_wait(delta_bar.at[slot])
+        delta = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        dst = (pt * (dpt - lax.broadcast_in_dim(delta, (bkv, bq), [1]))).astype(dtype)
+
+        # dq for this q block: warpgroup (s % 2) reads both ds^T tiles of ds slot s % 2.
+        ds_slot = lax.rem(s, jnp.int32(2))
+        reader = wg == ds_slot
+
+        def compute_dk(acc_ref):
+          plgpu.wgmma(acc_ref, dst, q_s)
+          # ds^T goes to shared memory while the tensor cores run dk.
+
+          @pl.when(jnp.logical_and(s >= 2, jnp.logical_not(reader)))
+          def _():
+            plgpu.barrier_wait(ds_free.at[ds_slot])  # the reader is done with step s - 2
+
+          ds_smem.at[ds_slot, wg][...] = dst
+          plgpu.commit_smem()
+
+          @pl.when(jnp.logical_not(reader))
+          def _():
+            plgpu.barrier_arrive(ds_ready.at[ds_slot])
+
+        dk = pl.run_state(compute_dk)(plgpu.ACC.init(dk))
+        plgpu.barrier_arrive(consumed.at[slot])
+
+        @pl.when(reader)
+        def _():
+          plgpu.barrier_wait(ds_ready.at[ds_slot])
+
+          def compute_dq(acc_ref):
+            for half in range(2):
+              plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem.at[ds_slot, half], (1, 0)),
+                          k_smem.at[half])
+            return acc_ref[...]
+
+          dq = pl.run_scoped(compute_dq, plgpu.ACC((bq, head_dim), jnp.float32))
+          plgpu.barrier_arrive(ds_free.at[ds_slot])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous add has read dq_smem
+          dq_smem.at[wg][...] = dq
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, pl.ds(q_block * bq, bq), q_head],
+                                  reduction_op="add")
+        return dk, dv
+
+      dk, dv = for_each_step(step, (zeros(), zeros()))
+      # The other warpgroup's last dq may still read this warpgroup's K tile.
+      plgpu.barrier_arrive(cta_sync)
+      plgpu.barrier_wait(cta_sync)
+      k_w[...] = (dk * scale).astype(dtype)
+      v_w[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_w, dk_ref.at[kv_slice], commit_group=False)
+      plgpu.copy_smem_to_gmem(v_w, dv_ref.at[kv_slice], commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory_wg():
+      plgpu.set_max_registers(24, action="decrease")
+
+      def load(s, q_block, q_head, carry, masked):
+        del masked
+        slot = lax.rem(s, jnp.int32(stages))
+
+        @pl.when(s >= stages)
+        def _():
+          plgpu.barrier_wait(consumed.at[slot])
+
+        rows = pl.ds(q_block * bq, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, q_head], q_smem.at[slot], q_bar.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, q_head], do_smem.at[slot], do_bar.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, q_head, rows], lse_smem.at[slot],
+                                lse_bar.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, q_head, rows], delta_smem.at[slot],
+                                delta_bar.at[slot])
+        return carry
+
+      for_each_step(load, ())
+
+  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref):
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tiled_f32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    smem = [
+        plgpu.SMEM((2, bkv, head_dim), dtype, transforms=tiled),       # k, then dk
+        plgpu.SMEM((2, bkv, head_dim), dtype, transforms=tiled),       # v, then dv
+        plgpu.SMEM((stages, bq, head_dim), dtype, transforms=tiled),   # q
+        plgpu.SMEM((stages, bq, head_dim), dtype, transforms=tiled),   # dout
+        plgpu.SMEM((stages, bq), jnp.float32),                         # lse (base 2)
+        plgpu.SMEM((stages, bq), jnp.float32),                         # delta
+        plgpu.SMEM((2, 2, bkv, bq), dtype, transforms=tiled),          # ds^T [slot, wg]
+        plgpu.SMEM((2, bq, head_dim), jnp.float32, transforms=tiled_f32),  # dq [wg]
+    ]
+    barriers = (
+        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
+        *(plgpu.Barrier(num_barriers=stages),) * 4,
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # q slot consumed
+        plgpu.Barrier(num_barriers=2),                       # ds slot ready
+        plgpu.Barrier(num_barriers=2),                       # ds slot free
+        plgpu.Barrier(num_arrivals=2),                       # both compute warpgroups done
+    )
+    pl.run_scoped(
+        lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+                               dk_ref, dv_ref, scoped[:len(smem)], scoped[len(smem):]),
+        *smem, *barriers, collective_axes="wg")
+
+  kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+  dk, dv = pl.kernel(
+      entry,
+      out_type=(kv_type, kv_type),
+      mesh=plgpu.Mesh(grid=(heads_kv, kv_len // (2 * bkv), batch_size),
+                      grid_names=("heads", "kv_seq", "batch"),
+                      num_threads=3, thread_name="wg"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      name="sf_flash_attention_bwd_mgpu",
+  )(q, k, v, dout, lse2, delta, dq_accumulator)
+  dq = (dq_accumulator[...] * scale).astype(dtype)
+  return dq, dk, dv
