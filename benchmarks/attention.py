@@ -14,21 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-try:
-  importlib.import_module("shardflow.kernels")
-except ImportError:  # a checkout that is not pip-installed: map the package-dir layout by hand
-  for name in ("kernels", "passes", "models"):
-    if (ROOT / name / "__init__.py").exists():
-      sys.modules[f"shardflow.{name}"] = importlib.import_module(name)
-
+import _checkout  # noqa: F401,E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -45,6 +45,7 @@ import os
 import time
 import traceback
 
+import _checkout  # noqa: F401
 from shardflow.train import configure_host_platform
 
 # NVLink multicast off (the device machines' KINDS.md); NCCL reads it when JAX creates its

@@ -21,6 +21,7 @@ import argparse
 import time
 import traceback
 
+import _checkout  # noqa: F401
 from shardflow.train import configure_host_platform
 
 CASES = {  # preset -> (batch, seq, remat), the ../shared/ANCHORS.md rows

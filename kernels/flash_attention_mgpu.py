@@ -246,6 +246,7 @@ def forward(q, k, v, *, causal: bool, scale: float):
 BWD_BLOCK_Q = 64   # q rows per pipeline step
 BWD_BLOCK_KV = 64  # kv rows per compute warpgroup; a CTA covers 2 * BWD_BLOCK_KV
 BWD_STAGES = 2     # q/dout pipeline depth
+DQ_COLUMNS = 64    # dq columns per wgmma: one 128-byte swizzle atom of k
 
 
 def supports_backward(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> bool:
@@ -261,11 +262,11 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
   their dk, dv in registers; a memory warpgroup streams (q, dout, lse, delta) blocks of 64 rows
   for every q head of the kv head's group (GQA never repeats K/V or writes per-q-head dk/dv).
   Per step each compute warpgroup runs four wgmmas in transposed form (s^T = k q^T,
-  dp^T = v dout^T, dv += p^T dout, dk += ds^T q) and writes its ds^T tile to shared memory;
-  the warpgroups then take turns (even steps warpgroup 0, odd steps 1) computing the step's
-  dq tile from both tiles, dq = ds k over all 128 kv rows — five matmuls per tile pair, not
-  the split backward's seven — and add it to an fp32 dq in global memory with a TMA
-  reduce-add. Causal: a CTA starts at the first q block that can see its keys; the first two
+  dp^T = v dout^T, dv += p^T dout, dk += ds^T q) and publishes its ds^T tile in shared memory;
+  the step's dq = ds k over all 128 kv rows is then computed in 64-column tiles shared out
+  between the warpgroups — five matmuls per tile pair, not the split backward's seven — and
+  added to an fp32
+  dq in global memory with a TMA reduce-add. Causal: a CTA starts at the first q block that can see its keys; the first two
   steps of each head carry the element mask.
   """
   import jax.experimental.pallas.mosaic_gpu as plgpu  # needs a CUDA build of jaxlib
@@ -275,6 +276,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
   group = heads_q // heads_kv
   dtype = q.dtype
   bq, bkv, stages = BWD_BLOCK_Q, BWD_BLOCK_KV, BWD_STAGES
+  column_tiles = head_dim // DQ_COLUMNS
   num_q_blocks = q_len // bq
   logit_scale = scale * LOG2_E
   # delta_i = sum_d dout_id * out_id; a cotangent of lse enters as -dlse (d lse / d s = p).
@@ -287,7 +289,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
              smem, barriers):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
-    (k_bar, v_bar, q_bar, do_bar, lse_bar, delta_bar, consumed, ds_ready, ds_free,
+    (k_bar, v_bar, q_bar, do_bar, lse_bar, delta_bar, consumed, ds_ready,
      cta_sync) = barriers
     b = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
@@ -357,45 +359,44 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
         delta = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
         dst = (pt * (dpt - lax.broadcast_in_dim(delta, (bkv, bq), [1]))).astype(dtype)
 
-        # dq for this q block: warpgroup (s % 2) reads both ds^T tiles of ds slot s % 2.
+        # dq for this q block, in 64-column tiles: both warpgroups publish their ds^T tile,
+        # then column tile c of dq = ds k (over all 2 * bkv kv rows) is computed by warpgroup
+        # (s + c) % 2 — with head_dim 128 both work every step, with 64 they alternate.
+        # ds^T is double-buffered by step parity: a warpgroup that computed a tile at step
+        # s + 1 waited for the other's arrival there, i.e. for the end of its step-s reads.
         ds_slot = lax.rem(s, jnp.int32(2))
-        reader = wg == ds_slot
+        column = lax.rem(wg + s, jnp.int32(2))
 
-        def compute_dk(acc_ref):
-          plgpu.wgmma(acc_ref, dst, q_s)
-          # ds^T goes to shared memory while the tensor cores run dk.
-
-          @pl.when(jnp.logical_and(s >= 2, jnp.logical_not(reader)))
-          def _():
-            plgpu.barrier_wait(ds_free.at[ds_slot])  # the reader is done with step s - 2
-
+        def compute_dk_dq(refs):
+          dk_ref, dq_acc = refs
+          plgpu.wgmma(dk_ref, dst, q_s)
+          # While the tensor cores run dk: publish ds^T, then wait for the other's.
           ds_smem.at[ds_slot, wg][...] = dst
           plgpu.commit_smem()
+          plgpu.barrier_arrive(ds_ready.at[ds_slot])
+          for c in range(column_tiles):
+            @pl.when(column == c)
+            def _():
+              plgpu.barrier_wait(ds_ready.at[ds_slot])
+              for h in range(2):
+                plgpu.wgmma(dq_acc, plgpu.transpose_ref(ds_smem.at[ds_slot, h], (1, 0)),
+                            k_smem.at[h, :, pl.ds(c * DQ_COLUMNS, DQ_COLUMNS)])
 
-          @pl.when(jnp.logical_not(reader))
-          def _():
-            plgpu.barrier_arrive(ds_ready.at[ds_slot])
-
-        dk = pl.run_state(compute_dk)(plgpu.ACC.init(dk))
+        dq_zeros = plgpu.layout_cast(jnp.zeros((bq, DQ_COLUMNS), jnp.float32),
+                                     plgpu.Layout.WGMMA)
+        dk, dq = pl.run_state(compute_dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(dq_zeros)))
         plgpu.barrier_arrive(consumed.at[slot])
 
-        @pl.when(reader)
+        @pl.when(column < column_tiles)
         def _():
-          plgpu.barrier_wait(ds_ready.at[ds_slot])
-
-          def compute_dq(acc_ref):
-            for half in range(2):
-              plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem.at[ds_slot, half], (1, 0)),
-                          k_smem.at[half])
-            return acc_ref[...]
-
-          dq = pl.run_scoped(compute_dq, plgpu.ACC((bq, head_dim), jnp.float32))
-          plgpu.barrier_arrive(ds_free.at[ds_slot])
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous add has read dq_smem
           dq_smem.at[wg][...] = dq
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, pl.ds(q_block * bq, bq), q_head],
-                                  reduction_op="add")
+          plgpu.copy_smem_to_gmem(
+              dq_smem.at[wg],
+              dq_ref.at[b, pl.ds(q_block * bq, bq), q_head, pl.ds(column * DQ_COLUMNS,
+                                                                   DQ_COLUMNS)],
+              reduction_op="add")
         return dk, dv
 
       dk, dv = for_each_step(step, (zeros(), zeros()))
@@ -444,14 +445,13 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
         plgpu.SMEM((stages, bq), jnp.float32),                         # lse (base 2)
         plgpu.SMEM((stages, bq), jnp.float32),                         # delta
         plgpu.SMEM((2, 2, bkv, bq), dtype, transforms=tiled),          # ds^T [slot, wg]
-        plgpu.SMEM((2, bq, head_dim), jnp.float32, transforms=tiled_f32),  # dq [wg]
+        plgpu.SMEM((2, bq, DQ_COLUMNS), jnp.float32, transforms=tiled_f32),  # dq tile [wg]
     ]
     barriers = (
         plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
         *(plgpu.Barrier(num_barriers=stages),) * 4,
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # q slot consumed
-        plgpu.Barrier(num_barriers=2),                       # ds slot ready
-        plgpu.Barrier(num_barriers=2),                       # ds slot free
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),       # ds^T slot written by both
         plgpu.Barrier(num_arrivals=2),                       # both compute warpgroups done
     )
     pl.run_scoped(
