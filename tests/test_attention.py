@@ -318,3 +318,35 @@ requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs 
 def test_gpu_kernels(causal):
   check_against_reference("pallas", dtype=jnp.bfloat16, causal=causal, batch=2, q_len=300,
                           kv_len=300, heads_kv=2, group=4, head_dim=128)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_mosaic_kernels(causal):
+  """Shapes flash_attention_mgpu takes (Hopper): its forward and fused backward."""
+  check_against_reference("pallas", dtype=jnp.bfloat16, causal=causal, batch=1, q_len=512,
+                          kv_len=512, heads_kv=2, group=2, head_dim=128)
+
+
+# ------------------------------------------------------------------------------------------
+# Mosaic GPU has no interpret mode; on CPU its kernels still trace and lower for CUDA, which
+# checks shapes, register layouts, barrier and TMA arguments and the shared-memory budget (not
+# values: benchmarks/attention.py --check runs them on the GPU).
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("group", [1, 4])
+def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, group):
+  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  from shardflow.kernels import flash_attention_mgpu
+  q = jax.ShapeDtypeStruct((2, 512, 4 * group, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((2, 4 * group, 512), jnp.float32)
+  kw = dict(causal=causal, scale=head_dim ** -0.5)
+  for fn, args in ((functools.partial(flash_attention_mgpu.forward, **kw), (q, kv, kv)),
+                   (functools.partial(flash_attention_mgpu.backward, **kw),
+                    (q, kv, kv, q, lse, q))):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
