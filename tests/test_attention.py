@@ -307,7 +307,7 @@ def test_rejects_bad_shapes():
 
 
 # ------------------------------------------------------------------------------------------
-# GPU only: the compiled Triton kernels (benchmarks/attention.py --check covers more).
+# GPU only: the compiled kernels (benchmarks/attention.py --check covers more).
 
 requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 
@@ -315,18 +315,10 @@ requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs 
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_kernels(causal):
-  check_against_reference("pallas", dtype=jnp.bfloat16, causal=causal, batch=2, q_len=300,
-                          kv_len=300, heads_kv=2, group=4, head_dim=128)
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_mosaic_kernels(causal):
-  """Shapes flash_attention_mgpu takes (Hopper): its forward and fused backward."""
-  check_against_reference("pallas", dtype=jnp.bfloat16, causal=causal, batch=1, q_len=512,
-                          kv_len=512, heads_kv=2, group=2, head_dim=128)
+@pytest.mark.parametrize("seq", [300, 512])  # 300: the Triton kernels; 512: Mosaic on Hopper
+def test_gpu_kernels(causal, seq):
+  check_against_reference("pallas", dtype=jnp.bfloat16, causal=causal, batch=2, q_len=seq,
+                          kv_len=seq, heads_kv=2, group=4, head_dim=128)
 
 
 # ------------------------------------------------------------------------------------------
