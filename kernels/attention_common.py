@@ -100,5 +100,12 @@ def element_mask(q_index, kv_index, *, causal: bool, kv_len: int | None, offset_
   return mask
 
 
+def softmax_delta(out, dout, dlse=None):
+  """delta [B, Hq, Sq] float32 of the backward, ds = p (dp - delta): delta_i = sum_d dout_id
+  out_id; a cotangent of lse enters as -dlse because d lse / d s = p."""
+  delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
+  return delta if dlse is None else delta - dlse
+
+
 def round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple

@@ -111,10 +111,7 @@ def backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal: bool
   precision = _precision(q.dtype)
   qg = q.reshape(batch, q_len, heads_kv, group, dim)
   doutg = dout.reshape(batch, q_len, heads_kv, group, dim)
-  # delta_i = sum_d dout_id * out_id; a cotangent of lse enters as -dlse (d lse / d s = p).
-  delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
-  if dlse is not None:
-    delta = delta - dlse
+  delta = common.softmax_delta(out, dout, dlse)
   delta = delta.reshape(batch, heads_kv, group, q_len)
   lse = lse.reshape(batch, heads_kv, group, q_len)
   k_blocks, v_blocks = _kv_blocks(k, block_k), _kv_blocks(v, block_k)

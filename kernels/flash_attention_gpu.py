@@ -368,11 +368,7 @@ def backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal: bool
   kp = _pad(k, geo.kv_len_padded, dim)
   vp = _pad(v, geo.kv_len_padded, dim)
   doutp = _pad(dout, geo.q_len_padded, dim)
-  # delta_i = sum_d dout_id * out_id (one cheap fused XLA pass); a cotangent of lse enters
-  # as -dlse because d lse / d s = p.
-  delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
-  if dlse is not None:
-    delta = delta - dlse
+  delta = common.softmax_delta(out, dout, dlse)  # one cheap fused XLA pass
   q_pad = geo.q_len_padded - q_len
   delta = jnp.pad(delta, ((0, 0), (0, 0), (0, q_pad)))
   # +inf makes p = 0 on padded query rows.

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from . import attention_common as common
 from .attention_common import LN_2, LOG2_E
 
 BLOCK_Q = 64  # rows per compute warpgroup; a CTA covers 2 * BLOCK_Q rows
@@ -287,10 +288,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
   column_tiles = head_dim // DQ_COLUMNS
   num_q_blocks = q_len // bq
   logit_scale = scale * LOG2_E
-  # delta_i = sum_d dout_id * out_id; a cotangent of lse enters as -dlse (d lse / d s = p).
-  delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
-  if dlse is not None:
-    delta = delta - dlse
+  delta = common.softmax_delta(out, dout, dlse)
   lse2 = lse * LOG2_E
   dq_accumulator = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
 

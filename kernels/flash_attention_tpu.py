@@ -293,9 +293,7 @@ def backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal: bool
   num_q_blocks, num_kv_blocks = q_padded // BLOCK, kv_padded // BLOCK
   qt, doutt = _to_heads_major(q, q_padded), _to_heads_major(dout, q_padded)
   kt, vt = _to_heads_major(k, kv_padded), _to_heads_major(v, kv_padded)
-  di = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
-  if dlse is not None:
-    di = di - dlse
+  di = common.softmax_delta(out, dout, dlse)
   pad = ((0, 0), (0, 0), (0, q_padded - q_len))
   di = jnp.pad(di, pad)[..., None]
   # Fully masked rows (lse = -inf) are zeroed by the mask; padded rows by lse = +inf.
