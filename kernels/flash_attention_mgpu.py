@@ -40,7 +40,7 @@ MAX_CONCURRENT_STEPS = 2
 def supports(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> bool:
   batch, q_len, _, head_dim = q.shape
   kv_len = k.shape[1]
-  if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
     return False
   if head_dim not in (64, 128) or segment_ids is not None or scale <= 0:
     return False
@@ -48,9 +48,14 @@ def supports(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> 
     return False
   if causal and not (isinstance(offset_delta, int) and offset_delta == 0 and q_len == kv_len):
     return False
+  return on_hopper()
+
+
+def on_hopper() -> bool:
+  if jax.default_backend() != "gpu":
+    return False
   try:
-    device = jax.devices()[0]
-    return getattr(device, "compute_capability", "") == "9.0"
+    return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
   except RuntimeError:
     return False
 

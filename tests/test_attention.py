@@ -342,3 +342,39 @@ def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, group):
                     (q, kv, kv, q, lse, q))):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_mosaic_gpu_dispatch_takes_only_what_the_kernels_handle(monkeypatch):
+  """Everything the Mosaic kernels were not built for must go to the Triton kernels: a wrong
+  predicate would give wrong masks, not an error."""
+  from shardflow.kernels import flash_attention_mgpu as mgpu
+  bf16 = lambda b, s, h, d, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((b, s, h, d), dtype)
+
+  def takes(q, k, segment_ids=None, offset_delta=0, causal=True, scale=0.1):
+    args = (q, k, segment_ids, offset_delta)
+    fwd = mgpu.supports(*args, causal=causal, scale=scale)
+    bwd = mgpu.supports_backward(*args, causal=causal, scale=scale)
+    assert bwd <= fwd
+    return fwd, bwd
+
+  assert takes(bf16(2, 512, 8, 128), bf16(2, 512, 2, 128)) == (False, False)  # not on Hopper
+  monkeypatch.setattr(mgpu, "on_hopper", lambda: True)
+  q, k = bf16(2, 512, 8, 128), bf16(2, 512, 2, 128)
+  assert takes(q, k) == (True, True)
+  assert takes(bf16(1, 1024, 4, 64, jnp.float16), bf16(1, 1024, 4, 64, jnp.float16),
+               causal=False) == (True, True)
+  assert takes(q, bf16(2, 1024, 2, 128), causal=False) == (True, True)  # cross attention
+  rejected = [
+      dict(q=bf16(2, 512, 8, 128, jnp.float32), k=bf16(2, 512, 2, 128, jnp.float32)),
+      dict(q=bf16(2, 512, 8, 96), k=bf16(2, 512, 2, 96)),                    # head_dim
+      dict(segment_ids=jnp.zeros((2, 512), jnp.int32)),
+      dict(offset_delta=7),                                                  # shifted mask
+      dict(offset_delta=jnp.int32(0)),                                       # traced offset
+      dict(k=bf16(2, 1024, 2, 128)),                                         # causal, Sq != Skv
+      dict(q=bf16(2, 300, 8, 128), k=bf16(2, 300, 2, 128)),                  # not x128
+      dict(q=bf16(2, 128, 8, 128), k=bf16(2, 128, 2, 128)),                  # < 2 kv blocks
+      dict(scale=-1.0),
+  ]
+  for change in rejected:
+    case = {"q": q, "k": k, **change}
+    assert takes(case.pop("q"), case.pop("k"), **case) == (False, False), change
