@@ -264,8 +264,10 @@ DQ_COLUMNS = 64    # dq columns per wgmma: one 128-byte swizzle atom of k
 
 
 def supports_backward(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> bool:
-  """The forward's conditions, plus kv blocks of 2 * BWD_BLOCK_KV rows."""
+  """The forward's conditions, plus the backward's own tiles: q blocks of BWD_BLOCK_Q rows,
+  kv blocks of 2 * BWD_BLOCK_KV (both implied by the forward's today)."""
   return (supports(q, k, segment_ids, offset_delta, causal=causal, scale=scale)
+          and q.shape[1] % BWD_BLOCK_Q[q.shape[-1]] == 0
           and k.shape[1] % (2 * BWD_BLOCK_KV) == 0)
 
 
@@ -296,6 +298,9 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
   delta = common.softmax_delta(out, dout, dlse)
   lse2 = lse * LOG2_E
   dq_accumulator = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+
+  def acc_zeros(shape):
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
              smem, barriers):
@@ -334,8 +339,6 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
       plgpu.copy_gmem_to_smem(v_ref.at[kv_slice], v_w, v_bar.at[wg])
       plgpu.barrier_wait(k_bar.at[wg])
       plgpu.barrier_wait(v_bar.at[wg])
-      zeros = lambda: plgpu.layout_cast(jnp.zeros((bkv, head_dim), jnp.float32),
-                                        plgpu.Layout.WGMMA)
 
       def step(s, q_block, q_head, carry, masked):
         dk, dv = carry
@@ -365,8 +368,8 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
           plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
           plgpu.wgmma(dpt_ref, v_w, plgpu.transpose_ref(do_s, (1, 0)))
 
-        dpt_zeros = plgpu.layout_cast(jnp.zeros((bkv, bq), jnp.float32), plgpu.Layout.WGMMA)
-        dv, dpt = pl.run_state(compute_dv_dpt)((plgpu.ACC.init(dv), plgpu.ACC.init(dpt_zeros)))
+        dv, dpt = pl.run_state(compute_dv_dpt)(
+            (plgpu.ACC.init(dv), plgpu.ACC.init(acc_zeros((bkv, bq)))))
         plgpu.barrier_wait(delta_bar.at[slot])
         delta = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
         dst = (pt * (dpt - lax.broadcast_in_dim(delta, (bkv, bq), [1]))).astype(dtype)
@@ -394,9 +397,8 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
                 plgpu.wgmma(dq_acc, plgpu.transpose_ref(ds_smem.at[ds_slot, h], (1, 0)),
                             k_smem.at[h, :, pl.ds(c * DQ_COLUMNS, DQ_COLUMNS)])
 
-        dq_zeros = plgpu.layout_cast(jnp.zeros((bq, DQ_COLUMNS), jnp.float32),
-                                     plgpu.Layout.WGMMA)
-        dk, dq = pl.run_state(compute_dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(dq_zeros)))
+        dk, dq = pl.run_state(compute_dk_dq)(
+            (plgpu.ACC.init(dk), plgpu.ACC.init(acc_zeros((bq, DQ_COLUMNS)))))
         plgpu.barrier_arrive(consumed.at[slot])
 
         @pl.when(column < column_tiles)
@@ -411,7 +413,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
               reduction_op="add")
         return dk, dv
 
-      dk, dv = for_each_step(step, (zeros(), zeros()))
+      dk, dv = for_each_step(step, (acc_zeros((bkv, head_dim)), acc_zeros((bkv, head_dim))))
       # The other warpgroup's last dq may still read this warpgroup's K tile.
       plgpu.barrier_arrive(cta_sync)
       plgpu.barrier_wait(cta_sync)
