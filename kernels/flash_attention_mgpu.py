@@ -277,9 +277,10 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
   One CTA per (kv head, 128 kv rows, batch): two compute warpgroups own 64 kv rows each and
   keep their dk, dv in registers; a memory warpgroup streams (q, dout, lse, delta) blocks of
   BWD_BLOCK_Q rows for every q head of the kv head's group (GQA never repeats K/V or writes
-  per-q-head dk/dv). Per step each compute warpgroup runs four wgmmas in transposed form
-  (s^T = k q^T, dp^T = v dout^T, dv += p^T dout, dk += ds^T q) and publishes its ds^T tile in
-  shared memory; the step's dq = ds k over all 128 kv rows is then computed in 64-column tiles
+  per-q-head dk/dv). Per step each compute warpgroup runs four wgmmas in transposed form,
+  ordered so that its elementwise work runs under its own matmuls: s^T = k q^T and
+  dp^T = v dout^T back to back (p^T under dp^T), then dv += p^T dout (ds^T under dv), then
+  dk += ds^T q, under which it publishes its ds^T tile in shared memory; the step's dq = ds k over all 128 kv rows is then computed in 64-column tiles
   shared out between the warpgroups — five matmuls per tile pair, not the split backward's
   seven — and added to an fp32 dq in global memory with a TMA reduce-add. Causal: a CTA starts
   at the first q block that can see its keys; only the q blocks over its own rows carry the
@@ -315,19 +316,21 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
     steps_per_head = num_q_blocks - first_q_block
 
     def for_each_step(body, carry):
-      """Runs body(step, q_block, q_head, carry, masked) over the CTA's (q head, q block)s."""
-      def per_head(member, carry):
-        q_head = kv_head * group + member
-        base = member * steps_per_head - first_q_block
-        run = lambda lo, hi, masked, c: lax.fori_loop(
-            lo, hi, lambda j, c: body(base + j, j, q_head, c, masked), c)
-        if not causal:
-          return run(0, num_q_blocks, False, carry)
-        # Only the q blocks over the CTA's own 2 * bkv rows hold keys above the diagonal.
-        masked_end = first_q_block + 2 * bkv // bq
-        carry = run(first_q_block, masked_end, True, carry)
-        return run(masked_end, num_q_blocks, False, carry)
-      return lax.fori_loop(0, group, per_head, carry)
+      """Runs body(step, q_block, q_head, carry, masked) over the CTA's (q head, q block)s in
+      flat loops: a loop nest over heads costs the step registers (spills, measured).
+      Causal: first every head's masked blocks — those over the CTA's own 2 * bkv rows, the
+      only ones with keys above the diagonal — then every head's unmasked ones."""
+      def run(start, blocks, first_block, masked, carry):
+        def one(i, carry):
+          member, j = (0, i) if group == 1 else (lax.div(i, blocks), lax.rem(i, blocks))
+          return body(start + i, first_block + j, kv_head * group + member, carry, masked)
+        return lax.fori_loop(0, group * blocks, one, carry)
+      if not causal:
+        return run(0, num_q_blocks, 0, False, carry)
+      masked_blocks = 2 * bkv // bq
+      carry = run(0, masked_blocks, first_q_block, True, carry)
+      return run(group * masked_blocks, steps_per_head - masked_blocks,
+                 first_q_block + masked_blocks, False, carry)
 
     @pl.when(wg < 2)
     def _compute_wg():
@@ -345,34 +348,27 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
         slot = lax.rem(s, jnp.int32(stages))
         q_s, do_s = q_smem.at[slot], do_smem.at[slot]
         plgpu.barrier_wait(q_bar.at[slot])
-
-        def compute_st(acc_ref):
-          plgpu.wgmma(acc_ref, k_w, plgpu.transpose_ref(q_s, (1, 0)))
-          return acc_ref[...]
-
-        st = pl.run_scoped(compute_st, plgpu.ACC((bkv, bq), jnp.float32))
-        plgpu.barrier_wait(lse_bar.at[slot])
-        lse = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-        logits = st * logit_scale - lax.broadcast_in_dim(lse, (bkv, bq), [1])
-        if masked:
-          kv_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
-          q_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
-          visible = q_ids + q_block * bq >= kv_ids + kv_rows
-          logits = jnp.where(visible, logits, -jnp.inf)
-        pt = jnp.exp2(logits)
-
         plgpu.barrier_wait(do_bar.at[slot])
 
-        def compute_dv_dpt(refs):
-          dv_ref, dpt_ref = refs  # one block: one wgmma wait for both
-          plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
+        def compute_pt_dpt(st_ref, dpt_ref):
+          # s^T and dp^T back to back: the softmax runs while the tensor cores do dp^T.
+          plgpu.wgmma(st_ref, k_w, plgpu.transpose_ref(q_s, (1, 0)))
           plgpu.wgmma(dpt_ref, v_w, plgpu.transpose_ref(do_s, (1, 0)))
+          st = plgpu.wgmma_accumulator_load(st_ref, wait_n=1)
+          plgpu.barrier_wait(lse_bar.at[slot])
+          lse = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+          logits = st * logit_scale - lax.broadcast_in_dim(lse, (bkv, bq), [1])
+          if masked:
+            kv_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
+            q_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
+            visible = q_ids + q_block * bq >= kv_ids + kv_rows
+            logits = jnp.where(visible, logits, -jnp.inf)
+          return jnp.exp2(logits), dpt_ref[...]
 
-        dv, dpt = pl.run_state(compute_dv_dpt)(
-            (plgpu.ACC.init(dv), plgpu.ACC.init(acc_zeros((bkv, bq)))))
+        acc = plgpu.ACC((bkv, bq), jnp.float32)
+        pt, dpt = pl.run_scoped(compute_pt_dpt, acc, acc)
         plgpu.barrier_wait(delta_bar.at[slot])
         delta = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
-        dst = (pt * (dpt - lax.broadcast_in_dim(delta, (bkv, bq), [1]))).astype(dtype)
 
         # dq for this q block, in 64-column tiles: both warpgroups publish their ds^T tile,
         # then column tile c of dq = ds k (over all 2 * bkv kv rows) is computed by warpgroup
@@ -382,35 +378,39 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
         ds_slot = lax.rem(s, jnp.int32(2))
         column = lax.rem(wg + s, jnp.int32(2))
 
-        def compute_dk_dq(refs):
-          dk_ref, dq_acc = refs
+        def add_dq_tile(c):
+          """dq[:, c-th 64 columns] += ds k, over both warpgroups' ds^T tiles."""
+          def compute_dq(dq_acc):
+            for h in range(2):
+              plgpu.wgmma(dq_acc, plgpu.transpose_ref(ds_smem.at[ds_slot, h], (1, 0)),
+                          k_smem.at[h, :, pl.ds(c * DQ_COLUMNS, DQ_COLUMNS)])
+            return dq_acc[...]
+
+          plgpu.barrier_wait(ds_ready.at[ds_slot])
+          dq = pl.run_scoped(compute_dq, plgpu.ACC((bq, DQ_COLUMNS), jnp.float32))
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous add has read dq_smem
+          dq_smem.at[wg][...] = dq
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              dq_smem.at[wg],
+              dq_ref.at[b, pl.ds(q_block * bq, bq), q_head, pl.ds(c * DQ_COLUMNS, DQ_COLUMNS)],
+              reduction_op="add")
+
+        def compute_dv_dk_dq(refs):
+          dv_ref, dk_ref = refs
+          plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
+          # ds^T while the tensor cores run dv; its dq accumulator only once ds^T is done.
+          dst = (pt * (dpt - lax.broadcast_in_dim(delta, (bkv, bq), [1]))).astype(dtype)
           plgpu.wgmma(dk_ref, dst, q_s)
           # While the tensor cores run dk: publish ds^T, then wait for the other's.
           ds_smem.at[ds_slot, wg][...] = dst
           plgpu.commit_smem()
           plgpu.barrier_arrive(ds_ready.at[ds_slot])
           for c in range(column_tiles):
-            @pl.when(column == c)
-            def _():
-              plgpu.barrier_wait(ds_ready.at[ds_slot])
-              for h in range(2):
-                plgpu.wgmma(dq_acc, plgpu.transpose_ref(ds_smem.at[ds_slot, h], (1, 0)),
-                            k_smem.at[h, :, pl.ds(c * DQ_COLUMNS, DQ_COLUMNS)])
+            pl.when(column == c)(functools.partial(add_dq_tile, c))
 
-        dk, dq = pl.run_state(compute_dk_dq)(
-            (plgpu.ACC.init(dk), plgpu.ACC.init(acc_zeros((bq, DQ_COLUMNS)))))
+        dv, dk = pl.run_state(compute_dv_dk_dq)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
         plgpu.barrier_arrive(consumed.at[slot])
-
-        @pl.when(column < column_tiles)
-        def _():
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous add has read dq_smem
-          dq_smem.at[wg][...] = dq
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              dq_smem.at[wg],
-              dq_ref.at[b, pl.ds(q_block * bq, bq), q_head, pl.ds(column * DQ_COLUMNS,
-                                                                   DQ_COLUMNS)],
-              reduction_op="add")
         return dk, dv
 
       dk, dv = for_each_step(step, (acc_zeros((bkv, head_dim)), acc_zeros((bkv, head_dim))))
