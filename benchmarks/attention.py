@@ -5,6 +5,8 @@ Pallas Triton `mha`, all in one process.
   python benchmarks/attention.py --check    # compiled kernels vs an fp32 reference
   python benchmarks/attention.py --sweep    # per-kernel times over block-size choices
   python benchmarks/attention.py --bwd      # the two backwards alone: Mosaic GPU vs Triton
+  python benchmarks/attention.py --bwd --variants base=kernels/flash_attention_mgpu.py \
+      new=/tmp/edited.py                    # source variants of a kernel, against each other
 
 FLOPs: 4*B*S^2*H*D forward (H = q heads), half when causal, x3.5 for forward+backward.
 Times: median of 3 interleaved rounds of --iters runs each (after --warmup runs), each run
@@ -284,29 +286,63 @@ def run_sweep(args):
                   f"{type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
+def load_kernel_variant(name, path):
+  """A source variant of a kernels/ module (e.g. an edited copy of flash_attention_mgpu.py),
+  loaded as a module of shardflow.kernels so that its relative imports resolve."""
+  import types
+  module = types.ModuleType(f"shardflow.kernels.variant_{name}")
+  module.__package__ = "shardflow.kernels"
+  exec(compile(Path(path).read_text(), str(path), "exec"), module.__dict__)
+  return module
+
+
 def run_bwd(args):
-  """Times the backward alone: the fused Mosaic GPU kernel against the split Triton pair, on
-  the anchor shapes (2.5x the forward's FLOPs), and how far apart their gradients are."""
-  print("| shape | causal | mosaic ms | TFLOP/s | triton ms | TFLOP/s | triton/mosaic time | "
-        "max rel diff dq,dk,dv |\n|---|---|---|---|---|---|---|---|")
+  """Times the backward alone on the anchor shapes (2.5x the forward's FLOPs), in interleaved
+  rounds: the fused Mosaic GPU kernel against the split Triton pair, or with --variants the
+  `backward` of each given source variant. Diffs are against the Triton pair's gradients."""
+  contenders = {name: load_kernel_variant(name, path).backward
+                for name, path in (v.split("=", 1) for v in args.variants)}
+  if not contenders:
+    contenders["mosaic"] = lambda q, k, v, out, lse, dout, **kw: flash_attention_gpu.backward(
+        q, k, v, None, 0, out, lse, dout, **kw)
+  names = list(contenders) + ["triton"]
+  print("| shape | causal | " + " | ".join(f"{n} ms | TFLOP/s" for n in names)
+        + " | max rel diff dq,dk,dv vs triton |\n|---|---|" + "---|---|" * len(names) + "---|")
   for batch, seq, hq, hkv, dim in ANCHOR_SHAPES:
     q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim)
     for causal in (False, True):
       flops = 2.5 * attention_flops(batch, seq, hq, dim, causal)
+      kw = dict(causal=causal, scale=dim ** -0.5)
       out, lse = jax.jit(lambda q, k, v: flash_attention_gpu.forward(
-          q, k, v, None, 0, causal=causal, scale=dim ** -0.5))(q, k, v)
-      times, grads = {}, {}
-      for name, allow in (("mosaic", True), ("triton", False)):
-        fn = jax.jit(lambda q, k, v, out, lse, dout, allow=allow: flash_attention_gpu.backward(
-            q, k, v, None, 0, out, lse, dout, causal=causal, scale=dim ** -0.5,
-            allow_mosaic=allow))
-        grads[name] = fn(q, k, v, out, lse, dout)
-        times[name] = median_seconds(fn, (q, k, v, out, lse, dout), warmup=2, iters=args.iters)
-      diff = max(rel_err(a, b) for a, b in zip(grads["mosaic"], grads["triton"]))
-      tm, tt = times["mosaic"], times["triton"]
-      print(f"| {batch},{seq},{hq}/{hkv},{dim} | {'yes' if causal else 'no'} | {tm * 1e3:.2f} | "
-            f"{flops / tm / 1e12:.0f} | {tt * 1e3:.2f} | {flops / tt / 1e12:.0f} | "
-            f"{tt / tm:.2f} | {diff:.1e} |", flush=True)
+          q, k, v, None, 0, **kw))(q, k, v)
+      args_ = (q, k, v, out, lse, dout)
+      triton = jax.jit(lambda q, k, v, out, lse, dout: flash_attention_gpu.backward(
+          q, k, v, None, 0, out, lse, dout, allow_mosaic=False, **kw))
+      fns, diffs = {}, {}
+      reference_grads = triton(*args_)
+      for name, backward in contenders.items():
+        fn = jax.jit(lambda q, k, v, out, lse, dout, backward=backward: backward(
+            q, k, v, out, lse, dout, **kw))
+        try:
+          diffs[name] = max(rel_err(a, b) for a, b in zip(fn(*args_), reference_grads))
+          fns[name] = fn
+        except Exception as e:  # report and go on
+          print(f"{name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      fns["triton"] = triton
+      samples = {name: [] for name in fns}
+      for name, fn in fns.items():
+        for _ in range(args.warmup):
+          jax.block_until_ready(fn(*args_))
+      for _ in range(ROUNDS):
+        for name, fn in fns.items():
+          samples[name].extend(time_samples(fn, args_, iters=args.iters))
+      cells = []
+      for name in names:
+        t = statistics.median(samples[name]) if name in samples else float("nan")
+        cells.append(f"{t * 1e3:.2f} | {flops / t / 1e12:.0f}")
+      print(f"| {batch},{seq},{hq}/{hkv},{dim} | {'yes' if causal else 'no'} | "
+            + " | ".join(cells) + " | "
+            + ", ".join(f"{n} {d:.1e}" for n, d in diffs.items()) + " |", flush=True)
 
 
 def _patched_attention_mgpu():
@@ -360,6 +396,9 @@ def main():
   parser.add_argument("--sweep", action="store_true")
   parser.add_argument("--probe-mgpu", action="store_true")
   parser.add_argument("--bwd", action="store_true")
+  parser.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE",
+                      help="with --bwd: time these source variants of a kernels/ module's "
+                           "`backward` (e.g. edited copies of flash_attention_mgpu.py)")
   parser.add_argument("--table", action="store_true", help="the benchmark table (default)")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--iters", type=int, default=20)
