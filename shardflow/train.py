@@ -55,7 +55,9 @@ def _platform_is_cpu() -> bool:
 
 
 def maybe_initialize_distributed() -> None:
-    """jax.distributed.initialize() when the environment describes a multi-process job."""
+    """jax.distributed.initialize() when the environment describes a multi-process job: a
+    cluster JAX detects by itself (SLURM, Open MPI, ...), or JAX_COORDINATOR_ADDRESS with
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID, which JAX itself does not read."""
     env = os.environ
     multi_process = (
         "JAX_COORDINATOR_ADDRESS" in env
@@ -65,7 +67,9 @@ def maybe_initialize_distributed() -> None:
     )
     if multi_process:
         import jax
-        jax.distributed.initialize()
+        given = {"num_processes": env.get("JAX_NUM_PROCESSES"),
+                 "process_id": env.get("JAX_PROCESS_ID")}
+        jax.distributed.initialize(**{k: int(v) for k, v in given.items() if v is not None})
 
 
 # --- the pieces of a run -----------------------------------------------------------------

@@ -126,9 +126,9 @@ def test_cpu_platform_gets_simulated_devices(monkeypatch):
 
 def test_multi_process_environment_initializes_jax_distributed(monkeypatch):
     calls = []
-    monkeypatch.setattr(jax.distributed, "initialize", lambda: calls.append(1))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
     for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
-                "JAX_NUM_PROCESSES"):
+                "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(var, raising=False)
     train.maybe_initialize_distributed()
     monkeypatch.setenv("SLURM_NTASKS", "1")
@@ -136,4 +136,8 @@ def test_multi_process_environment_initializes_jax_distributed(monkeypatch):
     assert calls == []
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
     train.maybe_initialize_distributed()
-    assert calls == [1]
+    assert calls == [{}]  # JAX reads the address itself and detects the rest
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    train.maybe_initialize_distributed()
+    assert calls[-1] == {"num_processes": 4, "process_id": 3}

@@ -1,0 +1,73 @@
+"""Multi-host training, run as two processes on this machine: two `shardflow train` processes
+of 4 CPU devices each, joined by jax.distributed (gloo collectives), must train exactly as one
+process of 8 devices, and the checkpoint they write together must restore in one process."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import yaml
+
+from shardflow import train
+from test_models import small_config
+from test_train import data_dir  # noqa: F401  (fixture)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(cfg, n_processes: int, devices_each: int, timeout: float = 900):
+    path = os.path.join(cfg.out, "config.yaml")
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f)
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = []
+    for i in range(n_processes):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=coordinator,
+                   JAX_NUM_PROCESSES=str(n_processes), JAX_PROCESS_ID=str(i),
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "shardflow.cli", "train", "--config", path, "--no-progress"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return outputs
+
+
+def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(data_dir, tmp_path):  # noqa: F811
+    def cfg(out, steps=3):
+        c = small_config(data_dir, tmp_path / out, steps=steps, strategy="2d",
+                         mesh={"data": 2, "model": 4})
+        c.checkpoint.every = 3
+        c.checkpoint.async_save = False
+        return c
+
+    outputs = run_processes(cfg("two"), n_processes=2, devices_each=4)
+    assert "mesh {'data': 2, 'model': 4}" in outputs[0] and "8 x cpu" in outputs[0], outputs[0]
+    assert all("done: step 3" in out for out in outputs), outputs
+    rows = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
+    two = {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    one = train.train(cfg("one"), progress=False)
+    assert sorted(two) == sorted(one["losses"]) == [1, 2, 3]
+    np.testing.assert_allclose([two[s] for s in (1, 2, 3)], [one["losses"][s] for s in (1, 2, 3)],
+                               rtol=1e-5)
+
+    restored = train.train(cfg("two"), progress=False)  # one process, 8 devices
+    assert restored["start_step"] == 3 and restored["losses"] == {}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 jax.device_get(one["params"]), jax.device_get(restored["params"]))
