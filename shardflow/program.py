@@ -46,9 +46,17 @@ class Program:
         return str(self.jaxpr)
 
 
+def _user_frame(source_info):
+    return source_info_util.user_frame(source_info.traceback) if source_info else None
+
+
+def has_user_frame(source_info) -> bool:
+    return _user_frame(source_info) is not None
+
+
 def source_line(eqn) -> str:
     """``file.py:LINE`` of the user's code that made this equation's value."""
-    frame = source_info_util.user_frame(eqn.source_info.traceback) if eqn.source_info else None
+    frame = _user_frame(eqn.source_info)
     if frame is None:
         return "<unknown>"
     return f"{os.path.basename(frame.file_name)}:{frame.start_line}"

@@ -177,6 +177,29 @@ def test_explain_names_the_user_line_for_every_collective():
     assert "programs.py:" in str(plan)
 
 
+@pytest.mark.parametrize("strategy,mesh", [("dp", {"data": 8}), ("tp_sp", {"data": 2, "model": 4})])
+def test_explain_names_a_user_line_inside_library_code_too(strategy, mesh):
+    """The shipped model's train step: JAX's own bodies (the transposed gather of the embedding,
+    jnp helpers) carry no user frame; their collectives are named by the user's call."""
+    from shardflow import config, train
+    cfg = config.Config()
+    cfg.model = {"preset": "tiny", "n_layers": 2}
+    cfg.strategy, cfg.mesh, cfg.batch_size, cfg.data.seq_len = strategy, mesh, 8, 64
+    run = train.setup(cfg)
+    params, opt_state = train.init_state(run)
+    step = train.parallelize_step(
+        train.make_train_step(run.graphdef, run.optimizer, cfg.compute_dtype, 1), "shardflow",
+        run.mesh, run.rules, in_specs=(run.param_specs, run.opt_specs, run.batch_spec),
+        out_specs=(run.param_specs, run.opt_specs, None))
+    tokens = np.zeros((1, 8, 64), np.int32)
+    plan = step.explain(params, opt_state, {"inputs": tokens, "targets": tokens})
+    assert plan.collectives
+    for c in plan.collectives:
+        assert re.fullmatch(r"[\w.]+\.py:\d+|args\[.*|loop/branch input", c.source), c
+        assert c.used_at == "output" or re.fullmatch(r"[\w.]+\.py:\d+", c.used_at), c
+    assert any(c.source.startswith("llama.py:") for c in plan.collectives)
+
+
 def test_gradient_accumulation_reduces_once_after_the_loop():
     """A scan over micro-batches carries partial gradients (the carry's fixed point is P) and
     all-reduces them once, not once per micro-batch."""
