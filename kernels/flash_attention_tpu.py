@@ -14,7 +14,9 @@ for them. Inputs are transposed to [batch, heads, seq, head_dim] so each block's
 dimensions are (seq block, head_dim), and sequences are padded to the blocks (multiples of
 128); lse and the softmax statistics travel as [.., seq, 1] columns.
 
-Only interpret mode has been run (on CPU, by the tests); no TPU was available to compile this.
+Only interpret mode has been run (on CPU, by the tests), and the kernels are lowered for a TPU
+(v5e sizes) on CPU, which runs Pallas' Mosaic TPU checks; no TPU was available to compile
+or run them.
 Conventions: see attention_common.
 """
 from __future__ import annotations
@@ -90,14 +92,18 @@ def _mask(q_block, kv_block, *, causal, kv_len, num_kv_blocks, delta, q_seg_ref,
   return mask
 
 
-def _block_kinds(q_block, kv_block, *, causal, has_segment_ids, kv_len, num_kv_blocks, delta):
-  """(visible in full, partly visible) for one (q block, kv block) pair."""
+def _update_visible(update, q_block, kv_block, *, causal, has_segment_ids, kv_len,
+                    num_kv_blocks, delta):
+  """update(masked=False) on a (q block, kv block) pair visible in full, update(masked=True)
+  on a partly visible one, nothing on a hidden one. Where no element can be masked (not
+  causal, no segment ids, kv a whole number of blocks) the masked update is not traced."""
   num_full, end = common.kv_block_range(
       q_block * BLOCK, block_q=BLOCK, block_k=BLOCK, num_kv_blocks=num_kv_blocks,
       kv_len=kv_len, causal=causal, has_segment_ids=has_segment_ids, offset_delta=delta)
-  full = kv_block < num_full
-  partial = jnp.logical_and(kv_block >= num_full, kv_block < end)
-  return full, partial
+  pl.when(kv_block < num_full)(lambda: update(masked=False))
+  if causal or has_segment_ids or kv_len % BLOCK:
+    pl.when(jnp.logical_and(kv_block >= num_full, kv_block < end))(
+        lambda: update(masked=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,11 +142,8 @@ def _forward_kernel(delta_ref, q_ref, k_ref, v_ref, *refs, causal, has_segment_i
     acc_ref[...] = acc_ref[...] * correction + _dot(p.astype(v_ref.dtype), v_ref[...])
     max_ref[...] = new_max
 
-  full, partial = _block_kinds(q_block, kv_block, causal=causal,
-                               has_segment_ids=has_segment_ids, kv_len=kv_len,
-                               num_kv_blocks=num_kv_blocks, delta=delta)
-  pl.when(full)(lambda: update(masked=False))
-  pl.when(partial)(lambda: update(masked=True))
+  _update_visible(update, q_block, kv_block, causal=causal, has_segment_ids=has_segment_ids,
+                  kv_len=kv_len, num_kv_blocks=num_kv_blocks, delta=delta)
 
   @pl.when(kv_block == num_kv_blocks - 1)
   def _finish():
@@ -230,11 +233,8 @@ def _dq_kernel(delta_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, di_ref, *refs,
     ds = p * (dp - di_ref[...])
     acc_ref[...] += _dot(ds.astype(k.dtype), k)
 
-  full, partial = _block_kinds(q_block, kv_block, causal=causal,
-                               has_segment_ids=has_segment_ids, kv_len=kv_len,
-                               num_kv_blocks=num_kv_blocks, delta=delta)
-  pl.when(full)(lambda: update(masked=False))
-  pl.when(partial)(lambda: update(masked=True))
+  _update_visible(update, q_block, kv_block, causal=causal, has_segment_ids=has_segment_ids,
+                  kv_len=kv_len, num_kv_blocks=num_kv_blocks, delta=delta)
 
   @pl.when(kv_block == num_kv_blocks - 1)
   def _finish():
@@ -271,11 +271,8 @@ def _dkv_kernel(delta_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, di_ref, *refs
     ds = p * (dp - di_ref[...])
     dk_acc_ref[...] += _dot(ds.astype(q.dtype), q, ((0,), (0,)))
 
-  full, partial = _block_kinds(q_block, kv_block, causal=causal,
-                               has_segment_ids=has_segment_ids, kv_len=kv_len,
-                               num_kv_blocks=num_kv_blocks, delta=delta)
-  pl.when(full)(lambda: update(masked=False))
-  pl.when(partial)(lambda: update(masked=True))
+  _update_visible(update, q_block, kv_block, causal=causal, has_segment_ids=has_segment_ids,
+                  kv_len=kv_len, num_kv_blocks=num_kv_blocks, delta=delta)
 
   @pl.when(step == pl.num_programs(3) - 1)
   def _finish():

@@ -105,8 +105,9 @@ KERNEL_BACKENDS = ["interpret", "interpret_tpu", "xla"]
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_matches_reference(backend, dtype, causal):
-  check_against_reference(backend, dtype=dtype, causal=causal, q_len=80, kv_len=80,
+@pytest.mark.parametrize("seq", [80, 256])  # 256: whole blocks, where nothing may be masked
+def test_matches_reference(backend, dtype, causal, seq):
+  check_against_reference(backend, dtype=dtype, causal=causal, q_len=seq, kv_len=seq,
                           head_dim=64, group=2)
 
 
@@ -342,6 +343,27 @@ def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, group):
                     (q, kv, kv, q, lse, q))):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("causal,segments", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("head_dim,group,seq", [(128, 1, 512), (64, 4, 300)])
+def test_tpu_kernels_lower_for_tpu(monkeypatch, causal, segments, head_dim, group, seq):
+  """No TPU here: lowering for one (a v5e's sizes) still runs Pallas' Mosaic TPU checks —
+  block shapes, layouts, memory spaces — that interpret mode skips."""
+  from jax._src.pallas.mosaic import tpu_info
+  from shardflow.kernels import flash_attention_tpu as tpu
+  monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
+                      lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+  q = jax.ShapeDtypeStruct((2, seq, 2 * group, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, seq, 2, head_dim), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((2, 2 * group, seq), jnp.float32)
+  segment_ids = jax.ShapeDtypeStruct((2, seq), jnp.int32) if segments else None
+  kw = dict(causal=causal, scale=head_dim ** -0.5)
+  fwd = lambda q, k, v, s: tpu.forward(q, k, v, s, 0, **kw)
+  bwd = lambda q, k, v, s, o, l, do: tpu.backward(q, k, v, s, 0, o, l, do, **kw)
+  for fn, args in ((fwd, (q, kv, kv, segment_ids)), (bwd, (q, kv, kv, segment_ids, q, lse, q))):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
 
 
 def test_mosaic_gpu_dispatch_takes_only_what_the_kernels_handle(monkeypatch):
