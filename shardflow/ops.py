@@ -63,6 +63,9 @@ def _implementation(backend: str) -> str:
       return "pallas_tpu"
     raise ValueError(f"attention: backend='pallas' needs a GPU or TPU, the default backend is "
                      f"{platform!r}; use backend='interpret' to run the kernels on CPU")
+  if backend == "cudnn" and platform not in ("gpu", "cuda"):
+    raise ValueError(f"attention: backend='cudnn' needs an NVIDIA GPU, the default backend is "
+                     f"{platform!r}")
   return {"interpret": "interpret_gpu", "xla": "xla", "cudnn": "cudnn",
           "pallas_tpu": "pallas_tpu", "interpret_tpu": "interpret_tpu"}[backend]
 
@@ -192,6 +195,8 @@ def _check_shapes(q, k, v, segment_ids):
   if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
     raise ValueError(f"attention: dtype must be bfloat16, float16 or float32, got {q.dtype}")
   if segment_ids is not None:
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+      raise ValueError(f"attention: segment_ids must be integers, got {segment_ids.dtype}")
     if q.shape[1] != k.shape[1]:
       raise ValueError(f"attention: segment_ids need seq_q == seq_kv, got q {q.shape}, "
                        f"k {k.shape}")
@@ -244,7 +249,12 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
   head_dim] in q's dtype, and lse if return_lse.
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
   _check_shapes(q, k, v, segment_ids)
+  if q.shape[1] == 0 or k.shape[1] == 0:  # no query, or no key to see: nothing to compute
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
+    return (out, lse) if return_lse else out
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
   implementation = _implementation(backend)
@@ -257,7 +267,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
 
   extras = ()
   if segment_ids is not None:
-    extras += (jnp.asarray(segment_ids, jnp.int32),)
+    extras += (segment_ids.astype(jnp.int32),)
   static_offsets = isinstance(q_offset, int) and isinstance(kv_offset, int)
   if not static_offsets:
     extras += (jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))

@@ -292,6 +292,18 @@ def test_jaxpr_contract(backend, with_segments, traced_offsets):
   assert not outside
 
 
+@pytest.mark.parametrize("q_len,kv_len", [(0, 8), (8, 0), (0, 0)])
+def test_empty_sequences(q_len, kv_len):
+  """No query, or no key to see: zeros and lse = -inf (a row that sees no key), zero grads."""
+  q, k = jnp.ones((2, q_len, 4, 16)), jnp.ones((2, kv_len, 2, 16))
+  f = lambda q, k, v: attention(q, k, v, causal=True, return_lse=True, backend="interpret")
+  out, lse = f(q, k, k)
+  assert out.shape == q.shape and not np.asarray(out).any()
+  assert lse.shape == (2, 4, q_len) and np.all(np.isneginf(np.asarray(lse)))
+  grads = jax.grad(lambda *a: jnp.sum(f(*a)[0]), argnums=(0, 1, 2))(q, k, k)
+  assert all(g.shape == x.shape and not np.asarray(g).any() for g, x in zip(grads, (q, k, k)))
+
+
 def test_rejects_bad_shapes():
   q = jnp.zeros((1, 8, 3, 16))
   k = jnp.zeros((1, 8, 2, 16))
@@ -302,6 +314,12 @@ def test_rejects_bad_shapes():
               segment_ids=jnp.zeros((1, 8), jnp.int32), backend="xla")
   with pytest.raises(ValueError, match="backend"):
     attention(q, q, q, backend="flash")
+  with pytest.raises(ValueError, match="segment_ids must be integers, got float32"):
+    attention(q, jnp.zeros((1, 8, 3, 16)), jnp.zeros((1, 8, 3, 16)),
+              segment_ids=jnp.zeros((1, 8), jnp.float32), backend="xla")
+  if jax.default_backend() == "cpu":
+    with pytest.raises(ValueError, match="backend='cudnn' needs an NVIDIA GPU"):
+      attention(q, q, q, backend="cudnn")
   wide = jnp.zeros((1, 8, 1, 256), jnp.float32)  # fp32 rows of 1 KB: beyond the GPU tiles
   with pytest.raises(ValueError, match="head_dim up to 128"):
     attention(wide, wide, wide, backend="interpret")
