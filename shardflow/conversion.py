@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from shardflow.specs import B, Broadcast, NdSbp, Partial, Split, axis_sizes
+from shardflow.specs import B, Broadcast, NdSbp, Partial, Split, as_dtype, axis_sizes
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 
@@ -64,7 +64,7 @@ def plan(shape, dtype, src: NdSbp, dst: NdSbp, mesh) -> tuple:
     names = tuple(mesh.axis_names)
     sizes = axis_sizes(mesh)
     order = {a: i for i, a in enumerate(names)}
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = as_dtype(dtype).itemsize
     cur = dict(zip(names, src))
     want = dict(zip(names, dst))
     steps = []

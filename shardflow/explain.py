@@ -7,7 +7,7 @@ import numpy as np
 
 from shardflow.primitives import box_p
 from shardflow.program import Program, all_eqns, is_literal, open_jaxpr, source_line, subjaxprs
-from shardflow.specs import describe, format_sbp
+from shardflow.specs import as_dtype, describe, format_sbp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ def _collectives(program: Program, jaxpr, count: int, out: list):
             x = eqn.invars[0]
             for st in eqn.params["steps"]:
                 if st.is_collective:
-                    out.append(Collective(st.kind, st.axes, tuple(x.aval.shape), np.dtype(x.aval.dtype).name,
+                    out.append(Collective(st.kind, st.axes, tuple(x.aval.shape), as_dtype(x.aval.dtype).name,
                                           st.bytes, count, eqn.params["source"], eqn.params["used_at"],
                                           eqn.params["reason"], format_sbp(eqn.params["src"]),
                                           format_sbp(eqn.params["dst"])))

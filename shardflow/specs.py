@@ -18,6 +18,7 @@ import math
 import re
 from typing import Any, Sequence, Union
 
+import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
@@ -227,12 +228,18 @@ def format_sbp(sbp: NdSbp) -> str:
     return "(" + ", ".join(repr(s) for s in sbp) + ")"
 
 
+def as_dtype(dtype):
+    """A numpy dtype, or JAX's extended dtype (a typed PRNG key) as it is: both have .itemsize
+    and .name."""
+    return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
+
+
 def nbytes(shape, dtype) -> int:
-    return int(math.prod(shape)) * np.dtype(dtype).itemsize
+    return int(math.prod(shape)) * as_dtype(dtype).itemsize
 
 
 def describe(aval) -> str:
-    return f"{np.dtype(aval.dtype).name}{list(aval.shape)}"
+    return f"{as_dtype(aval.dtype).name}{list(aval.shape)}"
 
 
 Spec = Any

@@ -138,3 +138,25 @@ def test_donated_arguments_are_consumed(mesh):
                        donate_argnums=0)
     np.testing.assert_array_equal(np.asarray(f(x)), 2 * np.ones((8, 12)))
     assert x.is_deleted()
+
+
+def test_typed_prng_keys_pass_whole_or_split(mesh):
+    """jax.random.key arrays (an extended dtype) as arguments and results, whole or split."""
+    x = jnp.arange(64.0).reshape(8, 8)
+    noisy = lambda a, key: a + jax.random.normal(key, a.shape)
+    f = sf.parallelize(noisy, mesh=mesh, in_specs=(PS("data"), PS()), out_specs=PS("data"))
+    key = jax.random.key(0)
+    np.testing.assert_allclose(np.asarray(f(x, key)), np.asarray(noisy(x, key)), rtol=1e-6)
+
+    per_row = lambda keys, a: jax.vmap(noisy)(a, keys)
+    keys = jax.random.split(jax.random.key(1), 8)
+    g = sf.parallelize(per_row, mesh=mesh, in_specs=(PS("data"), PS("data")), out_specs=PS("data"))
+    np.testing.assert_allclose(np.asarray(g(keys, x)), np.asarray(per_row(keys, x)), rtol=1e-6)
+
+    split = sf.parallelize(lambda key: jax.random.split(key, 4), mesh=mesh, in_specs=PS(),
+                           out_specs=PS())
+    assert np.array_equal(jax.random.key_data(split(key)),
+                          jax.random.key_data(jax.random.split(key, 4)))
+    gather = sf.parallelize(lambda keys: keys, mesh=mesh, in_specs=PS("data"), out_specs=PS())
+    assert np.array_equal(jax.random.key_data(gather(keys)), jax.random.key_data(keys))
+    assert "key<fry>[8]" in str(gather.explain(keys))
