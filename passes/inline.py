@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from jax._src import core
 
-from shardflow.program import Program, has_user_frame, is_literal, map_subjaxprs, new_var
+from shardflow.program import REMAT, Program, has_user_frame, is_literal, new_var, subjaxprs
 from shardflow.specs import ShardingError
 
 INLINED = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
@@ -33,11 +33,11 @@ def _body(eqn):
     return None
 
 
-def _clone(jaxpr: core.Jaxpr, hoisted: list | None, traceback=None) -> core.Jaxpr:
-    """A copy of ``jaxpr`` with fresh Vars and inlined calls. ``hoisted`` collects the consts of
-    inlined bodies as (Var, value) when this is the top level; nested levels must have none.
+def _clone(jaxpr: core.Jaxpr, traceback=None) -> tuple[core.Jaxpr, list]:
+    """A copy of ``jaxpr`` with fresh Vars and inlined calls, and the consts of the inlined
+    bodies as (Var, value): the caller binds them (as its own consts, or as loop-body consts).
     ``traceback``: the enclosing user-code traceback, for equations that have none of their own."""
-    env = {}
+    env, hoisted = {}, []
 
     def read(a):
         return a if is_literal(a) else env.get(a, a)
@@ -59,18 +59,13 @@ def _clone(jaxpr: core.Jaxpr, hoisted: list | None, traceback=None) -> core.Jaxp
             eqn = eqn.replace(source_info=eqn.source_info.replace(traceback=traceback))
         body = _body(eqn)
         if body is None:
-            eqn = map_subjaxprs(eqn, lambda j: _clone(j, None, traceback))
-            eqns.append(eqn.replace(invars=[read(a) for a in eqn.invars],
+            eqn, extra = _clone_nested(eqn, traceback, hoisted)
+            eqns.append(eqn.replace(invars=extra + [read(a) for a in eqn.invars],
                                     outvars=[fresh(v) for v in eqn.outvars]))
             return
-        if body.consts:
-            if hoisted is None:
-                raise ShardingError(
-                    f"a {eqn.primitive.name} inside a loop or branch closes over {len(body.consts)} constant "
-                    "array(s); shardflow cannot inline it there yet — pass the arrays as arguments")
-            for v, c in zip(body.jaxpr.constvars, body.consts):
-                env[v] = new_var(v.aval)
-                hoisted.append((env[v], c))
+        for v, c in zip(body.jaxpr.constvars, body.consts):
+            env[v] = new_var(v.aval)
+            hoisted.append((env[v], c))
         inner = body.jaxpr
         for v, a in zip(inner.invars, eqn.invars):
             env[v] = read(a)
@@ -83,13 +78,42 @@ def _clone(jaxpr: core.Jaxpr, hoisted: list | None, traceback=None) -> core.Jaxp
     for eqn in jaxpr.eqns:
         emit(eqn, traceback)
     return core.Jaxpr(constvars, invars, [read(a) for a in jaxpr.outvars], eqns,
-                      jaxpr.effects, jaxpr.debug_info)
+                      jaxpr.effects, jaxpr.debug_info), hoisted
+
+
+def _clone_nested(eqn, traceback, hoisted):
+    """The eqn with its nested jaxprs cloned, and the operands to prepend to its own. Consts
+    hoisted out of a body become consts of that body's ClosedJaxpr (scan, while, cond), or — for
+    a call whose operands are its body's inputs (remat) — leading inputs fed from fresh Vars of
+    this level, which join ``hoisted``."""
+    new, extra = {}, []
+
+    def one(j):
+        closed = isinstance(j, core.ClosedJaxpr)
+        body, inner = _clone(j.jaxpr if closed else j, traceback)
+        if not inner:
+            return core.ClosedJaxpr(body, j.consts) if closed else body
+        vars_, values = [v for v, _ in inner], [c for _, c in inner]
+        if closed:
+            return core.ClosedJaxpr(body.replace(constvars=list(body.constvars) + vars_),
+                                    list(j.consts) + values)
+        if eqn.primitive.name not in REMAT:
+            raise ShardingError(
+                f"a call inside {eqn.primitive.name} closes over {len(values)} constant array(s); "
+                "shardflow cannot hoist them out of it — pass the arrays as arguments")
+        outer = [new_var(v.aval) for v in vars_]
+        hoisted.extend(zip(outer, values))
+        extra.extend(outer)
+        return body.replace(invars=vars_ + list(body.invars))
+
+    for name, value in subjaxprs(eqn.params):
+        new[name] = tuple(one(v) for v in value) if isinstance(value, tuple) else one(value)
+    return (eqn.replace(params={**eqn.params, **new}) if new else eqn), extra
 
 
 def inline(program: Program) -> Program:
-    hoisted = []
     closed = program.jaxpr
-    jaxpr = _clone(closed.jaxpr, hoisted)
+    jaxpr, hoisted = _clone(closed.jaxpr)
     jaxpr = core.Jaxpr(list(jaxpr.constvars) + [v for v, _ in hoisted], jaxpr.invars, jaxpr.outvars,
                        jaxpr.eqns, jaxpr.effects, jaxpr.debug_info)
     consts = list(closed.consts) + [c for _, c in hoisted]

@@ -17,7 +17,7 @@ from jax import lax
 from jax._src import core
 
 from shardflow.primitives import box_p, constrain_p
-from shardflow.program import Program, is_literal, open_jaxpr, scan_arity
+from shardflow.program import REMAT, Program, is_literal, open_jaxpr, scan_arity
 from shardflow.specs import axis_sizes, local_shape, split_axes, to_partition_spec
 
 LOCAL_RULES: dict[str, Callable] = {}
@@ -235,7 +235,7 @@ def _cond(local, eqn, ins):
     return lax.switch(ins[0], branches, *ins[1:])
 
 
-@local_rule("checkpoint", "remat")
+@local_rule(*REMAT)
 def _checkpoint(local, eqn, ins):
     body = local.body_fn(open_jaxpr(eqn.params["jaxpr"]))
     return jax.checkpoint(lambda *a: body(*a), prevent_cse=eqn.params["prevent_cse"],

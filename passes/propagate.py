@@ -23,7 +23,7 @@ from jax._src import core
 
 from shardflow import rules
 from shardflow.primitives import constrain_p
-from shardflow.program import Program, is_literal, open_jaxpr, scan_arity, source_line
+from shardflow.program import REMAT, Program, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.rules import Sig
 from shardflow.specs import (B, Broadcast, Partial, ShardingError, Split, axis_sizes, check_divisible,
                              describe, format_sbp, to_sbp)
@@ -330,8 +330,7 @@ _HANDLERS = {
     "scan": _scan,
     "while": _while,
     "cond": _cond,
-    "checkpoint": _call,
-    "remat": _call,
+    **{name: _call for name in REMAT},
 }
 
 

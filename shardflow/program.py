@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 from jax._src import core, source_info_util
+from jax._src.ad_checkpoint import remat_p
 from jax.sharding import Mesh
 
 from shardflow.mesh import LinkModel
@@ -44,6 +45,11 @@ class Program:
 
     def __str__(self):
         return str(self.jaxpr)
+
+
+# jax.checkpoint's primitive: jaxprs print it as "checkpoint", its name is "remat2" in
+# jax 0.10; the older names are kept for other versions.
+REMAT = frozenset({remat_p.name, "checkpoint", "remat"})
 
 
 def _user_frame(source_info):

@@ -200,6 +200,22 @@ def test_explain_names_a_user_line_inside_library_code_too(strategy, mesh):
     assert any(c.source.startswith("llama.py:") for c in plan.collectives)
 
 
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_with_no_batch_dims_saveable])
+def test_remat_bodies_are_partitioned_not_run_whole(policy):
+    """jax.checkpoint (its primitive is remat2 in jax 0.10, printed "checkpoint") runs on the
+    operands' shardings: data-parallel gradients stay one all-reduce of the weights."""
+    mesh = sf.make_mesh({"data": 8})
+    layer = jax.checkpoint(lambda w, x: jnp.tanh(x @ w) @ w.T, policy=policy)
+    f = lambda w, x: jax.grad(lambda w: jnp.sum(layer(w, x) ** 2))(w)
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((16, 32)) / 4, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((64, 16)), jnp.float32)
+    g = sf.parallelize(f, mesh=mesh, in_specs=(PS(), PS("data")), out_specs=PS())
+    plan = check(g, w, x)
+    [c] = plan.collectives
+    assert (c.kind, c.bytes) == ("all_reduce", 2 * ring(8) * w.size * 4)
+    np.testing.assert_allclose(np.asarray(g(w, x)), np.asarray(f(w, x)), rtol=1e-5, atol=1e-5)
+
+
 def test_gradient_accumulation_reduces_once_after_the_loop():
     """A scan over micro-batches carries partial gradients (the carry's fixed point is P) and
     all-reduces them once, not once per micro-batch."""

@@ -160,3 +160,33 @@ def test_typed_prng_keys_pass_whole_or_split(mesh):
     gather = sf.parallelize(lambda keys: keys, mesh=mesh, in_specs=PS("data"), out_specs=PS())
     assert np.array_equal(jax.random.key_data(gather(keys)), jax.random.key_data(keys))
     assert "key<fry>[8]" in str(gather.explain(keys))
+
+
+def test_jits_closing_over_constants_inside_loops_branches_and_remat(mesh):
+    """A jit whose body closes over a constant array, called inside a scan, a while loop, a cond
+    and a remat inside a scan, and differentiated: its consts are hoisted to the loop body."""
+    table = np.linspace(0.5, 1.5, 8).astype(np.float32)
+
+    @jax.jit
+    def scale_rows(r):
+        return jnp.sin(r) * table
+
+    def f(a, pred):
+        y, _ = jax.lax.scan(lambda c, r: (c + scale_rows(r), None), jnp.zeros(8), a)
+        w = jax.lax.while_loop(lambda c: c[1] < 2, lambda c: (scale_rows(c[0]), c[1] + 1),
+                               (jax.lax.stop_gradient(y), 0))[0]  # no reverse-mode through while
+        y = y + w
+        y = jax.lax.cond(pred, scale_rows, lambda r: r, y)
+        remat = jax.checkpoint(lambda c, r: (scale_rows(c * r), None))
+        z, _ = jax.lax.scan(remat, y, a)
+        return z
+
+    loss = lambda a, pred: jnp.sum(f(a, pred) ** 2)
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32)
+    g = sf.parallelize(jax.value_and_grad(loss), mesh=mesh, in_specs=(PS(None, "model"), PS()),
+                       out_specs=(PS(), PS(None, "model")))
+    for pred in (True, False):
+        value, grad = g(a, pred)
+        ref_value, ref_grad = jax.jit(jax.value_and_grad(loss))(a, pred)
+        np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=1e-5, atol=1e-6)
