@@ -116,18 +116,18 @@ def _constrain(local, eqn, ins):
     return ins[0]
 
 
-@local_rule("broadcast_in_dim")
+@local_rule(lax.broadcast_in_dim_p.name)
 def _broadcast_in_dim(local, eqn, ins):
     return lax.broadcast_in_dim_p.bind(ins[0], shape=local.shape(eqn.outvars[0]),
                                        broadcast_dimensions=eqn.params["broadcast_dimensions"], sharding=None)
 
 
-@local_rule("reshape")
+@local_rule(lax.reshape_p.name)
 def _reshape(local, eqn, ins):
     return lax.reshape(ins[0], local.shape(eqn.outvars[0]))
 
 
-@local_rule("iota")
+@local_rule(lax.iota_p.name)
 def _iota(local, eqn, ins):
     out = eqn.outvars[0]
     dim, dtype = eqn.params["dimension"], eqn.params["dtype"]
@@ -139,7 +139,7 @@ def _iota(local, eqn, ins):
     return x
 
 
-@local_rule("slice")
+@local_rule(lax.slice_p.name)
 def _slice(local, eqn, ins):
     (x,) = ins
     limit = [l if x.shape[d] == eqn.invars[0].aval.shape[d] else x.shape[d]
@@ -148,7 +148,7 @@ def _slice(local, eqn, ins):
                             strides=eqn.params["strides"])
 
 
-@local_rule("dynamic_slice")
+@local_rule(lax.dynamic_slice_p.name)
 def _dynamic_slice(local, eqn, ins):
     x, *idx = ins
     sizes = [x.shape[d] if s == eqn.invars[0].aval.shape[d] else s for d, s in enumerate(eqn.params["slice_sizes"])]
@@ -172,7 +172,7 @@ def _split_indexed_dims(local, table, index_map, collapsed):
     return [k for k in index_map if k in collapsed and split_axes(local.p.sbp[table], k, local.names)]
 
 
-@local_rule("gather")
+@local_rule(lax.gather_p.name)
 def _gather(local, eqn, ins):
     operand, indices = ins
     table = eqn.invars[0]
@@ -190,7 +190,7 @@ def _gather(local, eqn, ins):
     return jnp.where(lax.broadcast_in_dim(in_range, out.shape, batch_dims), out, jnp.zeros_like(out))
 
 
-@local_rule("scatter-add", "scatter_add")
+@local_rule(lax.scatter_add_p.name)
 def _scatter_add(local, eqn, ins):
     operand, indices, updates = ins
     table = eqn.invars[0]
@@ -204,7 +204,7 @@ def _scatter_add(local, eqn, ins):
     return eqn.primitive.bind(operand, indices, updates, **eqn.params)
 
 
-@local_rule("scan")
+@local_rule(lax.scan_p.name)
 def _scan(local, eqn, ins):
     p = eqn.params
     nc, nk = scan_arity(p)
@@ -220,7 +220,7 @@ def _scan(local, eqn, ins):
     return list(carry) + list(ys)
 
 
-@local_rule("while")
+@local_rule(lax.while_p.name)
 def _while(local, eqn, ins):
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
@@ -229,7 +229,7 @@ def _while(local, eqn, ins):
     return lax.while_loop(lambda c: cond(*cconsts, *c)[0], lambda c: body(*bconsts, *c), list(init))
 
 
-@local_rule("cond")
+@local_rule(lax.cond_p.name)
 def _cond(local, eqn, ins):
     branches = [local.body_fn(b) for b in eqn.params["branches"]]
     return lax.switch(ins[0], branches, *ins[1:])

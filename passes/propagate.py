@@ -327,9 +327,9 @@ def _call(prop: Propagation, eqn):
 
 _HANDLERS = {
     constrain_p.name: _constrain,
-    "scan": _scan,
-    "while": _while,
-    "cond": _cond,
+    lax.scan_p.name: _scan,
+    lax.while_p.name: _while,
+    lax.cond_p.name: _cond,
     **{name: _call for name in REMAT},
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from jax import lax
 
 from shardflow.primitives import box_p
 from shardflow.program import Program, all_eqns, is_literal, open_jaxpr, source_line, subjaxprs
@@ -70,7 +71,7 @@ def _collectives(program: Program, jaxpr, count: int, out: list):
                                           st.bytes, count, eqn.params["source"], eqn.params["used_at"],
                                           eqn.params["reason"], format_sbp(eqn.params["src"]),
                                           format_sbp(eqn.params["dst"])))
-        trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        trips = eqn.params.get("length", 1) if eqn.primitive is lax.scan_p else 1
         for _, value in subjaxprs(eqn.params):
             for j in value if isinstance(value, tuple) else (value,):
                 _collectives(program, open_jaxpr(j), count * trips, out)
