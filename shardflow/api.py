@@ -56,7 +56,12 @@ class Parallelized:
 
     # ------------------------------------------------------------------ compile
 
-    def _compile(self, args) -> Compiled:
+    def _compile(self, args, kwargs=None) -> Compiled:
+        if kwargs:
+            raise TypeError(
+                f"{_definition(self.fn)} was called with keyword arguments {sorted(kwargs)}; "
+                "in_specs are positional, so pass every array positionally, or bind the others "
+                "with functools.partial before parallelize")
         leaves, in_tree = jax.tree.flatten(args)
         avals = tuple(jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves)
         key = (in_tree, avals)
@@ -120,24 +125,24 @@ class Parallelized:
 
     # ------------------------------------------------------------------ public
 
-    def __call__(self, *args):
-        c = self._compile(args)
+    def __call__(self, *args, **kwargs):
+        c = self._compile(args, kwargs)
         leaves = [jax.device_put(x, s) for x, s in zip(jax.tree.leaves(args), c.in_shardings)]
         return jax.tree.unflatten(c.out_tree, c.fn(*leaves))
 
-    def lower(self, *args):
-        c = self._compile(args)
+    def lower(self, *args, **kwargs):
+        c = self._compile(args, kwargs)
         structs = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=s)
                    for x, s in zip(jax.tree.leaves(args), c.in_shardings)]
         return c.fn.lower(*structs)
 
-    def explain(self, *args) -> Plan:
-        c = self._compile(args)
+    def explain(self, *args, **kwargs) -> Plan:
+        c = self._compile(args, kwargs)
         return make_plan(c.program, c.arg_names)
 
-    def program(self, *args) -> Program:
+    def program(self, *args, **kwargs) -> Program:
         """The boxed Program (a jaxpr with explicit ``sf_box`` conversions), for inspection."""
-        return self._compile(args).program
+        return self._compile(args, kwargs).program
 
 
 def _definition(fn) -> str:

@@ -190,3 +190,13 @@ def test_jits_closing_over_constants_inside_loops_branches_and_remat(mesh):
         ref_value, ref_grad = jax.jit(jax.value_and_grad(loss))(a, pred)
         np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-5)
         np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=1e-5, atol=1e-6)
+
+
+def test_keyword_arguments_are_refused_with_the_way_out(mesh):
+    def f(x, scale=2.0):
+        return x * scale
+
+    g = sf.parallelize(f, mesh=mesh, in_specs=(PS("data"),), out_specs=PS("data"))
+    with pytest.raises(TypeError, match=r"f \(test_specs.py:\d+\) was called with keyword "
+                                        r"arguments \['scale'\].*functools.partial"):
+        g(jnp.ones((8, 4)), scale=3.0)
