@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -87,7 +88,17 @@ def _merge(obj, updates: dict, where: str):
         elif key == "model":
             setattr(obj, key, {**current, **value})
         else:
-            setattr(obj, key, value)
+            setattr(obj, key, _as_float(value) if isinstance(current, float) else value)
+
+
+def _as_float(value):
+    """YAML 1.1 reads 3e-4 (no dot) as a string: a float key takes it as the number it spells."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def _set_path(tree: dict, dotted: str, value) -> None:
@@ -129,6 +140,41 @@ def model_config(cfg: Config):
         raise ConfigError(str(e)) from None
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# key -> (test, what it must be), for the numeric keys not checked elsewhere.
+_NUMBERS = {
+    "data.seq_len": (lambda x: _is_int(x) and x >= 1, "a positive integer"),
+    "data.seed": (_is_int, "an integer"),
+    "seed": (_is_int, "an integer"),
+    "optimizer.lr": (lambda x: _is_real(x) and x > 0, "a number > 0"),
+    "optimizer.min_lr_ratio": (lambda x: _is_real(x) and 0 <= x <= 1, "a number in [0, 1]"),
+    "optimizer.warmup_steps": (lambda x: _is_int(x) and x >= 0, "an integer >= 0"),
+    "optimizer.weight_decay": (lambda x: _is_real(x) and x >= 0, "a number >= 0"),
+    "optimizer.beta1": (lambda x: _is_real(x) and 0 <= x < 1, "a number in [0, 1)"),
+    "optimizer.beta2": (lambda x: _is_real(x) and 0 <= x < 1, "a number in [0, 1)"),
+    "optimizer.eps": (lambda x: _is_real(x) and x > 0, "a number > 0"),
+    "optimizer.clip_norm": (lambda x: _is_real(x) and x >= 0, "a number >= 0 (0 disables)"),
+    "checkpoint.every": (lambda x: _is_int(x) and x >= 0, "an integer >= 0 (0 disables)"),
+    "checkpoint.keep": (lambda x: _is_int(x) and x >= 1, "a positive integer"),
+}
+
+
+def _check_numbers(cfg: Config) -> None:
+    for key, (ok, what) in _NUMBERS.items():
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if not ok(value):
+            raise ConfigError(f"{key} must be {what}, got {value!r}")
+
+
 def validate(cfg: Config, n_devices: int) -> dict:
     """Check what can be checked without compiling; returns the mesh shape to build."""
     if cfg.engine not in ("shardflow", "jit"):
@@ -142,6 +188,10 @@ def validate(cfg: Config, n_devices: int) -> dict:
         raise ConfigError(f"eval_every must be an integer >= 0, got {cfg.eval_every!r}")
     if cfg.eval_every and (not isinstance(cfg.eval_batches, int) or cfg.eval_batches < 1):
         raise ConfigError(f"eval_batches must be a positive integer, got {cfg.eval_batches!r}")
+    _check_numbers(cfg)
+    if cfg.data.path is not None and not (Path(cfg.data.path) / "meta.json").exists():
+        raise ConfigError(f"data.path {cfg.data.path!r} is not a prepared data dir (no meta.json); "
+                          "create one with `shardflow prepare --input FILES --out DIR`")
     mesh = dict(cfg.mesh) if cfg.mesh else {"data": n_devices}
     if math.prod(mesh.values()) != n_devices:
         raise ConfigError(f"mesh {mesh} has {math.prod(mesh.values())} devices but "

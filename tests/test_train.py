@@ -59,14 +59,25 @@ def test_restore_onto_a_different_mesh_gives_the_same_parameters(data_dir, tmp_p
     (["strategy=tp", "mesh={data: 1, model: 8}", "model.n_kv_heads=2", "model.n_heads=4"],
      "kv_heads.* does not divide|dimension 2 \\(size 2\\)"),
     (["strategy=zero9"], "unknown strategy 'zero9'"),
+    (["data.seq_len=-1"], "data.seq_len must be a positive integer, got -1"),
+    (["optimizer.lr=abc"], "optimizer.lr must be a number > 0, got 'abc'"),
+    (["optimizer.beta2=1.0"], "optimizer.beta2 must be a number in \\[0, 1\\), got 1.0"),
+    (["checkpoint.keep=0"], "checkpoint.keep must be a positive integer"),
+    (["data.path=/nonexistent"], "data.path '/nonexistent' is not a prepared data dir"),
 ])
 def test_config_errors_are_clear_and_early(overrides, message, data_dir, tmp_path, monkeypatch):
     compiles = []
     monkeypatch.setattr(train, "parallelize_step", lambda *a, **k: compiles.append(1))
     with pytest.raises(config.ConfigError, match=message):
-        cfg = config.load(None, overrides + [f"data.path={data_dir}"], out=str(tmp_path))
+        cfg = config.load(None, [f"data.path={data_dir}"] + overrides, out=str(tmp_path))
         train.train(cfg, progress=False)
     assert compiles == []
+
+
+def test_yaml_exponents_without_a_dot_are_numbers():
+    """PyYAML reads 3e-4 as a string; float keys take it as the number (the --help example)."""
+    cfg = config.load(None, ["optimizer.lr=3e-4", "optimizer.eps=1e-8"])
+    assert (cfg.optimizer.lr, cfg.optimizer.eps) == (3e-4, 1e-8)
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):
