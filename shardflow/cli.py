@@ -7,8 +7,12 @@ import sys
 
 def _prepare(args) -> int:
     from shardflow import data
-    out = data.prepare(args.input, args.out, tokenizer=args.tokenizer,
-                       vocab_size=args.vocab_size, val_fraction=args.val_fraction)
+    try:
+        out = data.prepare(args.input, args.out, tokenizer=args.tokenizer,
+                           vocab_size=args.vocab_size, val_fraction=args.val_fraction)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"prepare error: {e}", file=sys.stderr)
+        return 2
     meta = (out / "meta.json").read_text()
     print(f"wrote {out}: {meta}")
     return 0

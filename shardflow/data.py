@@ -82,6 +82,11 @@ def prepare(inputs, out, *, tokenizer: str = "byte", vocab_size: int = 8192,
     missing = [str(f) for f in files if not f.is_file()]
     if not files or missing:
         raise FileNotFoundError(f"prepare needs existing input files; missing: {missing or 'all'}")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if tokenizer == "bpe" and vocab_size < 257:
+        raise ValueError(f"a BPE vocabulary needs more than the 256 byte tokens, got vocab_size "
+                         f"{vocab_size}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer == "byte":

@@ -1,5 +1,6 @@
 """`shardflow train`: resume, cross-mesh restore, config errors, NaN stop, CLI and logs."""
 import json
+import re
 
 import jax
 import numpy as np
@@ -118,6 +119,22 @@ def test_prepare_command(tmp_path, capsys):
     src.write_text("hello world\n" * 100)
     assert cli.main(["prepare", "--input", str(src), "--out", str(tmp_path / "d")]) == 0
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["train_tokens"] > 1000
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--input", "/nonexistent.txt"], "missing: \\['/nonexistent.txt'\\]"),
+    (["--tokenizer", "bpe", "--vocab-size", "10"], "more than the 256 byte tokens, got vocab_size 10"),
+    (["--val-fraction", "1.5"], "val_fraction must be in \\(0, 1\\), got 1.5"),
+])
+def test_prepare_errors_are_one_line(args, message, tmp_path, capsys):
+    src = tmp_path / "a.txt"
+    src.write_text("hello world\n")
+    argv = ["prepare", "--out", str(tmp_path / "d")] + (args if "--input" in args else
+                                                        ["--input", str(src)] + args)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prepare error: ") and re.search(message, err), err
+    assert not (tmp_path / "d").exists()
 
 
 def test_cpu_platform_gets_simulated_devices(monkeypatch):
