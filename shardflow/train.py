@@ -267,7 +267,7 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     import jax
     from tqdm import tqdm
 
-    from shardflow import data as data_lib, metrics as metrics_lib
+    from shardflow import config as config_lib, data as data_lib, metrics as metrics_lib
     from shardflow.checkpoint import Checkpoints, abstract_like
 
     run = setup(cfg)
@@ -285,7 +285,12 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
         params_shape, opt_shape = jax.eval_shape(lambda: init_state(run))
         target = {"params": abstract_like(params_shape, run.shardings(run.param_specs)),
                   "opt_state": abstract_like(opt_shape, run.shardings(run.opt_specs))}
-        restored = ckpt.restore(start, target)
+        try:
+            restored = ckpt.restore(start, target)
+        except ValueError as e:
+            ckpt.close()
+            raise config_lib.ConfigError(f"{e}. Resume with the config that wrote it, pick another "
+                                         "--out, or set checkpoint.resume=false") from None
         params, opt_state = restored["params"], restored["opt_state"]
         if main_process:
             print(f"resumed from step {start} ({ckpt.directory})")

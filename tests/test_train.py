@@ -49,6 +49,18 @@ def test_restore_onto_a_different_mesh_gives_the_same_parameters(data_dir, tmp_p
     jax.tree.map(np.testing.assert_array_equal, params_dp, jax.device_get(result["params"]))
 
 
+def test_resuming_another_models_checkpoint_is_a_config_error(data_dir, tmp_path):
+    saved = small_config(data_dir, tmp_path, steps=2)
+    saved.checkpoint.every = 2
+    train.train(saved, progress=False)
+    other = small_config(data_dir, tmp_path, steps=4)
+    other.checkpoint.every = 2
+    other.model = {**other.model, "n_layers": other.model.get("n_layers", 2) + 1}
+    with pytest.raises(config.ConfigError, match=r"checkpoint at step 2 .* holds other arrays .*"
+                                                 r"layers.*saved \(\d+,.*checkpoint.resume=false"):
+        train.train(other, progress=False)
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["optimiser.lr=1e-3"], "unknown config key 'optimiser'"),
     (["optimizer.learning_rate=1e-3"], "unknown config key 'optimizer.learning_rate'"),
