@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import shardflow as sf
@@ -59,6 +59,14 @@ def test_conversion_bytes_follow_the_table(src, dst, kind, factor):
 SHAPES = {"a": (8, 16), "b": (16, 8), "c": (8, 16)}
 
 
+_COLUMN_SCALES = np.linspace(0.5, 1.5, 16).astype(np.float32)
+
+
+@jax.jit
+def _scale_columns(x):
+    return x * _COLUMN_SCALES[:x.shape[1]]
+
+
 def _ops():
     unary = {
         "tanh": jnp.tanh, "exp": lambda x: jnp.exp(0.1 * x), "square": lambda x: x * x * 0.5,
@@ -75,6 +83,10 @@ def _ops():
                                        jnp.stack([x, -x, 2 * x]))[0],
         "scan_ys": lambda x: jax.lax.scan(lambda c, xi: (c + 1, xi * c), 1.0, jnp.stack([x, x.T.T]))[1].sum(0),
         "fori": lambda x: jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ x.T @ c * 0.01 + c), x),
+        "remat": jax.checkpoint(lambda x: jnp.tanh(x) * x),
+        "jit_const": _scale_columns,  # a jit closing over a constant array
+        "scan_remat_jit": lambda x: jax.lax.scan(
+            jax.checkpoint(lambda c, xi: (_scale_columns(c) + xi, None)), x, jnp.stack([x, -x]))[0],
     }
     binary = {"add": jnp.add, "mul": jnp.multiply, "sub": jnp.subtract, "max": jnp.maximum}
     return unary, binary
@@ -123,6 +135,8 @@ def build(steps):
 @given(steps=st.lists(STEP, min_size=1, max_size=6),
        specs=st.tuples(nd_sbp(), nd_sbp(), nd_sbp()),
        mesh=st.sampled_from(sorted(MESHES)))
+@example(steps=[("unary", "scan_remat_jit", 0), ("matmul", 3, 1)],
+         specs=((S(0), S(1)), (B, S(0)), (B, B)), mesh="2x4")
 def test_random_program_equals_single_device(steps, specs, mesh):
     r = np.random.default_rng(0)
     args = [r.standard_normal(SHAPES[k]).astype(np.float32) for k in "abc"]
