@@ -206,6 +206,13 @@ def forward(q, k, v, segment_ids, offset_delta, *, causal: bool, scale: float,
 # Backward
 
 
+def _probabilities(q, k, lse, scale, visible=None):
+  """The softmax probabilities [bq, bk] of a block, recomputed from lse; ``visible``: a callable
+  giving the block's element mask, None for a block visible in full."""
+  p = jnp.exp(_dot(q, k, ((1,), (1,))) * scale - lse)
+  return p if visible is None else jnp.where(visible(), p, 0.0)
+
+
 def _dq_kernel(delta_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, di_ref, *refs, causal,
                has_segment_ids, scale, kv_len, num_kv_blocks):
   if has_segment_ids:
@@ -220,15 +227,13 @@ def _dq_kernel(delta_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, di_ref, *refs,
   def _init():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
+  visible = functools.partial(_mask, q_block, kv_block, causal=causal, kv_len=kv_len,
+                              num_kv_blocks=num_kv_blocks, delta=delta, q_seg_ref=q_seg_ref,
+                              kv_seg_ref=kv_seg_ref)
+
   def update(masked):
     k = k_ref[...]
-    s = _dot(q_ref[...], k, ((1,), (1,))) * scale
-    p = jnp.exp(s - lse_ref[...])
-    if masked:
-      mask = _mask(q_block, kv_block, causal=causal, kv_len=kv_len,
-                   num_kv_blocks=num_kv_blocks, delta=delta, q_seg_ref=q_seg_ref,
-                   kv_seg_ref=kv_seg_ref)
-      p = jnp.where(mask, p, 0.0)
+    p = _probabilities(q_ref[...], k, lse_ref[...], scale, visible if masked else None)
     dp = _dot(dout_ref[...], v_ref[...], ((1,), (1,)))
     ds = p * (dp - di_ref[...])
     acc_ref[...] += _dot(ds.astype(k.dtype), k)
@@ -257,15 +262,13 @@ def _dkv_kernel(delta_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, di_ref, *refs
     dk_acc_ref[...] = jnp.zeros_like(dk_acc_ref)
     dv_acc_ref[...] = jnp.zeros_like(dv_acc_ref)
 
+  visible = functools.partial(_mask, q_block, kv_block, causal=causal, kv_len=kv_len,
+                              num_kv_blocks=num_kv_blocks, delta=delta, q_seg_ref=q_seg_ref,
+                              kv_seg_ref=kv_seg_ref)
+
   def update(masked):
     q, dout = q_ref[...], dout_ref[...]
-    s = _dot(q, k_ref[...], ((1,), (1,))) * scale  # [bq, bk]
-    p = jnp.exp(s - lse_ref[...])
-    if masked:
-      mask = _mask(q_block, kv_block, causal=causal, kv_len=kv_len,
-                   num_kv_blocks=num_kv_blocks, delta=delta, q_seg_ref=q_seg_ref,
-                   kv_seg_ref=kv_seg_ref)
-      p = jnp.where(mask, p, 0.0)
+    p = _probabilities(q, k_ref[...], lse_ref[...], scale, visible if masked else None)
     dv_acc_ref[...] += _dot(p.astype(dout.dtype), dout, ((0,), (0,)))
     dp = _dot(dout, v_ref[...], ((1,), (1,)))
     ds = p * (dp - di_ref[...])
