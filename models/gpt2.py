@@ -16,6 +16,14 @@ from .llama import RESIDUAL, scan_layers, stacked
 from .sharding import constrain
 
 
+def _params_dtype(args, /, *, dtype=None, inexact=True):
+    """nnx.Embed promotes to the dtype its parameters had at init (float32) whatever they hold
+    now; compute in the dtype of the parameters held instead — the trainer casts them to
+    compute_dtype (without this the whole GPT-2 ran in float32 under bfloat16)."""
+    del dtype
+    return nnx.nn.dtypes.promote_dtype(args, inexact=inexact)
+
+
 def _init(std: float, axes):
     # eager_sharding=False: record the logical axes only; the trainer decides placement.
     return nnx.with_partitioning(nnx.initializers.normal(std), axes, eager_sharding=False)
@@ -62,9 +70,9 @@ class Block(nnx.Module):
 class GPT2(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs,
+        self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs, promote_dtype=_params_dtype,
                              embedding_init=_init(cfg.init_std, ("vocab", "embed")))
-        self.wpe = nnx.Embed(cfg.max_seq_len, cfg.d_model, rngs=rngs,
+        self.wpe = nnx.Embed(cfg.max_seq_len, cfg.d_model, rngs=rngs, promote_dtype=_params_dtype,
                              embedding_init=_init(0.01, ("pos", "embed")))
         self.layers = stacked(lambda r: Block(cfg, r), cfg.n_layers, rngs)
         self.ln_f = _layer_norm(cfg.d_model, cfg.norm_eps, rngs)

@@ -108,6 +108,36 @@ def test_constrain_is_identity_without_active_rules():
     assert pinned == [P("data", "model", None)]
 
 
+@pytest.mark.parametrize("preset", ["tiny", "gpt2-tiny"])
+@pytest.mark.parametrize("compute_dtype", ["bfloat16", "float32"])
+def test_train_step_matmuls_run_in_compute_dtype(preset, compute_dtype):
+    """Every matmul of the step (forward and backward) takes and gives compute_dtype: the
+    models compute in the dtype of the parameters the trainer hands them."""
+    from jax.extend.core import ClosedJaxpr
+    cfg = config.Config()
+    cfg.model = {"preset": preset, "n_layers": 2}
+    cfg.batch_size, cfg.data.seq_len, cfg.compute_dtype = 8, 32, compute_dtype
+    run = train.setup(cfg)
+    params, opt_state = train.init_state(run)
+    step = train.make_train_step(run.graphdef, run.optimizer, compute_dtype, 1)
+    tokens = np.zeros((1, 8, 32), np.int32)
+    jaxpr = jax.make_jaxpr(step)(params, opt_state, {"inputs": tokens, "targets": tokens})
+
+    def dots(j):
+        for e in j.eqns:
+            if e.primitive.name == "dot_general":
+                yield tuple(str(v.aval.dtype) for v in (*e.invars, *e.outvars))
+            for value in e.params.values():
+                for sub in value if isinstance(value, tuple) else (value,):
+                    if isinstance(sub, ClosedJaxpr):
+                        yield from dots(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        yield from dots(sub)
+
+    found = list(dots(jaxpr.jaxpr))
+    assert found and set(found) == {(compute_dtype,) * 3}, set(found)
+
+
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_forward_shapes_and_remat_agree(model):
     fields = {k: v for k, v in (SMALL_LLAMA if model == "llama" else SMALL_GPT2).items()
