@@ -55,6 +55,16 @@ def time_samples(fn, args, *, iters):
   return times
 
 
+def interleaved_medians(calls, *, iters):
+  """{name: median seconds} of {name: (fn, args)}, timed in ROUNDS interleaved rounds of iters
+  runs so that drifting clocks hit every contender alike."""
+  samples = {name: [] for name in calls}
+  for _ in range(ROUNDS):
+    for name, (fn, args) in calls.items():
+      samples[name].extend(time_samples(fn, args, iters=iters))
+  return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def median_seconds(fn, args, *, warmup, iters):
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
@@ -120,14 +130,14 @@ def run_table(args):
           print(f"{name} failed on {row['shape']} causal={causal}: {type(e).__name__}: "
                 f"{str(e)[:300]}", flush=True)
           row[name] = (float("nan"), float("nan"))
-      samples = {name: ([], []) for name in timed}
-      for _ in range(ROUNDS):
-        for name, (fwd, fwd_bwd) in timed.items():
-          samples[name][0].extend(time_samples(fwd, (q, k, v), iters=args.iters))
-          samples[name][1].extend(time_samples(fwd_bwd, (q, k, v, dout), iters=args.iters))
-      for name, (t_fwd, t_all) in samples.items():
-        row[name] = (flops / statistics.median(t_fwd) / 1e12,
-                     3.5 * flops / statistics.median(t_all) / 1e12)
+      calls = {}
+      for name, (fwd, fwd_bwd) in timed.items():
+        calls[name, "fwd"] = fwd, (q, k, v)
+        calls[name, "fwd_bwd"] = fwd_bwd, (q, k, v, dout)
+      seconds = interleaved_medians(calls, iters=args.iters)
+      for name in timed:
+        row[name] = (flops / seconds[name, "fwd"] / 1e12,
+                     3.5 * flops / seconds[name, "fwd_bwd"] / 1e12)
       print(row, flush=True)
       rows.append(row)
 
@@ -329,16 +339,14 @@ def run_bwd(args):
         except Exception as e:  # report and go on
           print(f"{name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
       fns["triton"] = triton
-      samples = {name: [] for name in fns}
-      for name, fn in fns.items():
+      for fn in fns.values():
         for _ in range(args.warmup):
           jax.block_until_ready(fn(*args_))
-      for _ in range(ROUNDS):
-        for name, fn in fns.items():
-          samples[name].extend(time_samples(fn, args_, iters=args.iters))
+      seconds = interleaved_medians({name: (fn, args_) for name, fn in fns.items()},
+                                    iters=args.iters)
       cells = []
       for name in names:
-        t = statistics.median(samples[name]) if name in samples else float("nan")
+        t = seconds.get(name, float("nan"))
         cells.append(f"{t * 1e3:.2f} | {flops / t / 1e12:.0f}")
       print(f"| {batch},{seq},{hq}/{hkv},{dim} | {'yes' if causal else 'no'} | "
             + " | ".join(cells) + " | "

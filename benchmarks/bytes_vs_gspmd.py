@@ -28,10 +28,7 @@ def hlo_bytes(engine, strategy, mesh, preset, batch, seq):
     cfg.batch_size, cfg.data.seq_len = batch, seq
     run = train.setup(cfg)
     params, opt_state = train.init_state(run)
-    step = train.parallelize_step(
-        train.make_train_step(run.graphdef, run.optimizer, cfg.compute_dtype, 1), engine, run.mesh,
-        run.rules, in_specs=(run.param_specs, run.opt_specs, run.batch_spec),
-        out_specs=(run.param_specs, run.opt_specs, None))
+    step = run.train_step()
     tokens = np.zeros((1, batch, seq), np.int32)
     text = step.lower(params, opt_state, {"inputs": tokens, "targets": tokens}).compile().as_text()
     return hlo.total_bytes(text), len(hlo.collectives(text))

@@ -130,11 +130,7 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
                                  f"device has {limit / 1e9:.3g} GB"}
     try:
         params, opt_state = train.init_state(run)
-        step_fn = train.parallelize_step(
-            train.make_train_step(run.graphdef, run.optimizer, cfg.compute_dtype, 1),
-            engine, run.mesh, run.rules,
-            in_specs=(run.param_specs, run.opt_specs, run.batch_spec),
-            out_specs=(run.param_specs, run.opt_specs, None))
+        step_fn = run.train_step()
         global_batch = batch * run.mesh.shape["data"]
         tokens = np.random.default_rng(0).integers(0, run.model_cfg.vocab_size,
                                                    (1, global_batch, seq + 1))

@@ -48,11 +48,7 @@ def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: i
     cfg.strategy, cfg.compute_dtype = "dp", "bfloat16"
     run = train.setup(cfg)
     params, opt_state = train.init_state(run)
-    step_fn = train.parallelize_step(
-        train.make_train_step(run.graphdef, run.optimizer, cfg.compute_dtype, 1),
-        cfg.engine, run.mesh, run.rules,
-        in_specs=(run.param_specs, run.opt_specs, run.batch_spec),
-        out_specs=(run.param_specs, run.opt_specs, None))
+    step_fn = run.train_step()
     tokens = np.random.default_rng(0).integers(0, run.model_cfg.vocab_size, (1, batch, seq + 1))
     sharding = run.shardings(run.batch_spec)
     data = {"inputs": jax.device_put(tokens[..., :-1].astype(np.int32), sharding),

@@ -92,18 +92,21 @@ def _mask(q_block, kv_block, *, causal, kv_len, num_kv_blocks, delta, q_seg_ref,
   return mask
 
 
-def _update_visible(update, q_block, kv_block, *, causal, has_segment_ids, kv_len,
-                    num_kv_blocks, delta):
-  """update(masked=False) on a (q block, kv block) pair visible in full, update(masked=True)
-  on a partly visible one, nothing on a hidden one. Where no element can be masked (not
-  causal, no segment ids, kv a whole number of blocks) the masked update is not traced."""
+def _update_visible(update, q_block, kv_block, *, causal, kv_len, num_kv_blocks, delta,
+                    q_seg_ref, kv_seg_ref):
+  """update(None) on a (q block, kv block) pair visible in full, update(mask) with the pair's
+  element mask on a partly visible one, nothing on a hidden one. Where no element can be
+  masked (not causal, no segment ids, kv a whole number of blocks) the masked update is not
+  traced."""
+  has_segment_ids = q_seg_ref is not None
   num_full, end = common.kv_block_range(
       q_block * BLOCK, block_q=BLOCK, block_k=BLOCK, num_kv_blocks=num_kv_blocks,
       kv_len=kv_len, causal=causal, has_segment_ids=has_segment_ids, offset_delta=delta)
-  pl.when(kv_block < num_full)(lambda: update(masked=False))
+  pl.when(kv_block < num_full)(lambda: update(None))
   if causal or has_segment_ids or kv_len % BLOCK:
-    pl.when(jnp.logical_and(kv_block >= num_full, kv_block < end))(
-        lambda: update(masked=True))
+    pl.when(jnp.logical_and(kv_block >= num_full, kv_block < end))(lambda: update(_mask(
+        q_block, kv_block, causal=causal, kv_len=kv_len, num_kv_blocks=num_kv_blocks,
+        delta=delta, q_seg_ref=q_seg_ref, kv_seg_ref=kv_seg_ref)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,12 +129,9 @@ def _forward_kernel(delta_ref, q_ref, k_ref, v_ref, *refs, causal, has_segment_i
     max_ref[...] = jnp.full_like(max_ref, -jnp.inf)
     sum_ref[...] = jnp.zeros_like(sum_ref)
 
-  def update(masked):
+  def update(mask):
     s = _dot(q_ref[...], k_ref[...], ((1,), (1,))) * scale
-    if masked:
-      mask = _mask(q_block, kv_block, causal=causal, kv_len=kv_len,
-                   num_kv_blocks=num_kv_blocks, delta=delta, q_seg_ref=q_seg_ref,
-                   kv_seg_ref=kv_seg_ref)
+    if mask is not None:
       s = jnp.where(mask, s, -jnp.inf)
     row_max = max_ref[...]
     new_max = jnp.maximum(row_max, s.max(axis=1, keepdims=True))
@@ -142,8 +142,9 @@ def _forward_kernel(delta_ref, q_ref, k_ref, v_ref, *refs, causal, has_segment_i
     acc_ref[...] = acc_ref[...] * correction + _dot(p.astype(v_ref.dtype), v_ref[...])
     max_ref[...] = new_max
 
-  _update_visible(update, q_block, kv_block, causal=causal, has_segment_ids=has_segment_ids,
-                  kv_len=kv_len, num_kv_blocks=num_kv_blocks, delta=delta)
+  _update_visible(update, q_block, kv_block, causal=causal, kv_len=kv_len,
+                  num_kv_blocks=num_kv_blocks, delta=delta, q_seg_ref=q_seg_ref,
+                  kv_seg_ref=kv_seg_ref)
 
   @pl.when(kv_block == num_kv_blocks - 1)
   def _finish():
@@ -206,11 +207,11 @@ def forward(q, k, v, segment_ids, offset_delta, *, causal: bool, scale: float,
 # Backward
 
 
-def _probabilities(q, k, lse, scale, visible=None):
-  """The softmax probabilities [bq, bk] of a block, recomputed from lse; ``visible``: a callable
-  giving the block's element mask, None for a block visible in full."""
+def _probabilities(q, k, lse, scale, mask=None):
+  """The softmax probabilities [bq, bk] of a block, recomputed from lse; ``mask``: the block's
+  element mask, None for a block visible in full."""
   p = jnp.exp(_dot(q, k, ((1,), (1,))) * scale - lse)
-  return p if visible is None else jnp.where(visible(), p, 0.0)
+  return p if mask is None else jnp.where(mask, p, 0.0)
 
 
 def _dq_kernel(delta_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, di_ref, *refs, causal,
@@ -227,19 +228,16 @@ def _dq_kernel(delta_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, di_ref, *refs,
   def _init():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  visible = functools.partial(_mask, q_block, kv_block, causal=causal, kv_len=kv_len,
-                              num_kv_blocks=num_kv_blocks, delta=delta, q_seg_ref=q_seg_ref,
-                              kv_seg_ref=kv_seg_ref)
-
-  def update(masked):
+  def update(mask):
     k = k_ref[...]
-    p = _probabilities(q_ref[...], k, lse_ref[...], scale, visible if masked else None)
+    p = _probabilities(q_ref[...], k, lse_ref[...], scale, mask)
     dp = _dot(dout_ref[...], v_ref[...], ((1,), (1,)))
     ds = p * (dp - di_ref[...])
     acc_ref[...] += _dot(ds.astype(k.dtype), k)
 
-  _update_visible(update, q_block, kv_block, causal=causal, has_segment_ids=has_segment_ids,
-                  kv_len=kv_len, num_kv_blocks=num_kv_blocks, delta=delta)
+  _update_visible(update, q_block, kv_block, causal=causal, kv_len=kv_len,
+                  num_kv_blocks=num_kv_blocks, delta=delta, q_seg_ref=q_seg_ref,
+                  kv_seg_ref=kv_seg_ref)
 
   @pl.when(kv_block == num_kv_blocks - 1)
   def _finish():
@@ -262,20 +260,17 @@ def _dkv_kernel(delta_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, di_ref, *refs
     dk_acc_ref[...] = jnp.zeros_like(dk_acc_ref)
     dv_acc_ref[...] = jnp.zeros_like(dv_acc_ref)
 
-  visible = functools.partial(_mask, q_block, kv_block, causal=causal, kv_len=kv_len,
-                              num_kv_blocks=num_kv_blocks, delta=delta, q_seg_ref=q_seg_ref,
-                              kv_seg_ref=kv_seg_ref)
-
-  def update(masked):
+  def update(mask):
     q, dout = q_ref[...], dout_ref[...]
-    p = _probabilities(q, k_ref[...], lse_ref[...], scale, visible if masked else None)
+    p = _probabilities(q, k_ref[...], lse_ref[...], scale, mask)
     dv_acc_ref[...] += _dot(p.astype(dout.dtype), dout, ((0,), (0,)))
     dp = _dot(dout, v_ref[...], ((1,), (1,)))
     ds = p * (dp - di_ref[...])
     dk_acc_ref[...] += _dot(ds.astype(q.dtype), q, ((0,), (0,)))
 
-  _update_visible(update, q_block, kv_block, causal=causal, has_segment_ids=has_segment_ids,
-                  kv_len=kv_len, num_kv_blocks=num_kv_blocks, delta=delta)
+  _update_visible(update, q_block, kv_block, causal=causal, kv_len=kv_len,
+                  num_kv_blocks=num_kv_blocks, delta=delta, q_seg_ref=q_seg_ref,
+                  kv_seg_ref=kv_seg_ref)
 
   @pl.when(step == pl.num_programs(3) - 1)
   def _finish():

@@ -148,9 +148,16 @@ def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-# key -> (test, what it must be), for the numeric keys not checked elsewhere.
+_positive_int = (lambda x: _is_int(x) and x >= 1, "a positive integer")
+
+# key -> (test, what it must be), for every numeric key.
 _NUMBERS = {
-    "data.seq_len": (lambda x: _is_int(x) and x >= 1, "a positive integer"),
+    "steps": _positive_int,
+    "batch_size": _positive_int,
+    "grad_accum": _positive_int,
+    "log_every": _positive_int,
+    "eval_every": (lambda x: _is_int(x) and x >= 0, "an integer >= 0"),
+    "data.seq_len": _positive_int,
     "data.seed": (_is_int, "an integer"),
     "seed": (_is_int, "an integer"),
     "optimizer.lr": (lambda x: _is_real(x) and x > 0, "a number > 0"),
@@ -162,7 +169,7 @@ _NUMBERS = {
     "optimizer.eps": (lambda x: _is_real(x) and x > 0, "a number > 0"),
     "optimizer.clip_norm": (lambda x: _is_real(x) and x >= 0, "a number >= 0 (0 disables)"),
     "checkpoint.every": (lambda x: _is_int(x) and x >= 0, "an integer >= 0 (0 disables)"),
-    "checkpoint.keep": (lambda x: _is_int(x) and x >= 1, "a positive integer"),
+    "checkpoint.keep": _positive_int,
 }
 
 
@@ -181,14 +188,9 @@ def validate(cfg: Config, n_devices: int) -> dict:
         raise ConfigError(f"engine must be 'shardflow' or 'jit', got {cfg.engine!r}")
     if cfg.compute_dtype not in ("bfloat16", "float32"):
         raise ConfigError(f"compute_dtype must be 'bfloat16' or 'float32', got {cfg.compute_dtype!r}")
-    for name in ("steps", "batch_size", "grad_accum", "log_every"):
-        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {getattr(cfg, name)!r}")
-    if not isinstance(cfg.eval_every, int) or cfg.eval_every < 0:
-        raise ConfigError(f"eval_every must be an integer >= 0, got {cfg.eval_every!r}")
-    if cfg.eval_every and (not isinstance(cfg.eval_batches, int) or cfg.eval_batches < 1):
-        raise ConfigError(f"eval_batches must be a positive integer, got {cfg.eval_batches!r}")
     _check_numbers(cfg)
+    if cfg.eval_every and not (_is_int(cfg.eval_batches) and cfg.eval_batches >= 1):
+        raise ConfigError(f"eval_batches must be a positive integer, got {cfg.eval_batches!r}")
     if cfg.data.path is not None and not (Path(cfg.data.path) / "meta.json").exists():
         raise ConfigError(f"data.path {cfg.data.path!r} is not a prepared data dir (no meta.json); "
                           "create one with `shardflow prepare --input FILES --out DIR`")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 from jax import lax
 
 from shardflow.primitives import box_p

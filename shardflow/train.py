@@ -192,6 +192,15 @@ class Run:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
 
+    def train_step(self, engine: str | None = None):
+        """The config's training step, (params, opt_state, batch) -> (params, opt_state,
+        metrics), run by ``engine`` (default: the config's) with the run's specs."""
+        step = make_train_step(self.graphdef, self.optimizer, self.cfg.compute_dtype,
+                               self.cfg.grad_accum)
+        return parallelize_step(step, engine or self.cfg.engine, self.mesh, self.rules,
+                                in_specs=(self.param_specs, self.opt_specs, self.batch_spec),
+                                out_specs=(self.param_specs, self.opt_specs, None))
+
 
 def setup(cfg) -> Run:
     import jax
@@ -297,11 +306,7 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     else:
         params, opt_state = init_state(run)
 
-    step_fn = parallelize_step(
-        make_train_step(run.graphdef, run.optimizer, cfg.compute_dtype, cfg.grad_accum),
-        cfg.engine, run.mesh, run.rules,
-        in_specs=(run.param_specs, run.opt_specs, run.batch_spec),
-        out_specs=(run.param_specs, run.opt_specs, None))
+    step_fn = run.train_step()
     batch_sharding = run.shardings(run.batch_spec)
     micro = cfg.batch_size // cfg.grad_accum
     if run.val_data is not None:

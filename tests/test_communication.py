@@ -187,10 +187,7 @@ def test_explain_names_a_user_line_inside_library_code_too(strategy, mesh):
     cfg.strategy, cfg.mesh, cfg.batch_size, cfg.data.seq_len = strategy, mesh, 8, 64
     run = train.setup(cfg)
     params, opt_state = train.init_state(run)
-    step = train.parallelize_step(
-        train.make_train_step(run.graphdef, run.optimizer, cfg.compute_dtype, 1), "shardflow",
-        run.mesh, run.rules, in_specs=(run.param_specs, run.opt_specs, run.batch_spec),
-        out_specs=(run.param_specs, run.opt_specs, None))
+    step = run.train_step()
     tokens = np.zeros((1, 8, 64), np.int32)
     plan = step.explain(params, opt_state, {"inputs": tokens, "targets": tokens})
     assert plan.collectives

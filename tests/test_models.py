@@ -193,10 +193,7 @@ def test_activation_constraints_reach_the_traced_step(data_dir, tmp_path):
     def pinned_specs(strategy, mesh):
         cfg = small_config(data_dir, tmp_path, strategy=strategy, mesh=mesh, engine="jit")
         run = train.setup(cfg)
-        step = train.parallelize_step(
-            train.make_train_step(run.graphdef, run.optimizer, jnp.float32, 1), "jit",
-            run.mesh, run.rules, in_specs=(run.param_specs, run.opt_specs, run.batch_spec),
-            out_specs=(run.param_specs, run.opt_specs, None))
+        step = run.train_step()
         params, opt_state = jax.eval_shape(lambda: train.init_state(run))
         batch = {k: jax.ShapeDtypeStruct((1, 8, 32), jnp.int32) for k in ("inputs", "targets")}
         text = str(jax.make_jaxpr(step)(params, opt_state, batch))
