@@ -7,6 +7,7 @@ Pallas Triton `mha`, all in one process.
   python benchmarks/attention.py --bwd      # the two backwards alone: Mosaic GPU vs Triton
   python benchmarks/attention.py --bwd --variants base=kernels/flash_attention_mgpu.py \
       new=/tmp/edited.py                    # source variants of a kernel, against each other
+  python benchmarks/attention.py --profile  # device time per kernel of ours' and cuDNN's fwd+bwd
 
 FLOPs: 4*B*S^2*H*D forward (H = q heads), half when causal, x3.5 for forward+backward.
 Times: median of 3 interleaved rounds of --iters runs each (after --warmup runs), each run
@@ -353,6 +354,52 @@ def run_bwd(args):
             + ", ".join(f"{n} {d:.1e}" for n, d in diffs.items()) + " |", flush=True)
 
 
+def kernel_times(fn, args, *, iters):
+  """[(kernel name, device ms per call)] of fn(*args), longest first, from a profiler trace of
+  iters calls: GPU time only, so launch overhead and host gaps are not in it."""
+  import collections
+  import glob
+  import tempfile
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir)
+    for _ in range(iters):
+      jax.block_until_ready(fn(*args))
+    jax.profiler.stop_trace()
+    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    profile = jax.profiler.ProfileData.from_file(path)
+  totals = collections.Counter()
+  for plane in profile.planes:
+    if plane.name.startswith("/device:GPU:0"):
+      for line in plane.lines:
+        if line.name.startswith("Stream"):  # the other lines regroup the same kernels
+          for event in line.events:
+            totals[event.name] += event.duration_ns / 1e6 / iters
+  if not totals:
+    raise RuntimeError("no GPU kernels in the trace; planes and lines: " + str(
+        {plane.name: [line.name for line in plane.lines] for plane in profile.planes}))
+  return totals.most_common()
+
+
+def run_profile(args):
+  """Where forward+backward spends its device time, kernel by kernel, ours against cuDNN."""
+  for batch, seq, hq, hkv, dim in ANCHOR_SHAPES:
+    q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim)
+    for causal in (False, True):
+      flops = 3.5 * attention_flops(batch, seq, hq, dim, causal)
+      print(f"\n{batch},{seq},{hq}/{hkv},{dim} causal={causal}", flush=True)
+      for name, fn in implementations(causal, hq // hkv).items():
+        if name == "triton_mha":
+          continue
+        fwd_bwd = fwd_and_fwd_bwd(fn)[1]
+        for _ in range(args.warmup):
+          jax.block_until_ready(fwd_bwd(q, k, v, dout))
+        times = kernel_times(fwd_bwd, (q, k, v, dout), iters=args.iters)
+        total = sum(t for _, t in times)
+        print(f"  {name}: {total:.3f} ms on the device, {flops / total / 1e9:.0f} TFLOP/s")
+        for kernel, t in times:
+          print(f"    {t:8.3f} ms  {kernel[:110]}")
+
+
 def _patched_attention_mgpu():
   """JAX's Mosaic GPU attention with its float16-only shared-memory buffers made dtype-generic
   (jax 0.11.2 allocates them as float16, so bfloat16 inputs fail). Probe only."""
@@ -404,6 +451,7 @@ def main():
   parser.add_argument("--sweep", action="store_true")
   parser.add_argument("--probe-mgpu", action="store_true")
   parser.add_argument("--bwd", action="store_true")
+  parser.add_argument("--profile", action="store_true")
   parser.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE",
                       help="with --bwd: time these source variants of a kernels/ module's "
                            "`backward` (e.g. edited copies of flash_attention_mgpu.py)")
@@ -421,7 +469,10 @@ def main():
     run_probe_mgpu(args)
   if args.bwd:
     run_bwd(args)
-  if args.table or not (args.check or args.sweep or args.probe_mgpu or args.bwd):
+  if args.profile:
+    run_profile(args)
+  if args.table or not (args.check or args.sweep or args.probe_mgpu or args.bwd
+                        or args.profile):
     run_table(args)
   sys.exit(1 if failures else 0)
 
