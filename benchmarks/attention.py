@@ -5,13 +5,15 @@ Pallas Triton `mha`, all in one process.
   python benchmarks/attention.py --check    # compiled kernels vs an fp32 reference
   python benchmarks/attention.py --sweep    # per-kernel times over block-size choices
   python benchmarks/attention.py --bwd      # the two backwards alone: Mosaic GPU vs Triton
+  python benchmarks/attention.py --fwd      # the two forwards alone
   python benchmarks/attention.py --bwd --variants base=kernels/flash_attention_mgpu.py \
       new=/tmp/edited.py                    # source variants of a kernel, against each other
   python benchmarks/attention.py --profile  # device time per kernel of ours' and cuDNN's fwd+bwd
 
 FLOPs: 4*B*S^2*H*D forward (H = q heads), half when causal, x3.5 for forward+backward.
-Times: median of 3 interleaved rounds of --iters runs each (after --warmup runs), each run
-ended by block_until_ready.
+Times: median of 3 interleaved rounds of --iters calls each (after --warmup calls), dispatched
+10 at a time and ended by one block_until_ready (v8 on; until v7 every call was synced, which
+added the host's dispatch and sync latency to every call).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ ANCHOR_SHAPES = [
 
 
 ROUNDS = 3
+PIPELINED = 10
 
 
 def attention_flops(batch, seq, heads_q, head_dim, causal):
@@ -48,19 +51,24 @@ def attention_flops(batch, seq, heads_q, head_dim, causal):
 
 
 def time_samples(fn, args, *, iters):
+  """Seconds per call, one sample per PIPELINED calls dispatched back to back and ended by one
+  block_until_ready: the device stays busy, so host dispatch and sync latency (0.1-0.6 ms per
+  call on the H100, measured against profiler device time) are not counted as kernel time."""
   times = []
-  for _ in range(iters):
+  for _ in range(max(1, iters // PIPELINED)):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
+    for _ in range(PIPELINED):
+      result = fn(*args)
+    jax.block_until_ready(result)
+    times.append((time.perf_counter() - start) / PIPELINED)
   return times
 
 
-def interleaved_medians(calls, *, iters):
-  """{name: median seconds} of {name: (fn, args)}, timed in ROUNDS interleaved rounds of iters
-  runs so that drifting clocks hit every contender alike."""
+def interleaved_medians(calls, *, iters, rounds=ROUNDS):
+  """{name: median seconds} of {name: (fn, args)}, timed in interleaved rounds of iters calls
+  so that drifting clocks hit every contender alike."""
   samples = {name: [] for name in calls}
-  for _ in range(ROUNDS):
+  for _ in range(rounds):
     for name, (fn, args) in calls.items():
       samples[name].extend(time_samples(fn, args, iters=iters))
   return {name: statistics.median(times) for name, times in samples.items()}
@@ -307,35 +315,45 @@ def load_kernel_variant(name, path):
   return module
 
 
-def run_bwd(args):
-  """Times the backward alone on the anchor shapes (2.5x the forward's FLOPs), in interleaved
-  rounds: the fused Mosaic GPU kernel against the split Triton pair, or with --variants the
-  `backward` of each given source variant. Diffs are against the Triton pair's gradients."""
-  contenders = {name: load_kernel_variant(name, path).backward
+def run_kernel_variants(args):
+  """Times one pass alone on the anchor shapes, in interleaved rounds: with --bwd the backward
+  (2.5x the forward's FLOPs), the fused Mosaic GPU kernel against the split Triton pair; with
+  --fwd the forward, Mosaic GPU against Triton. With --variants, that pass of each given source
+  variant instead of the shipped Mosaic kernel. Diffs are against the Triton kernels'."""
+  pass_name = "backward" if args.bwd else "forward"
+  contenders = {name: getattr(load_kernel_variant(name, path), pass_name)
                 for name, path in (v.split("=", 1) for v in args.variants)}
-  if not contenders:
+  if not contenders and args.bwd:
     contenders["mosaic"] = lambda q, k, v, out, lse, dout, **kw: flash_attention_gpu.backward(
         q, k, v, None, 0, out, lse, dout, **kw)
+  elif not contenders:
+    contenders["mosaic"] = lambda q, k, v, **kw: flash_attention_gpu.forward(
+        q, k, v, None, 0, **kw)
   names = list(contenders) + ["triton"]
-  print("| shape | causal | " + " | ".join(f"{n} ms | TFLOP/s" for n in names)
-        + " | max rel diff dq,dk,dv vs triton |\n|---|---|" + "---|---|" * len(names) + "---|")
+  outputs = "dq,dk,dv" if args.bwd else "out,lse"
+  print(f"{pass_name} alone\n| shape | causal | " + " | ".join(f"{n} ms | TFLOP/s" for n in names)
+        + f" | max rel diff {outputs} vs triton |\n|---|---|" + "---|---|" * len(names) + "---|")
   for batch, seq, hq, hkv, dim in ANCHOR_SHAPES:
     q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim)
-    for causal in (False, True):
-      flops = 2.5 * attention_flops(batch, seq, hq, dim, causal)
+    for causal in args.causal:
+      flops = (2.5 if args.bwd else 1.0) * attention_flops(batch, seq, hq, dim, causal)
       kw = dict(causal=causal, scale=dim ** -0.5)
-      out, lse = jax.jit(lambda q, k, v: flash_attention_gpu.forward(
-          q, k, v, None, 0, **kw))(q, k, v)
-      args_ = (q, k, v, out, lse, dout)
-      triton = jax.jit(lambda q, k, v, out, lse, dout: flash_attention_gpu.backward(
-          q, k, v, None, 0, out, lse, dout, allow_mosaic=False, **kw))
+      if args.bwd:
+        out, lse = jax.jit(lambda q, k, v: flash_attention_gpu.forward(
+            q, k, v, None, 0, **kw))(q, k, v)
+        args_ = (q, k, v, out, lse, dout)
+        triton = jax.jit(lambda q, k, v, out, lse, dout: flash_attention_gpu.backward(
+            q, k, v, None, 0, out, lse, dout, allow_mosaic=False, **kw))
+      else:
+        args_ = (q, k, v)
+        triton = jax.jit(lambda q, k, v: flash_attention_gpu.forward(
+            q, k, v, None, 0, allow_mosaic=False, **kw))
       fns, diffs = {}, {}
-      reference_grads = triton(*args_)
-      for name, backward in contenders.items():
-        fn = jax.jit(lambda q, k, v, out, lse, dout, backward=backward: backward(
-            q, k, v, out, lse, dout, **kw))
+      reference = triton(*args_)
+      for name, kernel in contenders.items():
+        fn = jax.jit(lambda *a, kernel=kernel: kernel(*a, **kw))
         try:
-          diffs[name] = max(rel_err(a, b) for a, b in zip(fn(*args_), reference_grads))
+          diffs[name] = max(rel_err(a, b) for a, b in zip(fn(*args_), reference))
           fns[name] = fn
         except Exception as e:  # report and go on
           print(f"{name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -344,7 +362,7 @@ def run_bwd(args):
         for _ in range(args.warmup):
           jax.block_until_ready(fn(*args_))
       seconds = interleaved_medians({name: (fn, args_) for name, fn in fns.items()},
-                                    iters=args.iters)
+                                    iters=args.iters, rounds=args.rounds)
       cells = []
       for name in names:
         t = seconds.get(name, float("nan"))
@@ -451,14 +469,21 @@ def main():
   parser.add_argument("--sweep", action="store_true")
   parser.add_argument("--probe-mgpu", action="store_true")
   parser.add_argument("--bwd", action="store_true")
+  parser.add_argument("--fwd", action="store_true")
+  parser.add_argument("--causal", choices=("both", "yes", "no"), default="both",
+                      help="with --bwd or --fwd: which rows")
+  parser.add_argument("--rounds", type=int, default=ROUNDS,
+                      help="with --bwd or --fwd: interleaved timing rounds")
   parser.add_argument("--profile", action="store_true")
   parser.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE",
-                      help="with --bwd: time these source variants of a kernels/ module's "
-                           "`backward` (e.g. edited copies of flash_attention_mgpu.py)")
+                      help="with --bwd or --fwd: time these source variants of a kernels/ "
+                           "module's `backward` or `forward` (e.g. edited copies of "
+                           "flash_attention_mgpu.py)")
   parser.add_argument("--table", action="store_true", help="the benchmark table (default)")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--iters", type=int, default=20)
   args = parser.parse_args()
+  args.causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
   print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
   failures = 0
   if args.check:
@@ -467,11 +492,11 @@ def main():
     run_sweep(args)
   if args.probe_mgpu:
     run_probe_mgpu(args)
-  if args.bwd:
-    run_bwd(args)
+  if args.bwd or args.fwd:
+    run_kernel_variants(args)
   if args.profile:
     run_profile(args)
-  if args.table or not (args.check or args.sweep or args.probe_mgpu or args.bwd
+  if args.table or not (args.check or args.sweep or args.probe_mgpu or args.bwd or args.fwd
                         or args.profile):
     run_table(args)
   sys.exit(1 if failures else 0)
