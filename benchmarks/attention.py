@@ -321,14 +321,15 @@ def run_kernel_variants(args):
   --fwd the forward, Mosaic GPU against Triton. With --variants, that pass of each given source
   variant instead of the shipped Mosaic kernel. Diffs are against the Triton kernels'."""
   pass_name = "backward" if args.bwd else "forward"
+
+  def shipped(*arrays, **kw):
+    """flash_attention_gpu's pass with a variant's signature (no segment ids, no offset)."""
+    q, k, v, *rest = arrays
+    return getattr(flash_attention_gpu, pass_name)(q, k, v, None, 0, *rest, **kw)
+
   contenders = {name: getattr(load_kernel_variant(name, path), pass_name)
                 for name, path in (v.split("=", 1) for v in args.variants)}
-  if not contenders and args.bwd:
-    contenders["mosaic"] = lambda q, k, v, out, lse, dout, **kw: flash_attention_gpu.backward(
-        q, k, v, None, 0, out, lse, dout, **kw)
-  elif not contenders:
-    contenders["mosaic"] = lambda q, k, v, **kw: flash_attention_gpu.forward(
-        q, k, v, None, 0, **kw)
+  contenders = contenders or {"mosaic": shipped}
   names = list(contenders) + ["triton"]
   outputs = "dq,dk,dv" if args.bwd else "out,lse"
   print(f"{pass_name} alone\n| shape | causal | " + " | ".join(f"{n} ms | TFLOP/s" for n in names)
@@ -338,16 +339,12 @@ def run_kernel_variants(args):
     for causal in args.causal:
       flops = (2.5 if args.bwd else 1.0) * attention_flops(batch, seq, hq, dim, causal)
       kw = dict(causal=causal, scale=dim ** -0.5)
+      args_ = (q, k, v)
       if args.bwd:
         out, lse = jax.jit(lambda q, k, v: flash_attention_gpu.forward(
             q, k, v, None, 0, **kw))(q, k, v)
         args_ = (q, k, v, out, lse, dout)
-        triton = jax.jit(lambda q, k, v, out, lse, dout: flash_attention_gpu.backward(
-            q, k, v, None, 0, out, lse, dout, allow_mosaic=False, **kw))
-      else:
-        args_ = (q, k, v)
-        triton = jax.jit(lambda q, k, v: flash_attention_gpu.forward(
-            q, k, v, None, 0, allow_mosaic=False, **kw))
+      triton = jax.jit(lambda *a: shipped(*a, allow_mosaic=False, **kw))
       fns, diffs = {}, {}
       reference = triton(*args_)
       for name, kernel in contenders.items():

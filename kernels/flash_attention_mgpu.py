@@ -296,10 +296,10 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
   ordered so that its elementwise work runs under its own matmuls: s^T = k q^T and
   dp^T = v dout^T back to back (p^T under dp^T), then dv += p^T dout (ds^T under dv), then
   it publishes its ds^T tile in shared memory and issues dk += ds^T q; the step's dq = ds k
-  over all 128 kv rows is then computed in 64-column tiles shared out between the warpgroups — five matmuls per tile pair, not the split backward's
-  seven — and added to an fp32 dq in global memory with a TMA reduce-add. Causal: a CTA starts
-  at the first q block that can see its keys; only the q blocks over its own rows carry the
-  element mask.
+  over all 128 kv rows is then computed in 64-column tiles shared out between the warpgroups
+  — five matmuls per tile pair, not the split backward's seven — and added to an fp32 dq in
+  global memory with a TMA reduce-add. Causal: a CTA starts at the first q block that can see
+  its keys; only the q blocks over its own rows carry the element mask.
   """
   import jax.experimental.pallas.mosaic_gpu as plgpu  # needs a CUDA build of jaxlib
 
@@ -414,7 +414,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
         def compute_dv_dk_dq(refs):
           dv_ref, dk_ref = refs
           plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
-          # ds^T while the tensor cores run dv; its dq accumulator only once ds^T is done.
+          # ds^T while the tensor cores run dv.
           dst = (pt * (dpt - lax.broadcast_in_dim(delta, (bkv, bq), [1]))).astype(dtype)
           # Publish ds^T before issuing dk: the other warpgroup waits less for it.
           ds_smem.at[ds_slot, wg][...] = dst
