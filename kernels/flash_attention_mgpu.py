@@ -360,6 +360,11 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
 
       def step(s, q_block, q_head, carry, masked):
         dk, dv = carry
+        # K and V are addressed through a zero the compiler cannot see through, so their wgmma
+        # descriptors are rebuilt each step: hoisted out of the loop they outnumbered the free
+        # registers and ptxas spilled them, reloading them every step.
+        zero = lax.optimization_barrier(jnp.int32(0))
+        k_w, v_w = k_smem.at[wg + zero], v_smem.at[wg + zero]
         slot = lax.rem(s, jnp.int32(stages))
         q_s, do_s = q_smem.at[slot], do_smem.at[slot]
         plgpu.barrier_wait(q_bar.at[slot])
@@ -398,7 +403,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
           def compute_dq(dq_acc):
             for h in range(2):
               plgpu.wgmma(dq_acc, plgpu.transpose_ref(ds_smem.at[ds_slot, h], (1, 0)),
-                          k_smem.at[h, :, pl.ds(c * DQ_COLUMNS, DQ_COLUMNS)])
+                          k_smem.at[h + zero, :, pl.ds(c * DQ_COLUMNS, DQ_COLUMNS)])
             return dq_acc[...]
 
           plgpu.barrier_wait(ds_ready.at[ds_slot])
