@@ -15,7 +15,7 @@ prices candidates with it, the boxing pass stores it in the program, lowering ru
 For several axes the order is chosen to keep tensors small while they travel: local slices
 first, then reductions that scatter, all_to_all, all_reduce, all_gather last. A dim split by
 several axes is split in mesh order; a conversion that would break that order gathers the
-minor axes first (correct, if not always cheapest).
+minor axes first (correct, if not always cheapest). Axes of one device change for free.
 """
 from __future__ import annotations
 
@@ -65,12 +65,19 @@ def plan(shape, dtype, src: NdSbp, dst: NdSbp, mesh) -> tuple:
     sizes = axis_sizes(mesh)
     order = {a: i for i, a in enumerate(names)}
     itemsize = as_dtype(dtype).itemsize
-    cur = dict(zip(names, src))
     want = dict(zip(names, dst))
+    # On an axis of one device every SBP is the same local block, so it takes the wanted SBP
+    # first, for free: it can then never force a gather to restore a dim's split order (on
+    # the tensor-parallel mesh {data: 1, model: n}, (S(0), S(2)) -> (S(2), S(2)) gathered the
+    # whole tensor over model).
+    cur = {a: want[a] if sizes[a] == 1 else s for a, s in zip(names, src)}
     steps = []
 
     def now():
         return tuple(cur[a] for a in names)
+
+    if now() == tuple(dst):
+        return ()
 
     def block_bytes():
         return math.prod(_local(shape, now(), names, sizes)) * itemsize

@@ -54,6 +54,30 @@ def test_conversion_bytes_follow_the_table(src, dst, kind, factor):
     assert [s.kind for s in steps if s.is_collective] == ([kind] if kind else [])
 
 
+ONE_BY_EIGHT = sf.make_mesh({"data": 1, "model": 8})
+EIGHT = sf.make_mesh({"model": 8})
+
+
+@settings(max_examples=100, **SETTINGS)
+@given(src=nd_sbp(partial=True), dst=nd_sbp(partial=True), mid=nd_sbp(partial=True))
+@example(src=(S(0), S(1)), dst=(S(1), S(1)), mid=(B, B))  # the logits case
+def test_an_axis_of_one_device_is_free(src, dst, mid):
+    """On a {data: 1, model: 8} mesh a conversion costs what the same model-axis conversion
+    costs on {model: 8}, whatever the data axis's SBP: it never gathers over model to put the
+    data axis into a dim's split order (the tensor-parallel mesh of `shardflow train` once
+    gathered whole logits that way). The value survives such conversions too."""
+    shape = (8, 16)
+    steps = conversion.plan(shape, np.float32, src, dst, ONE_BY_EIGHT)
+    alone = conversion.plan(shape, np.float32, src[1:], dst[1:], EIGHT)
+    assert conversion.total_bytes(steps) == conversion.total_bytes(alone)
+    assert [(s.kind, s.axes) for s in steps] == [(s.kind, s.axes) for s in alone]
+    out_spec = tuple(B if s == P else s for s in dst)  # outputs cannot be partial
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    fn = lambda x: sf.constrain(sf.constrain(sf.constrain(x, src) * 1.5, mid) + 0.0, dst)
+    out = sf.parallelize(fn, mesh=ONE_BY_EIGHT, in_specs=(None,), out_specs=out_spec)(x)
+    np.testing.assert_allclose(np.asarray(out), x * 1.5, rtol=1e-6)
+
+
 # ------------------------------------------------------------------------------ random programs
 
 SHAPES = {"a": (8, 16), "b": (16, 8), "c": (8, 16)}
