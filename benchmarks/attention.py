@@ -399,7 +399,7 @@ def run_profile(args):
   """Where forward+backward spends its device time, kernel by kernel, ours against cuDNN."""
   for batch, seq, hq, hkv, dim in ANCHOR_SHAPES:
     q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim)
-    for causal in (False, True):
+    for causal in args.causal:
       flops = 3.5 * attention_flops(batch, seq, hq, dim, causal)
       print(f"\n{batch},{seq},{hq}/{hkv},{dim} causal={causal}", flush=True)
       for name, fn in implementations(causal, hq // hkv).items():
@@ -468,7 +468,7 @@ def main():
   parser.add_argument("--bwd", action="store_true")
   parser.add_argument("--fwd", action="store_true")
   parser.add_argument("--causal", choices=("both", "yes", "no"), default="both",
-                      help="with --bwd or --fwd: which rows")
+                      help="with --bwd, --fwd or --profile: which rows")
   parser.add_argument("--rounds", type=int, default=ROUNDS,
                       help="with --bwd or --fwd: interleaved timing rounds")
   parser.add_argument("--profile", action="store_true")
