@@ -205,6 +205,11 @@ CHECK_CASES = [
     (1, 256, 256, 2, 2, 128, jnp.bfloat16, True, False, (7, 7)),
     (2, 512, 512, 8, 2, 128, jnp.bfloat16, False, False, (0, 0)),
     (1, 768, 768, 4, 4, 64, jnp.float16, False, False, (0, 0)),
+    # The Mosaic forward's schedules: one CTA per tile (> 32 K/V blocks), causal and not, and
+    # persistent CTAs over an odd number of causal tiles (no pairs).
+    (1, 4608, 4608, 4, 2, 128, jnp.bfloat16, True, False, (0, 0)),
+    (1, 4352, 4352, 2, 2, 64, jnp.float16, False, False, (0, 0)),
+    (1, 384, 384, 3, 3, 64, jnp.bfloat16, True, False, (0, 0)),
 ]
 
 
@@ -334,7 +339,7 @@ def run_kernel_variants(args):
   outputs = "dq,dk,dv" if args.bwd else "out,lse"
   print(f"{pass_name} alone\n| shape | causal | " + " | ".join(f"{n} ms | TFLOP/s" for n in names)
         + f" | max rel diff {outputs} vs triton |\n|---|---|" + "---|---|" * len(names) + "---|")
-  for batch, seq, hq, hkv, dim in ANCHOR_SHAPES:
+  for batch, seq, hq, hkv, dim in args.shapes:
     q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim)
     for causal in args.causal:
       flops = (2.5 if args.bwd else 1.0) * attention_flops(batch, seq, hq, dim, causal)
@@ -397,7 +402,7 @@ def kernel_times(fn, args, *, iters):
 
 def run_profile(args):
   """Where forward+backward spends its device time, kernel by kernel, ours against cuDNN."""
-  for batch, seq, hq, hkv, dim in ANCHOR_SHAPES:
+  for batch, seq, hq, hkv, dim in args.shapes:
     q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim)
     for causal in args.causal:
       flops = 3.5 * attention_flops(batch, seq, hq, dim, causal)
@@ -469,6 +474,8 @@ def main():
   parser.add_argument("--fwd", action="store_true")
   parser.add_argument("--causal", choices=("both", "yes", "no"), default="both",
                       help="with --bwd, --fwd or --profile: which rows")
+  parser.add_argument("--shapes", nargs="*", default=None, metavar="B,S,HQ,HKV,D",
+                      help="with --bwd, --fwd or --profile: these shapes instead of the anchors")
   parser.add_argument("--rounds", type=int, default=ROUNDS,
                       help="with --bwd or --fwd: interleaved timing rounds")
   parser.add_argument("--profile", action="store_true")
@@ -481,6 +488,8 @@ def main():
   parser.add_argument("--iters", type=int, default=20)
   args = parser.parse_args()
   args.causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+  args.shapes = ([tuple(int(n) for n in s.split(",")) for s in args.shapes] if args.shapes
+                 else ANCHOR_SHAPES)
   print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
   failures = 0
   if args.check:

@@ -23,6 +23,7 @@ for CUDA.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,9 @@ from .attention_common import LN_2, LOG2_E
 BLOCK_Q = 64  # rows per compute warpgroup; a CTA covers 2 * BLOCK_Q rows
 BLOCK_KV = 128
 MAX_CONCURRENT_STEPS = 2
+# Forward: tiles of at most this many K/V blocks run on persistent CTAs (measured, H100: 3-10 %
+# faster at 16 and 32 blocks, 4-15 % slower at 128; benchmarks/results/attention.md v10).
+PERSISTENT_MAX_KV_STEPS = 32
 
 
 def supports(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> bool:
@@ -60,8 +64,76 @@ def on_hopper() -> bool:
     return False
 
 
+class ForwardWork(NamedTuple):
+  """Which work tiles (2 * BLOCK_Q query rows of one batch and head) each forward CTA attends.
+
+  With at most PERSISTENT_MAX_KV_STEPS K/V blocks per tile there is one CTA per SM, looping
+  over its tiles, so a tile's start (q load, pipeline fill) and end (output store) overlap its
+  neighbours' steps. Longer tiles get one CTA each: those costs are amortised, and the hardware
+  scheduler balances the CTAs. A (batch, head)'s tiles are contiguous in the work order, so the
+  CTAs running together read few heads' K/V, from L2. Causal tile j has j + 1 steps: the tiles
+  come longest first, and persistent CTAs take them in pairs (q_tiles - 1 - j, j) of
+  q_tiles + 1 steps each, so they stay balanced (with an odd tile count, per tile: balance is
+  lost, not correctness).
+  """
+  batch_size: int
+  heads: int
+  q_tiles: int
+  kv_blocks: int
+  causal: bool
+  persistent: bool
+  tiles_per_unit: int
+  num_ctas: int
+
+  @classmethod
+  def plan(cls, batch_size, heads, q_tiles, kv_blocks, causal, sm_count) -> ForwardWork:
+    num_tiles = batch_size * heads * q_tiles
+    persistent = kv_blocks <= PERSISTENT_MAX_KV_STEPS
+    tiles_per_unit = 2 if persistent and causal and num_tiles % 2 == 0 else 1
+    num_units = num_tiles // tiles_per_unit
+    num_ctas = min(num_units, sm_count) if persistent else num_units
+    return cls(batch_size, heads, q_tiles, kv_blocks, causal, persistent, tiles_per_unit,
+               num_ctas)
+
+  def tiles_of(self, cta):
+    """How many tiles CTA `cta` (an int32 array) attends."""
+    num_units = self.batch_size * self.heads * self.q_tiles // self.tiles_per_unit
+    return (_div(num_units - 1 - cta, self.num_ctas) + 1) * self.tiles_per_unit
+
+  def tile(self, cta, i):
+    """(batch, head, q tile, K/V blocks) of CTA `cta`'s i-th tile (int32 arrays; the block
+    count a Python int when not causal)."""
+    if self.tiles_per_unit == 2:
+      work = 2 * (cta + _div(i, 2) * self.num_ctas) + _mod(i, 2)
+    else:
+      work = cta + i * self.num_ctas
+    group, rank = _div(work, self.q_tiles), _mod(work, self.q_tiles)
+    batch, head = _mod(group, self.batch_size), _div(group, self.batch_size)
+    if not self.causal:
+      return batch, head, rank, self.kv_blocks
+    if self.tiles_per_unit == 2:
+      half, odd = _div(rank, 2), _mod(rank, 2)
+      q_tile = self.q_tiles - 1 - half - odd * (self.q_tiles - 1 - 2 * half)
+    else:
+      q_tile = self.q_tiles - 1 - rank
+    return batch, head, q_tile, q_tile + 1
+
+
+def _mod(x, n):
+  return lax.rem(x, jnp.array(n, x.dtype))
+
+
+def _div(x, n):
+  return lax.div(x, jnp.array(n, x.dtype))
+
+
 def forward(q, k, v, *, causal: bool, scale: float):
-  """Returns (out [B, S, Hq, D] in q's dtype, lse [B, Hq, S] float32, natural log)."""
+  """Returns (out [B, S, Hq, D] in q's dtype, lse [B, Hq, S] float32, natural log).
+
+  Each CTA attends the tiles `ForwardWork` gives it, one after the other: the K/V stream runs
+  on across its tiles, the next tile's q loads during this one and the output store is not
+  waited for.
+  """
   import jax.experimental.pallas.mosaic_gpu as plgpu  # needs a CUDA build of jaxlib
 
   batch_size, q_seq_len, num_q_heads, head_dim = q.shape
@@ -69,191 +141,197 @@ def forward(q, k, v, *, causal: bool, scale: float):
   q_heads_per_kv_head = num_q_heads // num_kv_heads
   dtype = q.dtype
   block_q, block_kv = BLOCK_Q, BLOCK_KV
-  max_concurrent_steps = min(MAX_CONCURRENT_STEPS, kv_seq_len // block_kv)
+  assert 2 * block_q == block_kv  # so both compute warpgroups of a CTA visit the same blocks
+  stages = min(MAX_CONCURRENT_STEPS, kv_seq_len // block_kv)
   logit_scale = scale * LOG2_E  # m_i is kept in this scaled base-2 domain
 
+  work = ForwardWork.plan(batch_size, num_q_heads, q_seq_len // (2 * block_q),
+                         kv_seq_len // block_kv, causal, multiprocessor_count())
+  q_slots = 2 if work.persistent else 1
+
   def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
-    batch = lax.axis_index("batch")
-    q_head = lax.axis_index("heads")
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
     wg_idx = lax.axis_index("wg")
-    qo_smem2, k_smem, v_smem, lse_smem2 = smem_buffers
+    q_smem, k_smem, v_smem, lse_smem2 = smem_buffers
     k_barriers, v_barriers, q_barriers = buffer_barriers
     k_consumed_barriers, v_consumed_barriers = consumed_barriers
+    cta = lax.axis_index("cta")
+    my_tiles = work.tiles_of(cta)
+    zero = cta * 0  # a traced 0: jax 0.11's Mosaic GPU lowering takes no array constants here
 
     def perform_schedule_barrier():
       plgpu.barrier_arrive(schedule_barrier)
       plgpu.barrier_wait(schedule_barrier)
 
-    # Pallas launches the grid's last axis fastest, so a head's CTAs run together; causal CTAs
-    # grow with their q block, so the q axis is walked backwards: longest first, shorter tail.
-    q_cta = lax.axis_index("q_seq")
-    if causal:
-      q_cta = q_seq_len // (2 * block_q) - 1 - q_cta
-      block_q_end = (q_cta + 1) * (2 * block_q)
-      block_max_kv_steps = pl.cdiv(block_q_end, jnp.array(block_kv, jnp.int32))
-    else:
-      block_max_kv_steps = kv_seq_len // block_kv
-
     @pl.when(wg_idx < 2)
     def _compute_wg():
       plgpu.set_max_registers(232, action="increase")
-      qo_smem = qo_smem2.at[wg_idx]
       lse_smem = lse_smem2.at[wg_idx]
-      q_seq_base = q_cta * (2 * block_q) + wg_idx * block_q
 
-      if causal:
-        kv_steps = pl.cdiv(q_seq_base + block_q, jnp.array(block_kv, jnp.int32))
-      else:
-        kv_steps = block_max_kv_steps
+      def load_q(i):
+        """Starts the copy of this warpgroup's q rows of the CTA's i-th tile."""
+        batch, q_head, q_tile, _ = work.tile(cta, i)
+        rows = pl.ds(q_tile * (2 * block_q) + wg_idx * block_q, block_q)
+        q_slot = _mod(i, q_slots)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem.at[q_slot, wg_idx],
+                                q_barriers.at[q_slot * 2 + wg_idx])
 
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_seq_base, block_q), q_head], qo_smem,
-                              q_barriers.at[wg_idx])
-      plgpu.barrier_wait(q_barriers.at[wg_idx])
-
-      m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, dtype=jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
-      l_i = plgpu.layout_cast(jnp.full((block_q,), 0, dtype=jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
-      acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0, dtype=jnp.float32),
-                              plgpu.Layout.WGMMA)
-
-      @pl.when(kv_steps > 0)
-      def _():
-        plgpu.barrier_wait(k_barriers.at[0])
-
+      load_q(zero)
+      plgpu.barrier_wait(k_barriers.at[0])
       pl.when(wg_idx == 1)(perform_schedule_barrier)
 
-      def kv_loop(kv_step, carry, masked: bool = False):
-        acc, m_i, l_i = carry
-        slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+      def tile(i, first_step):
+        batch, q_head, q_tile, kv_steps = work.tile(cta, i)
+        q_seq_base = q_tile * (2 * block_q) + wg_idx * block_q
+        q_slot = _mod(i, q_slots)
+        qo_smem = q_smem.at[q_slot, wg_idx]
+        plgpu.barrier_wait(q_barriers.at[q_slot * 2 + wg_idx])
 
-        def compute_qk(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-          perform_schedule_barrier()
-          return acc_ref[...]
+        m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, dtype=jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((block_q,), 0, dtype=jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0, dtype=jnp.float32),
+                                plgpu.Layout.WGMMA)
 
-        qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-        plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+        def kv_loop(kv_step, carry, masked: bool = False):
+          acc, m_i, l_i = carry
+          step = first_step + kv_step  # in the CTA's K/V stream: slots and barrier phases
+          slot = _mod(step, stages)
 
-        if masked:
-          q_ids = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
-                                         layout=plgpu.Layout.WGMMA)
-          kv_ids = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
-                                          layout=plgpu.Layout.WGMMA)
-          mask = (q_ids + q_seq_base) >= (kv_ids + kv_step * block_kv)
-          qk = jnp.where(mask, qk, -jnp.inf)
+          def compute_qk(acc_ref):
+            plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+            perform_schedule_barrier()
+            return acc_ref[...]
 
-        # m is kept scaled by logit_scale so that p is one FMA and an exp2.
-        m_ij = jnp.maximum(m_i, qk.max(axis=1) * logit_scale)
-        alpha = jnp.exp2(m_i - m_ij)
-        m_i = m_ij
-        p = jnp.exp2(qk * logit_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
-        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i *= alpha
-        p16 = p.astype(dtype)
-
-        def end_softmax_barriers():
-          plgpu.barrier_arrive(schedule_barrier)  # done with softmax
-          plgpu.barrier_wait(v_barriers.at[slot])
-          plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
-
-        # JAX's kernel: this ordering measured fastest for head_dim <= 128.
-        l_i += p.sum(axis=1)
-        acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
-        end_softmax_barriers()
-
-        def compute_pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-          wait_step = kv_step + 1
-          wait_slot = lax.rem(wait_step, jnp.array(max_concurrent_steps, kv_step.dtype))
-
-          @pl.when(wait_step < kv_steps)
-          def _wait():
-            plgpu.barrier_wait(k_barriers.at[wait_slot])
-
-        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_consumed_barriers.at[slot])
-        return acc, m_i, l_i
-
-      if not causal:
-        acc, m_i, l_i = lax.fori_loop(0, block_max_kv_steps, kv_loop, (acc, m_i, l_i))
-      else:
-        def epilogue_kv_loop(kv_step, _):
-          # Consume the pipelined K/V blocks this warpgroup does not need (the other compute
-          # warpgroup of the CTA needs one more block under the causal mask).
-          slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+          qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
           plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+
+          if masked:
+            q_ids = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
+                                           layout=plgpu.Layout.WGMMA)
+            kv_ids = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
+                                            layout=plgpu.Layout.WGMMA)
+            mask = (q_ids + q_seq_base) >= (kv_ids + kv_step * block_kv)
+            qk = jnp.where(mask, qk, -jnp.inf)
+
+          # m is kept scaled by logit_scale so that p is one FMA and an exp2.
+          m_ij = jnp.maximum(m_i, qk.max(axis=1) * logit_scale)
+          alpha = jnp.exp2(m_i - m_ij)
+          m_i = m_ij
+          p = jnp.exp2(qk * logit_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+          acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l_i *= alpha
+          p16 = p.astype(dtype)
+
+          def end_softmax_barriers():
+            plgpu.barrier_arrive(schedule_barrier)  # done with softmax
+            plgpu.barrier_wait(v_barriers.at[slot])
+            plgpu.barrier_wait(schedule_barrier)  # wait until the tensor cores are free
+
+          # JAX's kernel: this ordering measured fastest for head_dim <= 128.
+          l_i += p.sum(axis=1)
+          acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+          end_softmax_barriers()
+
+          def compute_pv(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+            @pl.when((kv_step + 1 < kv_steps) | (i + 1 < my_tiles))
+            def _wait():  # for the next step's K block, while the tensor cores run p v
+              plgpu.barrier_wait(k_barriers.at[_mod(step + 1, stages)])
+
+            if work.persistent:
+              @pl.when(kv_step == 0)
+              def _prefetch():
+                # The previous tile's out and lse stores had a step's time to read shared
+                # memory: the other q slot and lse_smem are free; the next tile's q loads.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                pl.when(i + 1 < my_tiles)(lambda: load_q(i + 1))
+
+          acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
           plgpu.barrier_arrive(v_consumed_barriers.at[slot])
-          perform_schedule_barrier()
-          perform_schedule_barrier()
+          return acc, m_i, l_i
 
-        full_kv_steps = lax.div(q_seq_base, jnp.array(block_kv, jnp.int32))
-        acc, m_i, l_i = lax.fori_loop(0, full_kv_steps, kv_loop, (acc, m_i, l_i))
-        acc, m_i, l_i = lax.fori_loop(full_kv_steps, kv_steps,
-                                      functools.partial(kv_loop, masked=True),
-                                      (acc, m_i, l_i))
-        lax.fori_loop(kv_steps, block_max_kv_steps, epilogue_kv_loop, None)
+        carry = (acc, m_i, l_i)
+        if causal:  # the last block is the diagonal one, the only one masked
+          carry = lax.fori_loop(0, kv_steps - 1, kv_loop, carry)
+          acc, m_i, l_i = kv_loop(kv_steps - 1, carry, masked=True)
+        else:
+          acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_loop, carry)
+
+        acc /= lax.broadcast_in_dim(l_i, (block_q, head_dim), [0])
+        qo_smem[...] = acc.astype(dtype)  # q's slot: this tile's last q k^T has read it
+        # Every row sees at least its own key (causal) or all keys, so l_i > 0.
+        lse_smem[...] = m_i * LN_2 + jnp.log(l_i)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_seq_base, block_q), q_head])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(q_seq_base, block_q)])
+        return first_step + kv_steps
+
+      lax.fori_loop(0, my_tiles, tile, zero)
       pl.when(wg_idx == 0)(perform_schedule_barrier)
-
-      acc /= lax.broadcast_in_dim(l_i, (block_q, head_dim), [0])
-      qo_smem[...] = acc.astype(dtype)
-      # Every row sees at least its own key (causal) or all keys, so l_i > 0.
-      lse_smem[...] = m_i * LN_2 + jnp.log(l_i)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_seq_base, block_q), q_head])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(q_seq_base, block_q)])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg_idx == 2)
     def _memory_wg():
       plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(q_head, jnp.array(q_heads_per_kv_head, q_head.dtype))
-      for i in range(max_concurrent_steps):
-        s = (batch, pl.ds(i * block_kv, block_kv), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[i], k_barriers.at[i])
-        plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[i], v_barriers.at[i])
 
-      @pl.loop(0, block_max_kv_steps - max_concurrent_steps)
-      def _kv_loop(kv_step):
-        tma_step = kv_step + max_concurrent_steps
-        tma_slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
-        s = (batch, pl.ds(tma_step * block_kv, block_kv), kv_head)
-        plgpu.barrier_wait(k_consumed_barriers.at[tma_slot])
-        plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[tma_slot], k_barriers.at[tma_slot])
-        plgpu.barrier_wait(v_consumed_barriers.at[tma_slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[tma_slot], v_barriers.at[tma_slot])
+      def load_tile(i, first_step):
+        batch, q_head, _, kv_steps = work.tile(cta, i)
+        kv_head = lax.div(q_head, jnp.array(q_heads_per_kv_head, q_head.dtype))
+
+        @pl.loop(0, kv_steps)
+        def _load_step(kv_step):
+          step = first_step + kv_step
+          slot = _mod(step, stages)
+          s = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
+          pl.when(step >= stages)(lambda: plgpu.barrier_wait(k_consumed_barriers.at[slot]))
+          plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[slot], k_barriers.at[slot])
+          pl.when(step >= stages)(lambda: plgpu.barrier_wait(v_consumed_barriers.at[slot]))
+          plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[slot], v_barriers.at[slot])
+
+        return first_step + kv_steps
+
+      lax.fori_loop(0, my_tiles, load_tile, zero)
 
   def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
     compute_wgs = 2
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = [
-        plgpu.SMEM((compute_wgs, block_q, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((q_slots, compute_wgs, block_q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((compute_wgs, block_q), jnp.float32),
     ]
     pl.run_scoped(
         lambda *args: kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, args),
         scratch,
-        (plgpu.Barrier(num_barriers=max_concurrent_steps),
-         plgpu.Barrier(num_barriers=max_concurrent_steps),
-         plgpu.Barrier(num_barriers=compute_wgs)),
-        (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2,
+        (plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_barriers=q_slots * compute_wgs)),
+        (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),
         collective_axes="wg",
     )
 
-  out, lse = plgpu.kernel(
+  out, lse = pl.kernel(
       entry,
       out_type=[q, jax.ShapeDtypeStruct((batch_size, num_q_heads, q_seq_len), jnp.float32)],
-      grid=(num_q_heads, q_seq_len // (2 * block_q), batch_size),
-      grid_names=("heads", "q_seq", "batch"),
-      num_threads=3,
-      thread_name="wg",
+      mesh=plgpu.Mesh(grid=(work.num_ctas,), grid_names=("cta",), num_threads=3,
+                      thread_name="wg"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
+      name="sf_flash_attention_fwd_mgpu",
   )(q, k, v)
   return out, lse
+
+
+def multiprocessor_count() -> int:
+  """SMs of the GPU (132 on H100 and H200 SXM): the persistent forward's CTA count."""
+  try:
+    return getattr(jax.devices()[0], "core_count", None) or 132
+  except RuntimeError:
+    return 132
 
 
 # ------------------------------------------------------------------------------------------

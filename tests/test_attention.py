@@ -349,18 +349,43 @@ def test_gpu_kernels(causal, seq):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("group", [1, 4])
-def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, group):
+@pytest.mark.parametrize("seq", [512, 4352])  # the forward's persistent CTAs, and one per tile
+def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, group, seq):
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   from shardflow.kernels import flash_attention_mgpu
-  q = jax.ShapeDtypeStruct((2, 512, 4 * group, head_dim), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
-  lse = jax.ShapeDtypeStruct((2, 4 * group, 512), jnp.float32)
+  q = jax.ShapeDtypeStruct((2, seq, 4 * group, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, seq, 4, head_dim), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((2, 4 * group, seq), jnp.float32)
   kw = dict(causal=causal, scale=head_dim ** -0.5)
   for fn, args in ((functools.partial(flash_attention_mgpu.forward, **kw), (q, kv, kv)),
                    (functools.partial(flash_attention_mgpu.backward, **kw),
                     (q, kv, kv, q, lse, q))):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch,heads,q_tiles,kv_blocks", [
+    (4, 16, 32, 32), (1, 16, 128, 128), (8, 32, 16, 16), (3, 3, 3, 3), (1, 1, 5, 5),
+    (2, 1, 1, 1), (1, 2, 40, 33)])
+def test_forward_work_covers_every_tile_once(batch, heads, q_tiles, kv_blocks, causal):
+  """The Mosaic forward's CTAs attend every (batch, head, q tile) exactly once, with its K/V
+  block count; persistent CTAs (short tiles) are at most one per SM and, causal, balanced."""
+  from shardflow.kernels.flash_attention_mgpu import ForwardWork
+  work = ForwardWork.plan(batch, heads, q_tiles, kv_blocks, causal, sm_count=132)
+  ctas = jnp.arange(work.num_ctas, dtype=jnp.int32)
+  counts = np.asarray(work.tiles_of(ctas))
+  cta, i = np.nonzero(np.arange(counts.max())[None, :] < counts[:, None])
+  b, h, t, steps = (np.broadcast_to(np.asarray(x), cta.shape)
+                    for x in work.tile(jnp.asarray(cta, jnp.int32), jnp.asarray(i, jnp.int32)))
+  assert sorted(zip(b, h, t)) == [(x, y, z) for x in range(batch) for y in range(heads)
+                                  for z in range(q_tiles)]
+  np.testing.assert_array_equal(steps, t + 1 if causal else kv_blocks)
+  assert work.persistent == (kv_blocks <= 32)
+  assert work.num_ctas <= 132 if work.persistent else work.num_ctas == len(t)
+  if work.persistent and causal and len(t) % 2 == 0:  # pairs of q_tiles + 1 steps
+    load = np.bincount(cta, weights=steps)
+    assert load.max() - load.min() <= q_tiles + 1
 
 
 @pytest.mark.parametrize("causal,segments", [(False, False), (True, False), (True, True)])
