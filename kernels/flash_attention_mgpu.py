@@ -36,9 +36,6 @@ from .attention_common import LN_2, LOG2_E
 BLOCK_Q = 64  # rows per compute warpgroup; a CTA covers 2 * BLOCK_Q rows
 BLOCK_KV = 128
 MAX_CONCURRENT_STEPS = 2
-# Forward: tiles of at most this many K/V blocks run on persistent CTAs (measured, H100: 3-10 %
-# faster at 16 and 32 blocks, 4-15 % slower at 128; benchmarks/results/attention.md v10).
-PERSISTENT_MAX_KV_STEPS = 32
 
 
 def supports(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> bool:
@@ -67,33 +64,27 @@ def on_hopper() -> bool:
 class ForwardWork(NamedTuple):
   """Which work tiles (2 * BLOCK_Q query rows of one batch and head) each forward CTA attends.
 
-  With at most PERSISTENT_MAX_KV_STEPS K/V blocks per tile there is one CTA per SM, looping
-  over its tiles, so a tile's start (q load, pipeline fill) and end (output store) overlap its
-  neighbours' steps. Longer tiles get one CTA each: those costs are amortised, and the hardware
-  scheduler balances the CTAs. A (batch, head)'s tiles are contiguous in the work order, so the
-  CTAs running together read few heads' K/V, from L2. Causal tile j has j + 1 steps: the tiles
-  come longest first, and persistent CTAs take them in pairs (q_tiles - 1 - j, j) of
-  q_tiles + 1 steps each, so they stay balanced (with an odd tile count, per tile: balance is
-  lost, not correctness).
+  One CTA per SM, looping over its tiles, so that a tile's start (q load, pipeline fill) and
+  end (output store) overlap its neighbours' steps. A (batch, head)'s tiles are contiguous in
+  the work order, so the CTAs running together read few heads' K/V, from L2. Causal tile j has
+  j + 1 steps: a CTA takes tiles in pairs (q_tiles - 1 - j, j) of q_tiles + 1 steps each, so
+  the CTAs stay balanced (with an odd tile count, one by one, longest first: balance is lost,
+  not correctness).
   """
   batch_size: int
   heads: int
   q_tiles: int
   kv_blocks: int
   causal: bool
-  persistent: bool
   tiles_per_unit: int
   num_ctas: int
 
   @classmethod
   def plan(cls, batch_size, heads, q_tiles, kv_blocks, causal, sm_count) -> ForwardWork:
     num_tiles = batch_size * heads * q_tiles
-    persistent = kv_blocks <= PERSISTENT_MAX_KV_STEPS
-    tiles_per_unit = 2 if persistent and causal and num_tiles % 2 == 0 else 1
-    num_units = num_tiles // tiles_per_unit
-    num_ctas = min(num_units, sm_count) if persistent else num_units
-    return cls(batch_size, heads, q_tiles, kv_blocks, causal, persistent, tiles_per_unit,
-               num_ctas)
+    tiles_per_unit = 2 if causal and num_tiles % 2 == 0 else 1
+    num_ctas = min(num_tiles // tiles_per_unit, sm_count)
+    return cls(batch_size, heads, q_tiles, kv_blocks, causal, tiles_per_unit, num_ctas)
 
   def tiles_of(self, cta):
     """How many tiles CTA `cta` (an int32 array) attends."""
@@ -147,7 +138,6 @@ def forward(q, k, v, *, causal: bool, scale: float):
 
   work = ForwardWork.plan(batch_size, num_q_heads, q_seq_len // (2 * block_q),
                          kv_seq_len // block_kv, causal, multiprocessor_count())
-  q_slots = 2 if work.persistent else 1
 
   def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
@@ -172,7 +162,7 @@ def forward(q, k, v, *, causal: bool, scale: float):
         """Starts the copy of this warpgroup's q rows of the CTA's i-th tile."""
         batch, q_head, q_tile, _ = work.tile(cta, i)
         rows = pl.ds(q_tile * (2 * block_q) + wg_idx * block_q, block_q)
-        q_slot = _mod(i, q_slots)
+        q_slot = _mod(i, 2)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem.at[q_slot, wg_idx],
                                 q_barriers.at[q_slot * 2 + wg_idx])
 
@@ -183,7 +173,7 @@ def forward(q, k, v, *, causal: bool, scale: float):
       def tile(i, first_step):
         batch, q_head, q_tile, kv_steps = work.tile(cta, i)
         q_seq_base = q_tile * (2 * block_q) + wg_idx * block_q
-        q_slot = _mod(i, q_slots)
+        q_slot = _mod(i, 2)
         qo_smem = q_smem.at[q_slot, wg_idx]
         plgpu.barrier_wait(q_barriers.at[q_slot * 2 + wg_idx])
 
@@ -241,13 +231,12 @@ def forward(q, k, v, *, causal: bool, scale: float):
             def _wait():  # for the next step's K block, while the tensor cores run p v
               plgpu.barrier_wait(k_barriers.at[_mod(step + 1, stages)])
 
-            if work.persistent:
-              @pl.when(kv_step == 0)
-              def _prefetch():
-                # The previous tile's out and lse stores had a step's time to read shared
-                # memory: the other q slot and lse_smem are free; the next tile's q loads.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                pl.when(i + 1 < my_tiles)(lambda: load_q(i + 1))
+            @pl.when(kv_step == 0)
+            def _prefetch():
+              # The previous tile's out and lse stores had a step's time to read shared
+              # memory: the other q slot and lse_smem are free; the next tile's q loads.
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              pl.when(i + 1 < my_tiles)(lambda: load_q(i + 1))
 
           acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
           plgpu.barrier_arrive(v_consumed_barriers.at[slot])
@@ -299,7 +288,7 @@ def forward(q, k, v, *, causal: bool, scale: float):
     compute_wgs = 2
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = [
-        plgpu.SMEM((q_slots, compute_wgs, block_q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((2, compute_wgs, block_q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((compute_wgs, block_q), jnp.float32),
@@ -309,7 +298,7 @@ def forward(q, k, v, *, causal: bool, scale: float):
         scratch,
         (plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=stages),
-         plgpu.Barrier(num_barriers=q_slots * compute_wgs)),
+         plgpu.Barrier(num_barriers=2 * compute_wgs)),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),
         collective_axes="wg",

@@ -349,7 +349,7 @@ def test_gpu_kernels(causal, seq):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("seq", [512, 4352])  # the forward's persistent CTAs, and one per tile
+@pytest.mark.parametrize("seq", [512, 4352])
 def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, group, seq):
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   from shardflow.kernels import flash_attention_mgpu
@@ -369,8 +369,8 @@ def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, group, seq):
     (4, 16, 32, 32), (1, 16, 128, 128), (8, 32, 16, 16), (3, 3, 3, 3), (1, 1, 5, 5),
     (2, 1, 1, 1), (1, 2, 40, 33)])
 def test_forward_work_covers_every_tile_once(batch, heads, q_tiles, kv_blocks, causal):
-  """The Mosaic forward's CTAs attend every (batch, head, q tile) exactly once, with its K/V
-  block count; persistent CTAs (short tiles) are at most one per SM and, causal, balanced."""
+  """The Mosaic forward's CTAs (at most one per SM) attend every (batch, head, q tile) exactly
+  once, with its K/V block count; causal, they are balanced."""
   from shardflow.kernels.flash_attention_mgpu import ForwardWork
   work = ForwardWork.plan(batch, heads, q_tiles, kv_blocks, causal, sm_count=132)
   ctas = jnp.arange(work.num_ctas, dtype=jnp.int32)
@@ -381,9 +381,8 @@ def test_forward_work_covers_every_tile_once(batch, heads, q_tiles, kv_blocks, c
   assert sorted(zip(b, h, t)) == [(x, y, z) for x in range(batch) for y in range(heads)
                                   for z in range(q_tiles)]
   np.testing.assert_array_equal(steps, t + 1 if causal else kv_blocks)
-  assert work.persistent == (kv_blocks <= 32)
-  assert work.num_ctas <= 132 if work.persistent else work.num_ctas == len(t)
-  if work.persistent and causal and len(t) % 2 == 0:  # pairs of q_tiles + 1 steps
+  assert work.num_ctas == min(132, len(t) // work.tiles_per_unit)
+  if causal and len(t) % 2 == 0:  # pairs of q_tiles + 1 steps
     load = np.bincount(cta, weights=steps)
     assert load.max() - load.min() <= q_tiles + 1
 
