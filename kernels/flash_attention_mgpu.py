@@ -6,10 +6,10 @@ GPU lowering.
 `forward` is the fast path of `flash_attention_gpu.forward`. Each CTA has three warpgroups: two
 compute warpgroups, each owning 64 query rows (wgmma into register accumulators, with a schedule
 barrier that lets one warpgroup's softmax overlap the other's matmuls), and one memory
-warpgroup that streams K/V blocks through shared memory with TMA, `max_concurrent_steps` deep.
-Changes from JAX's kernel: the logit scale (JAX's applies none), shared-memory buffers in the
-input dtype (JAX's are float16 only, so bfloat16 failed), lse in natural log, and a `supports`
-predicate; the pipeline itself is JAX's.
+warpgroup that streams K/V blocks through shared memory with TMA, `MAX_CONCURRENT_STEPS` deep.
+The step pipeline is JAX's; ours: the CTAs are persistent (`ForwardWork`), the logit scale
+(JAX's applies none), shared-memory buffers in the input dtype (JAX's are float16 only, so
+bfloat16 failed), lse in natural log, and a `supports` predicate.
 
 `backward` is ours (JAX's Mosaic backward is two kernels, non-causal and float16 only): the
 fast path of `flash_attention_gpu.backward`, one kernel, see its docstring.
