@@ -4,8 +4,12 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
 
-jax.config.update("jax_enable_x64", False)
+def pytest_configure(config):
+  # JAX reads JAX_PLATFORMS when it is imported, so this runs before anything imports it: the
+  # suite runs on the simulated CPU devices, except a `-m gpu` run, which needs the GPU.
+  if "gpu" not in (config.option.markexpr or ""):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jax
+  jax.config.update("jax_enable_x64", False)
