@@ -268,7 +268,7 @@ def forward(q, k, v, *, causal: bool, scale: float):
 
       def load_tile(i, first_step):
         batch, q_head, _, kv_steps = work.tile(cta, i)
-        kv_head = lax.div(q_head, jnp.array(q_heads_per_kv_head, q_head.dtype))
+        kv_head = _div(q_head, q_heads_per_kv_head)
 
         @pl.loop(0, kv_steps)
         def _load_step(kv_step):
