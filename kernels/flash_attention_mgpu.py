@@ -342,30 +342,47 @@ def supports_backward(q, k, segment_ids, offset_delta, *, causal: bool, scale: f
           and k.shape[1] % (2 * BWD_BLOCK_KV) == 0)
 
 
-def backward_launch_order(heads, kv_blocks, batch, *, long_ctas: bool):
-  """The grid; Pallas launches its last axis fastest. CTAs of one kv head run together so that
-  the q, dout and dq rows they stream stay in L2 (kv blocks outermost measured 14-27 % slower
-  on the non-GQA rows). Causal GQA CTAs are long (the group's heads, and the first kv blocks
-  see every q block) and of unequal length, so there the kv blocks go outermost: the longest
-  CTAs start first instead of the last head's ending the kernel (3-6 % on 2,4096,32/8,128)."""
-  if long_ctas:
-    return dict(grid=(kv_blocks, heads, batch), grid_names=("kv_seq", "heads", "batch"))
-  return dict(grid=(heads, kv_blocks, batch), grid_names=("heads", "kv_seq", "batch"))
+def backward_grid(batch, kv_len, heads_q, heads_kv, head_dim, *, causal: bool, sm_count: int):
+  """(per_q_head, the plgpu.Mesh grid arguments) of the backward: a CTA per (head, 2 *
+  BWD_BLOCK_KV kv rows, batch).
+
+  A head is a kv head, whose CTA streams the q blocks of every q head of its group, so that GQA
+  never re-reads K/V or writes per-q-head dk/dv; or, per_q_head, one q head, whose CTA adds its
+  dk, dv into float32 sums shared by the group. Per q head where per kv head would leave fewer
+  than two CTAs per SM — group-times longer CTAs, and causal ones of unequal length, leave SMs
+  idle (4,2048,16/2 causal: 0.73 -> 0.49 ms at head_dim 128, 0.37 -> 0.26 at 64) — and for
+  causal GQA at head_dim 128, whose group-long CTAs stream group-times the q, dout and dq rows
+  and miss L2 (2,4096,32/8 causal 1.70 -> 1.54 ms); at head_dim 64 there per kv head measured
+  faster (0.72 vs 0.79 ms).
+
+  Pallas launches the last grid axis fastest. CTAs of one head run together, so that the q, dout
+  and dq rows they stream stay in L2 (kv blocks outermost measured 14-27 % slower on the
+  non-GQA rows); but causal per-kv-head CTAs are long and unequal, so there the kv blocks go
+  outermost: the longest start first instead of the last head's ending the kernel (3-6 % on
+  2,4096,32/8,128 causal when that ran per kv head)."""
+  group = heads_q // heads_kv
+  kv_blocks = kv_len // (2 * BWD_BLOCK_KV)
+  few_ctas = batch * heads_kv * kv_blocks < 2 * sm_count
+  per_q_head = group > 1 and (few_ctas or (causal and head_dim == 128))
+  heads = heads_q if per_q_head else heads_kv
+  if causal and group > 1 and not per_q_head:
+    return per_q_head, dict(grid=(kv_blocks, heads, batch), grid_names=("kv_seq", "heads", "batch"))
+  return per_q_head, dict(grid=(heads, kv_blocks, batch), grid_names=("heads", "kv_seq", "batch"))
 
 
 def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
   """FlashAttention-2/3-style fused backward: returns (dq, dk, dv) in q's dtype.
 
-  One CTA per (kv head, 128 kv rows, batch): two compute warpgroups own 64 kv rows each and
-  keep their dk, dv in registers; a memory warpgroup streams (q, dout, lse, delta) blocks of
-  BWD_BLOCK_Q rows for every q head of the kv head's group (GQA never repeats K/V or writes
-  per-q-head dk/dv). Per step each compute warpgroup runs four wgmmas in transposed form,
+  One CTA per (head, 128 kv rows, batch), a head being a kv head or a q head (`backward_grid`):
+  two compute warpgroups own 64 kv rows each and keep their dk, dv in registers; a memory
+  warpgroup streams (q, dout, lse, delta) blocks of BWD_BLOCK_Q rows for the CTA's q heads. Per
+  step each compute warpgroup runs four wgmmas in transposed form,
   ordered so that its elementwise work runs under its own matmuls: s^T = k q^T and
   dp^T = v dout^T back to back (p^T under dp^T), then dv += p^T dout (ds^T under dv), then
   it publishes its ds^T tile in shared memory and issues dk += ds^T q; the step's dq = ds k
   over all 128 kv rows is then computed in 64-column tiles shared out between the warpgroups
   — five matmuls per tile pair, not the split backward's seven — and added to an fp32 dq in
-  global memory with a TMA reduce-add. Causal: a CTA starts at the first q block that can see
+  global memory with a TMA reduce-add; per-q-head CTAs add their dk, dv likewise at the end. Causal: a CTA starts at the first q block that can see
   its keys; only the q blocks over its own rows carry the element mask.
   """
   import jax.experimental.pallas.mosaic_gpu as plgpu  # needs a CUDA build of jaxlib
@@ -381,6 +398,11 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
   delta = common.softmax_delta(out, dout, dlse)
   lse2 = lse * LOG2_E
   dq_accumulator = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+  per_q_head, grid = backward_grid(batch_size, kv_len, heads_q, heads_kv, head_dim,
+                                   causal=causal, sm_count=multiprocessor_count())
+  members = 1 if per_q_head else group  # q heads per CTA
+  dkv_sums = (tuple(jax.new_ref(jnp.zeros(k.shape, jnp.float32)) for _ in "kv")
+              if per_q_head else ())
 
   def acc_zeros(shape):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
@@ -391,7 +413,9 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
     (k_bar, v_bar, q_bar, do_bar, lse_bar, delta_bar, consumed, ds_ready,
      cta_sync) = barriers
     b = lax.axis_index("batch")
-    kv_head = lax.axis_index("heads")
+    cta_head = lax.axis_index("heads")
+    kv_head = lax.div(cta_head, jnp.int32(group)) if per_q_head else cta_head
+    first_q_head = cta_head if per_q_head else kv_head * group
     wg = lax.axis_index("wg")
     kv_start = lax.axis_index("kv_seq") * (2 * bkv)
     first_q_block = lax.div(kv_start, jnp.int32(bq)) if causal else jnp.int32(0)
@@ -404,14 +428,14 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
       only ones with keys above the diagonal — then every head's unmasked ones."""
       def run(start, blocks, first_block, masked, carry):
         def one(i, carry):
-          member, j = (0, i) if group == 1 else (lax.div(i, blocks), lax.rem(i, blocks))
-          return body(start + i, first_block + j, kv_head * group + member, carry, masked)
-        return lax.fori_loop(0, group * blocks, one, carry)
+          member, j = (0, i) if members == 1 else (lax.div(i, blocks), lax.rem(i, blocks))
+          return body(start + i, first_block + j, first_q_head + member, carry, masked)
+        return lax.fori_loop(0, members * blocks, one, carry)
       if not causal:
         return run(0, num_q_blocks, 0, False, carry)
       masked_blocks = 2 * bkv // bq
       carry = run(0, masked_blocks, first_q_block, True, carry)
-      return run(group * masked_blocks, steps_per_head - masked_blocks,
+      return run(members * masked_blocks, steps_per_head - masked_blocks,
                  first_q_block + masked_blocks, False, carry)
 
     @pl.when(wg < 2)
@@ -501,6 +525,19 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
         return dk, dv
 
       dk, dv = for_each_step(step, (acc_zeros((bkv, head_dim)), acc_zeros((bkv, head_dim))))
+      if per_q_head:  # into the group's float32 sums, through this warpgroup's dq tile
+        for total, sum_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
+          for c in range(column_tiles):
+            columns = slice(c * DQ_COLUMNS, (c + 1) * DQ_COLUMNS)
+            staging = dq_smem.at[wg, pl.ds(0, bkv)]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            staging[...] = total[:, columns]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                staging, sum_ref.at[(*kv_slice, pl.ds(columns.start, DQ_COLUMNS))],
+                reduction_op="add")
+        plgpu.wait_smem_to_gmem(0)
+        return
       # The other warpgroup's last dq may still read this warpgroup's K tile.
       plgpu.barrier_arrive(cta_sync)
       plgpu.barrier_wait(cta_sync)
@@ -561,14 +598,13 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
         *smem, *barriers, collective_axes="wg")
 
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-  dk, dv = pl.kernel(
+  dkv = pl.kernel(
       entry,
-      out_type=(kv_type, kv_type),
-      mesh=plgpu.Mesh(**backward_launch_order(heads_kv, kv_len // (2 * bkv), batch_size,
-                                              long_ctas=causal and group > 1),
-                      num_threads=3, thread_name="wg"),
+      out_type=() if per_q_head else (kv_type, kv_type),
+      mesh=plgpu.Mesh(**grid, num_threads=3, thread_name="wg"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       name="sf_flash_attention_bwd_mgpu",
-  )(q, k, v, dout, lse2, delta, dq_accumulator)
+  )(q, k, v, dout, lse2, delta, dq_accumulator, *dkv_sums)
+  dk, dv = (total[...].astype(dtype) for total in dkv_sums) if per_q_head else dkv
   dq = (dq_accumulator[...] * scale).astype(dtype)
   return dq, dk, dv

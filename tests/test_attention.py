@@ -349,19 +349,41 @@ def test_gpu_kernels(causal, seq):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("seq", [512, 4352])
-def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, group, seq):
+@pytest.mark.parametrize("batch,seq", [(2, 512), (2, 4352), (8, 4352)])  # GQA per q / kv head
+def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, group, batch, seq):
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   from shardflow.kernels import flash_attention_mgpu
-  q = jax.ShapeDtypeStruct((2, seq, 4 * group, head_dim), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, seq, 4, head_dim), jnp.bfloat16)
-  lse = jax.ShapeDtypeStruct((2, 4 * group, seq), jnp.float32)
+  q = jax.ShapeDtypeStruct((batch, seq, 4 * group, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((batch, seq, 4, head_dim), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((batch, 4 * group, seq), jnp.float32)
   kw = dict(causal=causal, scale=head_dim ** -0.5)
   for fn, args in ((functools.partial(flash_attention_mgpu.forward, **kw), (q, kv, kv)),
                    (functools.partial(flash_attention_mgpu.backward, **kw),
                     (q, kv, kv, q, lse, q))):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch,seq,heads_q,heads_kv", [
+    (4, 4096, 16, 16), (2, 4096, 32, 8), (4, 2048, 16, 2), (8, 4096, 32, 8), (1, 384, 6, 3)])
+def test_backward_grid_covers_every_kv_block_once(batch, seq, heads_q, heads_kv, head_dim,
+                                                  causal):
+  """The Mosaic backward's grid has one CTA per (head, kv block, batch), a head being a q head
+  exactly when GQA would otherwise leave SMs idle (fewer than two CTAs per SM) or the CTAs are
+  causal at head_dim 128; never for MHA, whose dk, dv need no float32 sums."""
+  from shardflow.kernels.flash_attention_mgpu import BWD_BLOCK_KV, backward_grid
+  per_q_head, grid = backward_grid(batch, seq, heads_q, heads_kv, head_dim, causal=causal,
+                                   sm_count=132)
+  kv_blocks = seq // (2 * BWD_BLOCK_KV)
+  sizes = dict(zip(grid["grid_names"], grid["grid"]))
+  assert sizes == dict(heads=heads_q if per_q_head else heads_kv, kv_seq=kv_blocks, batch=batch)
+  group = heads_q // heads_kv
+  idle = batch * heads_kv * kv_blocks < 2 * 132
+  assert per_q_head == (group > 1 and (idle or (causal and head_dim == 128)))
+  long_first = causal and group > 1 and not per_q_head
+  assert grid["grid_names"][0] == ("kv_seq" if long_first else "heads")
 
 
 @pytest.mark.parametrize("causal", [False, True])
