@@ -364,8 +364,9 @@ def backward_grid(batch, kv_len, heads_q, heads_kv, head_dim, *, causal: bool, s
   few_ctas = batch * heads_kv * kv_blocks < 2 * sm_count
   per_q_head = group > 1 and (few_ctas or (causal and head_dim == 128))
   heads = heads_q if per_q_head else heads_kv
-  if causal and group > 1 and not per_q_head:
-    return per_q_head, dict(grid=(kv_blocks, heads, batch), grid_names=("kv_seq", "heads", "batch"))
+  if causal and group > 1 and not per_q_head:  # longest first
+    return per_q_head, dict(grid=(kv_blocks, heads, batch),
+                            grid_names=("kv_seq", "heads", "batch"))
   return per_q_head, dict(grid=(heads, kv_blocks, batch), grid_names=("heads", "kv_seq", "batch"))
 
 
@@ -374,15 +375,16 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
 
   One CTA per (head, 128 kv rows, batch), a head being a kv head or a q head (`backward_grid`):
   two compute warpgroups own 64 kv rows each and keep their dk, dv in registers; a memory
-  warpgroup streams (q, dout, lse, delta) blocks of BWD_BLOCK_Q rows for the CTA's q heads. Per
-  step each compute warpgroup runs four wgmmas in transposed form,
-  ordered so that its elementwise work runs under its own matmuls: s^T = k q^T and
-  dp^T = v dout^T back to back (p^T under dp^T), then dv += p^T dout (ds^T under dv), then
-  it publishes its ds^T tile in shared memory and issues dk += ds^T q; the step's dq = ds k
-  over all 128 kv rows is then computed in 64-column tiles shared out between the warpgroups
-  — five matmuls per tile pair, not the split backward's seven — and added to an fp32 dq in
-  global memory with a TMA reduce-add; per-q-head CTAs add their dk, dv likewise at the end. Causal: a CTA starts at the first q block that can see
-  its keys; only the q blocks over its own rows carry the element mask.
+  warpgroup streams (q, dout, lse, delta) blocks of BWD_BLOCK_Q rows for the CTA's q heads.
+  Per step each compute warpgroup runs four wgmmas in transposed form, ordered so that its
+  elementwise work runs under its own matmuls: s^T = k q^T and dp^T = v dout^T back to back
+  (p^T under dp^T), then dv += p^T dout (ds^T under dv), then it publishes its ds^T tile in
+  shared memory and issues dk += ds^T q; the step's dq = ds k over all 128 kv rows is then
+  computed in 64-column tiles shared out between the warpgroups — five matmuls per tile pair,
+  not the split backward's seven — and added to an fp32 dq in global memory with a TMA
+  reduce-add (per-q-head CTAs add their dk, dv so at the end). Causal: a CTA starts at the
+  first q block that can see its keys; only the q blocks over its own rows carry the element
+  mask.
   """
   import jax.experimental.pallas.mosaic_gpu as plgpu  # needs a CUDA build of jaxlib
 
