@@ -364,25 +364,38 @@ def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, group, batch, seq):
     assert "mosaic_gpu" in text
 
 
+# (batch, seq, heads_q, heads_kv) -> per q head for (non-causal, causal) x (head_dim 64, 128).
+BACKWARD_PER_Q_HEAD = {
+    (4, 4096, 16, 16): {(False, 64): False, (False, 128): False, (True, 64): False,
+                        (True, 128): False},  # MHA: never
+    (2, 4096, 32, 8): {(False, 64): False, (False, 128): False, (True, 64): False,
+                       (True, 128): True},  # the anchor: L2 at head_dim 128 only (measured)
+    (8, 4096, 32, 8): {(False, 64): False, (False, 128): False, (True, 64): False,
+                       (True, 128): True},
+    (4, 2048, 16, 2): dict.fromkeys([(False, 64), (False, 128), (True, 64), (True, 128)],
+                                    True),  # 128 CTAs per kv head: SMs idle
+    (1, 4096, 24, 6): dict.fromkeys([(False, 64), (False, 128), (True, 64), (True, 128)],
+                                    True),  # 192 CTAs: 1.5 waves
+    (1, 384, 6, 3): dict.fromkeys([(False, 64), (False, 128), (True, 64), (True, 128)], True),
+}
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("batch,seq,heads_q,heads_kv", [
-    (4, 4096, 16, 16), (2, 4096, 32, 8), (4, 2048, 16, 2), (8, 4096, 32, 8), (1, 384, 6, 3)])
-def test_backward_grid_covers_every_kv_block_once(batch, seq, heads_q, heads_kv, head_dim,
-                                                  causal):
-  """The Mosaic backward's grid has one CTA per (head, kv block, batch), a head being a q head
-  exactly when GQA would otherwise leave SMs idle (fewer than two CTAs per SM) or the CTAs are
-  causal at head_dim 128; never for MHA, whose dk, dv need no float32 sums."""
+@pytest.mark.parametrize("shape", list(BACKWARD_PER_Q_HEAD))
+def test_backward_grid(shape, head_dim, causal):
+  """The Mosaic backward's grid: one CTA per (head, kv block, batch), a head being a q head for
+  causal GQA at head_dim 128 and wherever per kv head would leave SMs idle (< 2 CTAs per SM);
+  causal per-kv-head GQA launches its long CTAs first, everything else keeps a head together."""
   from shardflow.kernels.flash_attention_mgpu import BWD_BLOCK_KV, backward_grid
+  batch, seq, heads_q, heads_kv = shape
   per_q_head, grid = backward_grid(batch, seq, heads_q, heads_kv, head_dim, causal=causal,
                                    sm_count=132)
-  kv_blocks = seq // (2 * BWD_BLOCK_KV)
+  assert per_q_head == BACKWARD_PER_Q_HEAD[shape][causal, head_dim]
   sizes = dict(zip(grid["grid_names"], grid["grid"]))
-  assert sizes == dict(heads=heads_q if per_q_head else heads_kv, kv_seq=kv_blocks, batch=batch)
-  group = heads_q // heads_kv
-  idle = batch * heads_kv * kv_blocks < 2 * 132
-  assert per_q_head == (group > 1 and (idle or (causal and head_dim == 128)))
-  long_first = causal and group > 1 and not per_q_head
+  assert sizes == dict(heads=heads_q if per_q_head else heads_kv,
+                       kv_seq=seq // (2 * BWD_BLOCK_KV), batch=batch)
+  long_first = causal and heads_q > heads_kv and not per_q_head
   assert grid["grid_names"][0] == ("kv_seq" if long_first else "heads")
 
 
