@@ -146,9 +146,9 @@ def fwd_and_fwd_bwd(fn):
 
 def run_table(args):
   rows = []
-  for batch, seq, heads_q, heads_kv, head_dim in ANCHOR_SHAPES:
+  for batch, seq, heads_q, heads_kv, head_dim in args.shapes:
     q, k, v, dout = random_inputs(batch, seq, heads_q, heads_kv, head_dim)
-    for causal in (False, True):
+    for causal in args.causal:
       flops = attention_flops(batch, seq, heads_q, head_dim, causal)
       row = {"shape": f"{batch},{seq},{heads_q}/{heads_kv},{head_dim}", "causal": causal}
       # Contenders are timed in interleaved rounds so that drifting clocks hit all of them.
@@ -511,17 +511,18 @@ def main():
   parser.add_argument("--bwd", action="store_true")
   parser.add_argument("--fwd", action="store_true")
   parser.add_argument("--causal", choices=("both", "yes", "no"), default="both",
-                      help="with --bwd, --fwd or --profile: which rows")
+                      help="with the table, --bwd, --fwd or --profile: which rows")
   parser.add_argument("--shapes", nargs="*", default=None, metavar="B,S,HQ,HKV,D",
-                      help="with --bwd, --fwd or --profile: these shapes instead of the anchors")
+                      help="with the table, --bwd, --fwd or --profile: these shapes instead of "
+                           "the anchors")
   parser.add_argument("--rounds", type=int, default=ROUNDS,
                       help="with --bwd or --fwd: interleaved timing rounds")
   parser.add_argument("--profile", action="store_true")
   parser.add_argument("--variants", nargs="*", default=[], metavar="NAME=FILE",
                       help="with --bwd or --fwd: time these source variants of a kernels/ "
                            "module's `backward` or `forward` (e.g. edited copies of "
-                           "flash_attention_mgpu.py); the first listed has measured ~7 %% "
-                           "faster at 1,16384 whatever its code: compare in two orders")
+                           "flash_attention_mgpu.py); judge by device ms: wall ms has "
+                           "favoured the first listed by up to 7 %% whatever its code")
   parser.add_argument("--table", action="store_true", help="the benchmark table (default)")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--iters", type=int, default=20)

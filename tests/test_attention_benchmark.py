@@ -60,3 +60,28 @@ def test_kernel_variants(bench, direction, tmp_path, monkeypatch, capsys):
   assert float(cells[2]) > 0 and float(cells[5]) > 0  # wall ms of the variant and of Triton
   assert cells[3] == cells[6] == "nan"  # device ms: a GPU profiler trace, none here
   assert re.fullmatch(r"same 0\.0e\+00", cells[8])  # the variant is the reference kernel
+
+
+def test_table(bench, monkeypatch, capsys):
+  """The table's rows and ratios, its three contenders replaced by CPU-runnable ones."""
+  from shardflow.ops import attention
+
+  def contenders(causal, group):
+    return {name: functools.partial(attention, causal=causal, backend=backend)
+            for name, backend in (("cudnn", "xla"), ("ours", "interpret"),
+                                  ("triton_mha", "xla"))}
+
+  monkeypatch.setattr(bench, "implementations", contenders)
+  monkeypatch.setattr(sys, "argv", ["attention.py", "--shapes", "1,256,4,4,64", "--causal",
+                                    "yes", "--iters", "10", "--warmup", "0"])
+  with pytest.raises(SystemExit) as exit_:
+    bench.main()
+  assert exit_.value.code == 0
+  out = capsys.readouterr().out
+  assert "TFLOP/s from device time" in out
+  rows = [line for line in out.splitlines() if line.startswith("| 1,")]
+  assert len(rows) == 1  # --shapes and --causal, not the anchors
+  cells = [c.strip() for c in rows[0].strip("|").split("|")]
+  assert cells[0] == "1,256,4/4,64" and len(cells) == 13 and cells[1] == "yes"
+  assert all(c == "nan" for c in cells[2:11])  # device time: a GPU profiler trace, none here
+  assert all(float(c) > 0 for c in cells[11:])  # wall-clock ratios ours/cuDNN
