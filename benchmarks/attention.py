@@ -25,6 +25,7 @@ import dataclasses
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import _checkout  # noqa: F401,E402
@@ -67,34 +68,25 @@ def time_samples(fn, args, *, iters):
   return times
 
 
-def interleaved_medians(calls, *, iters, rounds=ROUNDS):
-  """{name: median seconds} of {name: (fn, args)}, timed in interleaved rounds of iters calls
+def interleaved_medians(calls, samples, *, rounds=ROUNDS):
+  """{name: median of samples(fn, args)} of {name: (fn, args)}, sampled in interleaved rounds
   so that drifting clocks hit every contender alike; each round starts at another contender."""
-  samples = {name: [] for name in calls}
-  for name in interleaved(calls, rounds):
-    fn, args = calls[name]
-    samples[name].extend(time_samples(fn, args, iters=iters))
-  return {name: statistics.median(times) for name, times in samples.items()}
-
-
-def interleaved_device_ms(calls, *, iters, rounds=ROUNDS):
-  """{name: median device ms per call} of {name: (fn, args)}: kernel time from a profiler trace
-  of iters calls, in interleaved rounds as `interleaved_medians`. NaN off the GPU."""
-  if jax.default_backend() != "gpu":
-    return {name: float("nan") for name in calls}
-  samples = {name: [] for name in calls}
-  for name in interleaved(calls, rounds):
-    fn, args = calls[name]
-    samples[name].append(sum(t for _, t in kernel_times(fn, args, iters=iters)))
-  return {name: statistics.median(ms) for name, ms in samples.items()}
-
-
-def interleaved(names, rounds):
-  """The names, once per round, each round starting at another one."""
-  order = list(names)
+  taken = {name: [] for name in calls}
+  order = list(calls)
   for r in range(rounds):
     start = r * len(order) // rounds
-    yield from order[start:] + order[:start]
+    for name in order[start:] + order[:start]:
+      fn, args = calls[name]
+      taken[name].extend(samples(fn, args))
+  return {name: statistics.median(values) for name, values in taken.items()}
+
+
+def device_ms_samples(fn, args, *, iters):
+  """[device ms per call] of fn(*args): its kernels' time in a profiler trace of iters calls.
+  NaN off the GPU."""
+  if jax.default_backend() != "gpu":
+    return [float("nan")]
+  return [sum(t for _, t in kernel_times(fn, args, iters=iters))]
 
 
 def median_seconds(fn, args, *, warmup, iters):
@@ -168,8 +160,8 @@ def run_table(args):
       for name, (fwd, fwd_bwd) in timed.items():
         calls[name, "fwd"] = fwd, (q, k, v)
         calls[name, "fwd_bwd"] = fwd_bwd, (q, k, v, dout)
-      device_ms = interleaved_device_ms(calls, iters=args.iters)
-      seconds = interleaved_medians(calls, iters=args.iters)
+      device_ms = interleaved_medians(calls, partial(device_ms_samples, iters=args.iters))
+      seconds = interleaved_medians(calls, partial(time_samples, iters=args.iters))
       for name in timed:
         row[name] = (flops / device_ms[name, "fwd"] / 1e9,
                      3.5 * flops / device_ms[name, "fwd_bwd"] / 1e9)
@@ -401,8 +393,10 @@ def run_kernel_variants(args):
         for _ in range(args.warmup):
           jax.block_until_ready(fn(*args_))
       calls = {name: (fn, args_) for name, fn in fns.items()}
-      seconds = interleaved_medians(calls, iters=args.iters, rounds=args.rounds)
-      device_ms = interleaved_device_ms(calls, iters=args.iters, rounds=args.rounds)
+      seconds = interleaved_medians(calls, partial(time_samples, iters=args.iters),
+                                    rounds=args.rounds)
+      device_ms = interleaved_medians(calls, partial(device_ms_samples, iters=args.iters),
+                                      rounds=args.rounds)
       cells = []
       for name in names:
         t, ms = seconds.get(name, float("nan")), device_ms.get(name, float("nan"))

@@ -402,7 +402,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
   per_q_head, grid = backward_grid(batch_size, kv_len, heads_q, heads_kv, head_dim,
                                    causal=causal, sm_count=multiprocessor_count())
   members = 1 if per_q_head else group  # q heads per CTA
-  dkv_sums = (tuple(jax.new_ref(jnp.zeros(k.shape, jnp.float32)) for _ in "kv")
+  dkv_sums = (tuple(jax.new_ref(jnp.zeros(k.shape, jnp.float32)) for _ in range(2))
               if per_q_head else ())
 
   def acc_zeros(shape):
@@ -415,7 +415,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
      cta_sync) = barriers
     b = lax.axis_index("batch")
     cta_head = lax.axis_index("heads")
-    kv_head = lax.div(cta_head, jnp.int32(group)) if per_q_head else cta_head
+    kv_head = _div(cta_head, group) if per_q_head else cta_head
     first_q_head = cta_head if per_q_head else kv_head * group
     wg = lax.axis_index("wg")
     kv_start = lax.axis_index("kv_seq") * (2 * bkv)
@@ -526,10 +526,10 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
 
       dk, dv = for_each_step(step, (acc_zeros((bkv, head_dim)), acc_zeros((bkv, head_dim))))
       if per_q_head:  # into the group's float32 sums, through this warpgroup's dq tile
+        staging = dq_smem.at[wg, pl.ds(0, bkv)]
         for total, sum_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
           for c in range(column_tiles):
             columns = slice(c * DQ_COLUMNS, (c + 1) * DQ_COLUMNS)
-            staging = dq_smem.at[wg, pl.ds(0, bkv)]
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             staging[...] = total[:, columns]
             plgpu.commit_smem()
