@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from shardflow._compat import backends_are_initialized
+
 SIMULATED_CPU_DEVICES = 8
 
 
@@ -33,16 +35,9 @@ def configure_host_platform(n_devices: int = SIMULATED_CPU_DEVICES) -> None:
     """
     flags = os.environ.get("XLA_FLAGS", "")
     if ("xla_force_host_platform_device_count" in flags or not _platform_is_cpu()
-            or _jax_backends_initialized()):
+            or backends_are_initialized()):
         return
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_devices}".strip()
-
-
-def _jax_backends_initialized() -> bool:
-    if "jax" not in sys.modules:
-        return False
-    from jax._src import xla_bridge
-    return xla_bridge.backends_are_initialized()
 
 
 def _platform_is_cpu() -> bool:
@@ -209,7 +204,8 @@ def setup(cfg) -> Run:
     from flax import nnx
     from jax.sharding import Mesh, PartitionSpec
 
-    from shardflow import config as config_lib, data as data_lib, models
+    from shardflow import models
+    from shardflow.train import config as config_lib, data as data_lib
     from shardflow.models import sharding as model_sharding
 
     mesh_shape = config_lib.validate(cfg, jax.device_count())
@@ -276,8 +272,8 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     import jax
     from tqdm import tqdm
 
-    from shardflow import config as config_lib, data as data_lib, metrics as metrics_lib
-    from shardflow.checkpoint import Checkpoints, abstract_like
+    from shardflow.train import config as config_lib, data as data_lib, metrics as metrics_lib
+    from shardflow.train.checkpoint import Checkpoints, abstract_like
 
     run = setup(cfg)
     main_process = jax.process_index() == 0
@@ -407,7 +403,8 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML file of config keys (see shardflow/config.py)")
+    parser.add_argument("--config",
+                        help="YAML file of config keys (see shardflow/train/config.py)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a config key, e.g. optimizer.lr=3e-4")
     parser.add_argument("--steps", type=int, help="total optimizer steps")
@@ -417,7 +414,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args) -> int:
     configure_host_platform()
-    from shardflow import config as config_lib
+    from shardflow.train import config as config_lib
     try:
         cfg = config_lib.load(args.config, args.overrides, steps=args.steps, out=args.out)
         maybe_initialize_distributed()
@@ -436,13 +433,3 @@ def run_from_args(args) -> int:
         print(f"nothing to train: {cfg.out} already holds a checkpoint at step "
               f"{summary['start_step']} of {cfg.steps} (raise --steps or pick another --out)")
     return 0
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="shardflow train", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

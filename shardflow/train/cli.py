@@ -6,7 +6,7 @@ import sys
 
 
 def _prepare(args) -> int:
-    from shardflow import data
+    from shardflow.train import data
     try:
         out = data.prepare(args.input, args.out, tokenizer=args.tokenizer,
                            vocab_size=args.vocab_size, val_fraction=args.val_fraction)
@@ -19,13 +19,13 @@ def _prepare(args) -> int:
 
 
 def main(argv=None) -> int:
-    from shardflow import train
+    from shardflow.train import loop
 
     parser = argparse.ArgumentParser(prog="shardflow")
     commands = parser.add_subparsers(dest="command")
     train_parser = commands.add_parser(
         "train", help="pretrain a language model (no arguments: tiny model on the stdlib)")
-    train.add_arguments(train_parser)
+    loop.add_arguments(train_parser)
     prep = commands.add_parser("prepare", help="tokenise text files into a training data dir")
     prep.add_argument("--input", nargs="+", required=True, metavar="FILE")
     prep.add_argument("--out", required=True, metavar="DIR")
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     prep.add_argument("--val-fraction", type=float, default=0.005)
     args = parser.parse_args(argv)
     if args.command == "train":
-        return train.run_from_args(args)
+        return loop.run_from_args(args)
     if args.command == "prepare":
         return _prepare(args)
     parser.print_help()

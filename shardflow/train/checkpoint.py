@@ -29,9 +29,6 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
-
     def save(self, step: int, state) -> None:
         """Starts writing ``state`` (a pytree of jax.Arrays); returns before it is on disk."""
         self._manager.save(step, args=ocp.args.StandardSave(state))
