@@ -181,7 +181,8 @@ def test_explain_names_the_user_line_for_every_collective():
 def test_explain_names_a_user_line_inside_library_code_too(strategy, mesh):
     """The shipped model's train step: JAX's own bodies (the transposed gather of the embedding,
     jnp helpers) carry no user frame; their collectives are named by the user's call."""
-    from shardflow import config, train
+    from shardflow import train
+    from shardflow.train import config
     cfg = config.Config()
     cfg.model = {"preset": "tiny", "n_layers": 2}
     cfg.strategy, cfg.mesh, cfg.batch_size, cfg.data.seq_len = strategy, mesh, 8, 64

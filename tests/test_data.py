@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from shardflow import data
+from shardflow.train import data
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from shardflow import config, data, models, train
+from shardflow import models, train
+from shardflow.train import config, data
 from shardflow.models import sharding
 
 ENGINE = "shardflow"  # the default engine; test_strategy_matches_single_device covers jit too

@@ -34,7 +34,7 @@ def run_processes(cfg, n_processes: int, devices_each: int, timeout: float = 900
                    JAX_NUM_PROCESSES=str(n_processes), JAX_PROCESS_ID=str(i),
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "shardflow.cli", "train", "--config", path, "--no-progress"],
+            [sys.executable, "-m", "shardflow.train", "--config", path, "--no-progress"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
