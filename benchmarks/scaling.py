@@ -92,7 +92,8 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
     import numpy as np
     from jax.sharding import Mesh
 
-    from shardflow import config, metrics, train
+    from shardflow import train
+    from shardflow.train import config, metrics
 
     jit_attention = "cudnn" if jax.default_backend() == "gpu" else "jax"
     row = {"preset": preset, "strategy": strategy, "engine": engine,

@@ -13,7 +13,7 @@ separates what the compiler costs from what the attention kernel costs.
 
 Both run on the same random token batch, resident on device; the first steps (compilation)
 are not timed. MFU = tokens/s · FLOPs per token / (peak · devices), with FLOPs per token from
-shardflow.metrics.flops_per_token (6·N + causal attention).
+shardflow.train.metrics.flops_per_token (6·N + causal attention).
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: i
     import jax
     import numpy as np
 
-    from shardflow import config, metrics, train
+    from shardflow import train
+    from shardflow.train import config, metrics
 
     on_gpu = jax.default_backend() == "gpu"
     cfg = config.Config()
