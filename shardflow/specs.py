@@ -31,6 +31,11 @@ class ShardingError(ValueError):
 class Split:
     dim: int
 
+    def __post_init__(self):
+        if isinstance(self.dim, (bool, np.bool_)) or not isinstance(self.dim, (int, np.integer)):
+            raise ShardingError(f"S({self.dim!r}): S takes the tensor dim to split, an int (S(0), S(1), ...)")
+        object.__setattr__(self, "dim", int(self.dim))
+
     def __repr__(self):
         return f"S({self.dim})"
 
@@ -124,13 +129,17 @@ def to_sbp(spec, mesh: Mesh, ndim: int | None = None, *, what: str = "value") ->
     if is_sbp_atom(spec):
         spec = (spec,)
     if isinstance(spec, str):
-        spec = parse_sbp_string(spec)
+        spec = _parse(spec, names, what)
     if isinstance(spec, PartitionSpec):
         sbp = _from_partition_spec(spec, mesh, ndim, what)
+    elif not isinstance(spec, (tuple, list)):
+        raise ShardingError(f"{what}: spec {spec!r} ({type(spec).__name__}) is not a sharding spec; "
+                            f"{_forms(names)}")
     else:
         spec = tuple(spec)
         if not all(is_sbp_atom(a) for a in spec):
-            raise ShardingError(f"{what}: spec {spec!r} is neither SBP (S(d), B, P) nor a PartitionSpec")
+            raise ShardingError(f"{what}: spec {spec!r} is neither SBP (S(d), B, P) nor a PartitionSpec; "
+                                f"{_forms(names)}")
         if len(spec) != len(names):
             raise ShardingError(
                 f"{what}: SBP spec {spec!r} has {len(spec)} entries but mesh axes {names} need {len(names)}"
@@ -141,6 +150,21 @@ def to_sbp(spec, mesh: Mesh, ndim: int | None = None, *, what: str = "value") ->
             if isinstance(s, Split) and not (0 <= s.dim < ndim):
                 raise ShardingError(f"{what}: {s!r} on mesh axis {axis!r} but the tensor has rank {ndim}")
     return tuple(sbp)
+
+
+def _forms(names) -> str:
+    """The accepted spec forms, for mesh axes ``names``, as the end of an error message."""
+    sbp = ["S(0)"] + ["B"] * (len(names) - 1)
+    return (f"a spec is one SBP per mesh axis {names}, e.g. ({', '.join('sf.' + a for a in sbp)}) or "
+            f"{', '.join(sbp)!r}, a PartitionSpec such as PartitionSpec({names[0]!r}), or None (whole)")
+
+
+def _parse(text: str, names, what) -> tuple:
+    try:
+        return parse_sbp_string(text)
+    except ShardingError as e:
+        hint = f"; did you mean PartitionSpec({text!r})?" if text in names else f"; {_forms(names)}"
+        raise ShardingError(f"{what}: {e}{hint}") from None
 
 
 def _from_partition_spec(spec: PartitionSpec, mesh: Mesh, ndim, what) -> NdSbp:

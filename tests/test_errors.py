@@ -1,0 +1,93 @@
+"""Issue 14: every bad input is an sf.ShardingError that names the value, the spec and (where there
+is one) the user's source line — never a raw TypeError / ZeroDivisionError / AttributeError from
+inside shardflow, JAX or XLA. Inputs that are fine but used to crash inside shardflow must run
+and agree with the unsharded function."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as PS
+
+import shardflow as sf
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return sf.make_mesh({"data": 2, "model": 4})
+
+
+def double(x):
+    return x * 2
+
+
+X = np.ones((8, 12), np.float32)
+ARG = r"argument args\[0\] float32\[8, 12\] of double \(test_errors.py:\d+\)"
+
+
+def _agree(f, ref, *args, rtol=1e-5, atol=1e-5):
+    for got, want in zip(jax.tree.leaves(f(*args)), jax.tree.leaves(ref(*args))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=atol)
+
+
+# ------------------------------------------------------------------------------ specs of other types
+
+@pytest.mark.parametrize("spec", [0, 1.5, object()], ids=["int", "float", "object"])
+def test_in_spec_of_another_type(mesh, spec):
+    f = sf.parallelize(double, mesh=mesh, in_specs=spec)
+    with pytest.raises(sf.ShardingError, match=ARG + r": spec .* \((int|float|object)\) is not a sharding spec; "
+                                                 r"a spec is one SBP per mesh axis \('data', 'model'\), "
+                                                 r"e\.g\. \(sf\.S\(0\), sf\.B\)"):
+        f(X)
+
+
+def test_in_spec_of_another_type_in_a_tree(mesh):
+    f = sf.parallelize(lambda x, y: x + y, mesh=mesh, in_specs=(PS("data"), 7))
+    with pytest.raises(sf.ShardingError, match=r"argument args\[1\] float32\[8, 12\] of <lambda> "
+                                               r"\(test_errors.py:\d+\): spec 7 \(int\) is not a sharding spec"):
+        f(X, X)
+
+
+@pytest.mark.parametrize("spec", [3, 2.0, object()], ids=["int", "float", "object"])
+def test_out_spec_of_another_type(mesh, spec):
+    f = sf.parallelize(double, mesh=mesh, in_specs=PS("data"), out_specs=spec)
+    with pytest.raises(sf.ShardingError, match=r"output 0 float32\[8, 12\] of double \(test_errors.py:\d+\): "
+                                               r"spec .* is not a sharding spec"):
+        f(X)
+
+
+@pytest.mark.parametrize("spec", [3, 1.5, object()], ids=["int", "float", "object"])
+def test_constraint_of_another_type_names_the_line(mesh, spec):
+    def fn(x):
+        return sf.constrain(x * 3, spec) + 1
+
+    f = sf.parallelize(fn, mesh=mesh, in_specs=PS("data"))
+    with pytest.raises(sf.ShardingError, match=r"constrain\w* of float32\[8, 12\] at test_errors.py:\d+: "
+                                               r"spec .* is not a sharding spec"):
+        f(X)
+
+
+def test_tuple_of_non_sbp_entries_says_what_a_spec_is(mesh):
+    f = sf.parallelize(lambda x: sf.constrain(x, (0, None)), mesh=mesh, in_specs=PS())
+    with pytest.raises(sf.ShardingError, match=r"constrain\w* of float32\[8, 12\] at test_errors.py:\d+: spec "
+                                               r"\(0, None\) is neither SBP .* a spec is one SBP"):
+        f(X)
+
+
+def test_unreadable_string_names_the_value(mesh):
+    with pytest.raises(sf.ShardingError, match=ARG + r": cannot read SBP 'S\(x\)' in spec 'S\(x\), B'"):
+        sf.parallelize(double, mesh=mesh, in_specs="S(x), B")(X)
+    # a mesh axis name where an SBP string goes: the PartitionSpec was meant
+    with pytest.raises(sf.ShardingError, match=ARG + r": cannot read SBP 'data'.*did you mean "
+                                               r"PartitionSpec\('data'\)\?"):
+        sf.parallelize(double, mesh=mesh, in_specs="data")(X)
+
+
+@pytest.mark.parametrize("dim", ["0", 1.0, None, True])
+def test_split_of_a_non_int_dim(dim):
+    with pytest.raises(sf.ShardingError, match=r"S\(.*\): S takes the tensor dim to split, an int"):
+        sf.S(dim)
+
+
+def test_split_of_a_numpy_int_is_an_int(mesh):
+    assert sf.S(np.int64(1)) == sf.S(1) and type(sf.S(np.int32(1)).dim) is int
+    assert sf.to_sbp((sf.S(np.int64(0)), sf.B), mesh, 2) == (sf.S(0), sf.B)
