@@ -16,7 +16,7 @@ from shardflow.passes.inline import inline
 from shardflow.passes.lower import lower
 from shardflow.passes.propagate import propagate
 from shardflow.explain import Plan, make_plan
-from shardflow.mesh import LinkModel
+from shardflow.mesh import LinkModel, check_mesh
 from shardflow.program import Program, trace
 from shardflow.specs import (Partial, ShardingError, check_divisible, describe, format_sbp, is_spec_leaf,
                              to_sbp)
@@ -47,7 +47,7 @@ class Parallelized:
                  donate_argnums=()):
         self.fn = fn
         self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-        self.mesh = mesh
+        self.mesh = check_mesh(mesh, _definition(fn))
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.links = links or LinkModel()

@@ -91,3 +91,60 @@ def test_split_of_a_non_int_dim(dim):
 def test_split_of_a_numpy_int_is_an_int(mesh):
     assert sf.S(np.int64(1)) == sf.S(1) and type(sf.S(np.int32(1)).dim) is int
     assert sf.to_sbp((sf.S(np.int64(0)), sf.B), mesh, 2) == (sf.S(0), sf.B)
+
+
+# ------------------------------------------------------------------------------ meshes
+
+@pytest.mark.parametrize("axes, message", [
+    ({"data": 0}, r"make_mesh\(\{'data': 0\}\): mesh axis 'data' has size 0; a mesh axis size is a positive int"),
+    ({"data": -2}, r"mesh axis 'data' has size -2; a mesh axis size is a positive int"),
+    ({"data": 2.5}, r"mesh axis 'data' has size 2\.5; a mesh axis size is a positive int"),
+    ({"data": 2.0}, r"mesh axis 'data' has size 2\.0; a mesh axis size is a positive int"),
+    ({"data": "2"}, r"mesh axis 'data' has size '2'; a mesh axis size is a positive int"),
+    ({"data": True}, r"mesh axis 'data' has size True"),
+    ({}, r"make_mesh\(\{\}\): a mesh needs at least one axis, e.g. sf\.make_mesh\(\{'data': 2, 'model': 4\}\)"),
+    ({0: 2}, r"make_mesh\(\{0: 2\}\): mesh axis name 0 is not a non-empty string"),
+    ({"": 2}, r"mesh axis name '' is not a non-empty string"),
+    ([("data", 2), ("data", 2)], r"mesh axis 'data' is named 2 times; each mesh axis needs its own name"),
+    ("data", r"make_mesh\('data'\): expected a dict of mesh axis name -> size"),
+    (8, r"make_mesh\(8\): expected a dict of mesh axis name -> size"),
+], ids=["zero", "negative", "float", "float-int", "str", "bool", "empty", "int-name", "empty-name",
+        "duplicate", "str-axes", "int-axes"])
+def test_make_mesh_refuses(axes, message):
+    with pytest.raises(sf.ShardingError, match=message):
+        sf.make_mesh(axes)
+
+
+def test_make_mesh_takes_pairs_and_numpy_sizes():
+    mesh = sf.make_mesh([("data", 2), ("model", np.int64(4))])
+    assert mesh.axis_names == ("data", "model") and mesh.devices.shape == (2, 4)
+
+
+def test_make_mesh_of_a_mesh(mesh):
+    with pytest.raises(sf.ShardingError, match=r"already a Mesh; pass it to sf\.parallelize\(mesh=\.\.\.\) as it is"):
+        sf.make_mesh(mesh)
+
+
+def test_dict_as_mesh_says_to_call_make_mesh():
+    with pytest.raises(sf.ShardingError, match=r"mesh=\{'data': 2\} of double \(test_errors.py:\d+\) is a dict, "
+                                               r"not a jax\.sharding\.Mesh; make one with "
+                                               r"sf\.make_mesh\(\{'data': 2\}\)"):
+        sf.parallelize(double, mesh={"data": 2}, in_specs=PS("data"))(X)
+    with pytest.raises(sf.ShardingError, match=r"mesh=\{'data': 2\} of f \(test_errors.py:\d+\) is a dict"):
+        @sf.parallelize(mesh={"data": 2}, in_specs=PS("data"))
+        def f(x):
+            return x
+
+
+@pytest.mark.parametrize("bad", ["data", None, ("data", 2), "devices"], ids=["str", "None", "tuple", "devices"])
+def test_non_mesh_as_mesh(bad):
+    bad = jax.devices()[:2] if bad == "devices" else bad
+    with pytest.raises(sf.ShardingError, match=r"mesh=.* of double \(test_errors.py:\d+\) is a \w+, not a "
+                                               r"jax\.sharding\.Mesh; make one with sf\.make_mesh\("):
+        sf.parallelize(double, mesh=bad, in_specs=PS())(X)
+
+
+def test_a_mesh_with_an_empty_axis():
+    empty = Mesh(np.array(jax.devices()[:0]).reshape(0), ("data",))
+    with pytest.raises(sf.ShardingError, match=r"mesh= of double \(test_errors.py:\d+\): mesh axis 'data' has size 0"):
+        sf.parallelize(double, mesh=empty, in_specs=PS())(X)
