@@ -236,7 +236,16 @@ def local_shape(shape: Sequence[int], sbp: NdSbp, mesh: Mesh) -> tuple:
 
 
 def check_divisible(shape, dtype, sbp: NdSbp, mesh: Mesh, *, what: str, source: str = "") -> None:
+    """A ShardingError unless ``sbp`` can hold a ``dtype[shape]`` value on ``mesh``: every split dim
+    divisible by its axes, and no P(max) of a complex value (XLA has no complex max all-reduce)."""
     sizes = axis_sizes(mesh)
+    for axis, s in zip(mesh.axis_names, sbp):
+        if s == Partial("max") and jax.dtypes.issubdtype(dtype, np.complexfloating):
+            where = f" at {source}" if source else ""
+            raise ShardingError(
+                f"{what} {as_dtype(dtype).name}{list(shape)}{where}: P(max) on mesh axis {axis!r} under spec "
+                f"{format_sbp(sbp)}; XLA has no max all-reduce of complex values — take the max of a "
+                "whole (B) value, or of its real part or abs")
     for dim in range(len(shape)):
         axes = split_axes(sbp, dim, mesh.axis_names)
         n = math.prod(sizes[a] for a in axes)
