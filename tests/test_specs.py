@@ -200,3 +200,14 @@ def test_keyword_arguments_are_refused_with_the_way_out(mesh):
     with pytest.raises(TypeError, match=r"f \(test_specs.py:\d+\) was called with keyword "
                                         r"arguments \['scale'\].*functools.partial"):
         g(jnp.ones((8, 4)), scale=3.0)
+
+
+def test_spec_of_another_type_is_refused_by_every_entry_point(mesh):
+    with pytest.raises(sf.ShardingError, match=r"weights: spec 3 \(int\) is not a sharding spec; a spec is one SBP "
+                                               r"per mesh axis \('data', 'model'\), e\.g\. \(sf\.S\(0\), sf\.B\) or "
+                                               r"'S\(0\), B', a PartitionSpec such as PartitionSpec\('data'\), or None"):
+        sf.to_sbp(3, mesh, 2, what="weights")
+    with pytest.raises(sf.ShardingError, match=r"value: spec 1\.5 \(float\) is not a sharding spec"):
+        sf.to_partition_spec(1.5, mesh)
+    with pytest.raises(sf.ShardingError, match=r"value: cannot read SBP 'model'.*did you mean PartitionSpec\('model'\)"):
+        sf.to_sbp("model", mesh)
