@@ -1,20 +1,22 @@
 """boxing: make every sharding change an explicit ``sf_box`` equation.
 
-Before: a propagated Program: ``sbp`` for every Var, ``uses`` / ``results`` saying what each
-operand and each jaxpr output needs. After: wherever a use needs another NdSbp than its value
-has, an ``sf_box[src, dst, steps]`` equation converts it (``steps`` from
-``shardflow.conversion.plan``: the collectives and local ops, with their bytes), and the use
-reads the converted value. A value converted to the same NdSbp twice in one jaxpr is converted
-once. Every operand now has exactly the NdSbp its use needs; ``uses`` and ``results`` are
-consumed.
+Requires "sharded" (``passes.propagate``): every equation has its Decision, every value its
+NdSbp. Ensures "boxed": wherever an operand's NdSbp differs from what its equation's Decision
+needs — or a jaxpr output from what is wanted of it (``out_sbp``, a Decision's ``bodies``) — an
+``sf_box[src, dst, steps]`` equation converts it (``steps`` from ``conversion.plan``: the
+collectives and local ops, with their bytes), and the use reads the converted value. A value
+converted to one NdSbp twice in a jaxpr is converted once, and a conversion starts from
+whichever of the value and its earlier conversions is cheapest to convert from (what
+propagation priced).
 """
 from __future__ import annotations
 
-from jax._src import core
+from jax.extend.core import Jaxpr, new_jaxpr_eqn
 
 from shardflow import conversion
 from shardflow.primitives import box_p
 from shardflow.program import Program, is_literal, map_subjaxprs, new_var, source_line
+from shardflow.registry import DECISION, Decision, decision_of
 from shardflow.specs import B, format_sbp
 
 
@@ -27,53 +29,60 @@ class Boxing:
     def of(self, atom):
         return (B,) * len(self.p.axis_names) if is_literal(atom) else self.sbp[atom]
 
-    def jaxpr(self, jaxpr: core.Jaxpr, arg_names=None) -> core.Jaxpr:
+    def jaxpr(self, jaxpr: Jaxpr, wanted, arg_names=None) -> Jaxpr:
         for i, v in enumerate(jaxpr.invars):
             self.made_at.setdefault(v, arg_names[i] if arg_names else "loop/branch input")
-        cache, eqns = {}, []
+        converted, eqns = {}, []   # x -> {NdSbp: Var holding x converted to it}
 
         def convert(x, want, reason, used_at):
-            have = self.of(x)
-            if have == want:
-                return x
-            key = (x.val.item() if is_literal(x) else x, x.aval, want)
-            if key not in cache:
-                steps = conversion.plan(x.aval.shape, x.aval.dtype, have, want, self.p.mesh)
-                out = new_var(x.aval)
-                made_at = "literal" if is_literal(x) else self.made_at.get(x, "<unknown>")
-                params = dict(src=have, dst=want, steps=steps, reason=reason, source=made_at, used_at=used_at)
-                eqns.append(core.new_jaxpr_eqn([x], [out], box_p, params, frozenset()))
-                self.sbp[out] = want
-                self.made_at[out] = made_at
-                cache[key] = out
-            return cache[key]
+            if is_literal(x):
+                key = (x.val.item(), x.aval)
+                sources = {self.of(x): x}
+            else:
+                key = x
+                sources = {self.of(x): x, **converted.get(x, {})}
+            if want in sources:
+                return sources[want]
+            src = min(sources, key=lambda s: self.seconds(x, s, want))
+            steps = conversion.plan(x.aval.shape, x.aval.dtype, src, want, self.p.mesh)
+            out = new_var(x.aval)
+            made_at = "literal" if is_literal(x) else self.made_at.get(x, "<unknown>")
+            params = dict(src=src, dst=want, steps=steps, reason=reason, source=made_at, used_at=used_at)
+            params[DECISION] = Decision((src,), (want,))
+            eqns.append(new_jaxpr_eqn([sources[src]], [out], box_p, params, frozenset()))
+            self.sbp[out] = want
+            self.made_at[out] = made_at
+            if not is_literal(x):
+                converted.setdefault(key, {})[want] = out
+            return out
 
         for eqn in jaxpr.eqns:
-            uses = self.p.uses.get(id(eqn))
-            eqn = map_subjaxprs(eqn, self.jaxpr)
+            decision = decision_of(eqn)
+            eqn = map_subjaxprs(eqn, lambda name, body: self.jaxpr(body, decision.body_outs(name)),
+                                names={name for name, _ in decision.bodies})
             used_at = source_line(eqn)
             invars = list(eqn.invars)
-            if uses is not None:
-                for k, (x, want) in enumerate(zip(invars, uses)):
-                    have = self.of(x)
-                    if have != want:
-                        reason = f"{eqn.primitive.name} needs {format_sbp(want)} of operand {k}, has {format_sbp(have)}"
-                        invars[k] = convert(x, want, reason, used_at)
+            for k, (x, want) in enumerate(zip(invars, decision.ins)):
+                have = self.of(x)
+                if have != want:
+                    reason = f"{eqn.primitive.name} needs {format_sbp(want)} of operand {k}, has {format_sbp(have)}"
+                    invars[k] = convert(x, want, reason, used_at)
             eqns.append(eqn.replace(invars=invars))
             for v in eqn.outvars:
                 self.made_at[v] = used_at
         outvars = list(jaxpr.outvars)
-        results = self.p.results.get(id(jaxpr))
-        if results is not None:
-            for k, (x, want) in enumerate(zip(outvars, results)):
-                if want is not None and not is_literal(x) and self.sbp[x] != want:
-                    reason = f"output {k} is wanted as {format_sbp(want)}, has {format_sbp(self.sbp[x])}"
-                    outvars[k] = convert(x, want, reason, "output")
-        return core.Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, eqns, jaxpr.effects, jaxpr.debug_info)
+        for k, (x, want) in enumerate(zip(outvars, wanted or ())):
+            if want is not None and self.of(x) != want:
+                reason = f"output {k} is wanted as {format_sbp(want)}, has {format_sbp(self.of(x))}"
+                outvars[k] = convert(x, want, reason, "output")
+        return jaxpr.replace(outvars=outvars, eqns=eqns)
+
+    def seconds(self, x, src, dst) -> float:
+        return conversion.seconds(x.aval.shape, x.aval.dtype, src, dst, self.p.mesh, self.p.links)
 
 
-def boxing(program: Program, arg_names=None) -> Program:
+def boxing(program: Program) -> Program:
     box = Boxing(program)
     closed = program.jaxpr
-    jaxpr = box.jaxpr(closed.jaxpr, arg_names)
-    return program.replace(jaxpr=core.ClosedJaxpr(jaxpr, closed.consts), sbp=box.sbp, uses={}, results={})
+    jaxpr = box.jaxpr(closed.jaxpr, program.out_sbp, program.arg_names)
+    return program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=box.sbp)

@@ -11,9 +11,9 @@ The program computes the same values.
 """
 from __future__ import annotations
 
-from jax._src import core
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr
 
-from shardflow.program import REMAT, Program, has_user_frame, is_literal, new_var, subjaxprs
+from shardflow.program import REMAT_PRIMITIVES, Program, has_user_frame, is_literal, new_var, rebuild, subjaxprs
 from shardflow.specs import ShardingError
 
 INLINED = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
@@ -26,14 +26,14 @@ def _body(eqn):
         return None
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         j = eqn.params.get(key)
-        if isinstance(j, core.ClosedJaxpr):
+        if isinstance(j, ClosedJaxpr):
             return j
-        if isinstance(j, core.Jaxpr):
-            return core.ClosedJaxpr(j, ())
+        if isinstance(j, Jaxpr):
+            return ClosedJaxpr(j, ())
     return None
 
 
-def _clone(jaxpr: core.Jaxpr, traceback=None) -> tuple[core.Jaxpr, list]:
+def _clone(jaxpr: Jaxpr, traceback=None) -> tuple[Jaxpr, list]:
     """A copy of ``jaxpr`` with fresh Vars and inlined calls, and the consts of the inlined
     bodies as (Var, value): the caller binds them (as its own consts, or as loop-body consts).
     ``traceback``: the enclosing user-code traceback, for equations that have none of their own."""
@@ -43,8 +43,8 @@ def _clone(jaxpr: core.Jaxpr, traceback=None) -> tuple[core.Jaxpr, list]:
         return a if is_literal(a) else env.get(a, a)
 
     def fresh(v):
-        if isinstance(v, core.DropVar):
-            return core.DropVar(v.aval)
+        if isinstance(v, DropVar):
+            return DropVar(v.aval)
         env[v] = new_var(v.aval)
         return env[v]
 
@@ -72,12 +72,12 @@ def _clone(jaxpr: core.Jaxpr, traceback=None) -> tuple[core.Jaxpr, list]:
         for e in inner.eqns:
             emit(e, traceback)
         for outer, res in zip(eqn.outvars, inner.outvars):
-            if not isinstance(outer, core.DropVar):
+            if not isinstance(outer, DropVar):
                 env[outer] = read(res)
 
     for eqn in jaxpr.eqns:
         emit(eqn, traceback)
-    return core.Jaxpr(constvars, invars, [read(a) for a in jaxpr.outvars], eqns,
+    return Jaxpr(constvars, invars, [read(a) for a in jaxpr.outvars], eqns,
                       jaxpr.effects, jaxpr.debug_info), hoisted
 
 
@@ -89,15 +89,15 @@ def _clone_nested(eqn, traceback, hoisted):
     new, extra = {}, []
 
     def one(j):
-        closed = isinstance(j, core.ClosedJaxpr)
+        closed = isinstance(j, ClosedJaxpr)
         body, inner = _clone(j.jaxpr if closed else j, traceback)
         if not inner:
-            return core.ClosedJaxpr(body, j.consts) if closed else body
+            return ClosedJaxpr(body, j.consts) if closed else body
         vars_, values = [v for v, _ in inner], [c for _, c in inner]
         if closed:
-            return core.ClosedJaxpr(body.replace(constvars=list(body.constvars) + vars_),
+            return ClosedJaxpr(body.replace(constvars=list(body.constvars) + vars_),
                                     list(j.consts) + values)
-        if eqn.primitive.name not in REMAT:
+        if eqn.primitive not in REMAT_PRIMITIVES:
             raise ShardingError(
                 f"a call inside {eqn.primitive.name} closes over {len(values)} constant array(s); "
                 "shardflow cannot hoist them out of it — pass the arrays as arguments")
@@ -107,14 +107,14 @@ def _clone_nested(eqn, traceback, hoisted):
         return body.replace(invars=vars_ + list(body.invars))
 
     for name, value in subjaxprs(eqn.params):
-        new[name] = tuple(one(v) for v in value) if isinstance(value, tuple) else one(value)
+        new[name] = rebuild(value, one) if isinstance(value, tuple) else one(value)
     return (eqn.replace(params={**eqn.params, **new}) if new else eqn), extra
 
 
 def inline(program: Program) -> Program:
     closed = program.jaxpr
     jaxpr, hoisted = _clone(closed.jaxpr)
-    jaxpr = core.Jaxpr(list(jaxpr.constvars) + [v for v, _ in hoisted], jaxpr.invars, jaxpr.outvars,
+    jaxpr = Jaxpr(list(jaxpr.constvars) + [v for v, _ in hoisted], jaxpr.invars, jaxpr.outvars,
                        jaxpr.eqns, jaxpr.effects, jaxpr.debug_info)
     consts = list(closed.consts) + [c for _, c in hoisted]
-    return program.replace(jaxpr=core.ClosedJaxpr(jaxpr, consts))
+    return program.replace(jaxpr=ClosedJaxpr(jaxpr, consts))

@@ -1,4 +1,4 @@
-"""``sf.parallelize``: trace -> inline -> propagate -> boxing -> lower, cached per argument shapes."""
+"""``sf.parallelize``: trace, run the pass list (``shardflow.pipeline``), lower; cached per argument shapes."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,12 +9,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax._src import tree_util as jtu
+from jax.tree_util import keystr, tree_flatten_with_path
 
-from shardflow.passes.boxing import boxing
-from shardflow.passes.inline import inline
+from shardflow import pipeline
 from shardflow.passes.lower import lower
-from shardflow.passes.propagate import propagate
 from shardflow.explain import Plan, make_plan
 from shardflow.mesh import LinkModel, check_mesh
 from shardflow.program import Program, trace
@@ -25,7 +23,7 @@ from shardflow.specs import (Partial, ShardingError, check_divisible, describe, 
 def _flat_specs(specs, tree_of, what: str, paths):
     """Broadcast a spec prefix tree over the flat leaves of ``tree_of``."""
     try:
-        flat = jtu.broadcast_prefix(specs, tree_of, is_leaf=is_spec_leaf)
+        flat = jax.tree.leaves(jax.tree.broadcast(specs, tree_of, is_leaf=is_spec_leaf), is_leaf=is_spec_leaf)
     except ValueError as e:
         raise ShardingError(f"{what} {specs!r} do not match the {what.split('_')[0]}put tree: {e}") from None
     if len(flat) != len(paths):
@@ -44,13 +42,14 @@ class Compiled:
 
 class Parallelized:
     def __init__(self, fn, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,
-                 donate_argnums=()):
+                 donate_argnums=(), passes=None):
         self.fn = fn
         self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self.mesh = check_mesh(mesh, _definition(fn))
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.links = links or LinkModel()
+        self.passes = pipeline.DEFAULT if passes is None else tuple(passes)
         self._cache: dict = {}
         functools.update_wrapper(self, fn)
 
@@ -70,7 +69,7 @@ class Parallelized:
         return self._cache[key]
 
     def _build(self, args, in_tree, avals) -> Compiled:
-        paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(args)[0]]
+        paths = [keystr(p) for p, _ in tree_flatten_with_path(args)[0]]
         names = tuple(f"args{p}" for p in paths)
         where = _definition(self.fn)
         in_specs = _flat_specs(self.in_specs, args, "in_specs", paths)
@@ -94,11 +93,11 @@ class Parallelized:
         closed = trace(flat_fn, *avals)
         (out_tree,) = out_trees
         out_sbp = self._out_sbp(closed, out_tree)
-        program = Program(closed, self.mesh, tuple(in_sbp), out_sbp, links=self.links)
-        program = boxing(propagate(inline(program)), names)
-        donated = tuple(i for i, (path, _) in enumerate(jtu.tree_flatten_with_path(args)[0])
+        program = Program(closed, self.mesh, tuple(in_sbp), out_sbp, links=self.links, arg_names=names)
+        program = pipeline.run(program, self.passes)
+        donated = tuple(i for i, (path, _) in enumerate(tree_flatten_with_path(args)[0])
                         if path[0].idx in self.donate_argnums)
-        fn, in_ps, _ = lower(program, donated)
+        fn, in_ps = lower(program, donated)
         shardings = tuple(NamedSharding(self.mesh, p) for p in in_ps)
         return Compiled(program, fn, shardings, out_tree, names)
 
@@ -108,7 +107,8 @@ class Parallelized:
             return (None,) * len(outs)
         shaped = jax.tree.unflatten(out_tree, list(range(len(outs))))
         try:
-            flat = jtu.broadcast_prefix(self.out_specs, shaped, is_leaf=is_spec_leaf)
+            flat = jax.tree.leaves(jax.tree.broadcast(self.out_specs, shaped, is_leaf=is_spec_leaf),
+                                   is_leaf=is_spec_leaf)
         except ValueError as e:
             raise ShardingError(f"out_specs {self.out_specs!r} do not match the output tree {out_tree}: {e}") from None
         sbp = []
@@ -138,7 +138,7 @@ class Parallelized:
 
     def explain(self, *args, **kwargs) -> Plan:
         c = self._compile(args, kwargs)
-        return make_plan(c.program, c.arg_names)
+        return make_plan(c.program)
 
     def program(self, *args, **kwargs) -> Program:
         """The boxed Program (a jaxpr with explicit ``sf_box`` conversions), for inspection."""
@@ -159,16 +159,18 @@ def _dtype(x):
 
 
 def parallelize(fn=None, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,
-                donate_argnums=()):
+                donate_argnums=(), passes=None):
     """Run single-device ``fn`` as one SPMD program on ``mesh``.
 
     ``in_specs`` / ``out_specs`` are pytree prefixes of the arguments / outputs; leaves are SBP
     (``(sf.S(0), sf.B)``, ``"S(0), B"``) or ``PartitionSpec``. ``out_specs=None``: as propagated.
     ``donate_argnums``: as in ``jax.jit`` — a training step donates its parameters and optimizer
-    state so their buffers hold the new ones. Usable as a decorator:
+    state so their buffers hold the new ones. ``passes``: the pass list (default
+    ``sf.pipeline.DEFAULT``; see ``shardflow.pipeline`` to insert one). Usable as a decorator:
     ``@sf.parallelize(mesh=..., in_specs=...)``.
     """
-    kwargs = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, links=links, donate_argnums=donate_argnums)
+    kwargs = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, links=links, donate_argnums=donate_argnums,
+                  passes=passes)
     if fn is None:
         return lambda f: Parallelized(f, **kwargs)
     return Parallelized(fn, **kwargs)

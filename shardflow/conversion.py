@@ -1,8 +1,9 @@
 """How to turn one NdSbp into another: a list of steps, each a collective or a local op.
 
-``plan(shape, dtype, src, dst, mesh)`` is the single source of truth for boxing: propagation
-prices candidates with it, the boxing pass stores it in the program, lowering runs it and
-``explain`` reports it. Per mesh axis it follows DESIGN.md's table:
+``plan(shape, dtype, src, dst, mesh)`` is the single source of truth for boxing, and
+``seconds`` — the plan priced by the link model — the one pricer: propagation prices candidates
+with it, the boxing pass stores the plan in the program, lowering runs it (``run``) and
+``explain`` reports it. Per mesh axis:
 
   S(i) -> B      all_gather       (n-1)/n · T      (T: bytes of the tensor it produces)
   P    -> B      all_reduce       2(n-1)/n · T
@@ -20,11 +21,15 @@ minor axes first (correct, if not always cheapest). Axes of one device change fo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
-import numpy as np
+import jax.numpy as jnp
+from jax import lax
 
-from shardflow.specs import B, Broadcast, NdSbp, Partial, Split, as_dtype, axis_sizes
+from shardflow.specs import B, Broadcast, NdSbp, Partial, Split, as_dtype, axis_sizes, local_shape
+
+EPSILON = 1e-12  # seconds charged for a local step (slice, mask, pad): free, but not for nothing
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 
@@ -45,14 +50,6 @@ class Step:
         return self.kind in COLLECTIVES
 
 
-def _local(shape, sbp, names, sizes):
-    out = list(shape)
-    for a, s in zip(names, sbp):
-        if isinstance(s, Split):
-            out[s.dim] //= sizes[a]
-    return tuple(out)
-
-
 def _axes_on(sbp, dim, names):
     return [a for a, s in zip(names, sbp) if isinstance(s, Split) and s.dim == dim]
 
@@ -61,6 +58,24 @@ def plan(shape, dtype, src: NdSbp, dst: NdSbp, mesh) -> tuple:
     """Steps converting a ``dtype[shape]`` value from ``src`` to ``dst`` (both NdSbp)."""
     if tuple(src) == tuple(dst):
         return ()
+    return _plan(tuple(shape), as_dtype(dtype), tuple(src), tuple(dst),
+                 _MeshShape(tuple(mesh.axis_names), tuple(mesh.devices.shape)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeshShape:
+    """What a plan depends on of a mesh: its axis names and sizes. Hashable (for the cache), and
+    shaped like a Mesh where ``specs.axis_sizes`` / ``specs.local_shape`` read one."""
+    axis_names: tuple
+    shape: tuple
+
+    @property
+    def devices(self):
+        return self
+
+
+@functools.lru_cache(maxsize=65536)
+def _plan(shape, dtype, src, dst, mesh) -> tuple:
     names = tuple(mesh.axis_names)
     sizes = axis_sizes(mesh)
     order = {a: i for i, a in enumerate(names)}
@@ -80,10 +95,10 @@ def plan(shape, dtype, src: NdSbp, dst: NdSbp, mesh) -> tuple:
         return ()
 
     def block_bytes():
-        return math.prod(_local(shape, now(), names, sizes)) * itemsize
+        return math.prod(local_shape(shape, now(), mesh)) * itemsize
 
     def step(kind, changes: dict, *, dim=-1, src_dim=-1, op="sum", cost=lambda n, before, after: 0.0):
-        before_shape = _local(shape, now(), names, sizes)
+        before_shape = local_shape(shape, now(), mesh)
         before = block_bytes()
         cur.update(changes)
         n = math.prod(sizes[a] for a in changes)
@@ -138,5 +153,66 @@ def total_bytes(steps) -> int:
     return sum(s.bytes for s in steps)
 
 
-def seconds(steps, links) -> float:
-    return sum(links.seconds(s.axes, s.bytes) for s in steps if s.is_collective)
+def steps_seconds(steps, links) -> float:
+    """Modelled seconds of a plan: each collective by the link model, each local step EPSILON."""
+    return sum(links.seconds(s.axes, s.bytes) if s.is_collective else EPSILON for s in steps)
+
+
+def seconds(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links) -> float:
+    """The one pricer: modelled seconds of the plan that converts ``src`` to ``dst``."""
+    return steps_seconds(plan(shape, dtype, src, dst, mesh), links)
+
+
+def divides(shape, sbp: NdSbp, mesh) -> bool:
+    """Whether every dim of ``shape`` divides by the product of the mesh axes splitting it."""
+    sizes = axis_sizes(mesh)
+    for d, size in enumerate(shape):
+        k = math.prod(sizes[a] for a, s in zip(mesh.axis_names, sbp) if s == Split(d))
+        if size % k:
+            return False
+    return True
+
+
+# ------------------------------------------------------------------------------ running a plan
+
+def run(steps, x, sizes: dict):
+    """Execute ``steps`` on the local block ``x`` inside shard_map (``sizes``: mesh axis sizes)."""
+    for st in steps:
+        x = _RUN[st.kind](st, x, sizes)
+    return x
+
+
+def _all_gather(st, x, sizes):
+    return lax.all_gather(x, st.axes if len(st.axes) > 1 else st.axes[0], axis=st.dim, tiled=True)
+
+
+def _all_reduce(st, x, sizes):
+    return (lax.psum if st.op == "sum" else lax.pmax)(x, st.axes)
+
+
+def _slice(st, x, sizes):
+    size = x.shape[st.dim] // sizes[st.axes[0]]
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(st.axes[0]) * size, size, st.dim)
+
+
+def _pad(st, x, sizes):
+    n, size = sizes[st.axes[0]], x.shape[st.dim]
+    shape = x.shape[:st.dim] + (size * n,) + x.shape[st.dim + 1:]
+    return lax.dynamic_update_slice_in_dim(jnp.zeros(shape, x.dtype), x, lax.axis_index(st.axes[0]) * size, st.dim)
+
+
+def _mask(st, x, sizes):
+    if st.op != "sum":   # max over equal copies is the copy
+        return x
+    return jnp.where(lax.axis_index(st.axes[0]) == 0, x, jnp.zeros_like(x))
+
+
+_RUN = {
+    "all_gather": _all_gather,
+    "all_reduce": _all_reduce,
+    "reduce_scatter": lambda st, x, sizes: lax.psum_scatter(x, st.axes[0], scatter_dimension=st.dim, tiled=True),
+    "all_to_all": lambda st, x, sizes: lax.all_to_all(x, st.axes[0], st.dim, st.src_dim, tiled=True),
+    "slice": _slice,
+    "pad": _pad,
+    "mask": _mask,
+}

@@ -6,7 +6,7 @@ import dataclasses
 from jax import lax
 
 from shardflow.primitives import box_p
-from shardflow.program import Program, all_eqns, is_literal, open_jaxpr, source_line, subjaxprs
+from shardflow.program import Program, all_eqns, nested, source_line
 from shardflow.specs import as_dtype, describe, format_sbp
 
 
@@ -23,6 +23,7 @@ class Collective:
     reason: str
     src: str           # NdSbp before / after the whole conversion
     dst: str
+    seconds: float = 0.0   # modelled time per execution (the link model's α + bytes/β)
 
 
 @dataclasses.dataclass
@@ -37,21 +38,20 @@ class Plan:
     def total_bytes(self) -> int:
         return sum(c.bytes * c.count for c in self.collectives)
 
-    def bytes_by_kind(self) -> dict:
-        out = {}
-        for c in self.collectives:
-            out[c.kind] = out.get(c.kind, 0) + c.bytes * c.count
-        return out
+    @property
+    def total_seconds(self) -> float:
+        return sum(c.seconds * c.count for c in self.collectives)
 
     def __str__(self):
-        rows = [("kind", "axes", "value", "bytes", "×", "source", "reason")]
+        rows = [("kind", "axes", "value", "bytes", "µs", "×", "source", "reason")]
         for c in self.collectives:
-            rows.append((c.kind, ",".join(c.axes), f"{c.dtype}{list(c.shape)}", f"{c.bytes:,}", str(c.count),
-                         c.source, c.reason))
+            rows.append((c.kind, ",".join(c.axes), f"{c.dtype}{list(c.shape)}", f"{c.bytes:,}",
+                         f"{c.seconds * 1e6:.1f}", str(c.count), c.source, c.reason))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.append(f"total: {self.total_bytes:,} bytes sent per device in {len(self.collectives)} collectives")
+        lines.append(f"total: {self.total_bytes:,} bytes sent per device in {len(self.collectives)} collectives, "
+                     f"{self.total_seconds * 1e6:.1f} µs modelled")
         if self.fallbacks:
             lines.append("run whole for want of a rule (operands gathered to B): "
                          + ", ".join(f"{p} at {s}" for p, s in self.fallbacks))
@@ -69,20 +69,18 @@ def _collectives(program: Program, jaxpr, count: int, out: list):
                     out.append(Collective(st.kind, st.axes, tuple(x.aval.shape), as_dtype(x.aval.dtype).name,
                                           st.bytes, count, eqn.params["source"], eqn.params["used_at"],
                                           eqn.params["reason"], format_sbp(eqn.params["src"]),
-                                          format_sbp(eqn.params["dst"])))
+                                          format_sbp(eqn.params["dst"]), program.links.seconds(st.axes, st.bytes)))
         trips = eqn.params.get("length", 1) if eqn.primitive is lax.scan_p else 1
-        for _, value in subjaxprs(eqn.params):
-            for j in value if isinstance(value, tuple) else (value,):
-                _collectives(program, open_jaxpr(j), count * trips, out)
+        for body in nested(eqn):
+            _collectives(program, body, count * trips, out)
 
 
-def make_plan(program: Program, arg_names) -> Plan:
-    jaxpr = program.jaxpr.jaxpr
+def make_plan(program: Program) -> Plan:
+    jaxpr, arg_names = program.jaxpr.jaxpr, program.arg_names
     collectives = []
     _collectives(program, jaxpr, 1, collectives)
     inputs = [(n, tuple(v.aval.shape), program.sbp[v]) for n, v in zip(arg_names, jaxpr.invars)]
-    outputs = [(i, tuple(v.aval.shape), program.sbp[v] if not is_literal(v) else None)
-               for i, v in enumerate(jaxpr.outvars)]
+    outputs = [(i, tuple(v.aval.shape), s) for i, (v, s) in enumerate(zip(jaxpr.outvars, program.out_sbp))]
     values = [(e.primitive.name, source_line(e), describe(v.aval), program.sbp.get(v))
               for e in all_eqns(jaxpr) for v in e.outvars if v in program.sbp]
     return Plan(collectives, inputs, outputs, values, list(program.fallbacks))

@@ -18,8 +18,8 @@ They are primitives rather than named ``jit`` calls for two reasons the compiler
 partial evaluation (inside a differentiated scan) never splits a primitive, and a primitive
 rebinds at any operand shapes — the sharding passes run it on the local blocks of a batch- or
 head-split q/k/v and its abstract evaluation gives the local result shapes. Batch (dim 0) and
-heads (dim 2 of q/k/v/out/dout, dim 1 of lse) are independent in every implementation, so
-``shardflow.rules`` lets a pass split them.
+heads (dim 2 of q/k/v/out/dout, dim 1 of lse) are independent in every implementation; the
+primitives' rule (signatures over named operands, and the local lowering) is registered below.
 """
 from __future__ import annotations
 
@@ -29,11 +29,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax._src import core, dispatch
-from jax._src.interpreters import mlir
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
-from shardflow import rules, specs
-from shardflow.passes import lower
+from shardflow import _compat
+from shardflow.registry import Sig, decision_of, defrule
+from shardflow.specs import B, P, S
 
 from shardflow.kernels import attention_xla, flash_attention_gpu
 
@@ -115,13 +116,13 @@ def sf_attention_bwd(config: _AttentionConfig, q, k, v, out, lse, dout, *extras)
 
 def _attention_primitive(name: str, kernel):
   """A primitive computing ``kernel(config, *operands)``; lowered by tracing the kernel."""
-  prim = core.Primitive(name)
+  prim = Primitive(name)
   prim.multiple_results = True
-  prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+  prim.def_impl(functools.partial(_compat.apply_primitive, prim))
 
   def abstract_eval(*avals, config):
     shapes = jax.eval_shape(functools.partial(kernel, config), *avals)
-    return [core.ShapedArray(x.shape, x.dtype) for x in shapes]
+    return [jax.core.ShapedArray(x.shape, x.dtype) for x in shapes]
 
   prim.def_abstract_eval(abstract_eval)
   mlir.register_lowering(prim, mlir.lower_fun(lambda *args, config: kernel(config, *args),
@@ -131,27 +132,75 @@ def _attention_primitive(name: str, kernel):
 
 sf_attention_fwd_p = _attention_primitive("sf_attention_fwd", sf_attention_fwd)
 sf_attention_bwd_p = _attention_primitive("sf_attention_bwd", sf_attention_bwd)
-rules.rule(sf_attention_fwd_p, sf_attention_bwd_p)(rules.attention_signatures)
 
 
-@lower.local_rule(sf_attention_fwd_p.name, sf_attention_bwd_p.name)
-def _local_attention(local, eqn, ins):
-  """Per-device attention. When the passes split the queries along the sequence, this shard's
-  queries start at its offset: the causal mask moves with them (offsets become operands)."""
+# ------------------------------------------------------------------------------ sharding rule
+
+# The dims of each named operand / result: q-like arrays are [batch, seq, heads, head_dim], k-like
+# [batch, seq_kv, heads_kv, head_dim], lse-like [batch, heads, seq], segment ids [batch, seq];
+# offsets are scalars.
+_Q = {"batch": 0, "seq": 1, "heads": 2}
+_KV = {"batch": 0, "heads": 2}
+_LSE = {"batch": 0, "heads": 1, "seq": 2}
+_DIMS = {"q": _Q, "out": _Q, "dout": _Q, "dq": _Q, "k": _KV, "v": _KV, "dk": _KV, "dv": _KV,
+         "lse": _LSE, "dlse": _LSE, "segment_ids": {"batch": 0, "seq": 1}, "q_offset": {}, "kv_offset": {}}
+
+
+def operand_names(eqn) -> tuple:
+  """The names of an sf_attention_* equation's operands, in order."""
   config = eqn.params["config"]
-  q_var, q = eqn.invars[0], ins[0]
-  if not specs.split_axes(local.p.sbp[q_var], 1, local.names):
+  backward = eqn.primitive is sf_attention_bwd_p
+  names = ["q", "k", "v"] + (["out", "lse", "dout"] if backward else [])
+  names += ["segment_ids"] * config.has_segment_ids
+  names += ["q_offset", "kv_offset"] * (config.static_offset_delta is None)
+  names += ["dlse"] * (backward and config.has_dlse)
+  return tuple(names)
+
+
+def _result_names(eqn) -> tuple:
+  return ("dq", "dk", "dv") if eqn.primitive is sf_attention_bwd_p else ("out", "lse")
+
+
+def _split(names, dim):
+  return tuple(S(_DIMS[n][dim]) if dim in _DIMS[n] else B for n in names)
+
+
+def _attention_signatures(eqn):
+  """Batch rows and heads are independent. Queries may also be split along the sequence with
+  whole keys and values (all-gather context parallelism, "query_seq"): each shard attends its
+  queries to every key, its causal mask shifted by the shard's offset (see the lowering); the
+  backward's dk and dv are then partial sums over the query shards. Not with segment ids,
+  which q and kv share."""
+  ins, outs = operand_names(eqn), _result_names(eqn)
+  sigs = [Sig(_split(ins, "batch"), _split(outs, "batch")), Sig(_split(ins, "heads"), _split(outs, "heads"))]
+  if "segment_ids" not in ins:
+    query = tuple(S(_DIMS[n]["seq"]) if n in ("q", "out", "dout", "lse", "dlse") else B for n in ins)
+    result = {"out": S(1), "lse": S(2), "dq": S(1), "dk": P, "dv": P}
+    sigs.append(Sig(query, tuple(result[n] for n in outs), "query_seq"))
+  return sigs
+
+
+def _local_attention(local, eqn, ins):
+  """Per-device attention. Under the "query_seq" signature this shard's queries start at its
+  offset: the causal mask moves with them (the offsets become operands)."""
+  config = eqn.params["config"]
+  if not decision_of(eqn).named("query_seq"):
     return eqn.primitive.bind(*ins, config=config)
-  shard, _ = local.shard_index(q_var, 1)
-  shift = (shard * q.shape[1]).astype(jnp.int32)
-  n_fixed = 6 if eqn.primitive is sf_attention_bwd_p else 3
-  fixed, extras = list(ins[:n_fixed]), list(ins[n_fixed:])
-  if config.static_offset_delta is None:   # extras: q_offset, kv_offset[, dlse]
-    extras[0] = extras[0] + shift
+  names = operand_names(eqn)
+  shard, _ = local.shard_index(eqn.invars[0], _DIMS["q"]["seq"])
+  shift = (shard * ins[0].shape[1]).astype(jnp.int32)
+  operands = dict(zip(names, ins))
+  if config.static_offset_delta is None:
+    operands["q_offset"] = operands["q_offset"] + shift
   else:
-    extras = [jnp.int32(config.static_offset_delta) + shift, jnp.int32(0)] + extras
+    operands["q_offset"], operands["kv_offset"] = jnp.int32(config.static_offset_delta) + shift, jnp.int32(0)
     config = dataclasses.replace(config, static_offset_delta=None)
-  return eqn.primitive.bind(*fixed, *extras, config=config)
+  eqn_names = [n for n in ("q", "k", "v", "out", "lse", "dout", "segment_ids", "q_offset", "kv_offset", "dlse")
+               if n in operands]
+  return eqn.primitive.bind(*(operands[n] for n in eqn_names), config=config)
+
+
+defrule(sf_attention_fwd_p, sf_attention_bwd_p, lower=_local_attention)(_attention_signatures)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -4,10 +4,10 @@ Both are the identity on values; they exist so the passes — and JAX's jaxpr pr
 """
 from __future__ import annotations
 
-from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
-constrain_p = core.Primitive("sf_constrain")
+constrain_p = Primitive("sf_constrain")
 constrain_p.def_impl(lambda x, *, spec: x)
 constrain_p.def_abstract_eval(lambda x, *, spec: x)
 mlir.register_lowering(constrain_p, lambda ctx, x, *, spec: [x])
@@ -41,5 +41,5 @@ class _Hashable:
         return repr(self.spec)
 
 
-box_p = core.Primitive("sf_box")
+box_p = Primitive("sf_box")
 box_p.def_abstract_eval(lambda x, **_: x)

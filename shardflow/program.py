@@ -1,8 +1,10 @@
-"""Program: a closed jaxpr, a mesh, and an NdSbp for every value.
+"""Program: a closed jaxpr, a mesh, and the facts the passes decided about it.
 
-``Program.sbp`` maps each ``jax.core.Var`` — of the top-level jaxpr and of every nested one
-(scan / while / cond bodies, remat) — to its NdSbp. Nested jaxprs are cloned per call site by
-``passes.inline``, so a Var names one value in one place and a plain dict keyed by Var is enough.
+Facts live on what they describe: a value's NdSbp in ``Program.sbp``, keyed by its Var (a Var
+names one value in one place: ``passes.inline`` clones nested jaxprs per call site); an
+equation's Decision in the equation's own params (``registry.DECISION``). Both survive any
+rewrite that keeps Vars and params. ``facts`` names the invariants the passes so far ensured
+(``shardflow.pipeline``).
 """
 from __future__ import annotations
 
@@ -11,30 +13,32 @@ import os
 from typing import Any, Callable, Iterator
 
 import jax
-from jax._src import core, source_info_util
-from jax._src.ad_checkpoint import remat_p
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
+from jax.extend.core import primitives as prims
 from jax.sharding import Mesh
 
+from shardflow import _compat
 from shardflow.mesh import LinkModel
+from shardflow.registry import DECISION
 
 # Frames of the compiler itself are never "the user's line"; shardflow's models and trainer are.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-for _module in ("api.py", "primitives.py", "program.py"):
+for _module in ("api.py", "primitives.py", "program.py", "registry.py", "pipeline.py", "rules" + os.sep):
     source_info_util.register_exclusion(os.path.join(_HERE, _module))
-source_info_util.register_exclusion(os.path.join(os.path.dirname(_HERE), "passes") + os.sep)
 
 
 @dataclasses.dataclass
 class Program:
-    jaxpr: core.ClosedJaxpr
+    jaxpr: ClosedJaxpr
     mesh: Mesh
     in_sbp: tuple                      # NdSbp of each flat input, fixed by in_specs
-    out_sbp: tuple                     # NdSbp (or None: as propagated) of each flat output
+    out_sbp: tuple                     # NdSbp of each flat output (None: as propagated, until propagate)
     sbp: dict = dataclasses.field(default_factory=dict)          # Var -> NdSbp
-    uses: dict = dataclasses.field(default_factory=dict)         # id(eqn) -> NdSbp each operand needs
-    results: dict = dataclasses.field(default_factory=dict)      # id(jaxpr) -> NdSbp each output needs
     links: LinkModel = dataclasses.field(default_factory=LinkModel)
     fallbacks: list = dataclasses.field(default_factory=list)    # (primitive name, source) run whole
+    facts: frozenset = frozenset()     # invariants ensured by the passes run so far
+    arg_names: tuple = ()              # names of the flat inputs, for explain and errors
 
     def replace(self, **kw) -> "Program":
         return dataclasses.replace(self, **kw)
@@ -47,13 +51,11 @@ class Program:
         return str(self.jaxpr)
 
 
-# jax.checkpoint's primitive: jaxprs print it as "checkpoint", its name is "remat2" in
-# jax 0.10; the older names are kept for other versions.
-REMAT = frozenset({remat_p.name, "checkpoint", "remat"})
+REMAT_PRIMITIVES = (prims.remat_p,)
 
 
 def _user_frame(source_info):
-    return source_info_util.user_frame(source_info.traceback) if source_info else None
+    return _compat.user_frame(source_info.traceback) if source_info else None
 
 
 def has_user_frame(source_info) -> bool:
@@ -73,35 +75,60 @@ def source_line(eqn) -> str:
 def subjaxprs(params: dict) -> Iterator[tuple[str, Any]]:
     """(param name, Jaxpr | ClosedJaxpr | tuple of them) for every jaxpr-valued param."""
     for name, value in params.items():
-        if isinstance(value, (core.Jaxpr, core.ClosedJaxpr)):
+        if isinstance(value, (Jaxpr, ClosedJaxpr)):
             yield name, value
-        elif isinstance(value, tuple) and value and all(isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value):
+        elif isinstance(value, tuple) and value and all(isinstance(v, (Jaxpr, ClosedJaxpr)) for v in value):
             yield name, value
 
 
-def map_subjaxprs(eqn, fn: Callable[[core.Jaxpr], core.Jaxpr]):
-    """The eqn with ``fn`` applied to every nested (open) jaxpr; ClosedJaxprs keep their consts."""
-    def one(j):
-        if isinstance(j, core.ClosedJaxpr):
-            return core.ClosedJaxpr(fn(j.jaxpr), j.consts)
-        return fn(j)
+def rebuild(value: tuple, fn) -> tuple:
+    """``fn`` over a tuple of jaxprs, keeping its type (custom_linear_solve's is a namedtuple)."""
+    items = [fn(v) for v in value]
+    return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+
+
+def map_subjaxprs(eqn, fn: Callable[[str, Jaxpr], Jaxpr], names=None):
+    """The eqn with ``fn(param name, jaxpr)`` applied to every nested (open) jaxpr — or to those
+    of the params in ``names`` — ClosedJaxprs keeping their consts."""
+    def one(name, j):
+        return j.replace(jaxpr=fn(name, j.jaxpr)) if isinstance(j, ClosedJaxpr) else fn(name, j)
 
     new = {}
     for name, value in subjaxprs(eqn.params):
-        new[name] = tuple(one(v) for v in value) if isinstance(value, tuple) else one(value)
+        if names is not None and name not in names:
+            continue
+        new[name] = rebuild(value, lambda v: one(name, v)) if isinstance(value, tuple) else one(name, value)
     return eqn.replace(params={**eqn.params, **new}) if new else eqn
 
 
-def open_jaxpr(j) -> core.Jaxpr:
-    return j.jaxpr if isinstance(j, core.ClosedJaxpr) else j
+def open_jaxpr(j) -> Jaxpr:
+    return j.jaxpr if isinstance(j, ClosedJaxpr) else j
 
 
-def all_eqns(jaxpr: core.Jaxpr) -> Iterator:
+def nested(eqn) -> Iterator[Jaxpr]:
+    """The bodies of ``eqn`` that the passes partition: those its Decision lists (a scan's body,
+    a cond's branches), not scalar combiners such as a scatter's ``update_jaxpr``. Before
+    propagation, every nested jaxpr."""
+    decision = eqn.params.get(DECISION)
+    names = None if decision is None else {name for name, _ in decision.bodies}
+    for name, value in subjaxprs(eqn.params):
+        if names is None or name in names:
+            for j in value if isinstance(value, tuple) else (value,):
+                yield open_jaxpr(j)
+
+
+def all_eqns(jaxpr: Jaxpr) -> Iterator:
     for eqn in jaxpr.eqns:
         yield eqn
-        for _, value in subjaxprs(eqn.params):
-            for j in value if isinstance(value, tuple) else (value,):
-                yield from all_eqns(open_jaxpr(j))
+        for j in nested(eqn):
+            yield from all_eqns(j)
+
+
+def all_jaxprs(jaxpr: Jaxpr) -> Iterator[Jaxpr]:
+    yield jaxpr
+    for eqn in jaxpr.eqns:
+        for j in nested(eqn):
+            yield from all_jaxprs(j)
 
 
 def scan_arity(params) -> tuple[int, int]:
@@ -113,14 +140,14 @@ def scan_arity(params) -> tuple[int, int]:
     return len(consts), len(carry)
 
 
-def new_var(aval) -> core.Var:
-    return core.Var(aval)
+def new_var(aval) -> Var:
+    return Var(aval)
 
 
 def is_literal(x) -> bool:
-    return isinstance(x, core.Literal)
+    return isinstance(x, Literal)
 
 
-def trace(fn, *args) -> core.ClosedJaxpr:
+def trace(fn, *args) -> ClosedJaxpr:
     """The closed jaxpr of ``fn`` on abstract arguments."""
     return jax.make_jaxpr(fn)(*args)

@@ -210,8 +210,6 @@ def test_empty_arrays_on_a_split_dim(mesh, case):
     _agree(sf.parallelize(fn, mesh=mesh, in_specs=spec), fn, np.ones(shape, np.float32))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14: the sf_box lowering all_gathers a 0-size local block, which "
-                                       "XLA's verifier refuses; an empty value needs no collective")
 @pytest.mark.parametrize("case", range(len(EMPTY_GATHERED)))
 def test_empty_arrays_gathered(mesh, case):
     fn, spec, shape = EMPTY_GATHERED[case]
@@ -222,8 +220,6 @@ A = (np.eye(4) * 3 + 0.1 * np.arange(16).reshape(4, 4)).astype(np.float32)
 A8 = np.stack([A + i for i in range(8)]) + np.eye(4, dtype=np.float32) * 8
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14: custom_linear_solve's jaxprs namedtuple becomes a plain tuple "
-                                       "in passes/inline (and boxing walks into the body of an eqn run whole)")
 @pytest.mark.parametrize("name", ["solve", "solve-split", "inv", "slogdet-grad", "slogdet-grad-split"])
 def test_linear_solves_run_whole(mesh, name):
     slogdet = lambda x: jnp.sum(jnp.linalg.slogdet(x)[1])

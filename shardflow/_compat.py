@@ -1,0 +1,34 @@
+"""Every private JAX name shardflow uses, in one place.
+
+Everything else imports public API (``jax.extend.core``, ``jax.interpreters.*``, ``jax.tree``).
+Each name here is private because JAX has no public spelling for it yet; the comment says what
+it is for. Checked on jax 0.10.2 (CI) and 0.11.2 (the device machine).
+"""
+from __future__ import annotations
+
+from jax._src import dispatch as _dispatch
+from jax._src import source_info_util as _source_info_util
+from jax._src import xla_bridge as _xla_bridge
+from jax._src.lax import lax as _lax
+
+# lax.stack / lax.unstack and tanh's derivative (jax 0.11) have no public primitive names.
+stack_p = _lax.stack_p
+unstack_p = _lax.unstack_p
+one_minus_square_p = getattr(_lax, "one_minus_square_p", None)
+
+# The frame of user code in a traceback, skipping frames registered as excluded.
+user_frame = _source_info_util.user_frame
+
+# A primitive's eager implementation by compiling it (for primitives with a lowering only).
+apply_primitive = _dispatch.apply_primitive
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX has created its backends (after which XLA_FLAGS are read and fixed)."""
+    return _xla_bridge.backends_are_initialized()
+
+
+def shard_map_primitive():
+    """The primitive of ``jax.shard_map`` (a user's own shard_map inside a parallelized fn)."""
+    from jax._src.shard_map import shard_map_p
+    return shard_map_p

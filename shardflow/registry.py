@@ -1,0 +1,113 @@
+"""The one rule table: per primitive, its SBP signatures, its local lowering, its control flow.
+
+A ``Rule`` holds everything shardflow knows about one primitive, the way JAX keys its own jvp
+and batching rules by primitive:
+
+* ``signatures(eqn) -> [Sig]``: the 1-D signatures the equation accepts on ONE mesh axis,
+  OneFlow style. Propagation applies them axis by axis, so an nd signature is one 1-D
+  signature per axis. Running whole (all operands B -> all outputs B) needs no entry.
+* ``lower(local, eqn, ins) -> outs``: the equation on local blocks inside shard_map, for
+  primitives whose params hold global shapes or that depend on a signature's meaning (a
+  vocab-split lookup, a query-split attention). The chosen signature is ``eqn.params["sf"]``.
+  Default: bind unchanged.
+* ``propagate(prop, eqn) -> eqn``: control flow (scan, while, cond, remat, a user shard_map)
+  choosing its own operands' and bodies' NdSbps instead of picking a signature.
+* ``pin(eqn) -> spec``: a user's pin on its operand (``sf.constrain``,
+  ``with_sharding_constraint``), which propagation spreads backward as a demand.
+
+A primitive without a rule runs whole after its operands are gathered, and is reported.
+
+Each equation's decision — the ``Decision`` below — is a param of the equation itself
+(``eqn.params["sf"]``), set by ``passes.propagate`` and read by every later pass: it survives
+any rewrite that keeps the equation's params (``eqn.replace``), prints with JAX's jaxpr
+printer, and is stripped before a primitive is bound.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+from shardflow.specs import format_sbp
+
+DECISION = "sf"  # the equation param that holds its Decision
+
+
+class Sig(NamedTuple):
+    """A 1-D signature: the SBP each operand must have on one mesh axis, and what each output
+    then has. ``name`` marks the signatures whose local lowering differs (e.g. "vocab")."""
+    ins: tuple
+    outs: tuple
+    name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What propagation chose for one equation."""
+    ins: tuple                 # the NdSbp each operand must have
+    outs: tuple                # the NdSbp of each result
+    sigs: tuple = ()           # per mesh axis, the 1-D Sig chosen ((): control flow or whole)
+    bodies: tuple = ()         # control flow: (param name, NdSbp each output of that body must have)
+    fallback: bool = False     # no rule: operands gathered, run whole
+
+    def body_outs(self, name: str):
+        return dict(self.bodies).get(name)
+
+    def named(self, name: str) -> tuple:
+        """Indices of the mesh axes whose chosen signature is the one named ``name``."""
+        return tuple(i for i, s in enumerate(self.sigs) if s is not None and s.name == name)
+
+    def __repr__(self):
+        ins = ",".join(format_sbp(s) for s in self.ins)
+        outs = ",".join(format_sbp(s) for s in self.outs)
+        return f"{ins}->{outs}" + (" whole" if self.fallback else "")
+
+
+@dataclasses.dataclass
+class Rule:
+    signatures: Callable | None = None
+    lower: Callable | None = None
+    propagate: Callable | None = None
+    pin: Callable | None = None
+
+
+RULES: dict = {}
+
+
+def defrule(*prims, signatures=None, lower=None, propagate=None, pin=None):
+    """Register (or extend) the rule of each primitive in ``prims`` (None entries — primitives
+    this JAX version lacks — are skipped). Returns a decorator that sets the signatures."""
+    prims = [p for p in prims if p is not None]
+    for p in prims:
+        rule = RULES.setdefault(p, Rule())
+        for field, value in (("signatures", signatures), ("lower", lower), ("propagate", propagate), ("pin", pin)):
+            if value is not None:
+                setattr(rule, field, value)
+
+    def decorate(fn):
+        for p in prims:
+            RULES[p].signatures = fn
+        return fn
+    return decorate
+
+
+def rule_of(primitive) -> Rule | None:
+    return RULES.get(primitive)
+
+
+def decision_of(eqn) -> Decision | None:
+    return eqn.params.get(DECISION)
+
+
+def bind_params(eqn) -> dict:
+    """The equation's params as its primitive takes them (without the decision)."""
+    if DECISION not in eqn.params:
+        return eqn.params
+    return {k: v for k, v in eqn.params.items() if k != DECISION}
+
+
+def signatures(eqn):
+    """The 1-D signatures of ``eqn``, or None when it has no rule (it then runs whole)."""
+    rule = RULES.get(eqn.primitive)
+    if rule is None or rule.signatures is None:
+        return [] if not eqn.invars else None  # made from nothing (iota, empty): whole, B
+    return rule.signatures(eqn)

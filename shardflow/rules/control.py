@@ -1,0 +1,193 @@
+"""Control flow and shardflow's own primitives, registered like any other primitive: pins
+(sf.constrain, with_sharding_constraint), conversions (sf_box), scan, while, cond, remat and a
+user's own shard_map. Each propagate rule annotates its bodies and returns the equation with its
+Decision; each lower rule runs the equation on local blocks."""
+from __future__ import annotations
+
+import jax
+from jax import lax
+from jax.extend.core import ClosedJaxpr, primitives as prims
+
+from shardflow import conversion
+from shardflow.primitives import box_p, constrain_p
+from shardflow.program import REMAT_PRIMITIVES, is_literal, open_jaxpr, scan_arity, source_line
+from shardflow.registry import Decision, defrule
+from shardflow.specs import B, ShardingError, Split, describe, format_sbp, to_sbp
+
+
+def _rebody(old, new_jaxpr):
+    """``new_jaxpr`` in the form (closed or open) of the param it replaces."""
+    return old.replace(jaxpr=new_jaxpr) if isinstance(old, ClosedJaxpr) else new_jaxpr
+
+
+# ------------------------------------------------------------------------------ pins
+
+def _pin_propagate(prop, eqn):
+    x, (out,) = eqn.invars[0], eqn.outvars
+    sbp = prop.pinned(eqn)
+    if not is_literal(x):
+        prev = prop.constrained.get(x)
+        if prev is not None and prev[0] != sbp:
+            raise ShardingError(
+                f"conflicting constraints on {describe(x.aval)}: {format_sbp(prev[0])} at {prev[1]} and "
+                f"{format_sbp(sbp)} at {source_line(eqn)}")
+        prop.constrained[x] = (sbp, source_line(eqn))
+    return prop.decide(eqn, Decision((sbp,), (sbp,)))
+
+
+def _sharding_constraint_spec(eqn):
+    sharding = eqn.params["sharding"]
+    spec = getattr(sharding, "spec", sharding)
+    if eqn.params.get("unconstrained_dims"):
+        raise ShardingError(f"with_sharding_constraint at {source_line(eqn)}: unconstrained dims "
+                            f"{sorted(eqn.params['unconstrained_dims'])} in {spec} are not supported; "
+                            "name the axes of every dim")
+    return spec
+
+
+def _identity(local, eqn, ins):
+    return ins[0]
+
+
+defrule(constrain_p, propagate=_pin_propagate, pin=lambda eqn: eqn.params["spec"].spec, lower=_identity)
+defrule(prims.sharding_constraint_p, propagate=_pin_propagate, pin=_sharding_constraint_spec, lower=_identity)
+def _lower_box(local, eqn, ins):
+    if 0 in ins[0].shape:  # an empty block: nothing to move (XLA refuses to all_gather a 0-size dim)
+        return lax.reshape(ins[0], local.shape(eqn.outvars[0]))
+    return conversion.run(eqn.params["steps"], ins[0], local.sizes)
+
+
+defrule(box_p, lower=_lower_box)
+
+
+# ------------------------------------------------------------------------------ scan
+
+def _unstacked(sbp):
+    """The NdSbp of one slice of a value stacked on a new leading dim, or None."""
+    if sbp is None or Split(0) in sbp:
+        return None
+    return tuple(Split(s.dim - 1) if isinstance(s, Split) else s for s in sbp)
+
+
+def _stacked(sbp):
+    return tuple(Split(s.dim + 1) if isinstance(s, Split) else s for s in sbp)
+
+
+def _propagate_scan(prop, eqn):
+    nc, nk = scan_arity(eqn.params)
+    closed = eqn.params["jaxpr"]
+    body = open_jaxpr(closed)
+    cur = [prop.of(a) for a in eqn.invars]
+    consts, init, xs = cur[:nc], cur[nc:nc + nk], cur[nc + nk:]
+    xs_outer = [tuple(B if s == Split(0) else s for s in x) for x in xs]
+    xs_inner = [_unstacked(x) for x in xs_outer]
+    src = source_line(eqn)
+    # What the scan's stacked outputs are wanted as, per iteration: a per-layer gradient that
+    # must end up split is reduce-scattered inside the loop, not stacked whole and scattered after.
+    ys_wanted = [_unstacked(prop.demand.get(v)) for v in eqn.outvars[nk:]]
+    prop.spread_demands(body, [None] * nk + ys_wanted)
+    annotated = []
+
+    def run(carry):
+        new, outs = prop.run_body(body, consts + list(carry) + xs_inner, src)
+        annotated.append(new)
+        return outs[:nk]
+
+    carry = prop.loop(run, init)
+    ys = [want or prop.of(v) for v, want in zip(body.outvars[nk:], ys_wanted)]
+    decision = Decision(tuple(consts + carry + xs_outer), tuple(carry) + tuple(_stacked(s) for s in ys),
+                        bodies=(("jaxpr", tuple(carry) + tuple(ys_wanted)),))
+    return prop.decide(eqn, decision, src, jaxpr=_rebody(closed, annotated[-1]))
+
+
+def _lower_scan(local, eqn, ins):
+    p = eqn.params
+    nc, nk = scan_arity(p)
+    body = local.body_fn(p["jaxpr"])
+    consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+
+    def step(carry, x):
+        out = body(*consts, *carry, *x)
+        return out[:nk], out[nk:]
+
+    carry, ys = lax.scan(step, list(init), list(xs), length=p["length"], reverse=p["reverse"],
+                         unroll=p["unroll"])
+    return list(carry) + list(ys)
+
+
+defrule(lax.scan_p, propagate=_propagate_scan, lower=_lower_scan)
+
+
+# ------------------------------------------------------------------------------ while
+
+def _propagate_while(prop, eqn):
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    cond_closed, body_closed = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    cond, body = open_jaxpr(cond_closed), open_jaxpr(body_closed)
+    cur = [prop.of(a) for a in eqn.invars]
+    cconsts, bconsts, init = cur[:cn], cur[cn:cn + bn], cur[cn + bn:]
+    src = source_line(eqn)
+    annotated = []
+
+    def run(carry):
+        new_cond, _ = prop.run_body(cond, cconsts + list(carry), src)
+        new_body, outs = prop.run_body(body, bconsts + list(carry), src)
+        annotated.append((new_cond, new_body))
+        return outs
+
+    carry = prop.loop(run, init)
+    new_cond, new_body = annotated[-1]
+    decision = Decision(tuple(cconsts + bconsts + carry), tuple(carry),
+                        bodies=(("cond_jaxpr", (prop.whole,)), ("body_jaxpr", tuple(carry))))
+    return prop.decide(eqn, decision, src, cond_jaxpr=_rebody(cond_closed, new_cond),
+                       body_jaxpr=_rebody(body_closed, new_body))
+
+
+def _lower_while(local, eqn, ins):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cond, body = local.body_fn(p["cond_jaxpr"]), local.body_fn(p["body_jaxpr"])
+    cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+    return lax.while_loop(lambda c: cond(*cconsts, *c)[0], lambda c: body(*bconsts, *c), list(init))
+
+
+defrule(lax.while_p, propagate=_propagate_while, lower=_lower_while)
+
+
+# ------------------------------------------------------------------------------ cond
+
+def _propagate_cond(prop, eqn):
+    cur = [prop.of(a) for a in eqn.invars]
+    src = source_line(eqn)
+    outs, branches = None, []
+    for closed in eqn.params["branches"]:
+        new, produced = prop.run_body(open_jaxpr(closed), cur[1:], src)
+        outs = outs or produced
+        branches.append(_rebody(closed, new))
+    decision = Decision((prop.whole,) + tuple(cur[1:]), tuple(outs), bodies=(("branches", tuple(outs)),))
+    return prop.decide(eqn, decision, src, branches=tuple(branches))
+
+
+def _lower_cond(local, eqn, ins):
+    return lax.switch(ins[0], [local.body_fn(b) for b in eqn.params["branches"]], *ins[1:])
+
+
+defrule(lax.cond_p, propagate=_propagate_cond, lower=_lower_cond)
+
+
+# ------------------------------------------------------------------------------ remat
+
+def _propagate_remat(prop, eqn):
+    """remat / checkpoint: the body runs on the operands as they are."""
+    cur = [prop.of(a) for a in eqn.invars]
+    new, outs = prop.run_body(open_jaxpr(eqn.params["jaxpr"]), cur, source_line(eqn))
+    return prop.decide(eqn, Decision(tuple(cur), tuple(outs), bodies=(("jaxpr", None),)), jaxpr=new)
+
+
+def _lower_remat(local, eqn, ins):
+    body = local.body_fn(open_jaxpr(eqn.params["jaxpr"]))
+    return jax.checkpoint(lambda *a: body(*a), prevent_cse=eqn.params["prevent_cse"],
+                          policy=eqn.params["policy"])(*ins)
+
+
+defrule(*REMAT_PRIMITIVES, propagate=_propagate_remat, lower=_lower_remat)

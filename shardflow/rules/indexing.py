@@ -1,0 +1,159 @@
+"""Slicing, padding, gather and scatter: the ops whose params hold global positions."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from shardflow.registry import Sig, bind_params, decision_of, defrule
+from shardflow.rules.elementwise import every, rank, shape
+from shardflow.specs import B, P, S
+
+
+@defrule(lax.pad_p)
+def _pad(eqn):
+    config = eqn.params["padding_config"]
+    return [Sig((S(d), B), (S(d),)) for d, c in enumerate(config) if tuple(c) == (0, 0, 0)]
+
+
+def _lower_slice(local, eqn, ins):
+    (x,) = ins
+    limit = [l if x.shape[d] == eqn.invars[0].aval.shape[d] else x.shape[d]
+             for d, l in enumerate(eqn.params["limit_indices"])]
+    return lax.slice_p.bind(x, start_indices=eqn.params["start_indices"], limit_indices=tuple(limit),
+                            strides=eqn.params["strides"])
+
+
+@defrule(lax.slice_p, lower=_lower_slice)
+def _slice(eqn):
+    x = eqn.invars[0]
+    start, limit, strides = eqn.params["start_indices"], eqn.params["limit_indices"], eqn.params["strides"]
+    return [Sig((S(d),), (S(d),)) for d in range(rank(x))
+            if start[d] == 0 and limit[d] == shape(x)[d] and (strides is None or strides[d] == 1)]
+
+
+def _lower_dynamic_slice(local, eqn, ins):
+    x, *idx = ins
+    sizes = [x.shape[d] if s == eqn.invars[0].aval.shape[d] else s for d, s in enumerate(eqn.params["slice_sizes"])]
+    return lax.dynamic_slice_p.bind(x, *idx, slice_sizes=tuple(sizes))
+
+
+@defrule(lax.dynamic_slice_p, lower=_lower_dynamic_slice)
+def _dynamic_slice(eqn):
+    x, *idx = eqn.invars
+    sizes = eqn.params["slice_sizes"]
+    return [Sig((S(d),) + every(len(idx), B), (S(d),)) for d in range(rank(x)) if sizes[d] == shape(x)[d]]
+
+
+@defrule(lax.dynamic_update_slice_p)
+def _dynamic_update_slice(eqn):
+    x, upd, *idx = eqn.invars
+    return [Sig((S(d), S(d)) + every(len(idx), B), (S(d),)) for d in range(rank(x)) if shape(upd)[d] == shape(x)[d]]
+
+
+# ------------------------------------------------------------------------------ gather / scatter
+
+def gather_dims(eqn):
+    """Dim bookkeeping of a gather: which operand/indices dims map to which output dims."""
+    operand, indices = eqn.invars
+    dn = eqn.params["dimension_numbers"]
+    out_rank = rank(eqn.outvars[0])
+    offset_out = tuple(dn.offset_dims)
+    batch_out = [d for d in range(out_rank) if d not in offset_out]
+    idx_batch = [d for d in range(rank(indices)) if d != rank(indices) - 1]  # index vector dim is last
+    operand_offset = [d for d in range(rank(operand))
+                      if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    return dn, offset_out, batch_out, idx_batch, operand_offset
+
+
+def _local_indices(local, table, block, indices, index_map, dims):
+    """Indices into ``table``'s split ``dims`` made local to this device's ``block``, and which
+    of them fall in it (the others are clipped and must be masked out by the caller)."""
+    in_range = jnp.ones(indices.shape[:-1], bool)
+    for k in dims:
+        pos = index_map.index(k)
+        idx, _ = local.shard_index(table, k)
+        component = indices[..., pos] - (idx * block.shape[k]).astype(indices.dtype)
+        in_range &= (component >= 0) & (component < block.shape[k])
+        indices = indices.at[..., pos].set(jnp.clip(component, 0, block.shape[k] - 1))
+    return indices, in_range
+
+
+def _vocab_dims(eqn) -> list:
+    """The table dims split under the chosen "vocab" signatures (a lookup into a table split on
+    the indexed dim: each device looks up the rows it holds)."""
+    decision = decision_of(eqn)
+    return sorted({decision.sigs[i].ins[0].dim for i in decision.named("vocab")})
+
+
+def _lower_gather(local, eqn, ins):
+    operand, indices = ins
+    table = eqn.invars[0]
+    dn = eqn.params["dimension_numbers"]
+    sizes = tuple(operand.shape[d] if s == table.aval.shape[d] else s
+                  for d, s in enumerate(eqn.params["slice_sizes"]))
+    params = dict(bind_params(eqn), slice_sizes=sizes)
+    split = _vocab_dims(eqn)
+    if not split:
+        return lax.gather_p.bind(operand, indices, **params)
+    indices, in_range = _local_indices(local, table, operand, indices, dn.start_index_map, split)
+    out = lax.gather_p.bind(operand, indices, **params)
+    batch_dims = tuple(d for d in range(out.ndim) if d not in dn.offset_dims)
+    return jnp.where(lax.broadcast_in_dim(in_range, out.shape, batch_dims), out, jnp.zeros_like(out))
+
+
+@defrule(lax.gather_p, lower=_lower_gather)
+def _gather(eqn):
+    operand, indices = eqn.invars
+    dn, offset_out, batch_out, idx_batch, operand_offset = gather_dims(eqn)
+    sizes = eqn.params["slice_sizes"]
+    sigs = []
+    for od, out_d in zip(operand_offset, offset_out):     # untouched operand dims
+        if od not in dn.start_index_map and sizes[od] == shape(operand)[od]:
+            sigs.append(Sig((S(od), B), (S(out_d),)))
+    for ob, ib in zip(dn.operand_batching_dims, dn.start_indices_batching_dims):
+        sigs.append(Sig((S(ob), S(ib)), (S(batch_out[idx_batch.index(ib)]),)))
+    for ib, out_d in zip(idx_batch, batch_out):           # split the lookups, whole table
+        if ib not in dn.start_indices_batching_dims:
+            sigs.append(Sig((B, S(ib)), (S(out_d),)))
+    for k in dn.start_index_map:                          # vocab-split table: masked local lookup
+        if k in dn.collapsed_slice_dims and sizes[k] == 1:
+            sigs.append(Sig((S(k), B), (P,), "vocab"))
+    return sigs
+
+
+def _lower_scatter_add(local, eqn, ins):
+    operand, indices, updates = ins
+    table = eqn.invars[0]
+    dn = eqn.params["dimension_numbers"]
+    split = _vocab_dims(eqn)
+    if split:  # add only the updates of rows this device holds
+        indices, in_range = _local_indices(local, table, operand, indices, dn.scatter_dims_to_operand_dims, split)
+        scatter_dims = tuple(d for d in range(updates.ndim) if d not in dn.update_window_dims)
+        updates = jnp.where(lax.broadcast_in_dim(in_range, updates.shape, scatter_dims), updates,
+                            jnp.zeros_like(updates))
+    return eqn.primitive.bind(operand, indices, updates, **bind_params(eqn))
+
+
+@defrule(lax.scatter_add_p, lower=_lower_scatter_add)
+def _scatter_add(eqn):
+    operand, indices, updates = eqn.invars
+    dn = eqn.params["dimension_numbers"]
+    upd_window = tuple(dn.update_window_dims)
+    operand_window = [d for d in range(rank(operand))
+                      if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    upd_scatter = [d for d in range(rank(updates)) if d not in upd_window]
+    idx_batch = [d for d in range(rank(indices)) if d != rank(indices) - 1]
+    sigs = []
+    for od, ud in zip(operand_window, upd_window):
+        if od not in dn.scatter_dims_to_operand_dims and shape(updates)[ud] == shape(operand)[od]:
+            sigs.append(Sig((S(od), B, S(ud)), (S(od),)))
+    for ob, ib in zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims):
+        sigs.append(Sig((S(ob), S(ib), S(upd_scatter[idx_batch.index(ib)])), (S(ob),)))
+    for ib, ud in zip(idx_batch, upd_scatter):            # each device adds its own updates
+        if ib not in dn.scatter_indices_batching_dims:
+            sigs.append(Sig((P, S(ib), S(ud)), (P,)))
+    for k in dn.scatter_dims_to_operand_dims:             # vocab-split table: masked local scatter
+        if k in dn.inserted_window_dims:
+            sigs.append(Sig((S(k), B, B), (S(k),), "vocab"))
+    sigs.append(Sig((P, B, P), (P,)))
+    return sigs
