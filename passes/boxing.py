@@ -81,8 +81,41 @@ class Boxing:
         return conversion.seconds(x.aval.shape, x.aval.dtype, src, dst, self.p.mesh, self.p.links)
 
 
+def _reorder(box: Boxing, x, orders, to_mesh_order: bool, name: str):
+    """(the value ``x`` whose blocks are in ``orders`` as a Var in mesh order, or back; its sf_box
+    equations). The NdSbp does not change: only which device holds which block."""
+    sbp, eqns = box.sbp[x], []
+    for dim, axes in orders:
+        steps = conversion.reorder(x.aval.shape, x.aval.dtype, sbp, dim, axes, box.p.mesh, to_mesh_order=to_mesh_order)
+        out = new_var(x.aval)
+        reason = (f"{name} splits dim {dim} over {axes}, against mesh order" if to_mesh_order
+                  else f"{name} is wanted split over {axes} on dim {dim}, against mesh order")
+        params = dict(src=sbp, dst=sbp, steps=steps, reason=reason, source=name, used_at=name)
+        params[DECISION] = Decision((sbp,), (sbp,))
+        eqns.append(new_jaxpr_eqn([x], [out], box_p, params, frozenset()))
+        box.sbp[out] = sbp
+        x = out
+    return x, eqns
+
+
 def boxing(program: Program) -> Program:
     box = Boxing(program)
     closed = program.jaxpr
     jaxpr = box.jaxpr(closed.jaxpr, program.out_sbp, program.arg_names)
+    # A dim split against mesh order at the boundary (in_specs / out_specs) is permuted once.
+    invars, head = list(jaxpr.invars), []
+    for i, orders in enumerate(program.in_orders):
+        if orders:
+            raw = new_var(invars[i].aval)
+            box.sbp[raw] = box.sbp[invars[i]]
+            _, eqns = _reorder(box, raw, orders, True, program.arg_names[i])
+            eqns[-1] = eqns[-1].replace(outvars=[invars[i]])
+            head += eqns
+            invars[i] = raw
+    outvars, tail = list(jaxpr.outvars), []
+    for k, orders in enumerate(program.out_orders):
+        if orders:
+            outvars[k], eqns = _reorder(box, outvars[k], orders, False, f"output {k}")
+            tail += eqns
+    jaxpr = jaxpr.replace(invars=invars, outvars=outvars, eqns=head + list(jaxpr.eqns) + tail)
     return program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=box.sbp)

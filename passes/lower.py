@@ -74,8 +74,12 @@ def lower(program: Program, donated: tuple = ()):
     outputs may reuse."""
     local = Local(program)
     closed, mesh = program.jaxpr, program.mesh
-    in_specs = tuple(to_partition_spec(s, mesh, len(v.aval.shape)) for v, s in zip(closed.jaxpr.invars, program.in_sbp))
-    out_specs = tuple(to_partition_spec(s, mesh, len(v.aval.shape)) for v, s in zip(closed.jaxpr.outvars, program.out_sbp))
+    def specs(values, sbps, orders):
+        orders = orders or ((),) * len(sbps)
+        return tuple(to_partition_spec(s, mesh, len(v.aval.shape), o) for v, s, o in zip(values, sbps, orders))
+
+    in_specs = specs(closed.jaxpr.invars, program.in_sbp, program.in_orders)
+    out_specs = specs(closed.jaxpr.outvars, program.out_sbp, program.out_orders)
 
     def per_device(*args):
         return tuple(local.eval(closed.jaxpr, closed.consts, args))

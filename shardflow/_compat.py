@@ -30,5 +30,5 @@ def backends_are_initialized() -> bool:
 
 def shard_map_primitive():
     """The primitive of ``jax.shard_map`` (a user's own shard_map inside a parallelized fn)."""
-    from jax._src.shard_map import shard_map_p
-    return shard_map_p
+    from jax._src import shard_map
+    return shard_map.shard_map_p

@@ -17,7 +17,7 @@ from shardflow.explain import Plan, make_plan
 from shardflow.mesh import LinkModel, check_mesh
 from shardflow.program import Program, trace
 from shardflow.specs import (Partial, ShardingError, check_divisible, describe, format_sbp, is_spec_leaf,
-                             to_sbp)
+                             split_orders, to_sbp)
 
 
 def _flat_specs(specs, tree_of, what: str, paths):
@@ -73,15 +73,8 @@ class Parallelized:
         names = tuple(f"args{p}" for p in paths)
         where = _definition(self.fn)
         in_specs = _flat_specs(self.in_specs, args, "in_specs", paths)
-        in_sbp = []
-        for name, aval, spec in zip(names, avals, in_specs):
-            what = f"argument {name} {describe(aval)} of {where}"
-            sbp = to_sbp(spec, self.mesh, len(aval.shape), what=what)
-            if any(isinstance(s, Partial) for s in sbp):
-                raise ShardingError(f"{what}: in_specs {format_sbp(sbp)} has P; inputs are whole values "
-                                    "(pass them B or S)")
-            check_divisible(aval.shape, aval.dtype, sbp, self.mesh, what=f"argument {name}", source=where)
-            in_sbp.append(sbp)
+        in_sbp, in_orders = zip(*[self._boundary(spec, aval, f"argument {name}", "in_specs")
+                                  for name, aval, spec in zip(names, avals, in_specs)]) if avals else ((), ())
 
         out_trees = []
 
@@ -92,8 +85,9 @@ class Parallelized:
 
         closed = trace(flat_fn, *avals)
         (out_tree,) = out_trees
-        out_sbp = self._out_sbp(closed, out_tree)
-        program = Program(closed, self.mesh, tuple(in_sbp), out_sbp, links=self.links, arg_names=names)
+        out_sbp, out_orders = self._out_sbp(closed, out_tree)
+        program = Program(closed, self.mesh, tuple(in_sbp), out_sbp, links=self.links, arg_names=names,
+                          in_orders=tuple(in_orders), out_orders=out_orders)
         program = pipeline.run(program, self.passes)
         donated = tuple(i for i, (path, _) in enumerate(tree_flatten_with_path(args)[0])
                         if path[0].idx in self.donate_argnums)
@@ -104,24 +98,26 @@ class Parallelized:
     def _out_sbp(self, closed, out_tree):
         outs = closed.jaxpr.outvars
         if self.out_specs is None:
-            return (None,) * len(outs)
+            return (None,) * len(outs), ()
         shaped = jax.tree.unflatten(out_tree, list(range(len(outs))))
         try:
             flat = jax.tree.leaves(jax.tree.broadcast(self.out_specs, shaped, is_leaf=is_spec_leaf),
                                    is_leaf=is_spec_leaf)
         except ValueError as e:
             raise ShardingError(f"out_specs {self.out_specs!r} do not match the output tree {out_tree}: {e}") from None
-        sbp = []
+        pairs = [self._boundary(spec, v.aval, f"output {i}", "out_specs") for i, (v, spec) in enumerate(zip(outs, flat))]
+        return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+
+    def _boundary(self, spec, aval, name: str, kind: str):
+        """(NdSbp, split orders) of an input or output spec; a P there is refused."""
         where = _definition(self.fn)
-        for i, (v, spec) in enumerate(zip(outs, flat)):
-            what = f"output {i} {describe(v.aval)} of {where}"
-            s = to_sbp(spec, self.mesh, len(v.aval.shape), what=what)
-            if any(isinstance(a, Partial) for a in s):
-                raise ShardingError(f"{what}: out_specs {format_sbp(s)} asks for P; partial outputs are not "
-                                    "supported yet — outputs are reduced")
-            check_divisible(v.aval.shape, v.aval.dtype, s, self.mesh, what=f"output {i}", source=where)
-            sbp.append(s)
-        return tuple(sbp)
+        what = f"{name} {describe(aval)} of {where}"
+        sbp = to_sbp(spec, self.mesh, len(aval.shape), what=what, any_order=True)
+        if any(isinstance(s, Partial) for s in sbp):
+            raise ShardingError(f"{what}: {kind} {format_sbp(sbp)} has P; inputs and outputs are whole values "
+                                "(B or S): outputs are reduced")
+        check_divisible(aval.shape, aval.dtype, sbp, self.mesh, what=name, source=where)
+        return sbp, split_orders(spec, self.mesh)
 
     # ------------------------------------------------------------------ public
 

@@ -44,6 +44,7 @@ class Step:
     local_shape: tuple = ()  # shape of the local block the step starts from
     bytes: int = 0         # per-device bytes sent
     after: tuple = ()      # NdSbp after this step
+    perm: tuple = ()       # ppermute: (source, destination) pairs of linear indices over ``axes``
 
     @property
     def is_collective(self) -> bool:
@@ -173,6 +174,36 @@ def divides(shape, sbp: NdSbp, mesh) -> bool:
     return True
 
 
+def reorder(shape, dtype, sbp: NdSbp, dim: int, order: tuple, mesh, *, to_mesh_order: bool) -> tuple:
+    """The ppermute that moves the blocks of ``dim`` between a split over ``order`` (major
+    first, against mesh order) and the same axes in mesh order — or back."""
+    names = tuple(mesh.axis_names)
+    sizes = axis_sizes(mesh)
+    axes = tuple(a for a in names if a in order)        # ppermute indexes devices in this order
+
+    def linear(coords, over):
+        i = 0
+        for a in over:
+            i = i * sizes[a] + coords[a]
+        return i
+
+    grid = [{}]
+    for a in axes:
+        grid = [{**c, a: k} for c in grid for k in range(sizes[a])]
+    holder = {linear(c, order): linear(c, axes) for c in grid}     # block in user order -> device
+    pairs = []
+    for c in grid:
+        here = linear(c, axes)
+        if to_mesh_order:   # the device holding block b (user order) sends it to device b
+            pairs.append((here, linear(c, order)))
+        else:               # device b holds block b (mesh order); it goes where user order puts b
+            pairs.append((here, holder[here]))
+    block = math.prod(local_shape(shape, sbp, mesh)) * as_dtype(dtype).itemsize
+    moved = any(s != d for s, d in pairs)
+    return (Step("ppermute", axes, dim, local_shape=local_shape(shape, sbp, mesh), bytes=block if moved else 0,
+                 after=tuple(sbp), perm=tuple(sorted(pairs))),)
+
+
 # ------------------------------------------------------------------------------ running a plan
 
 def run(steps, x, sizes: dict):
@@ -212,6 +243,7 @@ _RUN = {
     "all_reduce": _all_reduce,
     "reduce_scatter": lambda st, x, sizes: lax.psum_scatter(x, st.axes[0], scatter_dimension=st.dim, tiled=True),
     "all_to_all": lambda st, x, sizes: lax.all_to_all(x, st.axes[0], st.dim, st.src_dim, tiled=True),
+    "ppermute": lambda st, x, sizes: lax.ppermute(x, st.axes, perm=st.perm),
     "slice": _slice,
     "pad": _pad,
     "mask": _mask,

@@ -39,6 +39,8 @@ class Program:
     fallbacks: list = dataclasses.field(default_factory=list)    # (primitive name, source) run whole
     facts: frozenset = frozenset()     # invariants ensured by the passes run so far
     arg_names: tuple = ()              # names of the flat inputs, for explain and errors
+    in_orders: tuple = ()              # per input: ((dim, axes), ...) split against mesh order (specs.split_orders)
+    out_orders: tuple = ()             # per output, the same
 
     def replace(self, **kw) -> "Program":
         return dataclasses.replace(self, **kw)

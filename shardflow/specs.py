@@ -118,10 +118,12 @@ def axis_sizes(mesh: Mesh) -> dict:
     return dict(zip(mesh.axis_names, mesh.devices.shape))
 
 
-def to_sbp(spec, mesh: Mesh, ndim: int | None = None, *, what: str = "value") -> NdSbp:
+def to_sbp(spec, mesh: Mesh, ndim: int | None = None, *, what: str = "value", any_order: bool = False) -> NdSbp:
     """Any accepted spec (NdSbp tuple, SBP string, PartitionSpec, None) -> NdSbp for ``mesh``.
 
     ``ndim`` (the tensor's rank) is checked when given; ``what`` names the value in errors.
+    ``any_order``: accept a PartitionSpec that splits a dim over several axes against mesh order
+    (``split_orders`` says which; the program boundary reorders such blocks with a ppermute).
     """
     names = tuple(mesh.axis_names)
     if spec is None:
@@ -131,7 +133,7 @@ def to_sbp(spec, mesh: Mesh, ndim: int | None = None, *, what: str = "value") ->
     if isinstance(spec, str):
         spec = _parse(spec, names, what)
     if isinstance(spec, PartitionSpec):
-        sbp = _from_partition_spec(spec, mesh, ndim, what)
+        sbp = _from_partition_spec(spec, mesh, ndim, what, any_order)
     elif not isinstance(spec, (tuple, list)):
         raise ShardingError(f"{what}: spec {spec!r} ({type(spec).__name__}) is not a sharding spec; "
                             f"{_forms(names)}")
@@ -167,7 +169,7 @@ def _parse(text: str, names, what) -> tuple:
         raise ShardingError(f"{what}: {e}{hint}") from None
 
 
-def _from_partition_spec(spec: PartitionSpec, mesh: Mesh, ndim, what) -> NdSbp:
+def _from_partition_spec(spec: PartitionSpec, mesh: Mesh, ndim, what, any_order=False) -> NdSbp:
     names = tuple(mesh.axis_names)
     if ndim is not None and len(spec) > ndim:
         raise ShardingError(f"{what}: PartitionSpec {spec} is longer than the tensor's rank {ndim}")
@@ -187,18 +189,35 @@ def _from_partition_spec(spec: PartitionSpec, mesh: Mesh, ndim, what) -> NdSbp:
         order = [names.index(a) if a in names else -1 for a in group]
         for axis in group:
             take(axis, Split(dim))
-        if order != sorted(order):
+        if order != sorted(order) and not any_order:
             raise ShardingError(
-                f"{what}: {spec} splits dim {dim} over {group} against mesh order {names}; "
-                "shardflow splits a dim over several axes in mesh order"
+                f"{what}: {spec} splits dim {dim} over {group} against mesh order {names}; inside the "
+                "program shardflow splits a dim over several axes in mesh order (in_specs and out_specs "
+                "may use any order)"
             )
     for axis in sorted(getattr(spec, "unreduced", ()) or ()):
         take(axis, P)
     return tuple(out[a] for a in names)
 
 
-def to_partition_spec(sbp, mesh: Mesh, ndim: int | None = None) -> PartitionSpec:
-    """NdSbp -> PartitionSpec (P axes become ``unreduced``)."""
+def split_orders(spec, mesh: Mesh) -> tuple:
+    """``((dim, axes), ...)`` for each dim that PartitionSpec ``spec`` splits over several mesh
+    axes against mesh order (major first); () for any other spec."""
+    if not isinstance(spec, PartitionSpec):
+        return ()
+    names = tuple(mesh.axis_names)
+    out = []
+    for dim, entry in enumerate(spec):
+        group = tuple(entry) if isinstance(entry, tuple) else ()
+        if len(group) > 1 and all(a in names for a in group):
+            if [names.index(a) for a in group] != sorted(names.index(a) for a in group):
+                out.append((dim, group))
+    return tuple(out)
+
+
+def to_partition_spec(sbp, mesh: Mesh, ndim: int | None = None, orders: tuple = ()) -> PartitionSpec:
+    """NdSbp -> PartitionSpec (P axes become ``unreduced``); ``orders`` (``split_orders``) puts
+    a dim's axes in another order than the mesh's."""
     sbp = to_sbp(sbp, mesh, ndim)
     names = tuple(mesh.axis_names)
     rank = ndim if ndim is not None else 1 + max([s.dim for s in sbp if isinstance(s, Split)], default=-1)
@@ -209,6 +228,8 @@ def to_partition_spec(sbp, mesh: Mesh, ndim: int | None = None) -> PartitionSpec
             dims[s.dim].append(axis)
         elif isinstance(s, Partial):
             unreduced.add(axis)
+    for dim, axes in orders:
+        dims[dim] = list(axes)
     entries = [None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims]
     while entries and entries[-1] is None:
         entries.pop()

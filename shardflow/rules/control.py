@@ -8,7 +8,7 @@ import jax
 from jax import lax
 from jax.extend.core import ClosedJaxpr, primitives as prims
 
-from shardflow import conversion
+from shardflow import _compat, conversion
 from shardflow.primitives import box_p, constrain_p
 from shardflow.program import REMAT_PRIMITIVES, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import Decision, defrule
@@ -191,3 +191,52 @@ def _lower_remat(local, eqn, ins):
 
 
 defrule(*REMAT_PRIMITIVES, propagate=_propagate_remat, lower=_lower_remat)
+
+
+# ------------------------------------------------------------------------------ a user's shard_map
+
+def _shard_map_sbp(prop, eqn, specs, avals, what):
+    """The NdSbp of a user shard_map's in/out specs on shardflow's mesh; axes the shard_map does
+    not make manual see whole values (B)."""
+    mesh = eqn.params["mesh"]
+    src = source_line(eqn)
+    if dict(zip(mesh.axis_names, mesh.axis_sizes)) != dict(zip(prop.names, prop.mesh.axis_sizes)):
+        raise ShardingError(f"jax.shard_map at {src} runs on mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}, "
+                            f"the parallelized function on {dict(zip(prop.names, prop.mesh.axis_sizes))}; "
+                            "use the same mesh")
+    return [to_sbp(spec, prop.mesh, len(aval.shape), what=f"{what} {i} {describe(aval)} of jax.shard_map at {src}")
+            for i, (spec, aval) in enumerate(zip(specs, avals))]
+
+
+def _propagate_shard_map(prop, eqn):
+    """A user's own shard_map is a region of manual code: its operands are converted to its
+    in_specs, its results have its out_specs, and its body (local blocks and the user's own
+    collectives) runs as written."""
+    ins = _shard_map_sbp(prop, eqn, eqn.params["in_specs"], [x.aval for x in eqn.invars], "operand")
+    outs = _shard_map_sbp(prop, eqn, eqn.params["out_specs"], [v.aval for v in eqn.outvars], "result")
+    return prop.decide(eqn, Decision(tuple(ins), tuple(outs)))
+
+
+# shard_map's bodies are traced with varying-axis types (check_vma); shardflow's own shard_map
+# runs unchecked, where the casts are the identity and psum_invariant is a plain psum.
+_UNCHECKED = {"pvary": lambda ins, axes: ins, "psum_invariant": lambda ins, axes: [lax.psum(x, axes) for x in ins]}
+
+
+def _lower_shard_map(local, eqn, ins):
+    body = open_jaxpr(eqn.params["jaxpr"])
+    consts = eqn.params["jaxpr"].consts if isinstance(eqn.params["jaxpr"], ClosedJaxpr) else ()
+    env = dict(zip(body.constvars, consts))
+    env.update(zip(body.invars, ins))
+    read = lambda a: a.val if is_literal(a) else env[a]  # noqa: E731
+    for e in body.eqns:
+        args = [read(a) for a in e.invars]
+        if e.primitive.name in _UNCHECKED:
+            outs = _UNCHECKED[e.primitive.name](args, e.params["axes"])
+        else:
+            outs = e.primitive.bind(*args, **e.params)
+            outs = outs if e.primitive.multiple_results else [outs]
+        env.update(zip(e.outvars, outs))
+    return [read(a) for a in body.outvars]
+
+
+defrule(_compat.shard_map_primitive(), propagate=_propagate_shard_map, lower=_lower_shard_map)
