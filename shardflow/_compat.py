@@ -32,3 +32,9 @@ def shard_map_primitive():
     """The primitive of ``jax.shard_map`` (a user's own shard_map inside a parallelized fn)."""
     from jax._src import shard_map
     return shard_map.shard_map_p
+
+
+def tpu_info():
+    """The chip table Pallas' Mosaic TPU lowering reads (a test lowers for a v5e without a TPU)."""
+    from jax._src.pallas.mosaic import tpu_info as info
+    return info

@@ -427,7 +427,8 @@ def test_forward_work_covers_every_tile_once(batch, heads, q_tiles, kv_blocks, c
 def test_tpu_kernels_lower_for_tpu(monkeypatch, causal, segments, head_dim, group, seq):
   """No TPU here: lowering for one (a v5e's sizes) still runs Pallas' Mosaic TPU checks —
   block shapes, layouts, memory spaces — that interpret mode skips."""
-  from jax._src.pallas.mosaic import tpu_info
+  from shardflow._compat import tpu_info as _tpu_info
+  tpu_info = _tpu_info()
   from shardflow.kernels import flash_attention_tpu as tpu
   monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
                       lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
