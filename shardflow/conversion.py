@@ -218,7 +218,24 @@ def _all_gather(st, x, sizes):
 
 
 def _all_reduce(st, x, sizes):
-    return (lax.psum if st.op == "sum" else lax.pmax)(x, st.axes)
+    if st.op == "sum":
+        return lax.psum(x, st.axes)
+    if st.op not in ("max", "min"):
+        raise NotImplementedError(f"all_reduce of a partial {st.op} value")
+    reduce = lax.pmax if st.op == "max" else lax.pmin
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return reduce(x, st.axes)   # ints and bools have no NaN
+    # XLA's all-reduce max/min drops NaN on some backends (CPU), where jnp.max on one device
+    # returns it. Reduce order-preserving integers instead, with no extra bytes: NaN made +NaN
+    # (-NaN for min) so that it orders above +inf (below -inf), then the sign-magnitude float
+    # bits turned two's complement (negative floats' magnitude bits flipped, so -0.0 < +0.0).
+    ints = jnp.dtype(f"int{8 * x.dtype.itemsize}")
+    low = jnp.array(jnp.iinfo(ints).max, ints)         # 0x7f..f: every bit but the sign
+    nan = jnp.array(jnp.nan if st.op == "max" else -jnp.nan, x.dtype)
+    bits = lax.bitcast_convert_type(jnp.where(jnp.isnan(x), nan, x), ints)
+    key = jnp.where(bits < 0, bits ^ low, bits)
+    key = reduce(key, st.axes)
+    return lax.bitcast_convert_type(jnp.where(key < 0, key ^ low, key), x.dtype)
 
 
 def _slice(st, x, sizes):
