@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Sequence, Union
+from typing import Sequence, Union
 
 import jax
 import numpy as np
@@ -294,6 +294,3 @@ def nbytes(shape, dtype) -> int:
 
 def describe(aval) -> str:
     return f"{as_dtype(aval.dtype).name}{list(aval.shape)}"
-
-
-Spec = Any
