@@ -29,7 +29,7 @@ Attention: the shardflow engine uses shardflow.ops.attention (Pallas kernels on 
 engine uses jax.nn.dot_product_attention (cuDNN on GPU), which GSPMD can partition, whereas a
 Pallas custom call under jax.jit would be replicated. The shardflow/jit ratio therefore
 includes the attention-kernel difference (benchmarks/train_mfu.py's shardflow-cudnn engine
-separates it). MFU = tokens/s x shardflow.metrics.flops_per_token / (peak x devices); the peak
+separates it). MFU = tokens/s x shardflow.train.metrics.flops_per_token / (peak x devices); the peak
 comes from the device kind (n/a on CPU unless --peak-flops). Only steady-state steps after
 --warmup steps are timed.
 """

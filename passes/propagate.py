@@ -28,7 +28,7 @@ from shardflow import conversion, registry, rules  # noqa: F401  (rules: registe
 from shardflow.program import Program, is_literal, source_line
 from shardflow.registry import DECISION, Decision, Sig
 from shardflow.rules.elementwise import SHAPE_KEEPING
-from shardflow.specs import B, Partial, Split, check_divisible, describe, to_sbp
+from shardflow.specs import B, Partial, Split, check_divisible, describe, divides, to_sbp
 
 # Ops a primitive needs nothing to be "run whole" for: randomness and constants are B anyway.
 _QUIET_FALLBACKS = {"random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
@@ -68,7 +68,7 @@ class Propagation:
         return min([self.seconds(x.aval, src, dst)] + [self.seconds(x.aval, m, dst) for m in self.made.get(x, ())])
 
     def valid(self, aval, sbp) -> bool:
-        return conversion.divides(aval.shape, sbp, self.mesh)
+        return divides(aval.shape, sbp, self.mesh)
 
     # ---------------------------------------------------------------- demands (backward sweep)
 

@@ -164,16 +164,6 @@ def seconds(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links) -> float:
     return steps_seconds(plan(shape, dtype, src, dst, mesh), links)
 
 
-def divides(shape, sbp: NdSbp, mesh) -> bool:
-    """Whether every dim of ``shape`` divides by the product of the mesh axes splitting it."""
-    sizes = axis_sizes(mesh)
-    for d, size in enumerate(shape):
-        k = math.prod(sizes[a] for a, s in zip(mesh.axis_names, sbp) if s == Split(d))
-        if size % k:
-            return False
-    return True
-
-
 def reorder(shape, dtype, sbp: NdSbp, dim: int, order: tuple, mesh, *, to_mesh_order: bool) -> tuple:
     """The ppermute that moves the blocks of ``dim`` between a split over ``order`` (major
     first, against mesh order) and the same axes in mesh order — or back."""

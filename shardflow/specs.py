@@ -256,10 +256,25 @@ def local_shape(shape: Sequence[int], sbp: NdSbp, mesh: Mesh) -> tuple:
     return tuple(out)
 
 
+def divides(shape, sbp: NdSbp, mesh: Mesh) -> bool:
+    """Whether every dim of ``shape`` divides by the product of the mesh axes splitting it."""
+    return _indivisible(shape, sbp, mesh) is None
+
+
+def _indivisible(shape, sbp: NdSbp, mesh: Mesh):
+    """(dim, mesh axes, their device count) of the first dim they do not divide, or None."""
+    sizes = axis_sizes(mesh)
+    for dim in range(len(shape)):
+        axes = split_axes(sbp, dim, mesh.axis_names)
+        n = math.prod(sizes[a] for a in axes)
+        if axes and shape[dim] % n:
+            return dim, axes, n
+    return None
+
+
 def check_divisible(shape, dtype, sbp: NdSbp, mesh: Mesh, *, what: str, source: str = "") -> None:
     """A ShardingError unless ``sbp`` can hold a ``dtype[shape]`` value on ``mesh``: every split dim
     divisible by its axes, and no P(max) of a complex value (XLA has no complex max all-reduce)."""
-    sizes = axis_sizes(mesh)
     for axis, s in zip(mesh.axis_names, sbp):
         if s == Partial("max") and jax.dtypes.issubdtype(dtype, np.complexfloating):
             where = f" at {source}" if source else ""
@@ -267,15 +282,13 @@ def check_divisible(shape, dtype, sbp: NdSbp, mesh: Mesh, *, what: str, source: 
                 f"{what} {as_dtype(dtype).name}{list(shape)}{where}: P(max) on mesh axis {axis!r} under spec "
                 f"{format_sbp(sbp)}; XLA has no max all-reduce of complex values — take the max of a "
                 "whole (B) value, or of its real part or abs")
-    for dim in range(len(shape)):
-        axes = split_axes(sbp, dim, mesh.axis_names)
-        n = math.prod(sizes[a] for a in axes)
-        if axes and shape[dim] % n:
-            where = f" at {source}" if source else ""
-            raise ShardingError(
-                f"{what} {dtype}{list(shape)}{where}: dim {dim} of size {shape[dim]} is not divisible by "
-                f"{n} (mesh axes {axes}) under spec {format_sbp(sbp)}; shardflow never replicates silently"
-            )
+    bad = _indivisible(shape, sbp, mesh)
+    if bad is not None:
+        dim, axes, n = bad
+        where = f" at {source}" if source else ""
+        raise ShardingError(
+            f"{what} {dtype}{list(shape)}{where}: dim {dim} of size {shape[dim]} is not divisible by "
+            f"{n} (mesh axes {axes}) under spec {format_sbp(sbp)}; shardflow never replicates silently")
 
 
 def format_sbp(sbp: NdSbp) -> str:

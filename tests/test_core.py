@@ -51,7 +51,7 @@ def test_propagation_prices_the_plan_that_runs(case):
     """What propagation pays for a conversion is the plan boxing inserts, priced by the links."""
     axes, shape, src, dst = case
     mesh = sf.make_mesh(MESHES[axes])
-    if not (conversion.divides(shape, src, mesh) and conversion.divides(shape, dst, mesh)):
+    if not (sf.specs.divides(shape, src, mesh) and sf.specs.divides(shape, dst, mesh)):
         return
     links = sf.LinkModel(alpha=3e-6, beta=50e9, per_axis_beta={"data": 20e9})
     program = sf.program.Program(None, mesh, (), (), links=links)
