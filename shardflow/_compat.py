@@ -38,3 +38,20 @@ def tpu_info():
     """The chip table Pallas' Mosaic TPU lowering reads (a test lowers for a v5e without a TPU)."""
     from jax._src.pallas.mosaic import tpu_info as info
     return info
+
+
+# random_wrap / random_unwrap (uint32 key data <-> a typed key array) have no public primitive
+# names (jax.extend.core.primitives lists random_bits/split/fold_in/seed but not these two).
+try:  # jax 0.10 and 0.11: jax/_src/random/prng.py
+    from jax._src.random import prng as _prng
+except ImportError:  # older layout: jax/_src/prng.py
+    from jax._src import prng as _prng
+random_wrap_p = getattr(_prng, "random_wrap_p", None)
+random_unwrap_p = getattr(_prng, "random_unwrap_p", None)
+
+
+def prng_impl_name(dtype) -> str | None:
+    """The PRNG implementation's name ("threefry2x32", "rbg", ...) of a key array's dtype, read
+    from its aval (jax.random.key_impl needs an array): shardflow's random_bits lowering
+    reproduces only threefry2x32's counter-based bits."""
+    return getattr(getattr(dtype, "_impl", None), "name", None)
