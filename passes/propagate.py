@@ -31,8 +31,9 @@ from shardflow.rules.elementwise import SHAPE_KEEPING
 from shardflow.specs import B, Partial, Split, check_divisible, describe, divides, to_sbp
 
 # Ops a primitive needs nothing to be "run whole" for: randomness and constants are B anyway.
-_QUIET_FALLBACKS = {"random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
-                    "random_split", "threefry2x32", "rng_bit_generator", "rng_uniform"}
+# (random_bits, the key primitives and threefry2x32 have rules: shardflow/rules/random.py;
+# random_wrap/unwrap stay here for a JAX where shardflow._compat does not find them.)
+_QUIET_FALLBACKS = {"random_wrap", "random_unwrap", "rng_bit_generator", "rng_uniform"}
 
 
 class Propagation:
