@@ -14,8 +14,11 @@ from shardflow import conversion
 from shardflow.specs import B, P, S
 
 EXAMPLES = int(os.environ.get("SHARDFLOW_HYPOTHESIS_EXAMPLES", "200"))
-MESH = sf.make_mesh({"data": 2, "model": 4})
-MESHES = {"2x4": MESH, "4x2": sf.make_mesh({"data": 4, "model": 2})}
+# The meshes are built by the fixture below, not at import: `pytest -m gpu tests` on one GPU
+# collects this module too. The tests' source stays as it was, since Hypothesis derives its
+# derandomized examples from it.
+MESH = ONE_BY_EIGHT = EIGHT = None
+MESHES = dict.fromkeys(["2x4", "4x2"])
 SBP_1D = st.sampled_from([B, S(0), S(1)])
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
@@ -23,6 +26,15 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], der
 def nd_sbp(rank=2, partial=False):
     atoms = [B, P] + [S(d) for d in range(rank)] if partial else [B] + [S(d) for d in range(rank)]
     return st.tuples(st.sampled_from(atoms), st.sampled_from(atoms))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def meshes():
+    global MESH, ONE_BY_EIGHT, EIGHT
+    MESH = sf.make_mesh({"data": 2, "model": 4})
+    MESHES.update({"2x4": MESH, "4x2": sf.make_mesh({"data": 4, "model": 2})})
+    ONE_BY_EIGHT = sf.make_mesh({"data": 1, "model": 8})
+    EIGHT = sf.make_mesh({"model": 8})
 
 
 # ------------------------------------------------------------------------------ conversions
@@ -52,10 +64,6 @@ def test_conversion_bytes_follow_the_table(src, dst, kind, factor):
     sent = conversion.total_bytes(steps)
     assert sent == int(round(factor * 8 * 16 * 4))
     assert [s.kind for s in steps if s.is_collective] == ([kind] if kind else [])
-
-
-ONE_BY_EIGHT = sf.make_mesh({"data": 1, "model": 8})
-EIGHT = sf.make_mesh({"model": 8})
 
 
 @settings(max_examples=100, **SETTINGS)
