@@ -35,12 +35,7 @@ class Boxing:
         converted, eqns = {}, []   # x -> {NdSbp: Var holding x converted to it}
 
         def convert(x, want, reason, used_at):
-            if is_literal(x):
-                key = (x.val.item(), x.aval)
-                sources = {self.of(x): x}
-            else:
-                key = x
-                sources = {self.of(x): x, **converted.get(x, {})}
+            sources = {self.of(x): x, **({} if is_literal(x) else converted.get(x, {}))}
             if want in sources:
                 return sources[want]
             src = min(sources, key=lambda s: self.seconds(x, s, want))
@@ -53,7 +48,7 @@ class Boxing:
             self.sbp[out] = want
             self.made_at[out] = made_at
             if not is_literal(x):
-                converted.setdefault(key, {})[want] = out
+                converted.setdefault(x, {})[want] = out
             return out
 
         for eqn in jaxpr.eqns:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr
 
@@ -44,8 +45,8 @@ class Local:
     def eval(self, jaxpr: Jaxpr, consts, args):
         env = {}
 
-        def read(a):
-            return a.val if is_literal(a) else env[a]
+        def read(a):   # a literal as an array of its aval's dtype (rules read .shape / .dtype)
+            return np.asarray(a.val, a.aval.dtype) if is_literal(a) else env[a]
 
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))

@@ -239,3 +239,11 @@ def test_the_compiler_imports_private_jax_api_in_one_module():
             + list((root.parent / "kernels").rglob("*.py")) + list((root.parent / "models").rglob("*.py"))
             if re.search(r"jax\._src", p.read_text())]
     assert [p.name for p in hits] == ["_compat.py"], hits
+
+
+def test_a_literal_converted_on_a_one_device_axis():
+    """jnp.take's index arithmetic plans a literal as partial on an axis of one device; the box
+    of a literal ran on a Python scalar (found by the GPU tests' one-device cases)."""
+    fn = lambda x: x.take(0, axis=-1)  # noqa: E731
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    _same(sf.parallelize(fn, mesh=sf.make_mesh({"data": 1}), in_specs=PS("data")), fn, x)
