@@ -126,7 +126,7 @@ def _global_counters(whole, block, starts):
     starts at ``starts`` (traced ints), as two uint32 arrays of the block's shape."""
     strides = [math.prod(whole[d + 1:]) for d in range(len(whole))]
     index = [lax.broadcasted_iota(_U32, block, d) + starts[d].astype(_U32) for d in range(len(block))]
-    if math.prod(whole) <= 2 ** 32:  # every index fits in the low word
+    if math.prod(whole) < 2 ** 32:  # every index and stride fits in the low word
         lo = sum((i * np.uint32(s) for i, s in zip(index, strides) if s), jnp.zeros(block, _U32))
         return jnp.zeros(block, _U32), lo
     hi = lo = jnp.zeros(block, _U32)
