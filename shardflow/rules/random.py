@@ -4,11 +4,11 @@ Keys are typed key arrays (``key<fry>[...]``): their shapes exclude the key data
 key primitive is elementwise over the key dims and binds unchanged on local blocks.
 
 ``random_bits`` with its output split on a dim of the bits (the key B) generates only this
-device's block. With ``jax_threefry_partitionable`` (the default since jax 0.5) threefry's bits
-are counter based: element ``i`` of the bits — ``i`` its row-major index in the global shape,
-as a uint64 split into two uint32 halves (hi, lo) — is ``threefry2x32(key, (hi, lo))``, folded
-to the bit width (``_threefry_random_bits_partitionable`` / ``iota_2x32_shape`` in
-jax/_src/random). The lowering builds the global counters of its own block from the block
+device's block. With ``jax_threefry_partitionable`` (on by default in jax 0.10 and 0.11)
+threefry's bits are counter based: element ``i`` of the bits — ``i`` its row-major index in the
+global shape, as a uint64 split into two uint32 halves (hi, lo) — is
+``threefry2x32(key, (hi, lo))``, folded to the bit width (``_threefry_random_bits_partitionable``
+and ``iota_2x32_shape`` in jax/_src/random). The lowering builds the global counters of its own block from the block
 offsets, so each device hashes 1/n of the elements and the bits equal one device's exactly.
 Other PRNG implementations (rbg) and threefry with the flag off draw from a sequence that does
 not partition: the lowering then generates the whole bits on every device and keeps its block
