@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from shardflow.registry import Sig, bind_params, decision_of, defrule
@@ -11,8 +12,15 @@ from shardflow.specs import B, P, S
 
 @defrule(lax.pad_p)
 def _pad(eqn):
+    # A split dim stays split where every block pads alike: no padding on it, or interior
+    # padding with lo + hi == interior (lo, hi >= 0), where block b's result is exactly the local
+    # pad of block b (each block ends with hi pad values and the next starts with lo). Edge
+    # padding shifts every block by lo across its neighbours' boundaries (a halo exchange the
+    # conversion plans do not express), so such a dim is gathered. No P -> P although pad is
+    # linear: the partial value would be reduced at the padded (larger) size.
     config = eqn.params["padding_config"]
-    return [Sig((S(d), B), (S(d),)) for d, c in enumerate(config) if tuple(c) == (0, 0, 0)]
+    return [Sig((S(d), B), (S(d),)) for d, (lo, hi, interior) in enumerate(config)
+            if (lo, hi, interior) == (0, 0, 0) or (lo >= 0 and hi >= 0 and interior > 0 and lo + hi == interior)]
 
 
 def _lower_slice(local, eqn, ins):
@@ -31,23 +39,80 @@ def _slice(eqn):
             if start[d] == 0 and limit[d] == shape(x)[d] and (strides is None or strides[d] == 1)]
 
 
+def _summable(x) -> bool:
+    return np.issubdtype(x.aval.dtype, np.number)
+
+
+def _offset_dims(eqn) -> list:
+    """Operand dims split under a chosen "offset" signature (a slice or update smaller than the
+    dim, at a position that may cross blocks)."""
+    decision = decision_of(eqn)
+    return sorted({decision.sigs[i].ins[0].dim for i in decision.named("offset")})
+
+
+def _local_start(local, eqn, d, start, size):
+    """Where this device's block of operand dim ``d`` puts the window [start, start + size) of
+    the whole dim (start clamped as XLA clamps it), in the block padded by ``size`` on both sides:
+    clipped into the padding when the window misses the block."""
+    x = eqn.invars[0]
+    n, block = x.aval.shape[d], local.shape(x)[d]
+    idx, _ = local.shard_index(x, d)
+    start = jnp.clip(start, 0, n - size)
+    return jnp.clip(start - idx.astype(start.dtype) * block + size, 0, block + size)
+
+
+def _pad_dims(x, dims, sizes):
+    return lax.pad(x, jnp.zeros((), x.dtype), [(sizes[d], sizes[d], 0) if d in dims else (0, 0, 0)
+                                                for d in range(x.ndim)])
+
+
 def _lower_dynamic_slice(local, eqn, ins):
     x, *idx = ins
-    sizes = [x.shape[d] if s == eqn.invars[0].aval.shape[d] else s for d, s in enumerate(eqn.params["slice_sizes"])]
-    return lax.dynamic_slice_p.bind(x, *idx, slice_sizes=tuple(sizes))
+    full = eqn.invars[0].aval.shape
+    offset = _offset_dims(eqn)
+    sizes = eqn.params["slice_sizes"]
+    if offset:   # the part of the slice in this block, zeros elsewhere: the sum over blocks is it
+        x = _pad_dims(x, offset, sizes)
+        idx = [_local_start(local, eqn, d, i, sizes[d]) if d in offset else i for d, i in enumerate(idx)]
+    local_sizes = [x.shape[d] if s == full[d] else s for d, s in enumerate(sizes)]
+    return lax.dynamic_slice_p.bind(x, *idx, slice_sizes=tuple(local_sizes))
 
 
 @defrule(lax.dynamic_slice_p, lower=_lower_dynamic_slice)
 def _dynamic_slice(eqn):
     x, *idx = eqn.invars
     sizes = eqn.params["slice_sizes"]
-    return [Sig((S(d),) + every(len(idx), B), (S(d),)) for d in range(rank(x)) if sizes[d] == shape(x)[d]]
+    sigs = [Sig((S(d),) + every(len(idx), B), (S(d),)) for d in range(rank(x)) if sizes[d] == shape(x)[d]]
+    if _summable(x):
+        # a window smaller than a split dim: each device slices what of it lies in its block
+        sigs += [Sig((S(d),) + every(len(idx), B), (P,), "offset") for d in range(rank(x)) if sizes[d] < shape(x)[d]]
+        sigs.append(Sig((P,) + every(len(idx), B), (P,)))     # linear in the operand, and smaller
+    return sigs
 
 
-@defrule(lax.dynamic_update_slice_p)
+def _lower_dynamic_update_slice(local, eqn, ins):
+    x, upd, *idx = ins
+    offset = _offset_dims(eqn)
+    if not offset:
+        return lax.dynamic_update_slice_p.bind(x, upd, *idx)
+    # write the update into this block padded by its size on each side (a write that misses the
+    # block lands in the padding), then drop the padding
+    sizes = upd.shape
+    padded = _pad_dims(x, offset, sizes)
+    idx = [_local_start(local, eqn, d, i, sizes[d]) if d in offset else i for d, i in enumerate(idx)]
+    out = lax.dynamic_update_slice_p.bind(padded, upd, *idx)
+    return lax.slice(out, [sizes[d] if d in offset else 0 for d in range(x.ndim)],
+                     [sizes[d] + x.shape[d] if d in offset else x.shape[d] for d in range(x.ndim)])
+
+
+@defrule(lax.dynamic_update_slice_p, lower=_lower_dynamic_update_slice)
 def _dynamic_update_slice(eqn):
     x, upd, *idx = eqn.invars
-    return [Sig((S(d), S(d)) + every(len(idx), B), (S(d),)) for d in range(rank(x)) if shape(upd)[d] == shape(x)[d]]
+    n = len(idx)
+    sigs = [Sig((S(d), S(d)) + every(n, B), (S(d),)) for d in range(rank(x)) if shape(upd)[d] == shape(x)[d]]
+    # an update smaller than a split dim: each device writes the part that falls in its block
+    sigs += [Sig((S(d), B) + every(n, B), (S(d),), "offset") for d in range(rank(x)) if shape(upd)[d] < shape(x)[d]]
+    return sigs
 
 
 # ------------------------------------------------------------------------------ gather / scatter
