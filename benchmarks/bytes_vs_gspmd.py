@@ -17,7 +17,9 @@ the `shardflow train` step (Llama tiny) under the trainer's five strategies. Per
 Both byte counts come from the compiled HLO, read by the same parser (shardflow.hlo): per
 device, ring-priced, and collectives inside while loops weighted by XLA's known_trip_count
 (loops weighted by trip count in both engines). Runs on 8 simulated CPU devices, mesh
-{data: 2, model: 4}; deterministic (fixed seeds, fixed shapes).
+{data: 2, model: 4}; deterministic (fixed seeds, fixed shapes). XLA:CPU compiles at LLVM -O0
+(--xla_backend_optimization_level=0: the HLO passes, SPMD partitioning included, are unchanged,
+so are the bytes; --full-opt for the default).
 """
 from __future__ import annotations
 
@@ -32,8 +34,14 @@ import sys
 import time
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "jax" not in sys.modules:  # run as a script: 8 simulated CPU devices; LLVM at -O0 unless --full-opt
+    # (XLA's HLO passes, the SPMD partitioner among them, run the same at every backend level:
+    # the collectives do not change, the compile takes about half the time)
+    flags = ["--xla_force_host_platform_device_count=8"]
+    if "--full-opt" not in sys.argv:
+        flags.append("--xla_backend_optimization_level=0")
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + flags).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _checkout  # noqa: E402,F401  (the repository's shardflow, before any shardflow import)
@@ -253,6 +261,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=16, help="the train rows' batch")
     parser.add_argument("--seq", type=int, default=128, help="the train rows' sequence length")
     parser.add_argument("--detail", action="store_true", help="per row: collectives of both engines by kind")
+    parser.add_argument("--full-opt", action="store_true",
+                        help="compile with XLA:CPU's default LLVM optimization (same bytes, slower)")
     parser.add_argument("--out", default=None, help="write the table (and the worst rows' collectives) as markdown")
     args = parser.parse_args(argv)
 

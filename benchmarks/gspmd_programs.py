@@ -662,7 +662,8 @@ def max_rel_error(got, want, floor=1e-6) -> float:
 
 # ------------------------------------------------------------------------------ the table
 
-# {(program, strategy): why shardflow fails the row today}
+# {(program, strategy): why shardflow fails the row today}. None on 2026-11-26: the last one,
+# user_shard_map-dp (KeyError: 'subfuns' at 2faff88), passes since the core v2 skeleton (9e073c5).
 XFAIL: dict = {}
 
 
