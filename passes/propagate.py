@@ -168,7 +168,7 @@ class Propagation:
                 continue
             total += self.use_seconds(x, cur[k], trial)
             want = self.demand.get(x)
-            if want is not None and want[i] != s:   # its other users will pay this
+            if want is not None and want[i] != s and cur[k][i] != want[i]:   # its other users will pay this
                 total += self.use_seconds(x, trial, _with(trial, i, want[i]))
         for j, (v, s) in enumerate(zip(eqn.outvars, sig.outs)):
             trial = tuple(outs[j][:i] + [s] + outs[j][i + 1:])

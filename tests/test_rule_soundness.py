@@ -166,10 +166,7 @@ for _prim, _fn, _gen in [
 ]:
     case(_prim, _prim.name if _prim is not None else "", _fn, V, values=((0, _gen),) if _gen else ())
 
-case(lax.reduce_precision_p, "reduce_precision", lambda x: lax.reduce_precision(x, 5, 10), X,
-     xfail=(("P->P", "rounding each part to the narrow format is not rounding their sum: the result "
-                     "is off by up to a narrow-format ulp per device and is not representable in the "
-                     "format"),))
+case(lax.reduce_precision_p, "reduce_precision", lambda x: lax.reduce_precision(x, 5, 10), X)
 case(lax.not_p, "not-bool", jnp.logical_not, boolean(4, 8))
 case(lax.not_p, "not-int", jnp.invert, i32(4, 8))
 case(prims.clz_p, "clz", lax.clz, i32(4, 8))
@@ -180,12 +177,10 @@ case(prims.conj_p, "conj", jnp.conj, c64(4, 8))
 case(lax.convert_element_type_p, "convert-f32-bf16", lambda x: x.astype(jnp.bfloat16), X)
 case(lax.convert_element_type_p, "convert-i32-f32", lambda x: x.astype(jnp.float32), i32(4, 8))
 case(lax.convert_element_type_p, "convert-bool-f32", lambda x: x.astype(jnp.float32), boolean(4, 8))
-_NOT_LINEAR = "a float -> {} conversion is not linear: the sum of the converted parts is not the converted sum"
-case(lax.convert_element_type_p, "convert-f32-i32", lambda x: x.astype(jnp.int32), X,
-     values=((0, scaled(4)),), xfail=(("P->P", _NOT_LINEAR.format("int (truncation)")),))
-case(lax.convert_element_type_p, "convert-f32-bool", lambda x: lax.convert_element_type(x, jnp.bool_), X,
-     xfail=(("P->P", _NOT_LINEAR.format("bool (x != 0)") + "; and the P -> B all-reduce of a bool "
-                     "partial comes back int32"),))
+case(lax.convert_element_type_p, "convert-f32-i32", lambda x: x.astype(jnp.int32), X, values=((0, scaled(4)),))
+case(lax.convert_element_type_p, "convert-f32-bool", lambda x: lax.convert_element_type(x, jnp.bool_), X)
+case(lax.convert_element_type_p, "convert-i8-i32", lambda x: x.astype(jnp.int32), ((4, 8), jnp.int8),
+     values=((0, ints(-100, 100)),))
 case(lax.convert_element_type_p, "convert-i32-i8", lambda x: x.astype(jnp.int8), i32(4, 8),
      values=((0, ints(-1000, 1000)),))
 
@@ -295,22 +290,20 @@ case(lax.gather_p, "gather-batching-dims", lambda x, i: jnp.take_along_axis(x, i
      i32(4, 4), values=((1, ints(0, 8)),))
 case(lax.gather_p, "gather-two-components", lambda x, i, j: x[i, :, j], f32(8, 4, 8), i32(4), i32(4),
      values=((1, ints(0, 8)),))
-# Out-of-range lookups: "clip" clamps them into the table, "fill" gives the fill value; the
-# vocab signature's masked local lookup gives 0 for both.
-_VOCAB = ("S(0),B->P:vocab", "an out-of-range index gives 0 (no device holds its row) where the whole gather "
-                             "gives {}")
+# Out-of-range lookups: "clip" clamps them into the table, "fill" gives the fill value (NaN by
+# default); the vocab signature must do the same with the rows spread over devices.
 case(lax.gather_p, "gather-clip", lambda x, i: jnp.take(x, i, axis=0, mode="clip"), f32(8, 4), i32(4),
-     values=((1, out_of_range(8)),), xfail=((_VOCAB[0], _VOCAB[1].format("the clamped row")),))
+     values=((1, out_of_range(8)),))
 case(lax.gather_p, "gather-fill", lambda x, i: jnp.take(x, i, axis=0, mode="fill", fill_value=-1.0),
-     f32(8, 4), i32(4), values=((1, out_of_range(8)),), xfail=((_VOCAB[0], _VOCAB[1].format("fill_value")),))
+     f32(8, 4), i32(4), values=((1, out_of_range(8)),))
+case(lax.gather_p, "gather-fill-nan", lambda x, i: jnp.take(x, i, axis=0, mode="fill"),
+     f32(8, 4), i32(4), values=((1, out_of_range(8)),))
 case(lax.scatter_add_p, "scatter_add-rows", lambda x, i, u: x.at[i].add(u), f32(8, 4), i32(4), f32(4, 4),
      values=((1, ints(0, 8)),))
 case(lax.scatter_add_p, "scatter_add-batching-dims",
      jax.vmap(lambda x, i, u: x.at[i].add(u)), f32(4, 8, 4), i32(4, 4), f32(4, 4, 4), values=((1, ints(0, 8)),))
 case(lax.scatter_add_p, "scatter_add-clip", lambda x, i, u: x.at[i].add(u, mode="clip"), f32(8, 4), i32(4),
-     f32(4, 4), values=((1, out_of_range(8)),),
-     xfail=(("S(0),B,B->S(0):vocab", "an out-of-range update is dropped (masked on every device) where the "
-                                     "whole scatter clamps it into the first or last row"),))
+     f32(4, 4), values=((1, out_of_range(8)),))
 case(lax.scatter_add_p, "scatter_add-drop", lambda x, i, u: x.at[i].add(u, mode="drop"), f32(8, 4), i32(4),
      f32(4, 4), values=((1, out_of_range(8)),))
 

@@ -164,9 +164,6 @@ def test_grouped_conv_rejects_split_groups():
     check(value_and_grads(fn, 1), (x, w), (PS(None, None, "data"), PS(None, None, "data")), mesh)
 
 
-@pytest.mark.xfail(strict=True, reason="a grouped conv's input gradient reshapes the kernel with reshape's "
-                   "`dimensions` param, which shardflow/rules/shape.py's reshape lowering drops (wrong values "
-                   "with or without the conv rules)")
 @pytest.mark.parametrize("case", ("nnx_conv_1d_grouped", "nnx_conv_2d_dp"))
 def test_grouped_conv_input_gradient(case):
     mesh = sf.make_mesh(MESHES["2x4"])

@@ -2,6 +2,8 @@
 (size 1 there, or a scalar) stays B on that dim's axis."""
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import primitives as prims
 
@@ -36,8 +38,8 @@ def elementwise(eqn, *, partial_ok: bool):
     return sigs
 
 
-LINEAR = [lax.add_p, lax.sub_p, lax.neg_p, lax.convert_element_type_p, lax.reduce_precision_p,
-          prims.add_jaxvals_p, prims.copy_p, prims.real_p, prims.imag_p, prims.conj_p]
+LINEAR = [lax.add_p, lax.sub_p, lax.neg_p, prims.add_jaxvals_p, prims.copy_p, prims.real_p, prims.imag_p,
+          prims.conj_p]
 NONLINEAR = [
     lax.mul_p, lax.div_p, lax.max_p, lax.min_p, lax.pow_p, lax.integer_pow_p, lax.exp_p, lax.exp2_p,
     lax.log_p, lax.log1p_p, lax.expm1_p, lax.tanh_p, lax.logistic_p, lax.erf_p, lax.erfc_p,
@@ -46,11 +48,29 @@ NONLINEAR = [
     lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p, lax.and_p, lax.or_p, lax.not_p,
     lax.xor_p, lax.rem_p, lax.nextafter_p, lax.select_n_p, lax.clamp_p, lax.shift_left_p,
     lax.shift_right_logical_p, lax.shift_right_arithmetic_p, lax.population_count_p, lax.stop_gradient_p,
+    lax.reduce_precision_p,   # rounding each part is not rounding their sum
     prims.sinh_p, prims.cosh_p, prims.asin_p, prims.acos_p, prims.atan_p, prims.asinh_p, prims.acosh_p,
     prims.atanh_p, prims.clz_p, prims.lgamma_p, prims.digamma_p, prims.complex_p,
     _compat.one_minus_square_p,
 ]
-SHAPE_KEEPING = frozenset(p for p in LINEAR + NONLINEAR if p is not None)
+SHAPE_KEEPING = frozenset(p for p in LINEAR + NONLINEAR + [lax.convert_element_type_p] if p is not None)
 
 defrule(*LINEAR)(lambda eqn: elementwise(eqn, partial_ok=True))
 defrule(*NONLINEAR)(lambda eqn: elementwise(eqn, partial_ok=False))
+
+
+def _linear_cast(src, dst) -> bool:
+    """Whether casting a sum is the sum of the casts: to a float (up to rounding, as any reduction
+    in that precision), or between integers narrowing or keeping the width (two's complement
+    wraps alike). Not to or from bool, float -> int (truncation) or a widening int cast (the
+    narrow parts' sum wraps, the wide one does not)."""
+    integer = lambda d: jnp.issubdtype(d, jnp.integer)  # noqa: E731
+    if jnp.issubdtype(dst, jnp.inexact):
+        return jnp.issubdtype(src, jnp.inexact) or integer(src)
+    return integer(src) and integer(dst) and np.dtype(dst).itemsize <= np.dtype(src).itemsize
+
+
+@defrule(lax.convert_element_type_p)
+def _convert_element_type(eqn):
+    (x,) = eqn.invars
+    return elementwise(eqn, partial_ok=_linear_cast(x.aval.dtype, eqn.params["new_dtype"]))

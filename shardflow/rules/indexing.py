@@ -1,6 +1,8 @@
 """Slicing, padding, gather and scatter: the ops whose params hold global positions."""
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -130,17 +132,43 @@ def gather_dims(eqn):
     return dn, offset_out, batch_out, idx_batch, operand_offset
 
 
-def _local_indices(local, table, block, indices, index_map, dims):
+def _local_indices(local, eqn, table, block, indices, index_map, dims):
     """Indices into ``table``'s split ``dims`` made local to this device's ``block``, and which
-    of them fall in it (the others are clipped and must be masked out by the caller)."""
+    of them fall in it (the others are clipped and must be masked out by the caller). Under
+    mode CLIP an index is first clamped into the whole table, as the whole op would."""
+    clip = eqn.params["mode"] == lax.GatherScatterMode.CLIP
     in_range = jnp.ones(indices.shape[:-1], bool)
     for k in dims:
         pos = index_map.index(k)
         idx, _ = local.shard_index(table, k)
-        component = indices[..., pos] - (idx * block.shape[k]).astype(indices.dtype)
+        component = indices[..., pos]
+        if clip:
+            component = jnp.clip(component, 0, table.aval.shape[k] - 1)
+        component = component - (idx * block.shape[k]).astype(indices.dtype)
         in_range &= (component >= 0) & (component < block.shape[k])
         indices = indices.at[..., pos].set(jnp.clip(component, 0, block.shape[k] - 1))
     return indices, in_range
+
+
+def _out_of_bounds(eqn, table, indices, index_map, sizes):
+    """Which lookups start outside the whole table (mode FILL_OR_DROP fills them)."""
+    oob = jnp.zeros(indices.shape[:-1], bool)
+    for pos, k in enumerate(index_map):
+        component = indices[..., pos]
+        oob |= (component < 0) | (component > table.aval.shape[k] - sizes[k])
+    return oob
+
+
+def _fill_value(eqn, dtype):
+    """What a FILL_OR_DROP gather returns out of bounds (JAX's defaults when none is given)."""
+    fill = eqn.params.get("fill_value")
+    if fill is not None:
+        return fill
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.nan
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return True
+    return jnp.iinfo(dtype).min if jnp.issubdtype(dtype, jnp.signedinteger) else jnp.iinfo(dtype).max
 
 
 def _vocab_dims(eqn) -> list:
@@ -160,10 +188,19 @@ def _lower_gather(local, eqn, ins):
     split = _vocab_dims(eqn)
     if not split:
         return lax.gather_p.bind(operand, indices, **params)
-    indices, in_range = _local_indices(local, table, operand, indices, dn.start_index_map, split)
-    out = lax.gather_p.bind(operand, indices, **params)
+    # a vocab-split table: each device looks up the rows it holds, zeros elsewhere (a partial sum)
+    fill = eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP
+    oob = _out_of_bounds(eqn, table, indices, dn.start_index_map, eqn.params["slice_sizes"]) if fill else None
+    local_indices, in_range = _local_indices(local, eqn, table, operand, indices, dn.start_index_map, split)
+    out = lax.gather_p.bind(operand, local_indices, **dict(params, mode=lax.GatherScatterMode.CLIP))
     batch_dims = tuple(d for d in range(out.ndim) if d not in dn.offset_dims)
-    return jnp.where(lax.broadcast_in_dim(in_range, out.shape, batch_dims), out, jnp.zeros_like(out))
+    spread = lambda mask: lax.broadcast_in_dim(mask, out.shape, batch_dims)  # noqa: E731
+    if not fill:
+        return jnp.where(spread(in_range), out, jnp.zeros_like(out))
+    # out of the whole table: the fill value, held by the first block of the split dims alone
+    first = functools.reduce(jnp.logical_and, [local.shard_index(table, k)[0] == 0 for k in split])
+    filled = jnp.where(first, jnp.asarray(_fill_value(eqn, out.dtype), out.dtype), jnp.zeros((), out.dtype))
+    return jnp.where(spread(oob), filled, jnp.where(spread(in_range), out, jnp.zeros_like(out)))
 
 
 @defrule(lax.gather_p, lower=_lower_gather)
@@ -192,7 +229,8 @@ def _lower_scatter_add(local, eqn, ins):
     dn = eqn.params["dimension_numbers"]
     split = _vocab_dims(eqn)
     if split:  # add only the updates of rows this device holds
-        indices, in_range = _local_indices(local, table, operand, indices, dn.scatter_dims_to_operand_dims, split)
+        indices, in_range = _local_indices(local, eqn, table, operand, indices, dn.scatter_dims_to_operand_dims,
+                                           split)
         scatter_dims = tuple(d for d in range(updates.ndim) if d not in dn.update_window_dims)
         updates = jnp.where(lax.broadcast_in_dim(in_range, updates.shape, scatter_dims), updates,
                             jnp.zeros_like(updates))

@@ -49,7 +49,11 @@ def reshape_groups(in_shape, out_shape):
     return groups
 
 
-@defrule(lax.reshape_p, lower=lambda local, eqn, ins: lax.reshape(ins[0], local.shape(eqn.outvars[0])))
+def _lower_reshape(local, eqn, ins):
+    return lax.reshape(ins[0], local.shape(eqn.outvars[0]), dimensions=eqn.params.get("dimensions"))
+
+
+@defrule(lax.reshape_p, lower=_lower_reshape)
 def _reshape(eqn):
     x = eqn.invars[0]
     if eqn.params.get("dimensions") is not None or len(eqn.invars) > 1:
