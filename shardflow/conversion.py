@@ -40,7 +40,7 @@ class Step:
     axes: tuple            # mesh axis names
     dim: int = -1          # tensor dim gathered / scattered / sliced (all_to_all: split dim)
     src_dim: int = -1      # all_to_all: the dim that was split before
-    op: str = "sum"        # all_reduce: "sum" or "max"
+    op: str = "sum"        # all_reduce: "sum", "max" or "min"
     local_shape: tuple = ()  # shape of the local block the step starts from
     bytes: int = 0         # per-device bytes sent
     after: tuple = ()      # NdSbp after this step
@@ -126,7 +126,7 @@ def _plan(shape, dtype, src, dst, mesh) -> tuple:
         if isinstance(s, Split) and isinstance(t, Split) and s.dim != t.dim \
                 and _axes_on(now(), s.dim, names)[-1] == a and can_append(a, t.dim):
             step("all_to_all", {a: t}, dim=t.dim, src_dim=s.dim, cost=lambda n, b, _: (n - 1) / n * b)
-    for op in ("sum", "max"):  # P -> B: all_reduce, one collective over all such axes
+    for op in ("sum", "max", "min"):  # P -> B: all_reduce, one collective over all such axes
         group = [a for a in names if cur[a] == Partial(op) and want[a] != cur[a]]
         if group:
             step("all_reduce", {a: B for a in group}, op=op, cost=lambda n, b, _: 2 * (n - 1) / n * b)

@@ -51,8 +51,8 @@ class Partial:
     op: str = "sum"
 
     def __post_init__(self):
-        if self.op not in ("sum", "max"):
-            raise ShardingError(f"P({self.op!r}): a partial value is reduced by 'sum' or 'max'")
+        if self.op not in ("sum", "max", "min"):
+            raise ShardingError(f"P({self.op!r}): a partial value is reduced by 'sum', 'max' or 'min'")
 
     def __call__(self, op: str) -> "Partial":
         return Partial(op)
@@ -68,7 +68,7 @@ S = Split
 B = Broadcast()
 P = Partial("sum")
 
-_ATOM = re.compile(r"\s*(S\s*\(\s*(-?\d+)\s*\)|B|P\s*\(\s*['\"]?(sum|max)['\"]?\s*\)|P)\s*")
+_ATOM = re.compile(r"\s*(S\s*\(\s*(-?\d+)\s*\)|B|P\s*\(\s*['\"]?(sum|max|min)['\"]?\s*\)|P)\s*")
 
 
 def is_sbp_atom(x) -> bool:
@@ -90,7 +90,7 @@ def parse_sbp_string(text: str) -> tuple:
     for part in _split_top_level(text):
         m = _ATOM.fullmatch(part)
         if not m:
-            raise ShardingError(f"cannot read SBP {part!r} in spec {text!r}: expected S(d), B, P or P(max)")
+            raise ShardingError(f"cannot read SBP {part!r} in spec {text!r}: expected S(d), B, P, P(max) or P(min)")
         tok = m.group(1)
         if tok.startswith("S"):
             atoms.append(Split(int(m.group(2))))
@@ -274,12 +274,12 @@ def _indivisible(shape, sbp: NdSbp, mesh: Mesh):
 
 def check_divisible(shape, dtype, sbp: NdSbp, mesh: Mesh, *, what: str, source: str = "") -> None:
     """A ShardingError unless ``sbp`` can hold a ``dtype[shape]`` value on ``mesh``: every split dim
-    divisible by its axes, and no P(max) of a complex value (XLA has no complex max all-reduce)."""
+    divisible by its axes, and no P(max) / P(min) of a complex value (XLA has no complex max all-reduce)."""
     for axis, s in zip(mesh.axis_names, sbp):
-        if s == Partial("max") and jax.dtypes.issubdtype(dtype, np.complexfloating):
+        if s in (Partial("max"), Partial("min")) and jax.dtypes.issubdtype(dtype, np.complexfloating):
             where = f" at {source}" if source else ""
             raise ShardingError(
-                f"{what} {as_dtype(dtype).name}{list(shape)}{where}: P(max) on mesh axis {axis!r} under spec "
+                f"{what} {as_dtype(dtype).name}{list(shape)}{where}: {s!r} on mesh axis {axis!r} under spec "
                 f"{format_sbp(sbp)}; XLA has no max all-reduce of complex values — take the max of a "
                 "whole (B) value, or of its real part or abs")
     bad = _indivisible(shape, sbp, mesh)

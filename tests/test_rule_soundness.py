@@ -538,12 +538,13 @@ def reference(c: Case):
 
 
 def _combine(parts, ops):
-    """The global value of stacked parts: the sum (or max) over each leading dim."""
+    """The global value of stacked parts: the sum (max, min) over each leading dim."""
     for op in ops:
         if parts.dtype == np.bool_:
             parts = parts.any(0)
         else:
-            parts = parts.sum(0, dtype=parts.dtype) if op == "sum" else parts.max(0)
+            parts = {"sum": lambda p: p.sum(0, dtype=p.dtype), "max": lambda p: p.max(0),
+                     "min": lambda p: p.min(0)}[op](parts)
     return parts
 
 

@@ -48,8 +48,8 @@ def _partial_ok(partial, x) -> bool:
 
 defrule(lax.reduce_sum_p)(_reduce(P))
 defrule(lax.reduce_max_p)(_reduce(Partial("max")))
-defrule(lax.reduce_min_p, lax.reduce_prod_p, lax.reduce_and_p, lax.reduce_or_p, lax.argmax_p,
-        lax.argmin_p)(_reduce(None))
+defrule(lax.reduce_min_p)(_reduce(Partial("min")))
+defrule(lax.reduce_prod_p, lax.reduce_and_p, lax.reduce_or_p, lax.argmax_p, lax.argmin_p)(_reduce(None))
 
 
 @defrule(lax.cumsum_p, lax.cumprod_p, lax.cummax_p, lax.cummin_p, lax.cumlogsumexp_p)

@@ -187,7 +187,7 @@ def _reduce_window(partial):
 
 defrule(lax.reduce_window_sum_p)(_reduce_window(P))
 defrule(lax.reduce_window_max_p)(_reduce_window(Partial("max")))
-defrule(lax.reduce_window_min_p)(_reduce_window(None))
+defrule(lax.reduce_window_min_p)(_reduce_window(Partial("min")))
 
 
 @defrule(lax.reduce_window_p)
