@@ -25,7 +25,7 @@ from jax import lax
 from jax.extend.core import DropVar, Jaxpr
 
 from shardflow import conversion, registry, rules  # noqa: F401  (rules: registers every rule)
-from shardflow.program import Program, is_literal, source_line
+from shardflow.program import Program, all_eqns, is_literal, source_line
 from shardflow.registry import DECISION, Decision, Sig
 from shardflow.rules.elementwise import SHAPE_KEEPING
 from shardflow.specs import B, Partial, Split, check_divisible, describe, divides, to_sbp
@@ -47,6 +47,7 @@ class Propagation:
         self.made: dict = {}            # var -> NdSbps it is already converted to
         self.fallbacks: list = []
         self.constrained: dict = {}     # var -> (NdSbp, source) of sf.constrain on it
+        self.graph = None               # (users, producer) for the lookahead
 
     # ---------------------------------------------------------------- values
 
@@ -175,6 +176,9 @@ class Propagation:
             if not self.valid(v.aval, trial):
                 return math.inf
             want = self.demand.get(v)
+            if want is None:   # what it will meet; a B there is sliced for free: no preference
+                met = self.affinity(v)
+                want = met if met is not None and met[i] != B else None
             if want is not None and want[i] != s:
                 total += self.seconds(v.aval, trial, _with(trial, i, want[i]))
             elif want is None and isinstance(s, Partial) and creates_partial:
@@ -182,6 +186,71 @@ class Propagation:
                 # so a P output is not mistaken for a free one.
                 total += min(self.seconds(v.aval, trial, _with(trial, i, t)) for t in _reductions(v, trial, i, self))
         return total
+
+    # ---------------------------------------------------------------- lookahead
+
+    def affinity(self, v):
+        """The NdSbp (over ``v``'s dims) of the first value of known sharding that ``v`` meets
+        elementwise downstream — demanded by an out_spec or constraint, already decided, or
+        computed elementwise from a decided value — or None.
+
+        Greedy choice alone prices an equation's output as free when nothing demands it; its
+        users then pay. A per-channel statistic reduce-scattered to a channel split (cheaper
+        than an all-reduce, by a little) and broadcast over the activations it normalises made
+        every BatchNorm backward all-gather activation-sized tensors; random bits split on the
+        first dim met an all_to_all at the dropout's select. Pricing the output's conversion to
+        what it will meet fixes both; the whole-program solver replaces this."""
+        users, producer = self._graph()
+        frontier, seen, budget = [(v, tuple(range(len(v.aval.shape))))], {v}, [_LOOK]
+        while frontier and budget[0] > 0:
+            u, dims = frontier.pop(0)          # dims[d]: the dim of u that dim d of v became
+            budget[0] -= 1
+            if u is not v and u in self.demand:
+                return _carried_back(self.demand[u], dims, v, u)
+            for eqn in users.get(u, ()):
+                if _elementwise_on(eqn, u):
+                    for other in eqn.invars:
+                        if other is u or is_literal(other) or other.aval.shape != u.aval.shape:
+                            continue
+                        known = self._known(other, producer, budget)
+                        if known is not None:
+                            return _carried_back(known, dims, v, u)
+                    nxt = dims
+                elif eqn.primitive is lax.broadcast_in_dim_p:
+                    nxt = tuple(eqn.params["broadcast_dimensions"][e] for e in dims)
+                else:
+                    continue
+                out = eqn.outvars[0]
+                if out not in seen:
+                    seen.add(out)
+                    frontier.append((out, nxt))
+        return None
+
+    def _known(self, v, producer, budget):
+        """The NdSbp of ``v``: decided, or that of a decided value it is computed from elementwise."""
+        todo = [v]
+        while todo and budget[0] > 0:
+            u = todo.pop(0)
+            budget[0] -= 1
+            if u in self.sbp:
+                return self.sbp[u]
+            eqn = producer.get(u)
+            if eqn is not None and _elementwise_on(eqn, u):
+                todo += [w for w in eqn.invars if not is_literal(w) and w.aval.shape == u.aval.shape]
+        return None
+
+    def _graph(self):
+        """(users, producer) of every Var of the program, nested bodies included."""
+        if self.graph is None:
+            users, producer = {}, {}
+            for eqn in all_eqns(self.program.jaxpr.jaxpr):
+                for x in eqn.invars:
+                    if not is_literal(x):
+                        users.setdefault(x, []).append(eqn)
+                for v in eqn.outvars:
+                    producer[v] = eqn
+            self.graph = users, producer
+        return self.graph
 
     # ---------------------------------------------------------------- nested jaxprs
 
@@ -210,6 +279,25 @@ class Propagation:
             carry = adopt
         run_bodies(carry)
         return carry
+
+
+_LOOK = 64   # values the lookahead visits at most, each way
+
+
+def _elementwise_on(eqn, v) -> bool:
+    """Whether ``eqn`` maps ``v`` elementwise to its one result (same shape)."""
+    return (len(eqn.outvars) == 1 and eqn.outvars[0].aval.shape == v.aval.shape
+            and (eqn.primitive in SHAPE_KEEPING or eqn.primitive is lax.bitcast_convert_type_p))
+
+
+def _carried_back(sbp, dims, v, u):
+    """``sbp`` of ``u`` carried back to ``v``: S(dims[d]) -> S(d) where that dim of ``v`` was
+    not broadcast on the way; anything else B."""
+    out = []
+    for s in sbp:
+        d = dims.index(s.dim) if isinstance(s, Split) and s.dim in dims else None
+        out.append(Split(d) if d is not None and v.aval.shape[d] == u.aval.shape[s.dim] else B)
+    return tuple(out)
 
 
 def _with(sbp, i, s) -> tuple:
