@@ -141,7 +141,7 @@ class Propagation:
         for i in range(n_ax):
             best, best_cost = None, math.inf
             for sig in list(sigs) + [whole]:
-                cost = self.cost(eqn, cur, req, outs, i, sig)
+                cost = self.cost(eqn, cur, req, outs, i, sig, chosen)
                 if cost < best_cost:
                     best, best_cost = sig, cost
             chosen.append(best)
@@ -155,7 +155,7 @@ class Propagation:
                 self.made.setdefault(x, set()).add(r)
         return Decision(tuple(req), tuple(tuple(o) for o in outs), tuple(chosen))
 
-    def cost(self, eqn, cur, req, outs, i, sig) -> float:
+    def cost(self, eqn, cur, req, outs, i, sig, chosen=()) -> float:
         total = 0.0
         creates_partial = not any(isinstance(self.of(x)[i], Partial) for x in eqn.invars)
         for k, (x, s) in enumerate(zip(eqn.invars, sig.ins)):
@@ -185,7 +185,16 @@ class Propagation:
                 # A partial value is reduced sooner or later: charge the cheapest reduction now,
                 # so a P output is not mistaken for a free one.
                 total += min(self.seconds(v.aval, trial, _with(trial, i, t)) for t in _reductions(v, trial, i, self))
-        return total
+        return total + self.own_collectives(eqn, req, i, sig, chosen)
+
+    def own_collectives(self, eqn, req, i, sig, chosen) -> float:
+        """Seconds of the collectives an equation's own lowering runs (a pad's halo exchange)."""
+        rule = registry.rule_of(eqn.primitive)
+        if rule is None or rule.comm is None:
+            return 0.0
+        ins = tuple(tuple(r[:i]) + (s,) + tuple(r[i + 1:]) for r, s in zip(req, sig.ins))
+        steps = rule.comm(eqn, ins, tuple(chosen) + (sig,), self.mesh)
+        return conversion.steps_seconds(steps, self.program.links)
 
     # ---------------------------------------------------------------- lookahead
 

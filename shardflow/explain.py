@@ -5,6 +5,7 @@ import dataclasses
 
 from jax import lax
 
+from shardflow import registry
 from shardflow.primitives import box_p
 from shardflow.program import Program, all_eqns, nested, source_line
 from shardflow.specs import as_dtype, describe, format_sbp
@@ -70,6 +71,15 @@ def _collectives(program: Program, jaxpr, count: int, out: list):
                                           st.bytes, count, eqn.params["source"], eqn.params["used_at"],
                                           eqn.params["reason"], format_sbp(eqn.params["src"]),
                                           format_sbp(eqn.params["dst"]), program.links.seconds(st.axes, st.bytes)))
+        rule = registry.rule_of(eqn.primitive)
+        if rule is not None and rule.comm is not None:
+            d, x = registry.decision_of(eqn), eqn.invars[0]
+            for st in rule.comm(eqn, d.ins, d.sigs, program.mesh):
+                out.append(Collective(st.kind, st.axes, tuple(x.aval.shape), as_dtype(x.aval.dtype).name, st.bytes,
+                                      count, source_line(eqn), source_line(eqn),
+                                      f"{eqn.primitive.name} exchanges the blocks of dim {st.dim}",
+                                      format_sbp(d.ins[0]), format_sbp(d.outs[0]),
+                                      program.links.seconds(st.axes, st.bytes)))
         trips = eqn.params.get("length", 1) if eqn.primitive is lax.scan_p else 1
         for body in nested(eqn):
             _collectives(program, body, count * trips, out)

@@ -12,6 +12,9 @@ and batching rules by primitive:
   Default: bind unchanged.
 * ``propagate(prop, eqn) -> eqn``: control flow (scan, while, cond, remat, a user shard_map)
   choosing its own operands' and bodies' NdSbps instead of picking a signature.
+* ``comm(eqn, ins, sigs, mesh) -> steps``: the collectives a rule's own lowering runs under
+  operand NdSbps ``ins`` and per-axis signatures ``sigs`` (a pad's halo exchange), as
+  ``conversion.Step``s: propagation prices them and explain lists them like any conversion's.
 * ``pin(eqn) -> spec``: a user's pin on its operand (``sf.constrain``,
   ``with_sharding_constraint``), which propagation spreads backward as a demand.
 
@@ -68,18 +71,19 @@ class Rule:
     lower: Callable | None = None
     propagate: Callable | None = None
     pin: Callable | None = None
+    comm: Callable | None = None
 
 
 RULES: dict = {}
 
 
-def defrule(*prims, signatures=None, lower=None, propagate=None, pin=None):
+def defrule(*prims, signatures=None, lower=None, propagate=None, pin=None, comm=None):
     """Register (or extend) the rule of each primitive in ``prims`` (None entries — primitives
     this JAX version lacks — are skipped). Returns a decorator that sets the signatures."""
     prims = [p for p in prims if p is not None]
     for p in prims:
         rule = RULES.setdefault(p, Rule())
-        for field, value in (("signatures", signatures), ("lower", lower), ("propagate", propagate), ("pin", pin)):
+        for field, value in (("signatures", signatures), ("lower", lower), ("propagate", propagate), ("pin", pin), ("comm", comm)):
             if value is not None:
                 setattr(rule, field, value)
 

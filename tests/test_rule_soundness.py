@@ -267,7 +267,9 @@ case(lax.sort_p, "sort-two-operands", lambda x: jnp.argsort(x, 0), f32(8, 4, 4))
 case(lax.top_k_p, "top_k", lambda x: lax.top_k(x, 4), f32(4, 4, 8))
 
 # --- slicing, padding, gather, scatter
-case(lax.pad_p, "pad", lambda x: jnp.pad(x, ((0, 0), (1, 2))), X)
+case(lax.pad_p, "pad", lambda x: jnp.pad(x, ((0, 0), (1, 3))), X)
+# edge padding on a split dim: the halo signature's ppermuted rows (blocks of 1 row -> 3 rows)
+case(lax.pad_p, "pad-halo-both-dims", lambda x: lax.pad(x, 0.5, ((2, 6, 0), (3, 1, 0))), X)
 case(lax.pad_p, "pad-interior-negative", lambda x: lax.pad(x, 0.5, ((0, 0, 0), (-1, 2, 1), (0, 0, 0))),
      f32(4, 8, 4))
 case(lax.pad_p, "pad-interior-blocks", lambda x: lax.pad(x, -1.0, ((0, 0, 0), (1, 2, 3))), X)

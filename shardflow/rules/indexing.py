@@ -9,20 +9,128 @@ from jax import lax
 
 from shardflow.registry import Sig, bind_params, decision_of, defrule
 from shardflow.rules.elementwise import every, rank, shape
-from shardflow.specs import B, P, S
+from shardflow.specs import B, P, S, local_shape
 
 
-@defrule(lax.pad_p)
-def _pad(eqn):
+def _pad_signatures(eqn):
     # A split dim stays split where every block pads alike: no padding on it, or interior
     # padding with lo + hi == interior (lo, hi >= 0), where block b's result is exactly the local
     # pad of block b (each block ends with hi pad values and the next starts with lo). Edge
-    # padding shifts every block by lo across its neighbours' boundaries (a halo exchange the
-    # conversion plans do not express), so such a dim is gathered. No P -> P although pad is
-    # linear: the partial value would be reduced at the padded (larger) size.
+    # padding (lo, hi >= 0, no interior) shifts the blocks across their neighbours' boundaries:
+    # the "halo" signature, whose lowering moves whole blocks to the devices whose output block
+    # they overlap (``pad_halo``: a few ppermutes, priced and shown like any collective). No
+    # P -> P although pad is linear: the partial value would be reduced at the padded size.
     config = eqn.params["padding_config"]
-    return [Sig((S(d), B), (S(d),)) for d, (lo, hi, interior) in enumerate(config)
+    sigs = [Sig((S(d), B), (S(d),)) for d, (lo, hi, interior) in enumerate(config)
             if (lo, hi, interior) == (0, 0, 0) or (lo >= 0 and hi >= 0 and interior > 0 and lo + hi == interior)]
+    sigs += [Sig((S(d), B), (S(d),), "halo") for d, (lo, hi, interior) in enumerate(config)
+             if interior == 0 and lo >= 0 and hi >= 0 and lo + hi > 0]
+    return sigs
+
+
+def _halo_dims(eqn, sigs) -> list:
+    return sorted({s.ins[0].dim for s in sigs if s is not None and s.name == "halo"})
+
+
+def _halo_rounds(eqn, d, n):
+    """How dim ``d``'s n blocks reach the output blocks they overlap: rounds of ppermutes, each
+    ``(pairs, rows, starts)`` — ``pairs`` ((src, dst), ...) with every device sending and
+    receiving at most once, ``rows`` the rows each source sends (the most any pair of the round
+    needs) and ``starts[src]`` where in its block they begin. Static: the block sizes and the
+    padding fix them."""
+    lo, _, _ = eqn.params["padding_config"][d]
+    size, padded = eqn.invars[0].aval.shape[d], eqn.outvars[0].aval.shape[d]
+    if size % n or padded % n:   # not a valid split of this dim (propagation refuses it)
+        return []
+    b, b_out = size // n, padded // n
+    needs = {}   # (src, dst) -> (first, last) input rows of block src that output block dst takes
+    for i in range(n):
+        first, last = max(0, i * b_out - lo), min(size, (i + 1) * b_out - lo)
+        for j in range(first // b, (last - 1) // b + 1) if first < last else ():
+            needs[(j, i)] = (max(first, j * b), min(last, (j + 1) * b))
+    rounds = []
+    for pair in needs:
+        for r in rounds:
+            if all(pair[0] != s and pair[1] != t for s, t in r):
+                r.append(pair)
+                break
+        else:
+            rounds.append([pair])
+    out = []
+    for r in rounds:
+        rows = max(needs[p][1] - needs[p][0] for p in r)
+        starts = {j: min(needs[(j, i)][0] - j * b, b - rows) for j, i in r}
+        out.append((tuple(r), rows, starts))
+    return out
+
+
+def _halo_axes(sbp, d, names):
+    return tuple(a for a, s in zip(names, sbp) if s == S(d))
+
+
+def pad_halo(eqn, ins, sigs, mesh) -> tuple:
+    """The collectives the "halo" lowering runs: per halo dim, in order, one ppermute per round
+    that moves rows to another device (the block then has that dim's output size)."""
+    from shardflow.conversion import Step
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    steps = []
+    halo = _halo_dims(eqn, sigs)
+    block = [n if d in halo else n + lo + hi + interior * max(n - 1, 0)     # as _lower_pad sends it
+             for d, (n, (lo, hi, interior)) in enumerate(zip(local_shape(eqn.invars[0].aval.shape, ins[0], mesh),
+                                                            eqn.params["padding_config"]))]
+    itemsize = np.dtype(eqn.invars[0].aval.dtype).itemsize
+    for d in halo:
+        axes = _halo_axes(ins[0], d, mesh.axis_names)
+        n = int(np.prod([sizes[a] for a in axes]))
+        row = int(np.prod([m for e, m in enumerate(block) if e != d])) * itemsize
+        for r, rows, _ in _halo_rounds(eqn, d, n):
+            if any(j != i for j, i in r):
+                steps.append(Step("ppermute", axes, d, local_shape=tuple(block), bytes=int(rows * row), perm=r))
+        block[d] = eqn.outvars[0].aval.shape[d] // n
+    return tuple(steps)
+
+
+def _lower_pad(local, eqn, ins):
+    x, value = ins
+    decision = decision_of(eqn)
+    halo = _halo_dims(eqn, decision.sigs)
+    config = [(0, 0, 0) if d in halo else c for d, c in enumerate(eqn.params["padding_config"])]
+    x = lax.pad(x, value, config)
+    for d in halo:
+        x = _exchange(local, eqn, x, value, d, _halo_axes(decision.ins[0], d, local.names))
+    return x
+
+
+def _exchange(local, eqn, x, value, d, axes):
+    """This device's output block of dim ``d`` from the rows of the input blocks that overlap it."""
+    lo, _, _ = eqn.params["padding_config"][d]
+    n = int(np.prod([local.sizes[a] for a in axes]))
+    size, padded = eqn.invars[0].aval.shape[d], eqn.outvars[0].aval.shape[d]
+    b, b_out = size // n, padded // n
+    me, _ = local.shard_index(eqn.invars[0], d)
+    out = jnp.zeros(x.shape[:d] + (b_out,) + x.shape[d + 1:], x.dtype)
+    rows_out = lax.broadcasted_iota(jnp.int32, out.shape, d)
+    for pairs, rows, starts in _halo_rounds(eqn, d, n):
+        send_start = np.zeros(n, np.int32)
+        source = np.full(n, -1, np.int32)
+        for j, i in pairs:
+            send_start[j], source[i] = starts[j], j
+        sent = lax.dynamic_slice_in_dim(x, jnp.asarray(send_start)[me], rows, d)
+        got = sent if all(j == i for j, i in pairs) else lax.ppermute(sent, axes, perm=pairs)
+        j = jnp.asarray(source)[me]
+        first = j * b + jnp.asarray(send_start)[jnp.maximum(j, 0)]          # input row of got's first row
+        offset = first + lo - me * b_out                                    # its output row here
+        widened = lax.pad(got, jnp.zeros((), x.dtype), [(b_out, b_out, 0) if e == d else (0, 0, 0)
+                                                         for e in range(x.ndim)])
+        placed = lax.dynamic_slice_in_dim(widened, jnp.clip(b_out - offset, 0, rows + b_out), b_out, d)
+        row_in = me * b_out + rows_out - lo                                 # the input row of each output row
+        mine = (j >= 0) & (row_in >= j * b) & (row_in < (j + 1) * b) & (row_in >= first) & (row_in < first + rows)
+        out = jnp.where(mine, placed, out)
+    rows_global = me * b_out + rows_out
+    return jnp.where((rows_global < lo) | (rows_global >= lo + size), value.astype(x.dtype), out)
+
+
+defrule(lax.pad_p, lower=_lower_pad, comm=pad_halo)(_pad_signatures)
 
 
 def _lower_slice(local, eqn, ins):
