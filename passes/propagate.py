@@ -181,11 +181,23 @@ class Propagation:
                 want = met if met is not None and met[i] != B else None
             if want is not None and want[i] != s:
                 total += self.seconds(v.aval, trial, _with(trial, i, want[i]))
-            elif want is None and isinstance(s, Partial) and creates_partial:
+            elif want is None and isinstance(s, Partial):
                 # A partial value is reduced sooner or later: charge the cheapest reduction now,
-                # so a P output is not mistaken for a free one.
-                total += min(self.seconds(v.aval, trial, _with(trial, i, t)) for t in _reductions(v, trial, i, self))
+                # so a P output is not mistaken for a free one. A partial operand flowing through
+                # defers its own reduction to this output: charge what that costs more (an MoE's
+                # dispatched tokens [e, c, d] carried into the experts' [e, c, h]).
+                reduce_out = self.reduction_seconds(v, trial, i)
+                if creates_partial:
+                    total += reduce_out
+                else:
+                    reduce_in = max(self.reduction_seconds(x, self.of(x), i) for x in eqn.invars
+                                    if not is_literal(x) and isinstance(self.of(x)[i], Partial))
+                    total += max(0.0, reduce_out - reduce_in)
         return total + self.own_collectives(eqn, req, i, sig, chosen)
+
+    def reduction_seconds(self, v, sbp, i) -> float:
+        """The cheapest reduction of a value partial on axis ``i``: to B or a split it divides."""
+        return min(self.seconds(v.aval, sbp, _with(sbp, i, t)) for t in _reductions(v, sbp, i, self))
 
     def own_collectives(self, eqn, req, i, sig, chosen) -> float:
         """Seconds of the collectives an equation's own lowering runs (a pad's halo exchange)."""
