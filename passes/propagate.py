@@ -137,11 +137,12 @@ class Propagation:
         whole = Sig((B,) * len(eqn.invars), (B,) * len(eqn.outvars), "whole")
         req = [list(c) for c in cur]
         outs = [[B] * n_ax for _ in eqn.outvars]
+        met = [None if v in self.demand else self.affinity(v) for v in eqn.outvars]   # walked once
         chosen = []
         for i in range(n_ax):
             best, best_cost = None, math.inf
             for sig in list(sigs) + [whole]:
-                cost = self.cost(eqn, cur, req, outs, i, sig, chosen)
+                cost = self.cost(eqn, cur, req, outs, i, sig, chosen, met)
                 if cost < best_cost:
                     best, best_cost = sig, cost
             chosen.append(best)
@@ -155,7 +156,9 @@ class Propagation:
                 self.made.setdefault(x, set()).add(r)
         return Decision(tuple(req), tuple(tuple(o) for o in outs), tuple(chosen))
 
-    def cost(self, eqn, cur, req, outs, i, sig, chosen=()) -> float:
+    def cost(self, eqn, cur, req, outs, i, sig, chosen, met) -> float:
+        """Seconds that choosing ``sig`` on axis ``i`` costs; ``met``: per output, the NdSbp it
+        will meet downstream (``affinity``) or None."""
         total = 0.0
         creates_partial = not any(isinstance(self.of(x)[i], Partial) for x in eqn.invars)
         for k, (x, s) in enumerate(zip(eqn.invars, sig.ins)):
@@ -176,9 +179,8 @@ class Propagation:
             if not self.valid(v.aval, trial):
                 return math.inf
             want = self.demand.get(v)
-            if want is None:   # what it will meet; a B there is sliced for free: no preference
-                met = self.affinity(v)
-                want = met if met is not None and met[i] != B else None
+            if want is None and met[j] is not None and met[j][i] != B:   # a B met is sliced for free
+                want = met[j]
             if want is not None and want[i] != s:
                 total += self.seconds(v.aval, trial, _with(trial, i, want[i]))
             elif want is None and isinstance(s, Partial):

@@ -62,23 +62,24 @@ class Plan:
 
 
 def _collectives(program: Program, jaxpr, count: int, out: list):
+    """The collectives of ``jaxpr``: each box's plan, and those a rule's own lowering runs."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive is box_p:
-            x = eqn.invars[0]
-            for st in eqn.params["steps"]:
-                if st.is_collective:
-                    out.append(Collective(st.kind, st.axes, tuple(x.aval.shape), as_dtype(x.aval.dtype).name,
-                                          st.bytes, count, eqn.params["source"], eqn.params["used_at"],
-                                          eqn.params["reason"], format_sbp(eqn.params["src"]),
-                                          format_sbp(eqn.params["dst"]), program.links.seconds(st.axes, st.bytes)))
+        x, d = eqn.invars[0] if eqn.invars else None, registry.decision_of(eqn)
         rule = registry.rule_of(eqn.primitive)
-        if rule is not None and rule.comm is not None:
-            d, x = registry.decision_of(eqn), eqn.invars[0]
-            for st in rule.comm(eqn, d.ins, d.sigs, program.mesh):
+        if eqn.primitive is box_p:
+            p = eqn.params
+            steps, why = p["steps"], (p["source"], p["used_at"], p["reason"], p["src"], p["dst"])
+        elif rule is not None and rule.comm is not None:
+            steps = rule.comm(eqn, d.ins, d.sigs, program.mesh)
+            why = (source_line(eqn), source_line(eqn), f"{eqn.primitive.name} exchanges the blocks of its split dims",
+                   d.ins[0], d.outs[0])
+        else:
+            steps = ()
+        for st in steps:
+            if st.is_collective:
+                source, used_at, reason, src, dst = why
                 out.append(Collective(st.kind, st.axes, tuple(x.aval.shape), as_dtype(x.aval.dtype).name, st.bytes,
-                                      count, source_line(eqn), source_line(eqn),
-                                      f"{eqn.primitive.name} exchanges the blocks of dim {st.dim}",
-                                      format_sbp(d.ins[0]), format_sbp(d.outs[0]),
+                                      count, source, used_at, reason, format_sbp(src), format_sbp(dst),
                                       program.links.seconds(st.axes, st.bytes)))
         trips = eqn.params.get("length", 1) if eqn.primitive is lax.scan_p else 1
         for body in nested(eqn):

@@ -15,6 +15,8 @@ import dataclasses
 import os
 from typing import Callable, Sequence
 
+from jax.extend.core import DropVar
+
 from shardflow.program import Program, all_eqns, all_jaxprs, is_literal, nested, subjaxprs
 from shardflow.registry import Decision, decision_of
 from shardflow.specs import B, format_sbp
@@ -85,7 +87,7 @@ def _check_inlined(program: Program):
             if eqn.primitive.name in INLINED:
                 _fail(f"inlined: a {eqn.primitive.name} call is left")
         for v in list(jaxpr.constvars) + list(jaxpr.invars) + [v for e in jaxpr.eqns for v in e.outvars]:
-            if type(v).__name__ != "DropVar":
+            if not isinstance(v, DropVar):
                 if v in defined:
                     _fail(f"inlined: {v} is defined in two places")
                 defined.add(v)
@@ -102,7 +104,7 @@ def _check_sharded(program: Program):
         if any(len(s) != n for s in d.ins + d.outs):
             _fail(f"sharded: {eqn.primitive.name}'s Decision {d} is not one entry per mesh axis")
         for v, s in zip(eqn.outvars, d.outs):
-            if type(v).__name__ != "DropVar" and program.sbp.get(v) != s:
+            if not isinstance(v, DropVar) and program.sbp.get(v) != s:
                 _fail(f"sharded: {v} of {eqn.primitive.name} has NdSbp {program.sbp.get(v)}, its Decision says {s}")
     if any(s is None for s in program.out_sbp):
         _fail("sharded: an output has no NdSbp")
