@@ -16,8 +16,17 @@ stack_p = _lax.stack_p
 unstack_p = _lax.unstack_p
 one_minus_square_p = getattr(_lax, "one_minus_square_p", None)
 
-# The frame of user code in a traceback, skipping frames registered as excluded.
-user_frame = _source_info_util.user_frame
+# Which files are user code in JAX's view (not JAX, the stdlib or a registered exclusion), and a
+# registration that overrides an exclusion for a path under it (jax.extend has only exclusions).
+is_user_filename = _source_info_util.is_user_filename
+register_inclusion = _source_info_util.register_inclusion
+
+
+def traceback_frames(traceback) -> list:
+    """The frames (``file_name``, ``start_line``, ...) of an equation's traceback (None: there is
+    none), innermost first."""
+    code, lasti = traceback.raw_frames() if traceback is not None else ((), ())
+    return [_source_info_util.raw_frame_to_frame(c, i) for c, i in zip(code, lasti)]
 
 # A primitive's eager implementation by compiling it (for primitives with a lowering only).
 apply_primitive = _dispatch.apply_primitive

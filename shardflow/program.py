@@ -9,11 +9,11 @@ rewrite that keeps Vars and params. ``facts`` names the invariants the passes so
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Callable, Iterator
 
 import jax
-from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from jax.extend.core import primitives as prims
 from jax.sharding import Mesh
@@ -21,11 +21,7 @@ from jax.sharding import Mesh
 from shardflow import _compat
 from shardflow.mesh import LinkModel
 from shardflow.registry import DECISION
-
-# Frames of the compiler itself are never "the user's line"; shardflow's models and trainer are.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _module in ("api.py", "primitives.py", "program.py", "registry.py", "pipeline.py", "rules" + os.sep):
-    source_info_util.register_exclusion(os.path.join(_HERE, _module))
+from shardflow.specs import installed_file, is_user_file
 
 
 @dataclasses.dataclass
@@ -56,20 +52,33 @@ class Program:
 REMAT_PRIMITIVES = (prims.remat_p,)
 
 
-def _user_frame(source_info):
-    return _compat.user_frame(source_info.traceback) if source_info else None
+@functools.lru_cache(maxsize=4096)
+def _user_and_library_frames(traceback) -> tuple:
+    """(the innermost frame of user code, the innermost frame of an installed library inside
+    that call, e.g. optax's), either None where there is none."""
+    library = None
+    for frame in _compat.traceback_frames(traceback):
+        if is_user_file(frame.file_name):
+            return frame, library
+        if library is None and installed_file(frame.file_name):
+            library = frame
+    return None, library
 
 
 def has_user_frame(source_info) -> bool:
-    return _user_frame(source_info) is not None
+    return _user_and_library_frames(source_info.traceback)[0] is not None
 
 
 def source_line(eqn) -> str:
-    """``file.py:LINE`` of the user's code that made this equation's value."""
-    frame = _user_frame(eqn.source_info)
-    if frame is None:
-        return "<unknown>"
-    return f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+    """``train.py:12`` — the line of the user's code that made this equation's value — followed
+    by the library line that made it where a library call did (``train.py:12
+    (optax/_classification.py:400)``); the library line alone where no user code was on the stack."""
+    user, library = _user_and_library_frames(eqn.source_info.traceback)
+    here = f"{os.path.basename(user.file_name)}:{user.start_line}" if user else None
+    inside = f"{installed_file(library.file_name)}:{library.start_line}" if library else None
+    if here and inside:
+        return f"{here} ({inside})"
+    return here or inside or "<unknown>"
 
 
 # ----------------------------------------------------------------------------- nested jaxprs

@@ -15,16 +15,72 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import sys
 from typing import Sequence, Union
 
 import jax
 import numpy as np
+from jax.extend import source_info_util
 from jax.sharding import Mesh, PartitionSpec
+
+from shardflow import _compat
+
+# ----------------------------------------------------------------------------- the user's code
+# shardflow is library code like JAX, never "your line" — except its trainer (shardflow/train/),
+# code a user reads and edits like their own train.py. passes/ registers itself.
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+source_info_util.register_exclusion(_PACKAGE + os.sep)
+_compat.register_inclusion(os.path.join(_PACKAGE, "train") + os.sep)
+
+_INSTALLED = re.compile(r"[\\/](?:site|dist)-packages[\\/]")
+
+
+def is_user_file(file_name: str) -> bool:
+    """Whether ``file_name`` is the user's code: not JAX, the stdlib or shardflow (JAX's exclusions),
+    nor an installed package such as optax or flax. JAX's stdlib exclusion covers site-packages
+    only where the stdlib directory contains it (pyenv), not in a virtualenv."""
+    return _compat.is_user_filename(file_name) and not _INSTALLED.search(file_name)
+
+
+def installed_file(file_name: str) -> str | None:
+    """``optax/_classification.py`` for a file of an installed package other than JAX's, else None."""
+    found = _INSTALLED.search(file_name)
+    if found is None:
+        return None
+    package = re.split(r"[\\/]", file_name[found.end():])[0]
+    return None if package in ("jax", "jaxlib") else f"{package}/{os.path.basename(file_name)}"
+
+
+def user_line() -> str:
+    """``file.py:LINE`` of the innermost frame of the user's code on the Python stack, "" if none.
+    Generated code (a dataclass's ``__init__``, file ``<string>``) is the module's it runs in."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        file_name = frame.f_code.co_filename
+        if file_name.startswith("<"):
+            file_name = frame.f_globals.get("__file__") or file_name
+        if is_user_file(file_name):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
 
 
 class ShardingError(ValueError):
-    """Every refusal of shardflow: names the value, the spec and the user's source line."""
+    """Every refusal of shardflow: names the value, the spec and the user's source line.
+
+    The message starts with the line of the user's code that called into shardflow when the
+    error was made (``train.py:40: ...``, as a compiler's diagnostics do); ``message`` is the rest.
+    """
+
+    def __init__(self, message: str, line: str | None = None):
+        self.message = message
+        self.line = user_line() if line is None else line
+        super().__init__(f"{self.line}: {message}" if self.line else message)
+
+    def __reduce__(self):
+        return type(self), (self.message, self.line)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +222,7 @@ def _parse(text: str, names, what) -> tuple:
         return parse_sbp_string(text)
     except ShardingError as e:
         hint = f"; did you mean PartitionSpec({text!r})?" if text in names else f"; {_forms(names)}"
-        raise ShardingError(f"{what}: {e}{hint}") from None
+        raise ShardingError(f"{what}: {e.message}{hint}") from None
 
 
 def _from_partition_spec(spec: PartitionSpec, mesh: Mesh, ndim, what, any_order=False) -> NdSbp:
