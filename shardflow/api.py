@@ -20,15 +20,58 @@ from shardflow.specs import (Partial, ShardingError, check_divisible, describe, 
                              split_orders, to_sbp)
 
 
-def _flat_specs(specs, tree_of, what: str, paths):
-    """Broadcast a spec prefix tree over the flat leaves of ``tree_of``."""
-    try:
-        flat = jax.tree.leaves(jax.tree.broadcast(specs, tree_of, is_leaf=is_spec_leaf), is_leaf=is_spec_leaf)
-    except ValueError as e:
-        raise ShardingError(f"{what} {specs!r} do not match the {what.split('_')[0]}put tree: {e}") from None
-    if len(flat) != len(paths):
-        raise ShardingError(f"{what} {specs!r} give {len(flat)} specs for {len(paths)} values")
-    return flat
+def _spec_of_each_leaf(specs, values, specs_name: str, values_name: str, noun: str, where: str) -> list:
+    """(the path of its spec in ``specs``, the spec) for each leaf of ``values``, in flatten order.
+    ``specs`` is a pytree prefix of ``values`` whose leaves are specs, as shard_map's in_specs;
+    ``noun`` names one leaf of ``values`` (argument, output) in errors."""
+    out = []
+
+    def walk(spec, value, path):
+        spec_children, spec_node = _children(spec)
+        if is_spec_leaf(spec) or jax.tree_util.treedef_is_leaf(spec_node):
+            out.extend([(specs_name + keystr(path), spec)] * len(jax.tree.leaves(value)))
+            return
+        value_children, value_node = _children(value)
+        if spec_node != value_node:
+            spec_name, value_name = specs_name + keystr(path), values_name + keystr(path)
+            raise ShardingError(
+                f"{spec_name} {spec!r} do not match the structure of {value_name} of {where}: "
+                f"{_difference(spec, value, spec_name, value_name, noun)}; {specs_name} is a pytree prefix "
+                f"of the {noun}s, as in shard_map")
+        for (key, s), (_, v) in zip(spec_children, value_children):
+            walk(s, v, path + key)
+
+    walk(specs, values, ())
+    return out
+
+
+def _children(tree):
+    """((key path, child) of each child of the root of ``tree``, the root alone as a PyTreeDef)."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda node: node is not tree)
+
+
+def _difference(spec, value, spec_name: str, value_name: str, noun: str) -> str:
+    """What differs between a node of a spec tree and the node of values it is meant to match."""
+    if type(spec) is not type(value):
+        return f"{spec_name} is {_a(spec)}, {value_name} {_a(value)}"
+    spec_keys = [keystr(k) for k, _ in _children(spec)[0]]
+    value_keys = [keystr(k) for k, _ in _children(value)[0]]
+    missing = [f"no spec for {value_name}{k}" for k in value_keys if k not in spec_keys]
+    extra = [f"{spec_name}{k} matches no {noun}" for k in spec_keys if k not in value_keys]
+    if missing or extra:
+        return ", ".join(missing + extra)
+    return f"{spec_name} is {jax.tree.structure(spec)}, {value_name} {jax.tree.structure(value)}"
+
+
+def _a(x) -> str:
+    """``a float32[8, 12] array``, ``a tuple of 2``, ``a dict with keys ['w1']``."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"a {describe(x)} array"
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(x, key=repr)}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return f"a {type(x).__name__}"
 
 
 @dataclasses.dataclass
@@ -69,12 +112,11 @@ class Parallelized:
         return self._cache[key]
 
     def _build(self, args, in_tree, avals) -> Compiled:
-        paths = [keystr(p) for p, _ in tree_flatten_with_path(args)[0]]
-        names = tuple(f"args{p}" for p in paths)
-        where = _definition(self.fn)
-        in_specs = _flat_specs(self.in_specs, args, "in_specs", paths)
-        in_sbp, in_orders = zip(*[self._boundary(spec, aval, f"argument {name}", "in_specs")
-                                  for name, aval, spec in zip(names, avals, in_specs)]) if avals else ((), ())
+        names = tuple(f"args{keystr(p)}" for p, _ in tree_flatten_with_path(args)[0])
+        in_specs = _spec_of_each_leaf(self.in_specs, args, "in_specs", "args", "argument", _definition(self.fn))
+        in_sbp, in_orders = zip(*[self._boundary(spec, aval, f"{spec_path} for argument {name}")
+                                  for name, aval, (spec_path, spec) in zip(names, avals, in_specs)]) \
+            if avals else ((), ())
 
         out_trees = []
 
@@ -99,22 +141,20 @@ class Parallelized:
         outs = closed.jaxpr.outvars
         if self.out_specs is None:
             return (None,) * len(outs), ()
-        shaped = jax.tree.unflatten(out_tree, list(range(len(outs))))
-        try:
-            flat = jax.tree.leaves(jax.tree.broadcast(self.out_specs, shaped, is_leaf=is_spec_leaf),
-                                   is_leaf=is_spec_leaf)
-        except ValueError as e:
-            raise ShardingError(f"out_specs {self.out_specs!r} do not match the output tree {out_tree}: {e}") from None
-        pairs = [self._boundary(spec, v.aval, f"output {i}", "out_specs") for i, (v, spec) in enumerate(zip(outs, flat))]
+        shaped = jax.tree.unflatten(out_tree, [v.aval for v in outs])
+        specs = _spec_of_each_leaf(self.out_specs, shaped, "out_specs", "output", "output", _definition(self.fn))
+        pairs = [self._boundary(spec, v.aval, f"{spec_path} for output {i}")
+                 for i, (v, (spec_path, spec)) in enumerate(zip(outs, specs))]
         return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
-    def _boundary(self, spec, aval, name: str, kind: str):
-        """(NdSbp, split orders) of an input or output spec; a P there is refused."""
+    def _boundary(self, spec, aval, name: str):
+        """(NdSbp, split orders) of an input or output spec; a P there is refused. ``name`` says
+        which spec of which value (``in_specs[0] for argument args[0]['w1']``)."""
         where = _definition(self.fn)
         what = f"{name} {describe(aval)} of {where}"
         sbp = to_sbp(spec, self.mesh, len(aval.shape), what=what, any_order=True)
         if any(isinstance(s, Partial) for s in sbp):
-            raise ShardingError(f"{what}: {kind} {format_sbp(sbp)} has P; inputs and outputs are whole values "
+            raise ShardingError(f"{what}: {format_sbp(sbp)} has P; inputs and outputs are whole values "
                                 "(B or S): outputs are reduced")
         check_divisible(aval.shape, aval.dtype, sbp, self.mesh, what=name, source=where)
         return sbp, split_orders(spec, self.mesh)

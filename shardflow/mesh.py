@@ -27,8 +27,15 @@ def make_mesh(axes: Mapping[str, int], devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     need = math.prod(sizes)
     if need > len(devices):
-        raise ShardingError(f"mesh {dict(zip(names, sizes))} needs {need} devices, {len(devices)} are available")
+        have = f"{len(devices)} {'is' if len(devices) == 1 else 'are'} available"
+        raise ShardingError(f"make_mesh({axes!r}): needs {need} devices, {have}"
+                            + (_SIMULATED.format(n=need) if all(d.platform == "cpu" for d in devices) else ""))
     return Mesh(np.array(devices[:need]).reshape(sizes), names)
+
+
+_SIMULATED = ("; on CPU, simulate {n} devices with jax.config.update('jax_num_cpu_devices', {n}) right after "
+              "importing jax, before any JAX work, or XLA_FLAGS=--xla_force_host_platform_device_count={n} set "
+              "before importing jax")
 
 
 _EXAMPLE = "sf.make_mesh({'data': 2, 'model': 4})"

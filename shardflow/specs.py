@@ -108,7 +108,8 @@ class Partial:
 
     def __post_init__(self):
         if self.op not in ("sum", "max", "min"):
-            raise ShardingError(f"P({self.op!r}): a partial value is reduced by 'sum', 'max' or 'min'")
+            raise ShardingError(f"P({self.op!r}): a partial value is reduced by 'sum', 'max' or 'min' "
+                                "(sf.P, sf.P('max'), sf.P('min'))")
 
     def __call__(self, op: str) -> "Partial":
         return Partial(op)
@@ -146,7 +147,7 @@ def parse_sbp_string(text: str) -> tuple:
     for part in _split_top_level(text):
         m = _ATOM.fullmatch(part)
         if not m:
-            raise ShardingError(f"cannot read SBP {part!r} in spec {text!r}: expected S(d), B, P, P(max) or P(min)")
+            raise ShardingError(f"cannot read SBP {part.strip()!r} in spec {text!r}: {_unreadable(part)}")
         tok = m.group(1)
         if tok.startswith("S"):
             atoms.append(Split(int(m.group(2))))
@@ -157,6 +158,19 @@ def parse_sbp_string(text: str) -> tuple:
         else:
             atoms.append(Partial(m.group(3)))
     return tuple(atoms)
+
+
+def _unreadable(part: str) -> str:
+    """Why an entry of an SBP string is none of S(d), B, P, P(max), P(min)."""
+    if not part.strip():
+        return "an empty entry; expected S(d), B, P, P(max) or P(min)"
+    if part.count("(") != part.count(")"):
+        return "unbalanced parentheses; expected S(d), B, P, P(max) or P(min)"
+    if part.strip().startswith("S("):
+        return "S takes the tensor dim to split, an int (S(0), S(1), ...)"
+    if part.strip().startswith("P("):
+        return "a partial value is reduced by 'sum', 'max' or 'min': P, P(max) or P(min)"
+    return "expected S(d), B, P, P(max) or P(min)"
 
 
 def _split_top_level(text: str):
@@ -206,7 +220,8 @@ def to_sbp(spec, mesh: Mesh, ndim: int | None = None, *, what: str = "value", an
     if ndim is not None:
         for axis, s in zip(names, sbp):
             if isinstance(s, Split) and not (0 <= s.dim < ndim):
-                raise ShardingError(f"{what}: {s!r} on mesh axis {axis!r} but the tensor has rank {ndim}")
+                raise ShardingError(f"{what}: {s!r} on mesh axis {axis!r} under spec {format_sbp(sbp)} but the "
+                                    f"tensor has rank {ndim}")
     return tuple(sbp)
 
 

@@ -2,6 +2,8 @@
 is one) the user's source line — never a raw TypeError / ZeroDivisionError / AttributeError from
 inside shardflow, JAX or XLA. Inputs that are fine but used to crash inside shardflow must run
 and agree with the unsharded function."""
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,97 @@ ARG = r"argument args\[0\] float32\[8, 12\] of double \(test_errors.py:\d+\)"
 def _agree(f, ref, *args, rtol=1e-5, atol=1e-5):
     for got, want in zip(jax.tree.leaves(f(*args)), jax.tree.leaves(ref(*args))):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=atol)
+
+
+# ------------------------------------------------------------------------------ every refusal names its value
+# Issue 15: each message names the value (its pytree path), the spec and the user's line — here
+# the line of the table row whose call shardflow refused — in one paragraph.
+
+PARAMS = {"w1": X, "w2": X}
+
+
+def two(a, b):
+    return a + b
+
+
+def layer(params, x):
+    return params["w1"] * params["w2"] + x
+
+
+def pair(xs):
+    return xs[0] + xs[1]
+
+
+def twice(x):
+    return x, x * 2
+
+
+def w1(spec):
+    """layer's in_specs with ``spec`` for params['w1']."""
+    return {"w1": spec, "w2": PS()}, PS()
+
+
+REFUSALS = [  # (id, the refused call, what its message must name besides the call's line)
+    ("too-few-specs", lambda mesh: sf.parallelize(two, mesh=mesh, in_specs=(PS(),))(X, X),
+     [f"in_specs {(PS(),)!r} do not match", "args of two (test_errors.py:", "no spec for args[1]"]),
+    ("missing-key", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=({"w1": PS()}, PS()))(PARAMS, X),
+     [f"in_specs[0] {({'w1': PS()})!r}", "args[0] of layer", "no spec for args[0]['w2']"]),
+    ("extra-key", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=(dict(w1=PS(), w2=PS(), w3=PS()), PS()))(PARAMS, X),
+     ["in_specs[0] {", "in_specs[0]['w3'] matches no argument"]),
+    ("list-for-tuple", lambda mesh: sf.parallelize(pair, mesh=mesh, in_specs=([PS(), PS()],))((X, X)),
+     [f"in_specs[0] {[PS(), PS()]!r}", "in_specs[0] is a list of 2, args[0] a tuple of 2"]),
+    ("out-specs-tree", lambda mesh: sf.parallelize(twice, mesh=mesh, in_specs=PS(), out_specs=(PS(), PS(), PS()))(X),
+     [f"out_specs {(PS(), PS(), PS())!r}", "of twice (test_errors.py:", "out_specs[2] matches no output"]),
+    ("unclosed", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("S(3"))(PARAMS, X),
+     ["in_specs[0]['w1'] for argument args[0]['w1'] float32[8, 12]", "'S(3'", "unbalanced parentheses"]),
+    ("unknown-sbp", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("Q, B"))(PARAMS, X),
+     ["in_specs[0]['w1'] for argument args[0]['w1'] float32[8, 12]", "cannot read SBP 'Q' in spec 'Q, B'"]),
+    ("split-of-a-name", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("S(a), B"))(PARAMS, X),
+     ["in_specs[0]['w1'] for argument args[0]['w1']", "'S(a), B'", "S takes the tensor dim to split, an int"]),
+    ("empty-entry", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("B,,B"))(PARAMS, X),
+     ["in_specs[0]['w1'] for argument args[0]['w1']", "in spec 'B,,B': an empty entry"]),
+    ("unknown-axis", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1(PS("tensor")))(PARAMS, X),
+     ["in_specs[0]['w1'] for argument args[0]['w1']", f"unknown mesh axis 'tensor' in {PS('tensor')}"]),
+    ("out-spec-typo", lambda mesh: sf.parallelize(twice, mesh=mesh, in_specs=PS(), out_specs=(PS(), "S(1), Q"))(X),
+     ["out_specs[1] for output 1 float32[8, 12] of twice", "cannot read SBP 'Q' in spec 'S(1), Q'"]),
+    ("split-past-rank", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("S(3), B"))(PARAMS, X),
+     ["in_specs[0]['w1'] for argument args[0]['w1']", "S(3) on mesh axis 'data' under spec (S(3), B)", "rank 2"]),
+    ("partial-avg", lambda mesh: sf.P("avg"),
+     ["P('avg')", "'sum', 'max' or 'min'"]),
+    ("mesh-too-big", lambda mesh: sf.make_mesh({"data": 2, "model": 8}),
+     ["make_mesh({'data': 2, 'model': 8}): needs 16 devices, 8 are available",
+      "jax.config.update('jax_num_cpu_devices', 16)", "XLA_FLAGS=--xla_force_host_platform_device_count=16"]),
+]
+
+
+@pytest.mark.parametrize("refused, fragments", [case[1:] for case in REFUSALS], ids=[case[0] for case in REFUSALS])
+def test_every_refusal_names_the_value_the_spec_and_the_line(mesh, refused, fragments):
+    with pytest.raises(sf.ShardingError) as refusal:
+        refused(mesh)
+    message = str(refusal.value)
+    assert message.startswith(f"test_errors.py:{refused.__code__.co_firstlineno}: "), message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    assert "\n" not in message, message
+
+
+def test_a_refusal_pickles_as_it_reads():
+    import pickle
+    error = sf.ShardingError("spec 7 is not a sharding spec")
+    assert str(error).startswith("test_errors.py:") and str(error).endswith(": spec 7 is not a sharding spec")
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)
+
+
+def test_a_cpu_machine_gets_its_devices_as_the_refusal_says():
+    """On one CPU device the README's mesh is refused with the way out, and the way out works."""
+    import subprocess, sys
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    mesh = "import shardflow as sf; print(sf.make_mesh({'data': 2, 'model': 4}).devices.shape)"
+    refused = subprocess.run([sys.executable, "-c", mesh], env=env, capture_output=True, text=True)
+    assert "needs 8 devices, 1 is available" in refused.stderr and "jax_num_cpu_devices', 8)" in refused.stderr
+    advised = f"import jax; jax.config.update('jax_num_cpu_devices', 8); {mesh}"
+    done = subprocess.run([sys.executable, "-c", advised], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "(2, 4)", done.stderr
 
 
 # ------------------------------------------------------------------------------ specs of other types
