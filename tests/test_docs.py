@@ -52,8 +52,9 @@ def cpu_only_env() -> dict:
     return env
 
 
-def run_python(script: Path, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, script.name], cwd=cwd, env=cpu_only_env(),
+def run_python(script: Path, cwd: Path, args=(), timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python script args...` in cwd (script's folder), a fresh process on a CPU-only machine."""
+    return subprocess.run([sys.executable, script.name, *args], cwd=cwd, env=cpu_only_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
