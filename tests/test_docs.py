@@ -58,12 +58,12 @@ def run_python(script: Path, cwd: Path, args=(), timeout: float = 600) -> subpro
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_the_convention_finds_the_blocks():
-    """The parser sees the blocks this suite is about (a parser that found none would pass)."""
-    found = {p.name: len(runnable(p)) for p in DOCS}
-    assert found["README.md"] == 2 and found["models.md"] == 2 and found["attention.md"] == 1
-    excerpts = [e for p in DOCS for _, _, e, _ in blocks(p) if e]
-    assert excerpts == ["shardflow/rules/contraction.py", "tests/test_core.py"]
+def test_the_convention_finds_every_python_block():
+    """The parser sees every ```python fence (one it missed would silently not run)."""
+    for p in DOCS:
+        python = [b for b in blocks(p) if b[1] == "python"]
+        assert len(python) == p.read_text().count("```python"), p.name
+    assert len(runnable(DOCS[0])) >= 2  # README's usage and models blocks
 
 
 @pytest.mark.parametrize("path", [p for p in DOCS if runnable(p)],

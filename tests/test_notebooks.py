@@ -9,7 +9,9 @@ below; stderr (warnings) is not compared. Any other difference fails: a notebook
 outputs no longer match what it prints must be re-run and stored again:
 
     pip install nbclient ipykernel
-    jupyter execute --inplace notebooks/tiny_model.ipynb      # or nbclient from Python
+    jupyter execute --inplace notebooks/tiny_model.ipynb    # in a shell without XLA_FLAGS
+
+(the notebook's outputs were last stored this way, the cells' timing metadata then removed).
 
 Declared noise:
 - NOISE, a regex table applied to both texts first (temporary paths, wall-clock timings);
