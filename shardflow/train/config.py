@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,9 @@ def _merge(obj, updates: dict, where: str):
         elif key == "model" and isinstance(value, str):
             setattr(obj, key, {"preset": value})
         elif key == "model":
+            if not isinstance(value, dict):
+                raise ConfigError(f"model must be a preset name or a mapping of model keys, "
+                                  f"got {value!r}")
             setattr(obj, key, {**current, **value})
         else:
             setattr(obj, key, _as_float(value) if isinstance(current, float) else value)
@@ -101,6 +105,16 @@ def _as_float(value):
     return value
 
 
+def _parse_yaml(text: str, where: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{where} is not valid YAML: {getattr(e, 'problem', None) or e}{at}") \
+            from None
+
+
 def _set_path(tree: dict, dotted: str, value) -> None:
     keys = dotted.split(".")
     for key in keys[:-1]:
@@ -112,14 +126,17 @@ def load(path: str | None = None, overrides: list[str] = (), **direct) -> Config
     """Build a Config from an optional YAML file and ``key.sub=value`` strings (YAML values)."""
     cfg = Config()
     if path:
-        with open(path) as f:
-            _merge(cfg, yaml.safe_load(f) or {}, "")
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"--config {path}: {e.strerror}") from None
+        _merge(cfg, _parse_yaml(text, f"--config {path}") or {}, "")
     tree: dict = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
-        _set_path(tree, key.strip(), yaml.safe_load(raw))
+        _set_path(tree, key.strip(), _parse_yaml(raw, f"--set {item!r}"))
     _merge(cfg, tree, "")
     _merge(cfg, {k: v for k, v in direct.items() if v is not None}, "")
     return cfg
@@ -129,11 +146,16 @@ def model_config(cfg: Config):
     from shardflow.models import ModelConfig, preset
     fields = dict(cfg.model)
     name = fields.pop("preset", None)
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    for key in fields:
-        if key not in known:
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for key, value in fields.items():
+        if key not in defaults:
             raise ConfigError(f"unknown config key 'model.{key}'; valid keys: preset, "
-                              f"{', '.join(sorted(known))}")
+                              f"{', '.join(sorted(defaults))}")
+        if isinstance(defaults[key], float):
+            fields[key] = value = _as_float(value)
+        ok, what = _MODEL_FIELD_CHECKS[type(defaults[key])]
+        if not ok(value):
+            raise ConfigError(f"model.{key} must be {what}, got {value!r}")
     try:
         return preset(name, **fields) if name else ModelConfig(**fields)
     except ValueError as e:
@@ -149,9 +171,18 @@ def _is_real(x) -> bool:
 
 
 _positive_int = (lambda x: _is_int(x) and x >= 1, "a positive integer")
+_boolean = (lambda x: isinstance(x, bool), "true or false")
 
-# key -> (test, what it must be), for every numeric key.
-_NUMBERS = {
+# A model key is checked by the type of its ModelConfig default (every int there is a size).
+_MODEL_FIELD_CHECKS = {
+    int: _positive_int,
+    float: (lambda x: _is_real(x) and x > 0, "a number > 0"),
+    bool: _boolean,
+    str: (lambda x: isinstance(x, str), "a string"),
+}
+
+# key -> (test, what it must be), for every numeric and boolean key.
+_CHECKS = {
     "steps": _positive_int,
     "batch_size": _positive_int,
     "grad_accum": _positive_int,
@@ -170,16 +201,33 @@ _NUMBERS = {
     "optimizer.clip_norm": (lambda x: _is_real(x) and x >= 0, "a number >= 0 (0 disables)"),
     "checkpoint.every": (lambda x: _is_int(x) and x >= 0, "an integer >= 0 (0 disables)"),
     "checkpoint.keep": _positive_int,
+    "checkpoint.async_save": _boolean,
+    "checkpoint.resume": _boolean,
+    "peak_flops": (lambda x: x is None or (_is_real(x) and x > 0), "a number > 0 (or null)"),
 }
 
 
-def _check_numbers(cfg: Config) -> None:
-    for key, (ok, what) in _NUMBERS.items():
+def _check_values(cfg: Config) -> None:
+    for key, (ok, what) in _CHECKS.items():
         value = cfg
         for part in key.split("."):
             value = getattr(value, part)
         if not ok(value):
             raise ConfigError(f"{key} must be {what}, got {value!r}")
+
+
+def _check_writable_dir(path: Path, what: str) -> None:
+    """That ``path`` is a directory this process can write, or can be created as one: checked
+    here, without creating anything, rather than found when the first save fails."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        problem = "is a file" if existing == path else f"cannot be created: {existing} is a file"
+        raise ConfigError(f"{what} {str(path)!r} {problem}, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" ({existing} cannot be written)"
+        raise ConfigError(f"{what} {str(path)!r} is not writable{where}")
 
 
 def validate(cfg: Config, n_devices: int) -> dict:
@@ -188,12 +236,21 @@ def validate(cfg: Config, n_devices: int) -> dict:
         raise ConfigError(f"engine must be 'shardflow' or 'jit', got {cfg.engine!r}")
     if cfg.compute_dtype not in ("bfloat16", "float32"):
         raise ConfigError(f"compute_dtype must be 'bfloat16' or 'float32', got {cfg.compute_dtype!r}")
-    _check_numbers(cfg)
+    _check_values(cfg)
     if cfg.eval_every and not (_is_int(cfg.eval_batches) and cfg.eval_batches >= 1):
         raise ConfigError(f"eval_batches must be a positive integer, got {cfg.eval_batches!r}")
     if cfg.data.path is not None and not (Path(cfg.data.path) / "meta.json").exists():
         raise ConfigError(f"data.path {cfg.data.path!r} is not a prepared data dir (no meta.json); "
                           "create one with `shardflow prepare --input FILES --out DIR`")
+    _check_writable_dir(Path(cfg.out), "out")
+    if cfg.checkpoint.every:
+        _check_writable_dir(Path(cfg.out) / "checkpoints", "the checkpoint directory")
+    if cfg.mesh is not None and not isinstance(cfg.mesh, dict):
+        raise ConfigError(f"mesh must map axis names to sizes, e.g. {{data: 2, model: 4}}; "
+                          f"got {cfg.mesh!r}")
+    for axis, size in (cfg.mesh or {}).items():
+        if not (_is_int(size) and size >= 1):
+            raise ConfigError(f"mesh axis {axis!r} must have a positive integer size, got {size!r}")
     mesh = dict(cfg.mesh) if cfg.mesh else {"data": n_devices}
     if math.prod(mesh.values()) != n_devices:
         raise ConfigError(f"mesh {mesh} has {math.prod(mesh.values())} devices but "

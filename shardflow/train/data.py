@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shardflow.train.config import ConfigError
+
 DEFAULT_CORPUS_BYTES = 24 << 20   # enough text for minutes of CPU training, quick to build
 
 
@@ -128,21 +130,38 @@ class TokenFile:
     def __init__(self, directory, split: str = "train"):
         directory = Path(directory)
         meta_path = directory / "meta.json"
+        self.path = directory / f"{split}.bin"
         if not meta_path.exists():
-            raise FileNotFoundError(f"{directory} is not a prepared data dir (no meta.json); "
-                                    "create one with `shardflow prepare --input FILES --out DIR`")
-        self.meta = json.loads(meta_path.read_text())
-        self.vocab_size = self.meta["vocab_size"]
-        self.tokens = np.memmap(directory / f"{split}.bin", dtype=self.meta["dtype"], mode="r")
+            raise ConfigError(f"{directory} is not a prepared data dir (no meta.json); "
+                              "create one with `shardflow prepare --input FILES --out DIR`")
+        try:
+            self.meta = json.loads(meta_path.read_text())
+            self.vocab_size = int(self.meta["vocab_size"])
+            dtype = np.dtype(self.meta["dtype"])
+        except (ValueError, KeyError, TypeError) as e:
+            problem = f"no key {e}" if isinstance(e, KeyError) else str(e)
+            raise ConfigError(f"{meta_path} is not a `shardflow prepare` meta.json ({problem}); "
+                              "prepare the data again") from None
+        if not self.path.is_file() or self.path.stat().st_size == 0:
+            raise ConfigError(f"{self.path} is {'empty' if self.path.is_file() else 'missing'}; "
+                              "prepare the data again")
+        try:
+            self.tokens = np.memmap(self.path, dtype=dtype, mode="r")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{self.path} cannot be read as {dtype} tokens: {e}") from None
 
     def __len__(self):
         return len(self.tokens)
 
+    def check_fits(self, seq_len: int) -> None:
+        """Batches need more than one window (seq_len inputs and the next token) of tokens."""
+        if len(self.tokens) < seq_len + 2:
+            raise ConfigError(f"{self.path} has {len(self.tokens)} tokens, too few for sequences "
+                              f"of data.seq_len {seq_len} (at least {seq_len + 2})")
+
     def window_starts(self, step: int, shape: tuple, seq_len: int, seed: int) -> np.ndarray:
         """Random start offsets for every sequence of the batch at ``step``, shape ``shape``."""
-        if len(self.tokens) <= seq_len + 1:
-            raise ValueError(f"token file has {len(self.tokens)} tokens, fewer than "
-                             f"seq_len + 1 = {seq_len + 1}")
+        self.check_fits(seq_len)
         rng = np.random.default_rng([seed, step])
         return rng.integers(0, len(self.tokens) - seq_len - 1, size=shape)
 

@@ -213,6 +213,9 @@ def setup(cfg) -> Run:
     data_dir = cfg.data.path or data_lib.default_corpus_dir()
     data = data_lib.TokenFile(data_dir)
     val_data = data_lib.TokenFile(data_dir, "val") if cfg.eval_every else None
+    for tokens in (data, val_data):
+        if tokens is not None:
+            tokens.check_fits(cfg.data.seq_len)
     if data.vocab_size > model_cfg.vocab_size:
         raise config_lib.ConfigError(
             f"the data's vocabulary ({data.vocab_size}, {data_dir}) is larger than "

@@ -1,0 +1,121 @@
+"""`shardflow train` refuses a bad config with one `config error:` line, exit code 2, before
+anything compiles and before anything is written to the run's directory."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from shardflow.train import cli, loop
+
+TINY_MODEL = "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8, max_seq_len: 32}"
+
+
+def _token_dir(path, n_tokens, meta=None):
+    path.mkdir()
+    (np.arange(n_tokens) % 256).astype(np.uint16).tofile(path / "train.bin")
+    (np.arange(64) % 256).astype(np.uint16).tofile(path / "val.bin")
+    (path / "meta.json").write_text(
+        meta if meta is not None else json.dumps({"vocab_size": 256, "dtype": "uint16"}))
+    return path
+
+
+def _data(n_tokens=4096, meta=None):
+    return lambda tmp: ["--set", f"data.path={_token_dir(tmp / 'tokens', n_tokens, meta)}"]
+
+
+def _config_file(text):
+    def make(tmp):
+        (tmp / "run.yaml").write_text(text)
+        return ["--config", str(tmp / "run.yaml")]
+    return make
+
+
+def _file_in_the_way(relative):
+    def make(tmp):
+        (tmp / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / relative).write_text("")
+        return []
+    return make
+
+
+# name -> (what makes the case: tmp dir -> extra arguments, expected message fragment)
+CASES = {
+    "mesh an int": (lambda tmp: ["--set", "mesh=8"],
+                    "mesh must map axis names to sizes, e.g. {data: 2, model: 4}; got 8"),
+    "model size a word": (lambda tmp: ["--set", "model.d_model=big"],
+                          "model.d_model must be a positive integer, got 'big'"),
+    "negative mesh sizes": (lambda tmp: ["--set", "mesh={data: -2, model: -4}"],
+                            "mesh axis 'data' must have a positive integer size, got -2"),
+    "empty data file": (_data(n_tokens=0), "train.bin is empty"),
+    "data shorter than a sequence": (
+        _data(n_tokens=20), "train.bin has 20 tokens, too few for sequences of data.seq_len 32"),
+    "meta.json not JSON": (_data(meta="{vocab_size: "), "meta.json is not a `shardflow prepare` "
+                                                        "meta.json (Expecting property name"),
+    "meta.json without dtype": (_data(meta='{"vocab_size": 256}'), "(no key 'dtype')"),
+    "missing --config file": (lambda tmp: ["--config", str(tmp / "nope.yaml")],
+                              "nope.yaml: No such file or directory"),
+    "YAML syntax error": (_config_file("steps: [1\n"), "run.yaml is not valid YAML: expected ',' "
+                                                      "or ']', but got '<stream end>' at line 2"),
+    "--set YAML syntax error": (lambda tmp: ["--set", "model={preset: tiny"],
+                                "--set 'model={preset: tiny' is not valid YAML"),
+    "checkpoint path a file": (_file_in_the_way("run/checkpoints"),
+                               "the checkpoint directory '{tmp}/run/checkpoints' is a file"),
+    "out a file": (_file_in_the_way("run"),
+                         "out '{tmp}/run' is a file, not a directory"),
+    "boolean a word": (lambda tmp: ["--set", "checkpoint.resume=maybe"],
+                       "checkpoint.resume must be true or false, got 'maybe'"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_config_errors_are_one_line_exit_2_and_write_nothing(name, tmp_path, capsys, monkeypatch):
+    make, message = CASES[name]
+    compiles = []
+    monkeypatch.setattr(loop, "parallelize_step", lambda *a, **k: compiles.append(1))
+    extra = make(tmp_path)  # before the default data dir, so a case's --set data.path wins
+    out = tmp_path / "run"
+    before = sorted(out.rglob("*")) if out.is_dir() else out.exists()
+    argv = ["train", "--out", str(out), "--steps", "2", "--set", TINY_MODEL,
+            "--set", "batch_size=8", "--set", "data.seq_len=32", "--set", "checkpoint.every=1"]
+    if "data.path=" not in " ".join(extra):
+        argv += _data()(tmp_path)
+    code = cli.main(argv + extra)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("config error: "), err
+    assert message.replace("{tmp}", str(tmp_path)) in err
+    assert compiles == []
+    assert (sorted(out.rglob("*")) if out.is_dir() else out.exists()) == before
+
+
+def test_an_unwritable_checkpoint_directory_is_refused_before_compiling(tmp_path, capsys,
+                                                                        monkeypatch):
+    """(Root writes anywhere, so the directory's permission is what os.access says.)"""
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    ckpt_dir.mkdir(parents=True)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: (
+        os.fspath(path) != str(ckpt_dir) and real_access(path, mode, **kw)))
+    monkeypatch.setattr(loop, "parallelize_step", lambda *a, **k: pytest.fail("compiled"))
+    argv = ["train", "--out", str(tmp_path / "run"), "--set", "checkpoint.every=1"]
+    assert cli.main(argv + _data()(tmp_path)) == 2
+    assert capsys.readouterr().err == (
+        f"config error: the checkpoint directory '{ckpt_dir}' is not writable\n")
+    assert list((tmp_path / "run").rglob("*")) == [ckpt_dir]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--set", "mesh=8"], "config error: mesh must map axis names to sizes"),
+    (["--config", "/nonexistent/run.yaml"], "config error: --config /nonexistent/run.yaml: No such"),
+])
+def test_the_process_exits_2_without_a_traceback(extra, message, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "shardflow.train", "--out", str(tmp_path / "run"), *extra],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
