@@ -281,29 +281,33 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     run = setup(cfg)
     main_process = jax.process_index() == 0
     out = Path(cfg.out)
-    if main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
 
     ckpt = Checkpoints(out / "checkpoints", keep=cfg.checkpoint.keep,
                        async_save=cfg.checkpoint.async_save) if cfg.checkpoint.every else None
-    start = 0
-    if ckpt and cfg.checkpoint.resume and ckpt.latest_step() is not None:
-        start = ckpt.latest_step()
+    start, restored = 0, None
+    if ckpt and cfg.checkpoint.resume:
         params_shape, opt_shape = jax.eval_shape(lambda: init_state(run))
         target = {"params": abstract_like(params_shape, run.shardings(run.param_specs)),
                   "opt_state": abstract_like(opt_shape, run.shardings(run.opt_specs))}
         try:
-            restored = ckpt.restore(start, target)
+            restored = ckpt.restore_latest(target)
         except ValueError as e:
             ckpt.close()
             raise config_lib.ConfigError(f"{e}. Resume with the config that wrote it, pick another "
                                          "--out, or set checkpoint.resume=false") from None
-        params, opt_state = restored["params"], restored["opt_state"]
+        except BaseException:
+            ckpt.close()
+            raise
+    if restored is not None:
+        start, state = restored
+        params, opt_state = state["params"], state["opt_state"]
         if main_process:
             print(f"resumed from step {start} ({ckpt.directory})")
     else:
         params, opt_state = init_state(run)
+    if main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
 
     step_fn = run.train_step()
     batch_sharding = run.shardings(run.batch_spec)
@@ -334,7 +338,7 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
 
     losses: dict[int, float] = {}
     summary = {"losses": losses, "stopped": None, "start_step": start, "out": str(out)}
-    last_good_save = ckpt.latest_step() if ckpt else None
+    last_good_save = start if restored is not None else None
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main_process),
                dynamic_ncols=True, unit="step")
     window_start, window_steps = None, 0
@@ -393,6 +397,8 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
         else:
             if pending is not None:
                 check(*pending)
+        if ckpt:
+            ckpt.wait()  # a failed last save is this run's error
     finally:
         bar.close()
         log.close()
@@ -418,6 +424,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args) -> int:
     configure_host_platform()
     from shardflow.train import config as config_lib
+    from shardflow.train.checkpoint import CheckpointError
     try:
         cfg = config_lib.load(args.config, args.overrides, steps=args.steps, out=args.out)
         maybe_initialize_distributed()
@@ -425,6 +432,9 @@ def run_from_args(args) -> int:
     except config_lib.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 1
     if summary["stopped"]:
         return 1
     losses = summary["losses"]

@@ -1,0 +1,198 @@
+"""Damaged checkpoints and failing saves: resume falls back to the newest step that restores,
+with a warning naming the damaged step; nothing restorable or a failed save is one
+`checkpoint error:` line; no exit hangs on orbax's threads."""
+import gc
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from shardflow import train
+from shardflow.train import cli, data
+from shardflow.train.checkpoint import CheckpointError, Checkpoints, abstract_like
+from test_models import SMALL_LLAMA, small_config
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return data.prepare(data.stdlib_sources(max_bytes=300_000)[:10],
+                        tmp_path_factory.mktemp("tokens"))
+
+
+def _cfg(data_dir, out):
+    cfg = small_config(data_dir, out, steps=6)
+    cfg.checkpoint.every = 2
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def saved(data_dir, tmp_path_factory):
+    """A run interrupted after step 4 of 6: checkpoints at steps 2 and 4, and its losses."""
+    out = tmp_path_factory.mktemp("saved")
+    losses = train.train(_cfg(data_dir, out), progress=False, until=4)["losses"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4"]
+    return out, losses
+
+
+@pytest.fixture(scope="module")
+def target(data_dir, tmp_path_factory):
+    run = train.setup(_cfg(data_dir, tmp_path_factory.mktemp("target")))
+    params, opt_state = jax.eval_shape(lambda: train.init_state(run))
+    return {"params": abstract_like(params, run.shardings(run.param_specs)),
+            "opt_state": abstract_like(opt_state, run.shardings(run.opt_specs))}
+
+
+def _copy(saved, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(saved[0], out)
+    return out
+
+
+def _arrays(step_dir):
+    return sorted((step_dir / "default" / "ocdbt.process_0" / "d").iterdir())
+
+
+def _flip_bytes(step_dir):
+    for path in _arrays(step_dir):
+        raw = bytearray(path.read_bytes())
+        raw[::97] = bytes(b ^ 0xFF for b in raw[::97])
+        path.write_bytes(bytes(raw))
+
+
+# name -> (how step 4's folder is damaged, a fragment of the reason the warning gives)
+DAMAGE = {
+    "empty folder": (lambda d: [shutil.rmtree(d), d.mkdir()], "checkpoints/4 is empty"),
+    "partial folder": (lambda d: shutil.rmtree(d / "default"), "checkpoints/4/default is missing"),
+    "deleted _METADATA": (lambda d: (d / "default" / "_METADATA").unlink(),
+                          "checkpoints/4/default has no readable _METADATA"),
+    "truncated arrays": (lambda d: [p.write_bytes(p.read_bytes()[:10]) for p in _arrays(d)],
+                         "OUT_OF_RANGE: Error reading \""),
+    "random bytes": (lambda d: [p.write_bytes(np.random.default_rng(0).bytes(p.stat().st_size))
+                                for p in _arrays(d)], "Error reading \""),
+    "deleted arrays": (lambda d: [p.unlink() for p in _arrays(d)], "Error reading \""),
+    "flipped bytes": (_flip_bytes, "Error reading \""),
+    "truncated manifest": (lambda d: (d / "default" / "manifest.ocdbt").write_bytes(b"12345"),
+                           "manifest.ocdbt\": Error decoding manifest"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_newest_step_falls_back_to_the_newest_good_one(damage, saved, target,
+                                                                  tmp_path, capsys, monkeypatch):
+    out = _copy(saved, tmp_path)
+    damage_fn, reason = DAMAGE[damage]
+    damage_fn(out / "checkpoints" / "4")
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    ckpt = Checkpoints(out / "checkpoints")
+    step, state = ckpt.restore_latest(target)
+    ckpt.close()
+    gc.collect()  # abandoned reads, were there any, would complain now
+    time.sleep(0.2)  # and late ones from tensorstore's threads here
+    assert step == 2 and set(state) == {"params", "opt_state"}
+    err = capsys.readouterr().err
+    warning = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert len(warning) == 1 and warning[0].startswith("warning: checkpoint step 4 is damaged ("), err
+    assert reason in warning[0] and "resuming from step 2" in warning[0], warning[0]
+    assert "Traceback" not in err and "Event loop is closed" not in err and unraisable == []
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4.damaged"]
+
+
+def test_training_resumes_from_the_good_step_as_if_uninterrupted(data_dir, saved, tmp_path,
+                                                                 capsys):
+    out = _copy(saved, tmp_path)
+    _flip_bytes(out / "checkpoints" / "4")
+    result = train.train(_cfg(data_dir, out), progress=False)
+    assert result["start_step"] == 2 and sorted(result["losses"]) == [3, 4, 5, 6]
+    assert [result["losses"][s] for s in (3, 4)] == [saved[1][s] for s in (3, 4)]
+    assert "warning: checkpoint step 4 is damaged" in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4", "4.damaged", "6"]
+
+
+def test_no_restorable_step_is_one_checkpoint_error_line(data_dir, saved, tmp_path, capsys):
+    out = _copy(saved, tmp_path)
+    for step in (2, 4):
+        for path in _arrays(out / "checkpoints" / str(step)):
+            path.write_bytes(path.read_bytes()[:10])
+    code = cli.main(["train", "--out", str(out), "--steps", "6", "--no-progress",
+                     "--set", f"model={json.dumps(SMALL_LLAMA)}", "--set", f"data.path={data_dir}",
+                     "--set", "batch_size=8", "--set", "data.seq_len=32",
+                     "--set", "compute_dtype=float32", "--set", "checkpoint.every=2"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"checkpoint error: no checkpoint in {out}/checkpoints can be restored: "
+                          "step 4 is damaged (OUT_OF_RANGE: Error reading "), err
+    assert "; step 2 is damaged (OUT_OF_RANGE: Error reading " in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4"]  # left alone
+
+
+def _train_command(data_dir, out, once_checked="pass"):
+    """`shardflow train` in a fresh process; ``once_checked`` runs after the config's checks
+    pass, with ``out`` the run's directory."""
+    script = "\n".join([
+        "import sys", "from pathlib import Path", "from shardflow.train import cli, loop",
+        "checked_setup = loop.setup",
+        "def setup(cfg):",
+        "    run = checked_setup(cfg)",
+        "    out = Path(cfg.out)",
+        textwrap.indent(textwrap.dedent(once_checked).strip(), "    "),
+        "    return run",
+        "loop.setup = setup",
+        "sys.exit(cli.main(sys.argv[1:]))"])
+    return [sys.executable, "-c", script, "train", "--out", str(out), "--steps", "4",
+            "--no-progress", "--set", f"model={json.dumps(SMALL_LLAMA)}",
+            "--set", f"data.path={data_dir}", "--set", "batch_size=8", "--set", "data.seq_len=32",
+            "--set", "compute_dtype=float32", "--set", "eval_every=0",
+            "--set", "checkpoint.every=2"]
+
+
+def test_a_process_whose_saves_fail_exits_promptly_with_one_error(data_dir, tmp_path):
+    """The checkpoint directory is fine when checked, then a file takes its place: the first
+    save fails. orbax used to leave threads waiting 300 s at exit for a signal of the failed
+    directory creation."""
+    out = tmp_path / "run"
+    command = _train_command(data_dir, out, """
+        out.mkdir(parents=True)
+        (out / "checkpoints").write_text("not a directory")
+    """)
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines()[-1].startswith(
+        f"checkpoint error: saving step 2 in {out}/checkpoints failed: NotADirectoryError"), \
+        result.stderr
+    assert "Traceback" not in result.stderr
+    assert elapsed < 60, f"exit took {elapsed:.0f} s"
+
+
+def test_a_damaged_checkpoint_prints_no_stray_traceback_in_the_process(data_dir, saved,
+                                                                       tmp_path):
+    out = _copy(saved, tmp_path)
+    (out / "checkpoints" / "4" / "default" / "manifest.ocdbt").write_bytes(b"12345")
+    result = subprocess.run(_train_command(data_dir, out) + ["--steps", "6"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "warning: checkpoint step 4 is damaged (" in result.stderr
+    assert "resumed from step 2" in result.stdout
+    assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr
+
+
+def test_a_failed_background_save_is_a_checkpoint_error(data_dir, tmp_path, monkeypatch):
+    from orbax.checkpoint._src.serialization import serialization
+
+    async def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(serialization, "async_serialize_from_host", disk_full)
+    cfg = _cfg(data_dir, tmp_path)
+    cfg.steps = 2
+    with pytest.raises(CheckpointError, match=r"saving step 2 in .*checkpoints failed: OSError: "
+                                              r"\[Errno 28\] No space left on device"):
+        train.train(cfg, progress=False)
