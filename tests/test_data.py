@@ -60,3 +60,17 @@ def test_global_batch_shards_match_the_full_batch(tmp_path, sources):
 def test_prepare_rejects_missing_inputs(tmp_path):
     with pytest.raises(FileNotFoundError):
         data.prepare([tmp_path / "nope.txt"], tmp_path / "out")
+
+
+def test_bpe_prepare_says_when_the_text_yields_a_smaller_vocabulary(tmp_path, capsys):
+    from tokenizers import Tokenizer
+    src = tmp_path / "a.txt"
+    src.write_text("the quick brown fox jumps over the lazy dog\n" * 50)
+    out = data.prepare([src], tmp_path / "d", tokenizer="bpe", vocab_size=32000)
+    real = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
+    assert 256 < real < 32000
+    assert (f"warning: the text yields a BPE vocabulary of {real:,} tokens, fewer than the "
+            "32,000 asked for") in capsys.readouterr().err
+    # what training checks model.vocab_size against
+    assert json.loads((out / "meta.json").read_text())["vocab_size"] == real
+    assert data.TokenFile(out).vocab_size == real

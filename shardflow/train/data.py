@@ -95,6 +95,10 @@ def prepare(inputs, out, *, tokenizer: str = "byte", vocab_size: int = 8192,
         tokens, vocab = _tokenize_bytes(files)
     elif tokenizer == "bpe":
         tokens, vocab = _tokenize_bpe(files, vocab_size, out)
+        if vocab < vocab_size:
+            print(f"warning: the text yields a BPE vocabulary of {vocab:,} tokens, fewer than the "
+                  f"{vocab_size:,} asked for; meta.json records {vocab:,}, the size training "
+                  "checks model.vocab_size against", file=sys.stderr)
     else:
         raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {tokenizer!r}")
     n_val = max(int(len(tokens) * val_fraction), 1)
