@@ -1,6 +1,7 @@
 """`shardflow train`: resume, cross-mesh restore, config errors, NaN stop, CLI and logs."""
 import json
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -182,3 +183,50 @@ def test_multi_process_environment_initializes_jax_distributed(monkeypatch):
     monkeypatch.setenv("JAX_PROCESS_ID", "3")
     train.maybe_initialize_distributed()
     assert calls[-1] == {"num_processes": 4, "process_id": 3}
+
+
+def _tensorboard_curve(tb_dir, tag):
+    """{step: value} of ``tag`` as TensorBoard shows it: event files in the order written, a
+    SessionLog.START at step s (a purge) hiding what earlier files logged from step s on."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    curve = {}
+    for path in sorted(tb_dir.iterdir()):  # event file names begin with their creation time
+        raw, i = path.read_bytes(), 0
+        while i < len(raw):  # TFRecords: length (8 bytes), its crc (4), data, data's crc (4)
+            length = int.from_bytes(raw[i:i + 8], "little")
+            event = Event.FromString(raw[i + 12:i + 12 + length])
+            i += 16 + length
+            if event.session_log.status == SessionLog.START:
+                curve = {s: v for s, v in curve.items() if s < event.step}
+            for value in event.summary.value:
+                if value.tag == tag:
+                    assert event.step not in curve, f"{tag} at step {event.step} shown twice"
+                    curve[event.step] = value.simple_value
+    return curve
+
+
+def test_a_resumed_run_logs_each_step_once(data_dir, tmp_path):
+    cfg = small_config(data_dir, tmp_path, steps=6)  # logs every step
+    cfg.checkpoint.every = 2
+    first = train.train(cfg, progress=False, until=3)["losses"]
+    shutil.rmtree(tmp_path / "checkpoints" / "3")  # killed after logging step 3, before its save
+    second = train.train(cfg, progress=False)["losses"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records] == [first[1], first[2]] + [second[s] for s in range(3, 7)]
+    curve = _tensorboard_curve(tmp_path / "tb", "train/loss")
+    assert sorted(curve) == [1, 2, 3, 4, 5, 6]
+    assert curve[3] == pytest.approx(second[3]) and curve[6] == pytest.approx(second[6])
+
+
+def test_progress_without_a_terminal_is_plain_log_lines(data_dir, tmp_path, capsys):
+    """capsys's streams are not terminals, as a redirect to a file is not."""
+    cfg = small_config(data_dir, tmp_path, steps=6)
+    cfg.log_every = 2
+    train.train(cfg)  # progress on
+    captured = capsys.readouterr()
+    assert "\r" not in captured.out + captured.err
+    lines = [line for line in captured.out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
+    assert re.fullmatch(r"step 2/6 loss \d+\.\d{3} tok_s [\d,]+ mfu n/a", lines[0]), lines[0]
+    assert len(captured.out + captured.err) < 1000

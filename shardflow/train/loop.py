@@ -328,7 +328,7 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     tokens_per_step = cfg.batch_size * seq_len
     flops_per_token = metrics_lib.flops_per_token(run.model_cfg, run.n_params, seq_len)
     peak = metrics_lib.peak_flops(jax.devices()[0], cfg.peak_flops)
-    log = metrics_lib.MetricsLog(out, enabled=main_process)
+    log = metrics_lib.MetricsLog(out, start, enabled=main_process)
     if main_process:
         print(f"model {cfg.model} {run.n_params / 1e6:.1f}M params | mesh {dict(run.mesh.shape)} "
               f"strategy {cfg.strategy} engine {cfg.engine} | batch {cfg.batch_size}x{seq_len} "
@@ -339,8 +339,10 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     losses: dict[int, float] = {}
     summary = {"losses": losses, "stopped": None, "start_step": start, "out": str(out)}
     last_good_save = start if restored is not None else None
-    bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main_process),
+    # tqdm shows no bar where its stream is not a terminal; log lines take its place there.
+    bar = tqdm(total=cfg.steps, initial=start, disable=None if progress and main_process else True,
                dynamic_ncols=True, unit="step")
+    log_lines = progress and main_process and bar.disable
     window_start, window_steps = None, 0
 
     def check(step, metrics):
@@ -380,12 +382,17 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
                 mfu = (tok_s * flops_per_token / (peak * jax.device_count())
                        if tok_s and peak else None)
                 loss = float(metrics["loss"])
+                val = val_loss() if evaluate and math.isfinite(loss) else None
                 log.log(done, loss=loss, grad_norm=float(metrics["grad_norm"]),
-                        lr=float(run.schedule(step)), tokens_per_s=tok_s, mfu=mfu,
-                        val_loss=val_loss() if evaluate and math.isfinite(loss) else None)
-                bar.set_postfix(loss=f"{loss:.3f}",
-                                tok_s=f"{tok_s:,.0f}" if tok_s else "-",
-                                mfu=f"{100 * mfu:.1f}%" if mfu else "n/a")
+                        lr=float(run.schedule(step)), tokens_per_s=tok_s, mfu=mfu, val_loss=val)
+                shown = {"loss": f"{loss:.3f}", "tok_s": f"{tok_s:,.0f}" if tok_s else "-",
+                         "mfu": f"{100 * mfu:.1f}%" if mfu else "n/a"}
+                if val is not None:
+                    shown["val_loss"] = f"{val:.3f}"
+                bar.set_postfix(shown)
+                if log_lines:
+                    print(f"step {done}/{cfg.steps} "
+                          + " ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
                 window_start, window_steps = time.perf_counter(), 0
 
             if ckpt and (done % cfg.checkpoint.every == 0 or last):

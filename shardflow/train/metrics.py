@@ -38,16 +38,36 @@ def flops_per_token(model_cfg, n_params: int, seq_len: int) -> float:
 
 class MetricsLog:
     """Appends one JSON object per logged step to DIR/metrics.jsonl and mirrors scalars to
-    TensorBoard event files in DIR/tb. Only process 0 writes."""
+    TensorBoard event files in DIR/tb. Only process 0 writes.
 
-    def __init__(self, out: str | Path, enabled: bool = True):
+    A run that continues from ``start_step`` (a resume) first drops what an earlier attempt
+    logged after that step, in both sinks, so each holds one curve with every step once.
+    """
+
+    def __init__(self, out: str | Path, start_step: int = 0, enabled: bool = True):
         self.enabled = enabled
         self.path = Path(out) / "metrics.jsonl"
         self._tb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._truncate(start_step)
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(str(Path(out) / "tb"))
+            # TensorBoard hides the events of earlier files from purge_step on.
+            self._tb = SummaryWriter(str(Path(out) / "tb"), purge_step=start_step + 1)
+
+    def _truncate(self, start_step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= start_step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                pass  # a line cut short by a crash
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)
 
     def log(self, step: int, **scalars) -> None:
         if not self.enabled:
