@@ -8,7 +8,7 @@
 from shardflow.specs import B, P, S, Broadcast, Partial, ShardingError, Split, to_partition_spec, to_sbp
 from shardflow.mesh import LinkModel, make_mesh
 from shardflow.primitives import constrain
-from shardflow import pipeline
+from shardflow import passes
 from shardflow.api import parallelize, Parallelized
 from shardflow.explain import Plan, Collective
 

@@ -1,4 +1,4 @@
-"""``sf.parallelize``: trace, run the pass list (``shardflow.pipeline``), lower; cached per argument shapes."""
+"""``sf.parallelize``: trace, run the pass list (``shardflow.passes``), lower; cached per argument shapes."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.tree_util import keystr, tree_flatten_with_path
 
-from shardflow import pipeline
+from shardflow.passes import DEFAULT as DEFAULT_PASSES, run as run_passes
 from shardflow.passes.lower import lower
 from shardflow.explain import Plan, make_plan
 from shardflow.mesh import LinkModel, check_mesh
@@ -92,7 +92,7 @@ class Parallelized:
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.links = links or LinkModel()
-        self.passes = pipeline.DEFAULT if passes is None else tuple(passes)
+        self.passes = DEFAULT_PASSES if passes is None else tuple(passes)
         self._cache: dict = {}
         functools.update_wrapper(self, fn)
 
@@ -130,7 +130,7 @@ class Parallelized:
         out_sbp, out_orders = self._out_sbp(closed, out_tree)
         program = Program(closed, self.mesh, tuple(in_sbp), out_sbp, links=self.links, arg_names=names,
                           in_orders=tuple(in_orders), out_orders=out_orders)
-        program = pipeline.run(program, self.passes)
+        program = run_passes(program, self.passes)
         donated = tuple(i for i, (path, _) in enumerate(tree_flatten_with_path(args)[0])
                         if path[0].idx in self.donate_argnums)
         fn, in_ps = lower(program, donated)
@@ -202,7 +202,7 @@ def parallelize(fn=None, *, mesh: Mesh, in_specs, out_specs=None, links: LinkMod
     (``(sf.S(0), sf.B)``, ``"S(0), B"``) or ``PartitionSpec``. ``out_specs=None``: as propagated.
     ``donate_argnums``: as in ``jax.jit`` — a training step donates its parameters and optimizer
     state so their buffers hold the new ones. ``passes``: the pass list (default
-    ``sf.pipeline.DEFAULT``; see ``shardflow.pipeline`` to insert one). Usable as a decorator:
+    ``sf.passes.DEFAULT``; see ``shardflow.passes`` to insert one). Usable as a decorator:
     ``@sf.parallelize(mesh=..., in_specs=...)``.
     """
     kwargs = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, links=links, donate_argnums=donate_argnums,

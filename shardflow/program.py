@@ -4,7 +4,7 @@ Facts live on what they describe: a value's NdSbp in ``Program.sbp``, keyed by i
 names one value in one place: ``passes.inline`` clones nested jaxprs per call site); an
 equation's Decision in the equation's own params (``registry.DECISION``). Both survive any
 rewrite that keeps Vars and params. ``facts`` names the invariants the passes so far ensured
-(``shardflow.pipeline``).
+(``shardflow.passes``).
 """
 from __future__ import annotations
 

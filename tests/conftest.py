@@ -1,7 +1,7 @@
 """Test setup: 8 simulated CPU devices, set before JAX is imported anywhere."""
 import os
 
-# Every pass checks the facts it ensures (shardflow.pipeline) in the tests and CI.
+# Every pass checks the facts it ensures (shardflow.passes) in the tests and CI.
 os.environ.setdefault("SHARDFLOW_CHECK", "1")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"

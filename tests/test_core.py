@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 import shardflow as sf
-from shardflow import conversion, pipeline
+from shardflow import conversion
 from shardflow.passes.propagate import Propagation
 from shardflow.program import all_eqns
 from shardflow.registry import DECISION, decision_of
@@ -116,9 +116,9 @@ def _rebuild_every_equation(program):
 def test_a_pass_inserted_after_propagate_keeps_every_decision(mesh):
     """Decisions survive rewriting (they were side tables keyed by id(eqn) and were lost)."""
     fn, args, in_specs = _train_step()
-    rebuild = pipeline.Pass("rebuild", _rebuild_every_equation, requires=(pipeline.SHARDED,),
-                            ensures=(pipeline.SHARDED,))
-    passes = pipeline.insert_after(pipeline.DEFAULT, "propagate", rebuild)
+    rebuild = sf.passes.Pass("rebuild", _rebuild_every_equation, requires=(sf.passes.SHARDED,),
+                               ensures=(sf.passes.SHARDED,))
+    passes = sf.passes.insert_after(sf.passes.DEFAULT, "propagate", rebuild)
     plain = sf.parallelize(fn, mesh=mesh, in_specs=in_specs)
     rebuilt = sf.parallelize(fn, mesh=mesh, in_specs=in_specs, passes=passes)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), rebuilt(*args), plain(*args))
@@ -135,17 +135,17 @@ def test_a_pass_that_breaks_a_fact_it_ensures_is_caught(mesh, monkeypatch):
                                        for e in jaxpr.eqns])
         return program.replace(jaxpr=program.jaxpr.replace(jaxpr=strip(program.jaxpr.jaxpr)))
 
-    bad = pipeline.Pass("bad", drop_decisions, requires=(pipeline.SHARDED,), ensures=(pipeline.SHARDED,))
-    passes = pipeline.insert_after(pipeline.DEFAULT, "propagate", bad)
-    with pytest.raises(pipeline.InvariantError, match="has no Decision"):
+    bad = sf.passes.Pass("bad", drop_decisions, requires=(sf.passes.SHARDED,), ensures=(sf.passes.SHARDED,))
+    passes = sf.passes.insert_after(sf.passes.DEFAULT, "propagate", bad)
+    with pytest.raises(sf.passes.InvariantError, match="has no Decision"):
         sf.parallelize(fn, mesh=mesh, in_specs=in_specs, passes=passes)(*args)
 
 
 def test_a_pass_runs_only_after_the_facts_it_requires(mesh):
     fn, args, in_specs = _train_step()
-    early = pipeline.Pass("early", lambda p: p, requires=(pipeline.SHARDED,))
-    passes = (early,) + tuple(pipeline.DEFAULT)
-    with pytest.raises(pipeline.InvariantError, match="requires \\['sharded'\\]"):
+    early = sf.passes.Pass("early", lambda p: p, requires=(sf.passes.SHARDED,))
+    passes = (early,) + tuple(sf.passes.DEFAULT)
+    with pytest.raises(sf.passes.InvariantError, match="requires \\['sharded'\\]"):
         sf.parallelize(fn, mesh=mesh, in_specs=in_specs, passes=passes)(*args)
 
 

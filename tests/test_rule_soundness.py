@@ -34,7 +34,7 @@ from jax.extend.core import primitives as prims
 import shardflow as sf
 import shardflow.ops  # noqa: F401  (registers the attention primitives' rule)
 import shardflow.rules  # noqa: F401  (registers every rule)
-from shardflow import _compat, pipeline, registry
+from shardflow import _compat, passes, registry
 from shardflow.passes.lower import lower
 from shardflow.program import Program
 from shardflow.registry import DECISION, Decision, Sig
@@ -527,7 +527,7 @@ def build(c: Case, sig_idx: tuple, sizes: tuple) -> Built:
     out_sbp = tuple(tuple(B if isinstance(s, Partial) else s for s in o) for o in outs)
     program = Program(ClosedJaxpr(jaxpr, []), m, in_sbp=tuple(in_sbp), out_sbp=out_sbp, sbp=sbp,
                       facts=frozenset({"inlined", "sharded"}))
-    program = pipeline.run(program, [p for p in pipeline.DEFAULT if p.name == "boxing"])
+    program = passes.run(program, [p for p in passes.DEFAULT if p.name == "boxing"])
     fn, _ = lower(program)
     return Built(fn, stacked)
 
