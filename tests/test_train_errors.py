@@ -10,13 +10,17 @@ import pytest
 
 from shardflow.train import cli, loop
 
-TINY_MODEL = "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8, max_seq_len: 32}"
+
+def _argv(out):
+    return ["train", "--out", str(out), "--steps", "2",
+            "--set", "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8, max_seq_len: 32}",
+            "--set", "batch_size=8", "--set", "data.seq_len=32", "--set", "checkpoint.every=1"]
 
 
 def _token_dir(path, n_tokens, meta=None):
     path.mkdir()
     (np.arange(n_tokens) % 256).astype(np.uint16).tofile(path / "train.bin")
-    (np.arange(64) % 256).astype(np.uint16).tofile(path / "val.bin")
+    (np.arange(256) % 256).astype(np.uint16).tofile(path / "val.bin")
     (path / "meta.json").write_text(
         meta if meta is not None else json.dumps({"vocab_size": 256, "dtype": "uint16"}))
     return path
@@ -78,8 +82,7 @@ def test_config_errors_are_one_line_exit_2_and_write_nothing(name, tmp_path, cap
     extra = make(tmp_path)  # before the default data dir, so a case's --set data.path wins
     out = tmp_path / "run"
     before = sorted(out.rglob("*")) if out.is_dir() else out.exists()
-    argv = ["train", "--out", str(out), "--steps", "2", "--set", TINY_MODEL,
-            "--set", "batch_size=8", "--set", "data.seq_len=32", "--set", "checkpoint.every=1"]
+    argv = _argv(out)
     if "data.path=" not in " ".join(extra):
         argv += _data()(tmp_path)
     code = cli.main(argv + extra)
@@ -100,8 +103,7 @@ def test_an_unwritable_checkpoint_directory_is_refused_before_compiling(tmp_path
     monkeypatch.setattr(os, "access", lambda path, mode, **kw: (
         os.fspath(path) != str(ckpt_dir) and real_access(path, mode, **kw)))
     monkeypatch.setattr(loop, "parallelize_step", lambda *a, **k: pytest.fail("compiled"))
-    argv = ["train", "--out", str(tmp_path / "run"), "--set", "checkpoint.every=1"]
-    assert cli.main(argv + _data()(tmp_path)) == 2
+    assert cli.main(_argv(tmp_path / "run") + _data()(tmp_path)) == 2
     assert capsys.readouterr().err == (
         f"config error: the checkpoint directory '{ckpt_dir}' is not writable\n")
     assert list((tmp_path / "run").rglob("*")) == [ckpt_dir]

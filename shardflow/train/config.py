@@ -216,9 +216,15 @@ def _check_values(cfg: Config) -> None:
             raise ConfigError(f"{key} must be {what}, got {value!r}")
 
 
+def check_writable(cfg: Config) -> None:
+    """That the run can write out/ and its checkpoints: checked before training starts, without
+    creating anything, rather than found when the first save fails."""
+    _check_writable_dir(Path(cfg.out), "out")
+    if cfg.checkpoint.every:
+        _check_writable_dir(Path(cfg.out) / "checkpoints", "the checkpoint directory")
+
+
 def _check_writable_dir(path: Path, what: str) -> None:
-    """That ``path`` is a directory this process can write, or can be created as one: checked
-    here, without creating anything, rather than found when the first save fails."""
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -242,9 +248,6 @@ def validate(cfg: Config, n_devices: int) -> dict:
     if cfg.data.path is not None and not (Path(cfg.data.path) / "meta.json").exists():
         raise ConfigError(f"data.path {cfg.data.path!r} is not a prepared data dir (no meta.json); "
                           "create one with `shardflow prepare --input FILES --out DIR`")
-    _check_writable_dir(Path(cfg.out), "out")
-    if cfg.checkpoint.every:
-        _check_writable_dir(Path(cfg.out) / "checkpoints", "the checkpoint directory")
     if cfg.mesh is not None and not isinstance(cfg.mesh, dict):
         raise ConfigError(f"mesh must map axis names to sizes, e.g. {{data: 2, model: 4}}; "
                           f"got {cfg.mesh!r}")

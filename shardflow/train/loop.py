@@ -279,6 +279,7 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     from shardflow.train.checkpoint import Checkpoints, abstract_like
 
     run = setup(cfg)
+    config_lib.check_writable(cfg)
     main_process = jax.process_index() == 0
     out = Path(cfg.out)
 
