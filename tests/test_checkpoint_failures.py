@@ -133,17 +133,16 @@ def test_no_restorable_step_is_one_checkpoint_error_line(data_dir, saved, tmp_pa
 
 
 def _train_command(data_dir, out, once_checked="pass"):
-    """`shardflow train` in a fresh process; ``once_checked`` runs after the config's checks
-    pass, with ``out`` the run's directory."""
+    """`shardflow train` in a fresh process; ``once_checked`` runs once the run's directories
+    have passed their checks, with ``out`` the run's directory."""
     script = "\n".join([
-        "import sys", "from pathlib import Path", "from shardflow.train import cli, loop",
-        "checked_setup = loop.setup",
-        "def setup(cfg):",
-        "    run = checked_setup(cfg)",
+        "import sys", "from pathlib import Path", "from shardflow.train import cli, config",
+        "check = config.check_writable",
+        "def check_then(cfg):",
+        "    check(cfg)",
         "    out = Path(cfg.out)",
         textwrap.indent(textwrap.dedent(once_checked).strip(), "    "),
-        "    return run",
-        "loop.setup = setup",
+        "config.check_writable = check_then",
         "sys.exit(cli.main(sys.argv[1:]))"])
     return [sys.executable, "-c", script, "train", "--out", str(out), "--steps", "4",
             "--no-progress", "--set", f"model={json.dumps(SMALL_LLAMA)}",
