@@ -40,8 +40,9 @@ class MetricsLog:
     """Appends one JSON object per logged step to DIR/metrics.jsonl and mirrors scalars to
     TensorBoard event files in DIR/tb. Only process 0 writes.
 
-    A run that continues from ``start_step`` (a resume) first drops what an earlier attempt
-    logged after that step, in both sinks, so each holds one curve with every step once.
+    A run that continues from ``start_step`` (a resume) first drops the rows an earlier attempt
+    logged after that step, and has TensorBoard hide its events there, so each shows one curve
+    with every step once.
     """
 
     def __init__(self, out: str | Path, start_step: int = 0, enabled: bool = True):
