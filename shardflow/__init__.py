@@ -9,6 +9,7 @@ from shardflow.specs import B, P, S, Broadcast, Partial, ShardingError, Split, t
 from shardflow.mesh import LinkModel, make_mesh
 from shardflow.primitives import constrain
 from shardflow import passes
+from shardflow.pipelining import pipeline
 from shardflow.api import parallelize, Parallelized
 from shardflow.explain import Plan, Collective
 

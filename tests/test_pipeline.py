@@ -1,4 +1,4 @@
-"""The pipeline executor (shardflow/pipeline.py) on 8 simulated CPU devices: the loss and every
+"""Pipeline parallelism (shardflow/pipelining.py) on 8 simulated CPU devices: the loss and every
 gradient of a pipelined stack of layers plus a head equal plain autodiff of the same model on
 one device, for GPipe, 1F1B (whole and split backward), an interleaved and a V-shaped order.
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardflow import pipeline as pp
+import shardflow as sf
+from shardflow import pipelining as pp
 
 
 def from_orders(orders, p, m, v, vs, split):
@@ -81,44 +82,71 @@ def vshape(p, m):
     return from_orders(orders, p, m, 2, lambda s, c: s if c == 0 else 2 * p - 1 - s, False)
 
 d, Lc, mbsz = 8, 2, 4
-def layer(x, w):
-    return jnp.tanh(x @ w["w"] + w["b"])
-def stage_fn(params, x):
-    return jax.lax.scan(lambda h, w: (layer(h, w), None), x, params)[0]
+
+
+def layer(w, h):
+    return jnp.tanh(h @ w["w"] + w["b"])
+
+
 def head_fn(hp, y, tgt):
     return jnp.mean((y @ hp - tgt) ** 2)
 
-def check(table):
-    p, m, v = table.stages, table.microbatches, table.chunks
-    r = np.random.default_rng(0)
-    nv = p * v
-    params = {"w": jnp.asarray(r.standard_normal((nv, Lc, d, d)) / 3, jnp.float32), "b": jnp.asarray(r.standard_normal((nv, Lc, d)) / 3, jnp.float32)}
+
+def model(n_layers, m, seed=0):
+    r = np.random.default_rng(seed)
+    layers = {"w": jnp.asarray(r.standard_normal((n_layers, d, d)) / 3, jnp.float32),
+              "b": jnp.asarray(r.standard_normal((n_layers, d)) / 3, jnp.float32)}
     hp = jnp.asarray(r.standard_normal((d, 3)), jnp.float32)
-    xs = jnp.asarray(r.standard_normal((m, mbsz, d)), jnp.float32)
-    tg = jnp.asarray(r.standard_normal((m, mbsz, 3)), jnp.float32)
-    def ref_loss(params, hp, xs):
-        def one(x, t):
-            h = x
-            for k in range(nv):
-                h = stage_fn(jax.tree.map(lambda a: a[k], params), h)
-            return head_fn(hp, h, t)
-        return jnp.mean(jax.vmap(one)(xs, tg))
-    rl, (rg, rh, rx) = jax.value_and_grad(ref_loss, argnums=(0, 1, 2))(params, hp, xs)
-    # device layout: stage s holds virtual stages vs(s, c) for c in range(v) -> [p, v, ...]
+    x = jnp.asarray(r.standard_normal((m * mbsz, d)), jnp.float32)
+    tg = jnp.asarray(r.standard_normal((m * mbsz, 3)), jnp.float32)
+    return layers, hp, x, tg
+
+
+def plain_loss(layers, hp, x, tg, m):
+    """The un-pipelined model: every layer in turn, the head's loss averaged over micro-batches."""
+    def one(x, t):
+        h = jax.lax.scan(lambda h, w: (layer(w, h), None), x, layers)[0]
+        return head_fn(hp, h, t)
+    return jnp.mean(jax.vmap(one)(x.reshape(m, mbsz, d), tg.reshape(m, mbsz, 3)))
+
+
+def assert_close(got, want, tol=1e-5):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+def check(table):
+    """The executor under shard_map over {pipe: p} against plain autodiff."""
+    p, m, v = table.stages, table.microbatches, table.chunks
+    layers, hp, x, tg = model(p * v * Lc, m)
+    want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, m)
+    got = jax.value_and_grad(lambda *a: sf.pipeline(layer, a[0], a[2], head=head_fn, head_params=a[1],
+                                                    head_args=a[3], stages=p, microbatches=m, schedule=table),
+                             argnums=(0, 1, 2))(layers, hp, x, tg)
+    assert_close(got, want)          # the primitive bound outside parallelize: micro-batches in turn
+
+    # the per-device program, in a shard_map over the pipeline axis
     order = np.array([[table.virtual_stage(s, c) for c in range(v)] for s in range(p)])
-    local = jax.tree.map(lambda a: a[order], params)
+    stage = [a.reshape((p * v, Lc) + a.shape[1:])[order] for a in jax.tree.leaves(layers)]
+    xs, tgs = x.reshape(m, mbsz, d), tg.reshape(m, mbsz, 3)
+    chunk = jax.tree.unflatten(jax.tree.structure(layers), [jax.ShapeDtypeStruct(a.shape[2:], a.dtype) for a in stage])
+    jaxprs = pp.bodies_of(layer, head_fn, chunk, jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype), hp,
+                          jax.ShapeDtypeStruct(tgs.shape[1:], tgs.dtype))[0]
+    bodies = pp.callables(jaxprs)
     mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
-    def body(lp, hp, xs, tg):
-        lp = jax.tree.map(lambda a: a[0], lp)
-        l, dp, dh, dx = pp.execute(stage_fn, head_fn, lp, hp, xs, tg, axis="pipe", table=table)
-        return l, jax.tree.map(lambda a: a[None], dp), dh, dx
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("pipe"), P(), P(), P()), out_specs=(P(), P("pipe"), P(), P()), check_vma=False))
-    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-    l, dp, dh, dx = f(put(local, P("pipe")), put(hp, P()), put(xs, P()), put(tg, P()))
-    inv = np.argsort(order.reshape(-1)); dp = jax.device_get(dp)
-    dp = jax.tree.map(lambda a: a.reshape((nv,) + a.shape[2:])[inv], dp)
-    errs = [float(abs(l - rl))] + [float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves((dp, dh, dx)), jax.tree.leaves((rg, rh, rx)))]
-    assert max(errs) < 1e-5, errs
+
+    def body(stage, hp, xs, tgs):
+        return pp.execute(bodies, table, stage, [hp], xs, [tgs], axis="pipe")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("pipe"), P(), P(), P()),
+                              out_specs=(P(), P("pipe"), P(), P()), check_vma=False))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    loss, d_stage, (d_hp,), d_xs = f(put(stage, P("pipe")), put(hp, P()), put(xs, P()), put(tgs, P()))
+    inverse = np.argsort(order.reshape(-1))
+    d_layers = [np.asarray(g).reshape((p * v * Lc,) + g.shape[3:]) if v == 1 else
+                np.asarray(g).reshape((p * v, Lc) + g.shape[3:])[inverse].reshape((p * v * Lc,) + g.shape[3:])
+                for g in d_stage]
+    assert_close((loss, d_layers, d_hp, np.asarray(d_xs).reshape(x.shape)),
+                 (want[0], jax.tree.leaves(want[1][0]), want[1][1], want[1][2]))
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-split": lambda p, m: one_f_one_b(p, m, split=True),

@@ -1,0 +1,629 @@
+"""Pipeline parallelism as one SPMD program: a schedule's table executed by a scan over ticks.
+
+Every device of the pipeline axis runs the same program. At each tick it looks up its action in
+the schedule's table (by its index on the axis) — forward (F), backward for inputs (B), backward
+for weights (W) or idle — and runs it through ``lax.switch``; activations and their gradients
+move to the neighbouring stage by ``ppermute`` between ticks. The pipelined loss owns its
+gradient: F on the last virtual stage also runs the head and the loss and its backward, so a
+micro-batch's B can start while later micro-batches are still in their forwards (1F1B and the
+zero-bubble schedules need that; autodiff through a pipelined forward gives GPipe only).
+
+``execute`` is the per-device program (call it inside ``shard_map`` over the pipeline axis).
+It returns the mean loss and every gradient; a loss seeded with another cotangent scales them
+(the loss is a scalar, so its gradient is linear in the seed).
+
+Memory. What a schedule keeps is explicit: F stores its stage's ``jax.vjp`` residuals (the
+saved activations) in a slot that B (or W, when the schedule splits the backward) frees; slots
+are assigned per stage by interval colouring of the table, so a stage holds as many as its
+schedule keeps alive at once (GPipe m, 1F1B p - s on stage s). Inputs received from a
+neighbour wait in slots the same way.
+
+Partial: the schedule tables come from ``shardflow.schedules``; the sf.parallelize integration
+(a primitive whose rule shards the stacked layers over the pipeline axis, composed with the
+other axes' rules inside the layer) is not built yet.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive, jaxpr_as_fun
+from jax.interpreters import mlir
+
+from shardflow.program import open_jaxpr, source_line
+from shardflow.registry import Decision, defrule
+from shardflow.specs import B, Partial, ShardingError, Split
+
+IDLE, FORWARD, BACKWARD, WEIGHTS = 0, 1, 2, 3
+KINDS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHTS}
+
+
+class Action(NamedTuple):
+    kind: str          # "F", "B" or "W"
+    microbatch: int
+    chunk: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """The schedule as the executor reads it: ``actions[t][s]`` is stage ``s``'s Action at
+    tick ``t`` or None; ``virtual_stage(s, c)`` the block of layers chunk ``c`` of stage ``s``
+    runs (0 .. stages * chunks - 1)."""
+    actions: tuple
+    stages: int
+    microbatches: int
+    chunks: int
+    virtual_stage: Callable[[int, int], int]
+    split_backward: bool
+
+
+def _place(table: Table):
+    """(stage, chunk) of every virtual stage."""
+    where = {}
+    for s in range(table.stages):
+        for c in range(table.chunks):
+            where[table.virtual_stage(s, c)] = (s, c)
+    n = table.stages * table.chunks
+    if sorted(where) != list(range(n)):
+        raise ValueError(f"virtual_stage maps (stage, chunk) onto {sorted(where)}, not 0..{n - 1}")
+    return where
+
+
+def _colour(intervals):
+    """Slot per interval [start, end] (inclusive ticks), reusing a slot once its interval ended:
+    the fewest slots any assignment can use (interval graphs are perfect)."""
+    slots, free, busy = {}, [], []          # busy: (end, slot)
+    count = 0
+    for key, (start, end) in sorted(intervals.items(), key=lambda kv: kv[1]):
+        busy.sort()
+        while busy and busy[0][0] < start:
+            free.append(busy.pop(0)[1])
+        if free:
+            slot = min(free)
+            free.remove(slot)
+        else:
+            slot, count = count, count + 1
+        slots[key] = slot
+        busy.append((end, slot))
+    return slots, count
+
+
+class Plan(NamedTuple):
+    """Per (tick, stage) int32 arrays the scan indexes by tick and device; -1 where unused."""
+    kind: np.ndarray          # IDLE / F / B / W
+    microbatch: np.ndarray
+    chunk: np.ndarray
+    resid_slot: np.ndarray    # F stores, B (or W) reads the stage's vjp residuals here
+    grad_slot: np.ndarray     # split backward: B stores the output gradient W needs
+    in_slot: np.ndarray       # F reads its input / B its output gradient from this inbox slot
+    out_dir: np.ndarray       # where the action's result goes: 0 none, 1 next stage, 2 previous, 3 itself
+    recv_f: np.ndarray        # [T + 1, s, 2] inbox-F slot for what arrives from (previous, next) stage
+    recv_b: np.ndarray        # [T, s, 2] inbox-B slot likewise
+    self_f: np.ndarray        # [T, s] inbox-F slot for this stage's own forward output (V turn)
+    self_b: np.ndarray
+    n_resid: int
+    n_grad: int
+    n_in_f: int
+    n_in_b: int
+    directions: frozenset     # which of "f_next", "f_prev", "b_next", "b_prev" the schedule uses
+
+
+def plan(table: Table) -> Plan:
+    p, m, v = table.stages, table.microbatches, table.chunks
+    where = _place(table)
+    last = p * v - 1
+    T = len(table.actions)
+    shape = (T, p)
+    kind, mb, ch, in_slot, out_dir = (np.full(shape, -1, np.int32) for _ in range(5))
+    kind[:] = IDLE
+    ran = {}                                   # (kind, mb, virtual stage) -> tick
+    for t, row in enumerate(table.actions):
+        for s, a in enumerate(row):
+            if a is None:
+                continue
+            k = table.virtual_stage(s, a.chunk)
+            ran[(a.kind, a.microbatch, k)] = t
+            kind[t, s], mb[t, s], ch[t, s] = KINDS[a.kind], a.microbatch, a.chunk
+
+    def tick_of(kd, i, k):
+        if (kd, i, k) not in ran:
+            raise ValueError(f"the table has no {kd}{i} of virtual stage {k} (stage, chunk {where[k]})")
+        return ran[(kd, i, k)]
+
+    def direction(src_stage, dst_stage):
+        if dst_stage == src_stage:
+            return 3
+        return 1 if dst_stage == (src_stage + 1) % p else 2 if dst_stage == (src_stage - 1) % p else None
+
+    # Lifetimes per stage: residuals F -> B (or W), output gradients B -> W, inbox entries
+    # arrival -> use. Arrival is the tick after the send (self hand-offs: the same tick's end).
+    resid, grads = [dict() for _ in range(p)], [dict() for _ in range(p)]
+    inbox_f, inbox_b = [dict() for _ in range(p)], [dict() for _ in range(p)]
+    sends = []                                 # (tick, stage, kind, mb, target virtual stage)
+    for (kd, i, k), t in ran.items():
+        s, c = where[k]
+        if kd == "F":
+            end = tick_of("W", i, k) if table.split_backward else tick_of("B", i, k)
+            resid[s][(i, k)] = (t, end)
+            if k < last:
+                ds, _ = where[k + 1]
+                inbox_f[ds][(i, k + 1)] = (t + (ds != s), tick_of("F", i, k + 1))
+                sends.append((t, s, "F", i, k + 1))
+            else:                              # the head's gradient waits for this stage's B
+                inbox_b[s][(i, k)] = (t, tick_of("B", i, k))
+        elif kd == "B":
+            if table.split_backward:
+                grads[s][(i, k)] = (t, tick_of("W", i, k))
+            if k > 0:
+                ds, _ = where[k - 1]
+                inbox_b[ds][(i, k - 1)] = (t + (ds != s), tick_of("B", i, k - 1))
+                sends.append((t, s, "B", i, k - 1))
+    resid_slots = [_colour(r) for r in resid]
+    grad_slots = [_colour(g) for g in grads]
+    in_f_slots = [_colour(x) for x in inbox_f]
+    in_b_slots = [_colour(x) for x in inbox_b]
+
+    resid_slot, grad_slot = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
+    recv_f, recv_b = np.full((T + 1, p, 2), -1, np.int32), np.full((T + 1, p, 2), -1, np.int32)
+    self_f, self_b = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
+    directions = set()
+    for (kd, i, k), t in ran.items():
+        s, _ = where[k]
+        key = (i, k)
+        if kd == "F":
+            resid_slot[t, s] = resid_slots[s][0][key]
+            if k > 0:
+                in_slot[t, s] = in_f_slots[s][0][key]
+            if k == last:
+                self_b[t, s] = in_b_slots[s][0][key]
+        elif kd == "B":
+            in_slot[t, s] = in_b_slots[s][0][key]
+            resid_slot[t, s] = resid_slots[s][0][key]
+            if table.split_backward:
+                grad_slot[t, s] = grad_slots[s][0][key]
+        else:
+            resid_slot[t, s] = resid_slots[s][0][key]
+            grad_slot[t, s] = grad_slots[s][0][key]
+    for t, s, kd, i, k in sends:
+        ds, _ = where[k]
+        d = direction(s, ds)
+        if d is None:
+            raise ValueError(f"tick {t}: stage {s} sends {kd}{i} to stage {ds}, not a neighbour")
+        out_dir[t, s] = d
+        inbox = in_f_slots if kd == "F" else in_b_slots
+        slot = inbox[ds][0][(i, k)]
+        if d == 3:
+            (self_f if kd == "F" else self_b)[t, s] = slot
+            continue
+        directions.add(f"{kd.lower()}_{'next' if d == 1 else 'prev'}")
+        # arriving from the previous stage (sent "next") lands in column 0, from the next in 1
+        (recv_f if kd == "F" else recv_b)[t + 1, ds, 0 if d == 1 else 1] = slot
+    return Plan(kind, mb, ch, resid_slot, grad_slot, in_slot, out_dir, recv_f, recv_b, self_f, self_b,
+                max(n for _, n in resid_slots), max((n for _, n in grad_slots), default=0),
+                max((n for _, n in in_f_slots), default=0), max((n for _, n in in_b_slots), default=0),
+                frozenset(directions))
+
+
+class Bodies(NamedTuple):
+    """A virtual stage and the head as functions of flat lists of arrays (one device's view).
+
+    forward(chunk, x) -> (y, stored): ``stored`` are the residuals B and W need, less those
+    that are the chunk's own parameters (passed again rather than kept per micro-batch).
+    backward(chunk, stored, dy) -> (d chunk, dx); backward_x -> dx; backward_w -> d chunk.
+    head(head_params, y, args) -> (loss, d head_params, dy).
+    """
+    forward: Callable
+    backward: Callable
+    backward_x: Callable
+    backward_w: Callable
+    head: Callable
+
+
+def bodies_of(layer_fn, head_fn, chunk, x, head_params, args):
+    """(ClosedJaxprs of the Bodies on one device, the chunk's pytree, the head's, the args')
+    for ``layer_fn(layer, h) -> h`` scanned over a chunk of stacked layers and ``head_fn(
+    head_params, y, args) -> loss``, traced at the given (abstract) values."""
+    chunk_leaves, chunk_tree = jax.tree.flatten(chunk)
+    head_leaves, head_tree = jax.tree.flatten(head_params)
+    arg_leaves, arg_tree = jax.tree.flatten(args)
+    n = len(chunk_leaves)
+
+    def stage(leaves, x):
+        layers = jax.tree.unflatten(chunk_tree, leaves)
+        return lax.scan(lambda h, layer: (layer_fn(layer, h), None), x, layers)[0]
+
+    pullback = {}
+
+    def full_forward(leaves, x):
+        y, vjp = jax.vjp(stage, leaves, x)
+        residuals, pullback["tree"] = jax.tree.flatten(vjp)
+        return y, residuals
+
+    traced = jax.make_jaxpr(full_forward)(chunk_leaves, x)
+    inputs = traced.jaxpr.invars[:n]
+    # Where each residual comes from: a chunk parameter (its index) or the stored list (-1).
+    from_chunk = tuple(inputs.index(v) if v in inputs else -1 for v in traced.jaxpr.outvars[1:])
+
+    def forward(leaves, x):
+        y, residuals = full_forward(leaves, x)
+        return y, [r for r, i in zip(residuals, from_chunk) if i < 0]
+
+    def pullback_of(leaves, stored):
+        stored = iter(stored)
+        residuals = [leaves[i] if i >= 0 else next(stored) for i in from_chunk]
+        return jax.tree.unflatten(pullback["tree"], residuals)
+
+    def backward(leaves, stored, dy):
+        d_leaves, dx = pullback_of(leaves, stored)(dy)
+        return list(d_leaves), dx
+
+    def head(hp, y, a):
+        loss, (dh, dy) = jax.value_and_grad(
+            lambda hp, y: head_fn(jax.tree.unflatten(head_tree, hp), y, jax.tree.unflatten(arg_tree, a)),
+            argnums=(0, 1))(hp, y)
+        return loss, list(dh), dy
+
+    y = jax.eval_shape(stage, chunk_leaves, x)
+    stored = jax.eval_shape(forward, chunk_leaves, x)[1]
+    jaxprs = Bodies(
+        forward=jax.make_jaxpr(forward)(chunk_leaves, x),
+        backward=jax.make_jaxpr(backward)(chunk_leaves, stored, y),
+        backward_x=jax.make_jaxpr(lambda c, st, dy: backward(c, st, dy)[1])(chunk_leaves, stored, y),
+        backward_w=jax.make_jaxpr(lambda c, st, dy: backward(c, st, dy)[0])(chunk_leaves, stored, y),
+        head=jax.make_jaxpr(head)(head_leaves, y, arg_leaves))
+    if jax.tree.structure(y) != jax.tree.structure(x) or y.shape != jnp.shape(x) or y.dtype != jnp.result_type(x):
+        raise ValueError(f"pipeline: a layer must map its input to the same shape and dtype; "
+                         f"{jnp.result_type(x)}{list(jnp.shape(x))} became {y.dtype}{list(y.shape)}")
+    return jaxprs, chunk_tree, head_tree, arg_tree
+
+
+def callables(jaxprs: Bodies, run=jaxpr_as_fun) -> Bodies:
+    """Bodies calling each ClosedJaxpr through ``run`` (e.g. a rule's local lowering), in and
+    out as the flat lists ``execute`` passes."""
+    def flat(jaxpr, split):
+        fn = run(jaxpr)
+        return lambda *groups: split(list(fn(*[x for g in groups for x in (g if isinstance(g, list) else [g])])))
+    f, b, bx, bw, h = jaxprs
+    n_dp = len(b.out_avals) - 1
+    return Bodies(forward=flat(f, lambda o: (o[0], o[1:])),
+                  backward=flat(b, lambda o: (o[:n_dp], o[n_dp])),
+                  backward_x=flat(bx, lambda o: o[0]),
+                  backward_w=flat(bw, lambda o: o),
+                  head=flat(h, lambda o: (o[0], o[1:-1], o[-1])))
+
+
+def sequential(bodies: Bodies, table: Table, stage, head_params, xs, args):
+    """What every schedule computes, one micro-batch and one virtual stage after another on one
+    device: (loss, d stage, d head_params, d xs), each a flat list (stage leaves [p, v, ...])."""
+    where = _place(table)
+    m, n_virtual = table.microbatches, table.stages * table.chunks
+    d_stage = [jnp.zeros_like(x) for x in stage]
+    d_head = [jnp.zeros_like(x) for x in head_params]
+    loss, d_xs = jnp.zeros((), jnp.float32), []
+
+    def chunk(k):
+        return [x[where[k]] for x in stage]
+
+    for i in range(m):
+        h, stored = xs[i], []
+        for k in range(n_virtual):
+            h, st = bodies.forward(chunk(k), h)
+            stored.append(st)
+        l, dh, dy = bodies.head(head_params, h, [a[i] for a in args])
+        loss, d_head = loss + l, [a + b for a, b in zip(d_head, dh)]
+        for k in reversed(range(n_virtual)):
+            dc, dy = bodies.backward(chunk(k), stored[k], dy)
+            d_stage = [d.at[where[k]].add(g) for d, g in zip(d_stage, dc)]
+        d_xs.append(dy)
+    return loss / m, [d / m for d in d_stage], [d / m for d in d_head], jnp.stack(d_xs) / m
+
+
+def execute(bodies: Bodies, table: Table, stage, head_params, xs, args, *, axis: str):
+    """The pipelined loss and its gradients on this device (inside ``shard_map`` over ``axis``):
+    ``sequential``'s results, each device holding its own [1, v, ...] block of the stage leaves
+    and of their gradients, the rest whole on every device."""
+    pl = plan(table)
+    p, m, v = table.stages, table.microbatches, table.chunks
+    T = pl.kind.shape[0]
+    me = lax.axis_index(axis)
+    last_stage, last_chunk = _place(table)[p * v - 1]
+    first_stage, first_chunk = _place(table)[0]
+    mine = [x[0] for x in stage]                    # [v, ...] this device's chunks
+
+    def chunk(k):
+        return [lax.dynamic_index_in_dim(x, k, keepdims=False) for x in mine]
+
+    x0 = xs[0]
+    stored0 = jax.eval_shape(bodies.forward, chunk(0), x0)[1]
+
+    def buffers(n, like):
+        return [jnp.zeros((max(n, 1),) + tuple(a.shape), a.dtype) for a in like]
+
+    carry = dict(
+        stored=buffers(pl.n_resid, stored0),
+        grad=buffers(pl.n_grad, [x0])[0],
+        in_f=buffers(pl.n_in_f, [x0])[0],
+        in_b=buffers(pl.n_in_b, [x0])[0],
+        d_stage=[jnp.zeros_like(x) for x in mine],
+        d_head=[jnp.zeros_like(x) for x in head_params],
+        d_xs=jnp.zeros_like(xs),
+        loss=jnp.zeros((), jnp.float32),
+        out=jnp.zeros_like(x0),            # what this tick's action sends on
+    )
+    tables = {k: jnp.asarray(getattr(pl, k)) for k in
+              ("kind", "microbatch", "chunk", "resid_slot", "grad_slot", "in_slot", "out_dir",
+               "recv_f", "recv_b", "self_f", "self_b")}
+
+    def at(buf, i):
+        return lax.dynamic_index_in_dim(buf, jnp.maximum(i, 0), keepdims=False)
+
+    def put(buf, i, value):
+        return lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), jnp.maximum(i, 0), 0)
+
+    def put_where(buf, i, value):
+        """``buf`` with ``value`` at ``i``, unchanged where ``i`` is -1."""
+        return jnp.where(i >= 0, put(buf, i, value), buf)
+
+    def accumulate(d_stage, k, d_chunk):
+        return [put(d, k, at(d, k) + g) for d, g in zip(d_stage, d_chunk)]
+
+    def idle(c, row):
+        return dict(c, out=jnp.zeros_like(c["out"]))
+
+    def forward(c, row):
+        i, k = row["microbatch"], row["chunk"]
+        is_first = (me == first_stage) & (k == first_chunk)
+        x = jnp.where(is_first, at(xs, i), at(c["in_f"], row["in_slot"]))
+        y, stored = bodies.forward(chunk(k), x)
+        c = dict(c, stored=[put(b, row["resid_slot"], r) for b, r in zip(c["stored"], stored)], out=y)
+
+        def head(c):
+            loss, dh, dy = bodies.head(list(head_params), y, [at(a, i) for a in args])
+            return dict(c, loss=c["loss"] + loss, d_head=[a + b for a, b in zip(c["d_head"], dh)],
+                        in_b=put(c["in_b"], row["self_b"], dy))
+        return lax.cond((me == last_stage) & (k == last_chunk), head, lambda c: c, c)
+
+    def backward(c, row):
+        i, k = row["microbatch"], row["chunk"]
+        dy = at(c["in_b"], row["in_slot"])
+        stored = [at(b, row["resid_slot"]) for b in c["stored"]]
+        if table.split_backward:
+            dx = bodies.backward_x(chunk(k), stored, dy)
+            c = dict(c, grad=put(c["grad"], row["grad_slot"], dy))
+        else:
+            d_chunk, dx = bodies.backward(chunk(k), stored, dy)
+            c = dict(c, d_stage=accumulate(c["d_stage"], k, d_chunk))
+        is_first = (me == first_stage) & (k == first_chunk)
+        return dict(c, d_xs=jnp.where(is_first, put(c["d_xs"], i, dx), c["d_xs"]), out=dx)
+
+    def weights(c, row):
+        k = row["chunk"]
+        stored = [at(b, row["resid_slot"]) for b in c["stored"]]
+        d_chunk = bodies.backward_w(chunk(k), stored, at(c["grad"], row["grad_slot"]))
+        return dict(c, d_stage=accumulate(c["d_stage"], k, d_chunk), out=jnp.zeros_like(c["out"]))
+
+    branches = [idle, forward, backward, weights]
+    shifts = (("next", [(j, (j + 1) % p) for j in range(p)]), ("prev", [(j, (j - 1) % p) for j in range(p)]))
+
+    def tick(c, t):
+        row = {k: tab[t, me] for k, tab in tables.items()}
+        c = lax.switch(row["kind"], branches, c, row)
+        is_f, out = row["kind"] == FORWARD, c["out"]
+        # A hand-off to itself (the turn of a V) goes straight into this stage's inbox; a
+        # forward's self_b slot was the head's, already filled.
+        c = dict(c, in_f=put_where(c["in_f"], jnp.where(is_f, row["self_f"], -1), out),
+                 in_b=put_where(c["in_b"], jnp.where(is_f, -1, row["self_b"]), out))
+        for col, (direction, perm) in enumerate(shifts):
+            if not any(d.endswith(direction) for d in pl.directions):
+                continue
+            sent = lax.ppermute(jnp.where(row["out_dir"] == col + 1, out, jnp.zeros_like(out)), axis, perm)
+            c = dict(c, in_f=put_where(c["in_f"], tables["recv_f"][t + 1, me, col], sent),
+                     in_b=put_where(c["in_b"], tables["recv_b"][t + 1, me, col], sent))
+        return c, None
+
+    c, _ = lax.scan(tick, carry, jnp.arange(T))
+    loss = lax.psum(c["loss"], axis) / m
+    d_head = [lax.psum(g, axis) / m for g in c["d_head"]]
+    d_xs = lax.psum(c["d_xs"], axis) / m
+    d_stage = [(g / m)[None] for g in c["d_stage"]]
+    return loss, d_stage, d_head, d_xs
+
+
+# ------------------------------------------------------------------------------ the primitive
+#
+# sf_pipeline: operands (*stage leaves [p, v, ...], *head params, xs [m, ...], *args [m, ...]),
+# results (loss, *d stage leaves, *d head params, d xs) — the loss and its whole gradient, as
+# ``sequential`` computes them. Its params hold the Bodies as single-device jaxprs, so shardflow
+# shards them like any loop body (the rule below); bound outside parallelize it runs them in
+# sequence.
+
+pipeline_p = Primitive("sf_pipeline")
+pipeline_p.multiple_results = True
+
+
+def _groups(params, values):
+    ns, nh, na = params["counts"]
+    return values[:ns], values[ns:ns + nh], values[ns + nh], values[ns + nh + 1:ns + nh + 1 + na]
+
+
+def _bodies_param(params) -> Bodies:
+    return Bodies(*(params[name] for name in Bodies._fields))
+
+
+def _sequential_impl(*values, **params):
+    stage, head, xs, args = _groups(params, list(values))
+    loss, d_stage, d_head, d_xs = sequential(callables(_bodies_param(params)), params["table"],
+                                             stage, head, xs, args)
+    return [loss, *d_stage, *d_head, d_xs]
+
+
+def _abstract_eval(*avals, **params):
+    stage, head, xs, _ = _groups(params, list(avals))
+    loss = params["head"].out_avals[0]
+    return [loss, *stage, *head, xs]
+
+
+pipeline_p.def_impl(lambda *values, **params: jax.jit(
+    lambda *v: _sequential_impl(*v, **params))(*values))
+pipeline_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(pipeline_p, mlir.lower_fun(_sequential_impl, multiple_results=True))
+
+
+def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: int, microbatches: int,
+             schedule="1f1b", chunks: int = 1, axis: str = "pipe"):
+    """``mean_i head(head_params, layers applied to micro-batch i of x, head_args of i)``.
+
+    ``layers`` is a pytree of stacked layer parameters (leading dim: the number of layers),
+    ``layer_fn(layer, h) -> h`` one layer; ``x`` and each leaf of ``head_args`` are split into
+    ``microbatches`` along dim 0. In ``sf.parallelize`` on a mesh with ``axis`` of ``stages``
+    devices, the layers are split over it in blocks and the schedule runs; elsewhere the same
+    numbers come from one device running the micro-batches in turn. Differentiating the result
+    gives the schedule's gradients (computed with the loss; the loss must be the output that is
+    differentiated — its gradient is linear in the seed).
+    """
+    from shardflow import schedules
+    leaves, layer_tree = jax.tree.flatten(layers)
+    n_layers = {x.shape[0] for x in leaves}
+    if len(n_layers) != 1:
+        raise ValueError(f"pipeline: the stacked layers' leading dims differ: {sorted(n_layers)}")
+    (n_layers,) = n_layers
+    table = schedule if isinstance(schedule, Table) else schedules.by_name(schedule, stages, microbatches, chunks)
+    p, m, v = table.stages, table.microbatches, table.chunks
+    if n_layers % (p * v):
+        raise ValueError(f"pipeline: {n_layers} layers do not split into {p} stages x {v} chunks")
+    if x.shape[0] % m:
+        raise ValueError(f"pipeline: a batch of {x.shape[0]} does not split into {m} micro-batches")
+    per_chunk = n_layers // (p * v)
+    order = np.array([[table.virtual_stage(s, c) for c in range(v)] for s in range(p)])
+
+    def device_order(leaf):             # [L, ...] -> [p, v, L / (p v), ...]
+        blocks = leaf.reshape((p * v, per_chunk) + leaf.shape[1:])
+        if (order.reshape(-1) == np.arange(p * v)).all():
+            return blocks.reshape((p, v) + blocks.shape[1:])
+        return blocks[order]
+
+    def micro(a):
+        return a.reshape((m, a.shape[0] // m) + a.shape[1:])
+
+    stage = [device_order(leaf) for leaf in leaves]
+    head_leaves, head_tree = jax.tree.flatten(head_params)
+    xs = micro(x)
+    arg_leaves, arg_tree = jax.tree.flatten(jax.tree.map(micro, head_args))
+    jaxprs, _, _, _ = bodies_of(
+        layer_fn, head, jax.tree.unflatten(layer_tree, [jax.ShapeDtypeStruct(a.shape[2:], a.dtype) for a in stage]),
+        jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype), head_params,
+        jax.tree.unflatten(arg_tree, [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in arg_leaves]))
+    params = dict(jaxprs._asdict(), table=table, axis=axis,
+                  counts=(len(stage), len(head_leaves), len(arg_leaves)))
+
+    def bind(stage, head_leaves, xs, arg_leaves):
+        outs = pipeline_p.bind(*stage, *head_leaves, xs, *arg_leaves, **params)
+        ns, nh = len(stage), len(head_leaves)
+        return outs[0], (outs[1:1 + ns], outs[1 + ns:1 + ns + nh], outs[1 + ns + nh])
+
+    @jax.custom_vjp
+    def loss(stage, head_leaves, xs, arg_leaves):
+        return bind(stage, head_leaves, xs, arg_leaves)[0]
+
+    def loss_fwd(stage, head_leaves, xs, arg_leaves):
+        value, grads = bind(stage, head_leaves, xs, arg_leaves)
+        return value, grads
+
+    def loss_bwd(grads, g):      # head_args (targets, masks) get no gradient
+        d_stage, d_head, d_xs = grads
+        scale = lambda ds: [d * g.astype(d.dtype) for d in ds]
+        return scale(d_stage), scale(d_head), d_xs * g.astype(d_xs.dtype), [None] * len(arg_leaves)
+
+    loss.defvjp(loss_fwd, loss_bwd)
+    return loss(stage, head_leaves, xs, arg_leaves)
+
+
+# ------------------------------------------------------------------------------ the rule
+#
+# On the pipeline axis the stage leaves are split by stage (dim 0) and everything else is whole;
+# the bodies run whole on it (a device runs its own stages). On the other axes the bodies are
+# sharded like a loop body, from the operands' NdSbps with the stacking dims (p, v for the
+# stage leaves, m for xs and args) unsplit: an activation leaves a stage (forward, dx, the
+# head's dy) as it entered, residuals go from forward to backward as forward made them, and the
+# gradients come out as backward made them (partial where the batch is split).
+
+def _inner(sbp, ax, lead):
+    """The NdSbp inside the bodies of an operand with ``lead`` stacking dims."""
+    return tuple(B if i == ax else (Split(s.dim - lead) if isinstance(s, Split) else s)
+                 for i, s in enumerate(sbp))
+
+
+def _outer(sbp, ax, lead, on_axis):
+    return tuple(on_axis if i == ax else (Split(s.dim + lead) if isinstance(s, Split) else s)
+                 for i, s in enumerate(sbp))
+
+
+def _operand(sbp, ax, lead, on_axis):
+    """What the operand must be: ``on_axis`` on the pipeline axis; elsewhere as it is, except
+    that stacking dims are not split and nothing is partial."""
+    return tuple(on_axis if i == ax else
+                 (B if isinstance(s, Partial) or (isinstance(s, Split) and s.dim < lead) else s)
+                 for i, s in enumerate(sbp))
+
+
+def _propagate(prop, eqn):
+    params, src = eqn.params, source_line(eqn)
+    table, axis = params["table"], params["axis"]
+    ax = prop.names.index(axis) if axis in prop.names else None
+    if ax is None and table.stages > 1:
+        raise ShardingError(f"{src}: sf.pipeline over {table.stages} stages on axis {axis!r}, which the mesh "
+                             f"{dict(zip(prop.names, prop.mesh.devices.shape))} lacks")
+    if ax is not None and prop.mesh.devices.shape[ax] != table.stages:
+        raise ShardingError(f"{src}: sf.pipeline over {table.stages} stages on mesh axis {axis!r} of "
+                             f"{prop.mesh.devices.shape[ax]} devices")
+    stage, head, xs, args = _groups(params, [prop.of(a) for a in eqn.invars])
+    stage = [_operand(s, ax, 2, Split(0)) for s in stage]
+    head = [_operand(s, ax, 0, B) for s in head]
+    xs = _operand(xs, ax, 1, B)
+    args = [_operand(s, ax, 1, B) for s in args]
+    chunk = [_inner(s, ax, 2) for s in stage]
+    x = _inner(xs, ax, 1)
+    bodies = _bodies_param(params)
+
+    def run(name, in_sbp):
+        new, outs = prop.run_body(open_jaxpr(params[name]), in_sbp, src)
+        return new, outs
+
+    forward, (_, *stored) = run("forward", chunk + [x])
+    head_body, (loss, *d_head_and_dy) = run("head", [_inner(s, ax, 0) for s in head] + [x] + [_inner(s, ax, 1) for s in args])
+    d_head = d_head_and_dy[:-1]
+    backward, outs = run("backward", chunk + stored + [x])
+    d_chunk = outs[:-1]
+    backward_x, _ = run("backward_x", chunk + stored + [x])
+    backward_w, _ = run("backward_w", chunk + stored + [x])
+    wanted = dict(forward=(x, *stored), head=(loss, *d_head, x), backward=(*d_chunk, x),
+                  backward_x=(x,), backward_w=tuple(d_chunk))
+    on_axis = lambda sbp: tuple(B if i == ax else s for i, s in enumerate(sbp))
+    outs = ([on_axis(loss)] + [_outer(s, ax, 2, Split(0)) for s in d_chunk]
+            + [on_axis(s) for s in d_head] + [_outer(x, ax, 1, B)])
+    decision = Decision(tuple(stage + head + [xs] + args), tuple(outs),
+                        bodies=tuple((name, wanted[name]) for name in Bodies._fields))
+    rebody = lambda old, new: old.replace(jaxpr=new)
+    return prop.decide(eqn, decision, src, forward=rebody(params["forward"], forward),
+                       head=rebody(params["head"], head_body), backward=rebody(params["backward"], backward),
+                       backward_x=rebody(params["backward_x"], backward_x),
+                       backward_w=rebody(params["backward_w"], backward_w))
+
+
+def _lower(local, eqn, ins):
+    params = eqn.params
+    bodies = callables(_bodies_param(params), run=local.body_fn)
+    stage, head, xs, args = _groups(params, list(ins))
+    if params["axis"] not in local.names:       # one stage: the micro-batches in turn
+        loss, d_stage, d_head, d_xs = sequential(bodies, params["table"], stage, head, xs, args)
+    else:
+        loss, d_stage, d_head, d_xs = execute(bodies, params["table"], stage, head, xs, args,
+                                              axis=params["axis"])
+    return [loss, *d_stage, *d_head, d_xs]
+
+
+defrule(pipeline_p, propagate=_propagate, lower=_lower)
