@@ -153,6 +153,11 @@ class Schedule(_VirtualStages):
     def ticks(self) -> int:
         return len(self.rows[0]) if self.rows else 0
 
+    @property
+    def columns(self) -> tuple[tuple[Action | None, ...], ...]:
+        """The table tick-major: ``columns[tick][stage]``, as a loop over ticks reads it."""
+        return tuple(zip(*self.rows))
+
     def __getitem__(self, tick_stage: tuple[int, int]) -> Action | None:
         tick, stage = tick_stage
         return self.rows[stage][tick]
@@ -529,7 +534,8 @@ def timeline(schedule: Schedule, costs: Costs | None = None, *, lockstep: bool =
     dependency has ended (communication free) — the time the papers' formulas count, and what a
     runtime achieves whose stages wait only for the data they receive. ``lockstep=True``: every
     tick starts when the slowest action of the tick before has ended on every stage — what a loop
-    over ticks with a collective per tick achieves; with unit costs both are the table itself.
+    over ticks with a collective per tick achieves. With unit costs, lockstep is the table
+    itself, and so is the default for a table placed by ``from_orders`` (every builder's).
     """
     cost = {**default_costs(schedule), **(costs or {})}
     ends: dict[tuple[int, Action], Union[int, float]] = {}

@@ -1,0 +1,248 @@
+"""shardflow.schedules: every built-in table is valid and has its paper's bubble and memory.
+
+Time is measured in forwards of one chunk (``default_costs``): F = B = W = 1 where the backward is
+split, else F = 1 and B = 2 (the whole backward). Bubble fraction: idle over all time of the step;
+bubble rate: bubble over ideal time (Megatron-LM's and the Zero Bubble papers' figure)."""
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from shardflow import schedules as sched
+from shardflow.schedules import Action, Schedule
+
+SIZES = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
+DOC = Path(__file__).resolve().parents[1] / "docs" / "pipeline.md"
+
+
+def idle_time(schedule, **kw):
+    """Idle time summed over stages, over the whole step."""
+    spans = sched.timeline(schedule, **kw)
+    return schedule.stages * sched.makespan(schedule, **kw) - sum(e - s for row in spans for s, e, _ in row)
+
+
+# ----------------------------------------------------------------------------------- validity
+@pytest.mark.parametrize("name", list(sched.BUILTIN))
+@pytest.mark.parametrize("p,m", SIZES)
+def test_every_builtin_table_is_valid_and_reads_back_from_its_text(name, p, m):
+    s = sched.by_name(name, p, m)
+    assert sched.validate(s) is s
+    assert (s.name, s.stages, s.microbatches) == (name, p, m)
+    v = s.chunks
+    kinds = "FBW" if s.split_backward else "FB"
+    for stage in range(p):
+        ran = [a for _, a in s.actions(stage)]
+        assert len(ran) == len(set(ran)) == len(kinds) * m * v
+    assert Schedule.from_table(str(s), name=name, layout=s.layout) == s
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 8), m=st.integers(1, 20))
+def test_builders_are_valid_for_any_size(p, m):
+    for name in ("gpipe", "1f1b", "zb-h1", "zb-v"):
+        sched.by_name(name, p, m)                      # a Schedule is validated when made
+    assert sched.peak_live_activations(sched.one_f_one_b(p, m)) == tuple(min(p - s, m) for s in range(p))
+    assert sched.peak_live_activations(sched.zb_h1(p, m), held_until="B") == tuple(min(p - s, m) for s in range(p))
+    assert max(sched.peak_live_activations(sched.zb_v(p, m))) <= 2 * p
+
+
+@settings(max_examples=20, deadline=None)
+@given(p=st.integers(1, 6), groups=st.integers(1, 4), v=st.integers(2, 4))
+def test_interleaved_is_valid_for_any_multiple_of_p(p, groups, v):
+    m = groups * p
+    s = sched.interleaved_1f1b(p, m, v)
+    assert sched.bubble_fraction(s) == (p - 1) / (v * m + p - 1)
+
+
+def test_virtual_stages_loop_for_interleaved_and_turn_back_for_zb_v():
+    inter, v_shape = sched.interleaved_1f1b(4, 8, 2), sched.zb_v(4, 8)
+    assert [inter.virtual_stage(s, c) for c in (0, 1) for s in range(4)] == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert [v_shape.virtual_stage(s, c) for c in (0, 1) for s in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    for s in (inter, v_shape, sched.interleaved_1f1b(3, 3, 3)):
+        assert all(s.locate(s.virtual_stage(st_, c)) == (st_, c) for st_ in range(s.stages) for c in range(s.chunks))
+    assert v_shape.locate(7) == (0, 1)                 # the loss is on stage 0
+    assert v_shape.dependency(3, Action("F", 2, 1)) == (3, Action("F", 2, 0))     # the V's turn
+    assert v_shape.dependency(0, Action("B", 2, 1)) == (0, Action("F", 2, 1))     # the loss's backward
+
+
+# ----------------------------------------------------------------------------------- bubbles
+@pytest.mark.parametrize("p,m", SIZES)
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
+    for s in (sched.gpipe(p, m), sched.one_f_one_b(p, m)):
+        assert sched.makespan(s) == 3 * (m + p - 1)
+        assert sched.bubble_fraction(s) == (p - 1) / (m + p - 1)             # idle / all time
+        assert sched.bubble_fraction(s, {"B": 1}) == (p - 1) / (m + p - 1)   # the table's own cells
+        assert sched.bubble_rate(s) == (p - 1) / m                           # bubble / ideal time
+
+
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("p,m", SIZES)
+def test_interleaved_bubble_is_p_minus_1_over_v_m_plus_p_minus_1(p, m, v):
+    s = sched.interleaved_1f1b(p, m, v)
+    assert sched.makespan(s) == 3 * (v * m + p - 1)      # in forwards of one chunk, 1/v of a stage's
+    assert sched.bubble_fraction(s) == (p - 1) / (v * m + p - 1)
+    assert sched.bubble_rate(s) == (p - 1) / (v * m)     # Megatron: (1/v) (p-1)/m
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zb_h1_bubble_is_a_third_of_1f1b(p, m):
+    zb, base = sched.zb_h1(p, m), sched.one_f_one_b(p, m)
+    assert idle_time(zb) == p * (p - 1) and idle_time(base) == 3 * p * (p - 1)   # same time unit: one F
+    assert sched.makespan(zb) == 3 * m + p - 1
+    assert sched.bubble_rate(zb) == (p - 1) / (3 * m)    # the paper's (p-1)/3m against 1F1B's (p-1)/m
+    assert sched.bubble_fraction(zb) == (p - 1) / (3 * m + p - 1)
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zb_v_has_no_bubble_inside_any_stage_from_2p_minus_1_microbatches(p, m):
+    s = sched.zb_v(p, m)
+    if m >= 2 * p - 1:
+        # 6m unit actions per stage; the last stage's first forward runs at tick p-1 at the earliest.
+        assert sched.makespan(s) == 6 * m + p - 1
+        assert sched.bubble_fraction(s) == (p - 1) / (6 * m + p - 1)
+        assert sched.bubble_rate(s) == 0.0
+    else:                                                # m = p: the warm-up is cut short
+        assert sched.makespan(s) == 6 * m + p - 1 + (p - 2)
+
+
+def test_lockstep_ticks_last_as_long_as_their_slowest_action():
+    for name in sched.BUILTIN:
+        s = sched.by_name(name, 4, 8)
+        unit = {"F": 1, "B": 1, "W": 1}
+        assert [[(a0, a1) for a0, a1, _ in row] for row in sched.timeline(s, unit, lockstep=True)] == \
+               [[(t, t + 1) for t, _ in s.actions(stage)] for stage in range(4)]
+        assert sched.timeline(s, unit) == sched.timeline(s, unit, lockstep=True)   # placed as early as can be
+    # 1F1B's steady ticks mix a forward (1) and a whole backward (2) on neighbouring stages.
+    assert sched.makespan(sched.one_f_one_b(4, 8), lockstep=True) == 40
+    assert sched.makespan(sched.one_f_one_b(4, 8)) == 33
+    assert sched.makespan(sched.zb_h1(4, 8), lockstep=True) == 27
+
+
+# ----------------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("p,m", SIZES)
+def test_peak_live_activations(p, m):
+    assert sched.peak_live_activations(sched.gpipe(p, m)) == (m,) * p
+    assert sched.peak_live_activations(sched.one_f_one_b(p, m)) == tuple(p - s for s in range(p))
+    # ZB-H1: 1F1B's in-flight microbatches (F to B); held until W, p on every stage, 1F1B's stage 0.
+    zb = sched.zb_h1(p, m)
+    assert sched.peak_live_activations(zb, held_until="B") == tuple(p - s for s in range(p))
+    assert sched.peak_live_activations(zb) == (p,) * p
+    # Interleaved, in chunks (1/v of a stage's layers each): Megatron's warm-up plus one.
+    for v in (2, 3):
+        expected = tuple(min(2 * (p - 1 - s) + (v - 1) * p + 1, v * m) for s in range(p))
+        assert sched.peak_live_activations(sched.interleaved_1f1b(p, m, v)) == expected
+    # ZB-V, in chunks of half a stage: at most 2p, p stages' worth, as 1F1B's stage 0, W included;
+    # reached on every stage from m = 2p - 1 on.
+    expected = tuple(min(m + 1 + s, 2 * m, 2 * p) for s in range(p))
+    assert expected == (2 * p,) * p or m < 2 * p - 1
+    for held_until in ("B", "W"):
+        assert sched.peak_live_activations(sched.zb_v(p, m), held_until=held_until) == expected
+
+
+# ----------------------------------------------------------------------------------- refusals
+def refusal(rows, **kw) -> str:
+    with pytest.raises(ValueError) as caught:
+        Schedule.from_table(rows, **kw)
+    return str(caught.value)
+
+
+def test_a_backward_before_the_next_stage_sent_its_gradient_is_refused():
+    good = ["F0 F1  . B0  . B1",
+            " . F0 B0 F1 B1  ."]
+    assert Schedule.from_table(good).rows == sched.one_f_one_b(2, 2).rows
+    assert refusal(["F0 F1 B0  .  . B1",
+                    " . F0 B0 F1 B1  ."]) == ("schedule 'custom': tick 2, stage 0: B0 needs B0 on stage 1 "
+                                              "at an earlier tick; it runs at tick 2")
+    assert refusal(["F0  . F1 B0  . B1",
+                    " . F0 F1 B0 B1  ."]).startswith("schedule 'custom': tick 2, stage 1: F1 needs F1 "
+                                                     "on stage 0 at an earlier tick; it runs at tick 2")
+    assert "tick 1, stage 0: B0 needs B0 on stage 1 at an earlier tick; it never runs" in \
+        refusal(["F0 B0", " . F0"])
+
+
+def test_a_duplicate_action_is_refused():
+    assert refusal(["F0 F1 F1 B0  . B1",
+                    " . F0 B0 F1 B1  ."]) == "schedule 'custom': tick 2, stage 0: F1 runs a second time (first at tick 1)"
+
+
+def test_a_missing_w_is_refused():
+    rows = [list(row) for row in sched.zb_h1(2, 2).rows]
+    tick = rows[1].index(Action("W", 1))
+    rows[1][tick] = None
+    assert refusal(rows) == "schedule 'custom': stage 1 never runs W1 (at no tick)"
+
+
+def test_malformed_tables_are_refused_naming_the_cell():
+    assert "tick 2, stage 0: W0 in a schedule without a split backward" in \
+        refusal(["F0 B0 W0", " . . ."], split_backward=False)
+    assert "tick 0, stage 0: F2 names microbatch 2, the schedule has 2" in refusal(["F2 F1", "F0 F0"], microbatches=2)
+    assert "tick 0, stage 0: F0c2 names chunk 2, the schedule has 2 per stage" in refusal(["F0c2", "."], chunks=2)
+    assert "stage 1 has 1 ticks, stage 0 has 2" in refusal(["F0 B0", "."])
+    assert "cannot read 'X3'" in refusal(["X3"])
+    assert "a schedule needs at least one stage" in refusal([])
+    with pytest.raises(ValueError, match="an Action's kind is one of F, B, W"):
+        Action("Q", 0)
+
+
+def test_orders_that_wait_on_each_other_are_refused():
+    with pytest.raises(ValueError) as caught:
+        Schedule.from_orders([["B0", "F0"], ["F0", "B0"]])
+    assert str(caught.value) == ("schedule 'custom': the orders deadlock at tick 0: stage 0's next action B0 "
+                                 "needs B0 on stage 1, which stage 1's order runs after its next action F0, "
+                                 "itself waiting")
+
+
+def test_by_name_refusals():
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'; the built-in ones are "
+                                         "gpipe, 1f1b, interleaved, zb-h1, zb-v"):
+        sched.by_name("pipedream", 4, 8)
+    with pytest.raises(ValueError, match=r"multiple of the number of stages .* got m = 6; use m = 4 or 8"):
+        sched.by_name("interleaved", 4, 6)
+    with pytest.raises(ValueError, match="v chooses the chunks of 'interleaved' only"):
+        sched.by_name("zb-h1", 4, 8, v=2)
+    with pytest.raises(ValueError, match=r"m \(microbatches\) must be an int >= 1, got 0"):
+        sched.gpipe(4, 0)
+    with pytest.raises(ValueError, match="with one chunk per stage use '1f1b'"):
+        sched.interleaved_1f1b(4, 8, 1)
+    assert sched.by_name("ZB_H1", 2, 2) == sched.zb_h1(2, 2)
+    assert sched.by_name("interleaved", 2, 4, v=3) == sched.interleaved_1f1b(2, 4, 3)
+
+
+# ----------------------------------------------------------------------------------- views
+def test_text_grid():
+    assert str(sched.one_f_one_b(2, 2)) == ("1f1b: 2 stages, 2 microbatches, 6 ticks\n"
+                                            "s0 | F0 F1  . B0  . B1\n"
+                                            "s1 |  . F0 B0 F1 B1  .")
+    assert [str(a) for a in (Action("F", 3), Action("B", 3, 1), Action("W", 12, 2))] == ["F3", "b3", "W12c2"]
+    assert [Action.parse(t) for t in ("F3", "b3", "W12c2", ".")] == [Action("F", 3), Action("B", 3, 1),
+                                                                      Action("W", 12, 2), None]
+    s = sched.zb_v(2, 3)
+    assert s[1, 1] == Action("F", 0) and s.columns[1] == (Action("F", 1), Action("F", 0))
+
+
+def test_draw_one_box_per_action():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    for s in (sched.one_f_one_b(4, 8), sched.zb_v(4, 8)):
+        fig = s.draw()
+        ax = fig.axes[0]
+        actions = sum(len(s.actions(stage)) for stage in range(s.stages))
+        assert len(ax.patches) == actions and len(ax.texts) == actions
+        fig.savefig(io.BytesIO(), format="png")
+    own = Figure()
+    assert sched.gpipe(2, 2).draw(own.add_subplot()) is own
+
+
+def test_importing_schedules_loads_no_matplotlib():
+    check = ("import shardflow.schedules, sys; "
+             "assert not [m for m in sys.modules if m.startswith('matplotlib')]")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
