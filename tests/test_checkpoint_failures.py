@@ -132,6 +132,41 @@ def test_no_restorable_step_is_one_checkpoint_error_line(data_dir, saved, tmp_pa
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4"]  # left alone
 
 
+def _tree(path):
+    return {p.relative_to(path): p.read_bytes() if p.is_file() else None for p in path.rglob("*")}
+
+
+def test_a_run_that_does_not_resume_refuses_to_mix_with_old_checkpoints(data_dir, saved,
+                                                                        tmp_path, capsys):
+    """orbax saves no step at or below the newest one there: a fresh run would have kept steps 2
+    and 4 of the old run beside its own 6. Refused before anything is written; nothing deleted."""
+    out = _copy(saved, tmp_path)
+    before = _tree(out)
+    code = cli.main(["train", "--out", str(out), "--steps", "6", "--no-progress",
+                     "--set", f"model={json.dumps(SMALL_LLAMA)}", "--set", f"data.path={data_dir}",
+                     "--set", "batch_size=8", "--set", "data.seq_len=32",
+                     "--set", "checkpoint.every=2", "--set", "checkpoint.resume=false"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"config error: checkpoint.resume is false but {out}/checkpoints holds "
+                          "checkpoints (steps 2, 4)"), err
+    assert "fresh --out directory" in err and f"delete {out}/checkpoints yourself" in err
+    assert _tree(out) == before
+
+
+def test_a_run_that_does_not_resume_saves_every_step_beside_set_aside_ones(data_dir, saved,
+                                                                           tmp_path):
+    out = _copy(saved, tmp_path)
+    shutil.rmtree(out / "checkpoints" / "2")
+    (out / "checkpoints" / "4").rename(out / "checkpoints" / "4.damaged")
+    cfg = _cfg(data_dir, out)
+    cfg.checkpoint.resume = False
+    result = train.train(cfg, progress=False)
+    assert result["start_step"] == 0 and sorted(result["losses"]) == [1, 2, 3, 4, 5, 6]
+    assert [result["losses"][s] for s in (1, 2, 3, 4)] == [saved[1][s] for s in (1, 2, 3, 4)]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4", "4.damaged", "6"]
+
+
 def _train_command(data_dir, out, once_checked="pass"):
     """`shardflow train` in a fresh process; ``once_checked`` runs once the run's directories
     have passed their checks, with ``out`` the run's directory."""

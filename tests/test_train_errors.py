@@ -45,6 +45,15 @@ def _file_in_the_way(relative):
     return make
 
 
+def _checkpoints_of_another_run(*steps, resume="false"):
+    def make(tmp):
+        for step in steps:
+            (tmp / "run" / "checkpoints" / str(step) / "default").mkdir(parents=True)
+            (tmp / "run" / "checkpoints" / str(step) / "default" / "_METADATA").write_text("{}")
+        return ["--set", f"checkpoint.resume={resume}"]
+    return make
+
+
 # name -> (what makes the case: tmp dir -> extra arguments, expected message fragment)
 CASES = {
     "mesh an int": (lambda tmp: ["--set", "mesh=8"],
@@ -69,6 +78,12 @@ CASES = {
                                "the checkpoint directory '{tmp}/run/checkpoints' is a file"),
     "out a file": (_file_in_the_way("run"),
                          "out '{tmp}/run' is a file, not a directory"),
+    "resume=false over checkpoints": (
+        _checkpoints_of_another_run(2, 4),
+        "checkpoint.resume is false but {tmp}/run/checkpoints holds checkpoints (steps 2, 4), "
+        "which this run could not replace: orbax saves no step at or below 4 there. Resume from "
+        "them (checkpoint.resume=true), train into a fresh --out directory, or delete "
+        "{tmp}/run/checkpoints yourself"),
     "boolean a word": (lambda tmp: ["--set", "checkpoint.resume=maybe"],
                        "checkpoint.resume must be true or false, got 'maybe'"),
 }
@@ -121,3 +136,26 @@ def test_the_process_exits_2_without_a_traceback(extra, message, tmp_path):
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_only_numbered_step_folders_count_as_checkpoints_in_the_way(tmp_path):
+    """Steps set aside as damaged and orbax's unfinished temporary folders are no steps: a run
+    that does not resume may start there (orbax would save every step)."""
+    from shardflow.train import config
+    ckpt_dir = tmp_path / "checkpoints"
+    for name in ("4.damaged", "4.damaged1", "6.orbax-checkpoint-tmp-1234"):
+        (ckpt_dir / name).mkdir(parents=True)
+    (ckpt_dir / "8").write_text("a file, not a step")
+    cfg = config.load(overrides=["checkpoint.resume=false"], out=str(tmp_path))
+    config.check_not_overwriting(cfg)
+    assert config.checkpoint_steps(ckpt_dir) == []
+    for step in (10, 2, 6, 4, 12, 14):
+        (ckpt_dir / str(step)).mkdir()
+    assert config.checkpoint_steps(ckpt_dir) == [2, 4, 6, 10, 12, 14]
+    with pytest.raises(config.ConfigError, match=r"\(steps 2, 4, 6, 10, 12, 14\)"):
+        config.check_not_overwriting(cfg)
+    (ckpt_dir / "16").mkdir()
+    with pytest.raises(config.ConfigError, match=r"\(steps 2, 4, 6, \.\.\., 16; 7 in all\)"):
+        config.check_not_overwriting(cfg)
+    cfg.checkpoint.resume = True
+    config.check_not_overwriting(cfg)

@@ -224,6 +224,33 @@ def check_writable(cfg: Config) -> None:
         _check_writable_dir(Path(cfg.out) / "checkpoints", "the checkpoint directory")
 
 
+def check_not_overwriting(cfg: Config) -> None:
+    """That a run told not to resume has no checkpoints in its way. orbax saves no step at or
+    below the newest one already in the directory, so a fresh run there would keep the old
+    steps and add only later ones: a mix of two runs. Refused rather than deleted."""
+    if not cfg.checkpoint.every or cfg.checkpoint.resume:
+        return
+    directory = Path(cfg.out) / "checkpoints"
+    steps = checkpoint_steps(directory)
+    if steps:
+        shown = ", ".join(map(str, steps)) if len(steps) <= 6 else \
+            f"{', '.join(map(str, steps[:3]))}, ..., {steps[-1]}; {len(steps)} in all"
+        raise ConfigError(
+            f"checkpoint.resume is false but {directory} holds checkpoints (step"
+            f"{'s' * (len(steps) > 1)} {shown}), which this run could not replace: orbax saves "
+            f"no step at or below {steps[-1]} there. Resume from them (checkpoint.resume=true), "
+            f"train into a fresh --out directory, or delete {directory} yourself")
+
+
+def checkpoint_steps(directory: Path) -> list[int]:
+    """The steps of the checkpoints in ``directory`` as orbax names them (one folder per step,
+    named by its number), read without creating anything."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir()
+                  if p.name.isascii() and p.name.isdigit() and p.is_dir())
+
+
 def _check_writable_dir(path: Path, what: str) -> None:
     existing = path
     while not existing.exists() and existing != existing.parent:

@@ -280,6 +280,7 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
 
     run = setup(cfg)
     config_lib.check_writable(cfg)
+    config_lib.check_not_overwriting(cfg)
     main_process = jax.process_index() == 0
     out = Path(cfg.out)
 
@@ -294,8 +295,8 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
             restored = ckpt.restore_latest(target)
         except ValueError as e:
             ckpt.close()
-            raise config_lib.ConfigError(f"{e}. Resume with the config that wrote it, pick another "
-                                         "--out, or set checkpoint.resume=false") from None
+            raise config_lib.ConfigError(f"{e}. Resume with the config that wrote it, or start "
+                                         "this run in a fresh --out directory") from None
         except BaseException:
             ckpt.close()
             raise
