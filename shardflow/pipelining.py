@@ -301,12 +301,13 @@ def sequential(bodies: Bodies, table: Table, stage, head_params, xs, args):
     device: (loss, d stage, d head_params, d xs), each a flat list (stage leaves [p, v, ...])."""
     where = _place(table)
     m, n_virtual = table.microbatches, table.stages * table.chunks
-    d_stage = [jnp.zeros_like(x) for x in stage]
-    d_head = [jnp.zeros_like(x) for x in head_params]
-    loss, d_xs = jnp.zeros((), jnp.float32), []
-
     def chunk(k):
         return [x[where[k]] for x in stage]
+
+    d_chunk, d_hp = _gradient_shapes(bodies, chunk(0), xs[0], head_params, [a[0] for a in args])
+    d_stage = [jnp.zeros(x.shape[:2] + g.shape, g.dtype) for x, g in zip(stage, d_chunk)]
+    d_head = [jnp.zeros(g.shape, g.dtype) for g in d_hp]
+    loss, d_xs = jnp.zeros((), jnp.float32), []
 
     for i in range(m):
         h, stored = xs[i], []
@@ -320,6 +321,15 @@ def sequential(bodies: Bodies, table: Table, stage, head_params, xs, args):
             d_stage = [d.at[where[k]].add(g) for d, g in zip(d_stage, dc)]
         d_xs.append(dy)
     return loss / m, [d / m for d in d_stage], [d / m for d in d_head], jnp.stack(d_xs) / m
+
+
+def _gradient_shapes(bodies: Bodies, chunk, x, head_params, args):
+    """(a chunk's gradient, the head params' gradient) as the bodies make them: sharded bodies
+    may make them in other blocks than the parameters' (a replicated bias's gradient split with
+    the activations)."""
+    y, stored = jax.eval_shape(bodies.forward, chunk, x)
+    return (jax.eval_shape(bodies.backward, chunk, stored, y)[0],
+            jax.eval_shape(bodies.head, list(head_params), y, args)[1])
 
 
 def execute(bodies: Bodies, table: Table, stage, head_params, xs, args, *, axis: str):
@@ -339,6 +349,7 @@ def execute(bodies: Bodies, table: Table, stage, head_params, xs, args, *, axis:
 
     x0 = xs[0]
     stored0 = jax.eval_shape(bodies.forward, chunk(0), x0)[1]
+    d_chunk, d_hp = _gradient_shapes(bodies, chunk(0), x0, head_params, [a[0] for a in args])
 
     def buffers(n, like):
         return [jnp.zeros((max(n, 1),) + tuple(a.shape), a.dtype) for a in like]
@@ -348,8 +359,8 @@ def execute(bodies: Bodies, table: Table, stage, head_params, xs, args, *, axis:
         grad=buffers(pl.n_grad, [x0])[0],
         in_f=buffers(pl.n_in_f, [x0])[0],
         in_b=buffers(pl.n_in_b, [x0])[0],
-        d_stage=[jnp.zeros_like(x) for x in mine],
-        d_head=[jnp.zeros_like(x) for x in head_params],
+        d_stage=[jnp.zeros((v,) + g.shape, g.dtype) for g in d_chunk],
+        d_head=[jnp.zeros(g.shape, g.dtype) for g in d_hp],
         d_xs=jnp.zeros_like(xs),
         loss=jnp.zeros((), jnp.float32),
         out=jnp.zeros_like(x0),            # what this tick's action sends on
@@ -479,7 +490,8 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
 
     ``layers`` is a pytree of stacked layer parameters (leading dim: the number of layers),
     ``layer_fn(layer, h) -> h`` one layer; ``x`` and each leaf of ``head_args`` are split into
-    ``microbatches`` along dim 0. In ``sf.parallelize`` on a mesh with ``axis`` of ``stages``
+    ``microbatches`` along dim 0, strided (micro-batch i holds rows i, i + m, ...: a batch split
+    over a data axis leaves every micro-batch split the same way, without moving a row). In ``sf.parallelize`` on a mesh with ``axis`` of ``stages``
     devices, the layers are split over it in blocks and the schedule runs; elsewhere the same
     numbers come from one device running the micro-batches in turn. Differentiating the result
     gives the schedule's gradients (computed with the loss; the loss must be the output that is
@@ -506,8 +518,8 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
             return blocks.reshape((p, v) + blocks.shape[1:])
         return blocks[order]
 
-    def micro(a):
-        return a.reshape((m, a.shape[0] // m) + a.shape[1:])
+    def micro(a):       # micro-batch i: rows i, i + m, i + 2m, ... (a batch split stays split)
+        return a.reshape((a.shape[0] // m, m) + a.shape[1:]).swapaxes(0, 1)
 
     stage = [device_order(leaf) for leaf in leaves]
     head_leaves, head_tree = jax.tree.flatten(head_params)

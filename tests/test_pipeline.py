@@ -107,7 +107,12 @@ def plain_loss(layers, hp, x, tg, m):
     def one(x, t):
         h = jax.lax.scan(lambda h, w: (layer(w, h), None), x, layers)[0]
         return head_fn(hp, h, t)
-    return jnp.mean(jax.vmap(one)(x.reshape(m, mbsz, d), tg.reshape(m, mbsz, 3)))
+    return jnp.mean(jax.vmap(one)(strided(x, m), strided(tg, m)))
+
+
+def strided(a, m):
+    """Micro-batch i holds rows i, i + m, ... (sf.pipeline's split)."""
+    return a.reshape((a.shape[0] // m, m) + a.shape[1:]).swapaxes(0, 1)
 
 
 def assert_close(got, want, tol=1e-5):
@@ -128,7 +133,7 @@ def check(table):
     # the per-device program, in a shard_map over the pipeline axis
     order = np.array([[table.virtual_stage(s, c) for c in range(v)] for s in range(p)])
     stage = [a.reshape((p * v, Lc) + a.shape[1:])[order] for a in jax.tree.leaves(layers)]
-    xs, tgs = x.reshape(m, mbsz, d), tg.reshape(m, mbsz, 3)
+    xs, tgs = strided(x, m), strided(tg, m)
     chunk = jax.tree.unflatten(jax.tree.structure(layers), [jax.ShapeDtypeStruct(a.shape[2:], a.dtype) for a in stage])
     jaxprs = pp.bodies_of(layer, head_fn, chunk, jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype), hp,
                           jax.ShapeDtypeStruct(tgs.shape[1:], tgs.dtype))[0]
@@ -145,7 +150,7 @@ def check(table):
     d_layers = [np.asarray(g).reshape((p * v * Lc,) + g.shape[3:]) if v == 1 else
                 np.asarray(g).reshape((p * v, Lc) + g.shape[3:])[inverse].reshape((p * v * Lc,) + g.shape[3:])
                 for g in d_stage]
-    assert_close((loss, d_layers, d_hp, np.asarray(d_xs).reshape(x.shape)),
+    assert_close((loss, d_layers, d_hp, np.asarray(d_xs).swapaxes(0, 1).reshape(x.shape)),
                  (want[0], jax.tree.leaves(want[1][0]), want[1][1], want[1][2]))
 
 
@@ -177,3 +182,44 @@ def test_a_table_without_an_action_is_refused():
     no_backward = pp.Table(((A("F", 0), None), (None, A("F", 0))), 2, 1, 1, lambda s, c: s, False)
     with pytest.raises(ValueError, match="has no B0 of virtual stage 0"):
         pp.plan(no_backward)
+
+
+def pipelined_step(table):
+    p, m = table.stages, table.microbatches
+
+    def step(layers, hp, x, tg):
+        def loss(layers, hp, x):
+            return sf.pipeline(layer, layers, x, head=head_fn, head_params=hp, head_args=tg,
+                               stages=p, microbatches=m, schedule=table)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(layers, hp, x)
+    return step
+
+
+@pytest.mark.parametrize("axes,layer_spec,batch_spec", [
+    ({"pipe": 4}, P("pipe"), P()),
+    ({"pipe": 4, "data": 2}, P("pipe"), P("data")),
+    ({"pipe": 2, "model": 4}, P("pipe", None, "model"), P()),
+], ids=["pp4", "pp4-dp2", "pp2-tp4"])
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b-split", "interleaved"])
+def test_parallelize_equals_one_device(axes, layer_spec, batch_spec, schedule):
+    p, m = axes["pipe"], 2 * axes["pipe"]
+    table = SCHEDULES[schedule](p, m)
+    layers, hp, x, tg = model(p * table.chunks * Lc, m)
+    want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, m)
+    specs = {"w": layer_spec, "b": P(*layer_spec[:2])}
+    step = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh(axes),
+                          in_specs=(specs, P(), batch_spec, batch_spec),
+                          out_specs=(P(), (specs, P(), batch_spec)))
+    assert_close(step(layers, hp, x, tg), want)
+
+
+def test_without_a_pipeline_axis_the_stages_run_in_turn():
+    table = SCHEDULES["1f1b"](4, 8)
+    layers, hp, x, tg = model(4 * Lc, 8)
+    want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 8)
+    with pytest.raises(sf.ShardingError, match="axis 'pipe', which the mesh"):
+        sf.parallelize(pipelined_step(table), mesh=sf.make_mesh({"data": 2}),
+                       in_specs=(P(), P(), P("data"), P("data")))(layers, hp, x, tg)
+    step = sf.parallelize(pipelined_step(SCHEDULES["1f1b"](1, 8)), mesh=sf.make_mesh({"data": 2}),
+                          in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), (P(), P(), P("data"))))
+    assert_close(step(layers, hp, x, tg), want)
