@@ -3,6 +3,7 @@
 Time is measured in forwards of one chunk (``default_costs``): F = B = W = 1 where the backward is
 split, else F = 1 and B = 2 (the whole backward). Bubble fraction: idle over all time of the step;
 bubble rate: bubble over ideal time (Megatron-LM's and the Zero Bubble papers' figure)."""
+import contextlib
 import io
 import os
 import re
@@ -48,7 +49,7 @@ def test_builders_are_valid_for_any_size(p, m):
         sched.by_name(name, p, m)                      # a Schedule is validated when made
     assert sched.peak_live_activations(sched.one_f_one_b(p, m)) == tuple(min(p - s, m) for s in range(p))
     assert sched.peak_live_activations(sched.zb_h1(p, m), held_until="B") == tuple(min(p - s, m) for s in range(p))
-    assert max(sched.peak_live_activations(sched.zb_v(p, m))) <= 2 * p
+    assert sched.peak_live_activations(sched.zb_v(p, m)) == tuple(min(m + 1 + s, 2 * m, 2 * p) for s in range(p))
 
 
 @settings(max_examples=20, deadline=None)
@@ -246,3 +247,58 @@ def test_importing_schedules_loads_no_matplotlib():
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------- the docs
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
+
+
+def schedules_section() -> str:
+    """docs/pipeline.md's section on schedules: from its heading to the next one."""
+    text = DOC.read_text()
+    start = text.index("## Schedules")
+    end = text.find("\n## ", start)
+    return text[start:end if end >= 0 else len(text)]
+
+
+def test_the_docs_print_what_the_code_prints():
+    """Each python block of the section runs (in order, in one namespace) and prints exactly the
+    text block that follows it."""
+    blocks = [(m.group(1), m.group(2), m.start(), m.end()) for m in FENCE.finditer(schedules_section())]
+    namespace, checked = {}, 0
+    for i, (lang, code, _, end) in enumerate(blocks):
+        if lang != "python":
+            continue
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, str(DOC), "exec"), namespace)
+        following = blocks[i + 1] if i + 1 < len(blocks) else None
+        if following and following[0] == "text" and not schedules_section()[end:following[2]].strip():
+            assert out.getvalue() == following[1], code
+            checked += 1
+    assert checked >= 8
+
+
+def measures_table(p: int = 4) -> list[str]:
+    def number(x):
+        return f"{x:g}"
+
+    lines = ["| schedule | m | ticks | step time | bubble fraction | bubble rate | lockstep step time | "
+             "peak live activations per stage | peak, in stages |",
+             "|---|--:|--:|--:|--:|--:|--:|---|--:|"]
+    for m in (8, 16):
+        for name in sched.BUILTIN:
+            s = sched.by_name(name, p, m)
+            v, peaks = s.chunks, sched.peak_live_activations(s)
+            lines.append(f"| {name} | {m} | {s.ticks} | {number(sched.makespan(s) / v)} | "
+                         f"{sched.bubble_fraction(s):.3f} | {sched.bubble_rate(s):.3f} | "
+                         f"{number(sched.makespan(s, lockstep=True) / v)} | {' '.join(map(str, peaks))} | "
+                         f"{number(max(peaks) / v)} |")
+    return lines
+
+
+def test_the_docs_table_is_measured():
+    marker = "<!-- measured: tests/test_schedules.py::measures_table -->\n"
+    section = schedules_section()
+    table = section[section.index(marker) + len(marker):].split("\n\n")[0].splitlines()
+    assert table == measures_table()
