@@ -4,7 +4,10 @@ A schedule is a table, one row per pipeline stage and one column per tick; a cel
 ``Action`` or idle (``None``):
 
     1f1b: 4 stages, 8 microbatches, 22 ticks
-    s0 | F0 F1 F2 F3  .  .  . B0 F4 B1 F5 B2 F6 B3 F7 B4  .  .  . B5  .  . ...
+    s0 | F0 F1 F2 F3  .  .  . B0 F4 B1 F5 B2 F6 B3 F7 B4  . B5  . B6  . B7
+    s1 |  . F0 F1 F2  .  . B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5  . B6  . B7  .
+    s2 |  .  . F0 F1  . B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6  . B7  .  .
+    s3 |  .  .  . F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7  .  .  .
 
 ``Action(kind, microbatch, chunk)``: ``F`` runs one microbatch forward through one chunk of the
 stage's layers; ``B`` runs it backward — for the inputs only where the schedule splits the backward
@@ -347,8 +350,7 @@ def validate(schedule: Schedule) -> Schedule:
             for mb in range(s.microbatches):
                 for kind in kinds:
                     if (stage, Action(kind, mb, chunk)) not in ran_at:
-                        raise ValueError(f"{where}: stage {stage} never runs {Action(kind, mb, chunk)} "
-                                         f"(at no tick)")
+                        raise ValueError(f"{where}: stage {stage} never runs {Action(kind, mb, chunk)} (at no tick)")
     return schedule
 
 
@@ -452,43 +454,36 @@ def zb_v(p: int, m: int) -> Schedule:
     orders = []
     for s in range(p):
         order: list[Action] = []
-        forwards, backwards, weights = [0, 0], [0, 0], [0, 0]
+        ran = {"F": [0, 0], "B": [0, 0], "W": [0, 0]}       # per kind and chunk: how many so far
 
-        # Each emits its action only when the stage has one to run: chunk 1's forward of a
-        # microbatch after chunk 0's, chunk 0's backward after chunk 1's, W after B.
-        def f(chunk: int):
-            if forwards[chunk] < m and (chunk == 0 or forwards[1] < forwards[0]):
-                order.append(Action("F", forwards[chunk], chunk))
-                forwards[chunk] += 1
+        def has_next(kind: str, chunk: int) -> bool:
+            n = ran[kind][chunk]
+            if kind == "F":         # chunk 1's forward of a microbatch comes after chunk 0's
+                return n < m and (chunk == 0 or n < ran["F"][0])
+            if kind == "B":         # chunk 0's backward of a microbatch comes after chunk 1's
+                return n < ran["F"][chunk] and (chunk == 1 or n < ran["B"][1])
+            return n < ran["B"][chunk]
 
-        def b(chunk: int):
-            if backwards[chunk] < forwards[chunk] and (chunk == 1 or backwards[0] < backwards[1]):
-                order.append(Action("B", backwards[chunk], chunk))
-                backwards[chunk] += 1
+        def run(pattern: str, times: int = 1):
+            """``times`` times: each step of ``pattern`` ("F0 B1" = F of chunk 0, B of chunk 1)
+            that the stage has left to run."""
+            for _ in range(times):
+                for kind, chunk in ((step[0], int(step[1])) for step in pattern.split()):
+                    if has_next(kind, chunk):
+                        order.append(Action(kind, ran[kind][chunk], chunk))
+                        ran[kind][chunk] += 1
 
-        def w(chunk: int):
-            if weights[chunk] < backwards[chunk]:
-                order.append(Action("W", weights[chunk], chunk))
-                weights[chunk] += 1
-
-        for _ in range(2 * (p - s) - 1):
-            f(0)
-        for _ in range(s):
-            f(1), f(0)
-        for _ in range(p - s):
-            f(1), b(1), w(1)
-        while forwards[1] < m:
-            f(0), b(0), w(0), f(1), b(1), w(1)
-        for _ in range(s):
-            b(0), b(1)
-        for _ in range(p - s):
-            b(0), w(0)
-        while backwards[0] < m:
-            b(0), b(1)
-        while weights[1] < m:
-            w(1)
-        while weights[0] < m:
-            w(0)
+        run("F0", 2 * (p - s) - 1)      # until microbatch 0 is back up at this stage's chunk 1
+        run("F1 F0", s)                 # until its backward arrives
+        run("F1 B1 W1", p - s)
+        while ran["F"][1] < m:
+            run("F0 B0 W0 F1 B1 W1")
+        run("B0 B1", s)
+        run("B0 W0", p - s)
+        while ran["B"][0] < m:
+            run("B0 B1")
+        run("W1", m)                    # the held-back W's
+        run("W0", m)
         orders.append(order)
     return Schedule.from_orders(orders, name="zb-v", microbatches=m, chunks=2, split_backward=True,
                                 layout="v")
