@@ -43,7 +43,7 @@ class CheckpointConfig:
     every: int = 100               # steps between saves; 0 disables checkpointing
     keep: int = 3                  # keep the last N
     async_save: bool = True
-    resume: bool = True            # continue from the latest checkpoint in out/ if any
+    resume: bool = True            # from out/'s latest checkpoint; false: refused if out/ has any
 
 
 @dataclasses.dataclass
