@@ -132,7 +132,7 @@ class _Pipeline(_VirtualStages):
 class Schedule(_VirtualStages):
     """A validated table: ``rows[stage][tick]`` is the Action that stage runs at that tick, or None.
 
-    ``schedule[tick, stage]`` reads one cell. ``microbatches`` m, ``chunks`` v (layer chunks per
+    ``schedule[tick, stage]`` reads one cell, ``actions[tick][stage]`` is the table tick-major. ``microbatches`` m, ``chunks`` v (layer chunks per
     stage), ``split_backward`` (B and W separate), ``layout`` ("loop" or "v": which virtual stage
     each chunk runs, see ``virtual_stage``), ``name`` (for messages and titles).
     """
@@ -157,15 +157,15 @@ class Schedule(_VirtualStages):
         return len(self.rows[0]) if self.rows else 0
 
     @property
-    def columns(self) -> tuple[tuple[Action | None, ...], ...]:
-        """The table tick-major: ``columns[tick][stage]``, as a loop over ticks reads it."""
+    def actions(self) -> tuple[tuple[Action | None, ...], ...]:
+        """The table tick-major: ``actions[tick][stage]``, as a loop over ticks reads it."""
         return tuple(zip(*self.rows))
 
     def __getitem__(self, tick_stage: tuple[int, int]) -> Action | None:
         tick, stage = tick_stage
         return self.rows[stage][tick]
 
-    def actions(self, stage: int) -> tuple[tuple[int, Action], ...]:
+    def actions_of(self, stage: int) -> tuple[tuple[int, Action], ...]:
         """(tick, action) of every action ``stage`` runs, in tick order."""
         return tuple((t, a) for t, a in enumerate(self.rows[stage]) if a is not None)
 
@@ -270,7 +270,7 @@ class Schedule(_VirtualStages):
             return tuple(c + (1 - c) * fade for c in base[action.kind])
 
         for stage in range(self.stages):
-            for tick, action in self.actions(stage):
+            for tick, action in self.actions_of(stage):
                 ax.add_patch(Rectangle((tick, stage + 0.05), 1, 0.9, facecolor=color(action),
                                        edgecolor="white", linewidth=0.5))
                 ax.text(tick + 0.5, stage + 0.5, str(action.microbatch), ha="center", va="center",

@@ -37,7 +37,7 @@ def test_every_builtin_table_is_valid_and_reads_back_from_its_text(name, p, m):
     v = s.chunks
     kinds = "FBW" if s.split_backward else "FB"
     for stage in range(p):
-        ran = [a for _, a in s.actions(stage)]
+        ran = [a for _, a in s.actions_of(stage)]
         assert len(ran) == len(set(ran)) == len(kinds) * m * v
     assert Schedule.from_table(str(s), name=name, layout=s.layout) == s
 
@@ -116,7 +116,7 @@ def test_lockstep_ticks_last_as_long_as_their_slowest_action():
         s = sched.by_name(name, 4, 8)
         unit = {"F": 1, "B": 1, "W": 1}
         assert [[(a0, a1) for a0, a1, _ in row] for row in sched.timeline(s, unit, lockstep=True)] == \
-               [[(t, t + 1) for t, _ in s.actions(stage)] for stage in range(4)]
+               [[(t, t + 1) for t, _ in s.actions_of(stage)] for stage in range(4)]
         assert sched.timeline(s, unit) == sched.timeline(s, unit, lockstep=True)   # placed as early as can be
     # 1F1B's steady ticks mix a forward (1) and a whole backward (2) on neighbouring stages.
     assert sched.makespan(sched.one_f_one_b(4, 8), lockstep=True) == 40
@@ -223,7 +223,7 @@ def test_text_grid():
     assert [Action.parse(t) for t in ("F3", "b3", "W12c2", ".")] == [Action("F", 3), Action("B", 3, 1),
                                                                       Action("W", 12, 2), None]
     s = sched.zb_v(2, 3)
-    assert s[1, 1] == Action("F", 0) and s.columns[1] == (Action("F", 1), Action("F", 0))
+    assert s[1, 1] == Action("F", 0) and s.actions[1] == (Action("F", 1), Action("F", 0))
 
 
 def test_draw_one_box_per_action():
@@ -234,7 +234,7 @@ def test_draw_one_box_per_action():
     for s in (sched.one_f_one_b(4, 8), sched.zb_v(4, 8)):
         fig = s.draw()
         ax = fig.axes[0]
-        actions = sum(len(s.actions(stage)) for stage in range(s.stages))
+        actions = sum(len(s.actions_of(stage)) for stage in range(s.stages))
         assert len(ax.patches) == actions and len(ax.texts) == actions
         fig.savefig(io.BytesIO(), format="png")
     own = Figure()
