@@ -9,10 +9,11 @@ from shardflow.specs import B, P, S, Broadcast, Partial, ShardingError, Split, t
 from shardflow.mesh import LinkModel, make_mesh
 from shardflow.primitives import constrain
 from shardflow import passes
+from shardflow import schedules
 from shardflow.pipelining import pipeline
 from shardflow.api import parallelize, Parallelized
 from shardflow.explain import Plan, Collective
 
 __all__ = ["B", "P", "S", "Broadcast", "Partial", "Split", "ShardingError", "to_partition_spec", "to_sbp",
-           "LinkModel", "make_mesh", "constrain", "parallelize", "Parallelized", "Plan", "Collective"]
+           "LinkModel", "make_mesh", "constrain", "pipeline", "schedules", "passes", "parallelize", "Parallelized", "Plan", "Collective"]
 __version__ = "0.1.0"

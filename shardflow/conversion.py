@@ -45,6 +45,7 @@ class Step:
     bytes: int = 0         # per-device bytes sent
     after: tuple = ()      # NdSbp after this step
     perm: tuple = ()       # ppermute: (source, destination) pairs of linear indices over ``axes``
+    value: object = None   # a rule's own step: the aval of what moves, if not its first operand
 
     @property
     def is_collective(self) -> bool:

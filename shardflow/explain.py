@@ -71,17 +71,21 @@ def _collectives(program: Program, jaxpr, count: int, out: list):
             steps, why = p["steps"], (p["source"], p["used_at"], p["reason"], p["src"], p["dst"])
         elif rule is not None and rule.comm is not None:
             steps = rule.comm(eqn, d.ins, d.sigs, program.mesh)
-            why = (source_line(eqn), source_line(eqn), f"{eqn.primitive.name} exchanges the blocks of its split dims",
+            why = (source_line(eqn), source_line(eqn), f"{eqn.primitive.name} {rule.comm_reason}",
                    d.ins[0], d.outs[0])
         else:
             steps = ()
+        repeats: dict = {}       # a rule's identical steps (a pipeline's per-tick ppermute) counted once
         for st in steps:
             if st.is_collective:
-                source, used_at, reason, src, dst = why
-                out.append(Collective(st.kind, st.axes, tuple(x.aval.shape), as_dtype(x.aval.dtype).name, st.bytes,
-                                      count, source, used_at, reason, format_sbp(src), format_sbp(dst),
-                                      program.links.seconds(st.axes, st.bytes)))
-        trips = eqn.params.get("length", 1) if eqn.primitive is lax.scan_p else 1
+                repeats[st] = repeats.get(st, 0) + 1
+        for st, times in repeats.items():
+            source, used_at, reason, src, dst = why
+            moved = st.value or x.aval
+            out.append(Collective(st.kind, st.axes, tuple(moved.shape), as_dtype(moved.dtype).name,
+                                  st.bytes, count * times, source, used_at, reason, format_sbp(src), format_sbp(dst),
+                                  program.links.seconds(st.axes, st.bytes)))
+        trips = rule.trips(eqn) if rule is not None and rule.trips is not None else 1
         for body in nested(eqn):
             _collectives(program, body, count * trips, out)
 

@@ -25,6 +25,7 @@ other axes' rules inside the layer) is not built yet.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -34,43 +35,20 @@ from jax import lax
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import mlir
 
+from shardflow.conversion import Step
 from shardflow.program import open_jaxpr, source_line
 from shardflow.registry import Decision, defrule
-from shardflow.specs import B, Partial, ShardingError, Split
+from shardflow.specs import B, Partial, ShardingError, Split, local_shape
+
+from shardflow.schedules import Schedule, by_name
 
 IDLE, FORWARD, BACKWARD, WEIGHTS = 0, 1, 2, 3
 KINDS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHTS}
 
 
-class Action(NamedTuple):
-    kind: str          # "F", "B" or "W"
-    microbatch: int
-    chunk: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Table:
-    """The schedule as the executor reads it: ``actions[t][s]`` is stage ``s``'s Action at
-    tick ``t`` or None; ``virtual_stage(s, c)`` the block of layers chunk ``c`` of stage ``s``
-    runs (0 .. stages * chunks - 1)."""
-    actions: tuple
-    stages: int
-    microbatches: int
-    chunks: int
-    virtual_stage: Callable[[int, int], int]
-    split_backward: bool
-
-
-def _place(table: Table):
+def _place(table: Schedule) -> dict:
     """(stage, chunk) of every virtual stage."""
-    where = {}
-    for s in range(table.stages):
-        for c in range(table.chunks):
-            where[table.virtual_stage(s, c)] = (s, c)
-    n = table.stages * table.chunks
-    if sorted(where) != list(range(n)):
-        raise ValueError(f"virtual_stage maps (stage, chunk) onto {sorted(where)}, not 0..{n - 1}")
-    return where
+    return {k: table.locate(k) for k in range(table.stages * table.chunks)}
 
 
 def _colour(intervals):
@@ -112,7 +90,7 @@ class Plan(NamedTuple):
     directions: frozenset     # which of "f_next", "f_prev", "b_next", "b_prev" the schedule uses
 
 
-def plan(table: Table) -> Plan:
+def plan(table: Schedule) -> Plan:
     p, m, v = table.stages, table.microbatches, table.chunks
     where = _place(table)
     last = p * v - 1
@@ -129,15 +107,8 @@ def plan(table: Table) -> Plan:
             ran[(a.kind, a.microbatch, k)] = t
             kind[t, s], mb[t, s], ch[t, s] = KINDS[a.kind], a.microbatch, a.chunk
 
-    def tick_of(kd, i, k):
-        if (kd, i, k) not in ran:
-            raise ValueError(f"the table has no {kd}{i} of virtual stage {k} (stage, chunk {where[k]})")
-        return ran[(kd, i, k)]
-
-    def direction(src_stage, dst_stage):
-        if dst_stage == src_stage:
-            return 3
-        return 1 if dst_stage == (src_stage + 1) % p else 2 if dst_stage == (src_stage - 1) % p else None
+    def direction(src_stage, dst_stage):       # 1 next stage, 2 previous, 3 itself
+        return 3 if dst_stage == src_stage else 1 if dst_stage == (src_stage + 1) % p else 2
 
     # Lifetimes per stage: residuals F -> B (or W), output gradients B -> W, inbox entries
     # arrival -> use. Arrival is the tick after the send (self hand-offs: the same tick's end).
@@ -147,20 +118,20 @@ def plan(table: Table) -> Plan:
     for (kd, i, k), t in ran.items():
         s, c = where[k]
         if kd == "F":
-            end = tick_of("W", i, k) if table.split_backward else tick_of("B", i, k)
+            end = ran[("W", i, k)] if table.split_backward else ran[("B", i, k)]
             resid[s][(i, k)] = (t, end)
             if k < last:
                 ds, _ = where[k + 1]
-                inbox_f[ds][(i, k + 1)] = (t + (ds != s), tick_of("F", i, k + 1))
+                inbox_f[ds][(i, k + 1)] = (t + (ds != s), ran[("F", i, k + 1)])
                 sends.append((t, s, "F", i, k + 1))
             else:                              # the head's gradient waits for this stage's B
-                inbox_b[s][(i, k)] = (t, tick_of("B", i, k))
+                inbox_b[s][(i, k)] = (t, ran[("B", i, k)])
         elif kd == "B":
             if table.split_backward:
-                grads[s][(i, k)] = (t, tick_of("W", i, k))
+                grads[s][(i, k)] = (t, ran[("W", i, k)])
             if k > 0:
                 ds, _ = where[k - 1]
-                inbox_b[ds][(i, k - 1)] = (t + (ds != s), tick_of("B", i, k - 1))
+                inbox_b[ds][(i, k - 1)] = (t + (ds != s), ran[("B", i, k - 1)])
                 sends.append((t, s, "B", i, k - 1))
     resid_slots = [_colour(r) for r in resid]
     grad_slots = [_colour(g) for g in grads]
@@ -191,8 +162,6 @@ def plan(table: Table) -> Plan:
     for t, s, kd, i, k in sends:
         ds, _ = where[k]
         d = direction(s, ds)
-        if d is None:
-            raise ValueError(f"tick {t}: stage {s} sends {kd}{i} to stage {ds}, not a neighbour")
         out_dir[t, s] = d
         inbox = in_f_slots if kd == "F" else in_b_slots
         slot = inbox[ds][0][(i, k)]
@@ -296,7 +265,7 @@ def callables(jaxprs: Bodies, run=jaxpr_as_fun) -> Bodies:
                   head=flat(h, lambda o: (o[0], o[1:-1], o[-1])))
 
 
-def sequential(bodies: Bodies, table: Table, stage, head_params, xs, args):
+def sequential(bodies: Bodies, table: Schedule, stage, head_params, xs, args):
     """What every schedule computes, one micro-batch and one virtual stage after another on one
     device: (loss, d stage, d head_params, d xs), each a flat list (stage leaves [p, v, ...])."""
     where = _place(table)
@@ -332,7 +301,7 @@ def _gradient_shapes(bodies: Bodies, chunk, x, head_params, args):
             jax.eval_shape(bodies.head, list(head_params), y, args)[1])
 
 
-def execute(bodies: Bodies, table: Table, stage, head_params, xs, args, *, axis: str):
+def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, axis: str):
     """The pipelined loss and its gradients on this device (inside ``shard_map`` over ``axis``):
     ``sequential``'s results, each device holding its own [1, v, ...] block of the stage leaves
     and of their gradients, the rest whole on every device."""
@@ -485,7 +454,7 @@ mlir.register_lowering(pipeline_p, mlir.lower_fun(_sequential_impl, multiple_res
 
 
 def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: int, microbatches: int,
-             schedule="1f1b", chunks: int = 1, axis: str = "pipe"):
+             schedule="1f1b", chunks: int | None = None, axis: str = "pipe"):
     """``mean_i head(head_params, layers applied to micro-batch i of x, head_args of i)``.
 
     ``layers`` is a pytree of stacked layer parameters (leading dim: the number of layers),
@@ -497,13 +466,12 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
     gives the schedule's gradients (computed with the loss; the loss must be the output that is
     differentiated — its gradient is linear in the seed).
     """
-    from shardflow import schedules
     leaves, layer_tree = jax.tree.flatten(layers)
     n_layers = {x.shape[0] for x in leaves}
     if len(n_layers) != 1:
         raise ValueError(f"pipeline: the stacked layers' leading dims differ: {sorted(n_layers)}")
     (n_layers,) = n_layers
-    table = schedule if isinstance(schedule, Table) else schedules.by_name(schedule, stages, microbatches, chunks)
+    table = schedule if isinstance(schedule, Schedule) else by_name(schedule, stages, microbatches, chunks)
     p, m, v = table.stages, table.microbatches, table.chunks
     if n_layers % (p * v):
         raise ValueError(f"pipeline: {n_layers} layers do not split into {p} stages x {v} chunks")
@@ -638,4 +606,31 @@ def _lower(local, eqn, ins):
     return [loss, *d_stage, *d_head, d_xs]
 
 
-defrule(pipeline_p, propagate=_propagate, lower=_lower)
+def _comm(eqn, ins, sigs, mesh):
+    """Per tick, one ppermute of an activation-sized block per direction the table uses; at the
+    end, the all-reduces over the stages of the loss, the head's gradient and d xs."""
+    params = eqn.params
+    table, axis = params["table"], params["axis"]
+    if axis not in mesh.axis_names or table.stages == 1:
+        return []
+    ax = mesh.axis_names.index(axis)
+    stage, head, xs, _ = _groups(params, list(eqn.invars))
+    _, head_sbp, xs_sbp, _ = _groups(params, list(ins))
+    x = jax.core.ShapedArray(xs.aval.shape[1:], xs.aval.dtype)
+
+    def nbytes(aval, sbp):
+        return math.prod(local_shape(aval.shape, sbp, mesh)) * aval.dtype.itemsize
+
+    block = nbytes(x, _inner(xs_sbp, ax, 1))
+    pl = plan(table)
+    ticks, used = pl.kind.shape[0], {d.split("_")[1] for d in pl.directions}
+    steps = [Step("ppermute", (axis,), bytes=block, value=x)] * (ticks * len(used))
+    n = mesh.devices.shape[ax]
+    for v, sbp in [(xs, xs_sbp)] + list(zip(head, head_sbp)):
+        steps.append(Step("all_reduce", (axis,), bytes=int(2 * (n - 1) / n * nbytes(v.aval, sbp)), value=v.aval))
+    return steps
+
+
+defrule(pipeline_p, propagate=_propagate, lower=_lower, comm=_comm,
+        comm_reason="passes activations and gradients between stages and sums its results over them",
+        trips=lambda eqn: eqn.params["table"].microbatches * eqn.params["table"].chunks)

@@ -15,6 +15,9 @@ and batching rules by primitive:
 * ``comm(eqn, ins, sigs, mesh) -> steps``: the collectives a rule's own lowering runs under
   operand NdSbps ``ins`` and per-axis signatures ``sigs`` (a pad's halo exchange), as
   ``conversion.Step``s: propagation prices them and explain lists them like any conversion's.
+  ``comm_reason`` says why, after the primitive's name, in explain.
+* ``trips(eqn) -> int``: how many times each nested body runs per execution on a device (a
+  scan's length; a pipeline's micro-batches times chunks), for explain's counts.
 * ``pin(eqn) -> spec``: a user's pin on its operand (``sf.constrain``,
   ``with_sharding_constraint``), which propagation spreads backward as a demand.
 
@@ -72,18 +75,22 @@ class Rule:
     propagate: Callable | None = None
     pin: Callable | None = None
     comm: Callable | None = None
+    comm_reason: str = ""
+    trips: Callable | None = None
 
 
 RULES: dict = {}
 
 
-def defrule(*prims, signatures=None, lower=None, propagate=None, pin=None, comm=None):
+def defrule(*prims, signatures=None, lower=None, propagate=None, pin=None, comm=None, comm_reason=None,
+            trips=None):
     """Register (or extend) the rule of each primitive in ``prims`` (None entries — primitives
     this JAX version lacks — are skipped). Returns a decorator that sets the signatures."""
     prims = [p for p in prims if p is not None]
     for p in prims:
         rule = RULES.setdefault(p, Rule())
-        for field, value in (("signatures", signatures), ("lower", lower), ("propagate", propagate), ("pin", pin), ("comm", comm)):
+        for field, value in (("signatures", signatures), ("lower", lower), ("propagate", propagate), ("pin", pin),
+                             ("comm", comm), ("comm_reason", comm_reason), ("trips", trips)):
             if value is not None:
                 setattr(rule, field, value)
 

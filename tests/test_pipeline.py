@@ -1,10 +1,8 @@
 """Pipeline parallelism (shardflow/pipelining.py) on 8 simulated CPU devices: the loss and every
 gradient of a pipelined stack of layers plus a head equal plain autodiff of the same model on
-one device, for GPipe, 1F1B (whole and split backward), an interleaved and a V-shaped order.
-
-The tables here are built from per-stage action orders by ``from_orders`` (each stage runs its
-next action once its dependency ran at an earlier tick); shardflow.schedules' built-in tables
-replace them when that module lands."""
+one device — the primitive bound outside parallelize, the per-device executor in a shard_map,
+and sf.parallelize composing the pipeline axis with data and tensor parallelism — for every
+built-in schedule of shardflow.schedules."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,73 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import shardflow as sf
 from shardflow import pipelining as pp
-
-
-def from_orders(orders, p, m, v, vs, split):
-    """Tick-by-tick: each stage runs its next action once its dependency ran at an earlier tick."""
-    where = {vs(s, c): (s, c) for s in range(p) for c in range(v)}
-    last = p * v - 1
-    done, pos, rows = {}, [0] * p, []
-    t = 0
-    while any(pos[s] < len(orders[s]) for s in range(p)):
-        row = [None] * p
-        for s in range(p):
-            if pos[s] >= len(orders[s]): continue
-            a = orders[s][pos[s]]
-            k = vs(s, a.chunk)
-            if a.kind == "F":
-                dep = ("F", a.microbatch, k - 1) if k > 0 else None
-            elif a.kind == "B":
-                dep = ("B", a.microbatch, k + 1) if k < last else ("F", a.microbatch, k)
-            else:
-                dep = ("B", a.microbatch, k)
-            if dep is None or done.get(dep, t) < t:
-                row[s] = a
-        for s, a in enumerate(row):
-            if a is not None:
-                done[(a.kind, a.microbatch, vs(s, a.chunk))] = t
-                pos[s] += 1
-        rows.append(tuple(row)); t += 1
-        assert t < 1000
-    return pp.Table(tuple(rows), p, m, v, vs, split)
-
-A = pp.Action
-def gpipe(p, m):
-    return from_orders([[A("F", i) for i in range(m)] + [A("B", i) for i in range(m)] for s in range(p)], p, m, 1, lambda s, c: s, False)
-def one_f_one_b(p, m, split=False):
-    orders = []
-    for s in range(p):
-        warm = min(p - 1 - s, m)
-        o = [A("F", i) for i in range(warm)]
-        f, b = warm, 0
-        while b < m:
-            if f < m: o.append(A("F", f)); f += 1
-            o.append(A("B", b));
-            if split: o.append(A("W", b))
-            b += 1
-        orders.append(o)
-    return from_orders(orders, p, m, 1, lambda s, c: s, split)
-def interleaved(p, m, v):
-    # simple order: all F chunk-major per group of p microbatches then B reversed (GPipe-like but interleaved)
-    orders = []
-    for s in range(p):
-        o = []
-        for g in range(0, m, p):
-            for c in range(v):
-                o += [A("F", i, c) for i in range(g, g + p)]
-        for g in range(0, m, p):
-            for c in reversed(range(v)):
-                o += [A("B", i, c) for i in range(g, g + p)]
-        orders.append(o)
-    return from_orders(orders, p, m, v, lambda s, c: c * p + s, False)
-def vshape(p, m):
-    orders = []
-    for s in range(p):
-        o = [A("F", i, c) for i in range(m) for c in (0, 1)]
-        o += [A("B", i, c) for i in range(m) for c in (1, 0)]
-        o2 = [A("F", i, 0) for i in range(m)] + [A("F", i, 1) for i in range(m)] + [A("B", i, 1) for i in range(m)] + [A("B", i, 0) for i in range(m)]
-        orders.append(o2)
-    return from_orders(orders, p, m, 2, lambda s, c: s if c == 0 else 2 * p - 1 - s, False)
+from shardflow import schedules
 
 d, Lc, mbsz = 8, 2, 4
 
@@ -154,8 +86,8 @@ def check(table):
                  (want[0], jax.tree.leaves(want[1][0]), want[1][1], want[1][2]))
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-split": lambda p, m: one_f_one_b(p, m, split=True),
-             "interleaved": lambda p, m: interleaved(p, m, 2), "v-shape": vshape}
+SCHEDULES = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b, "interleaved": schedules.interleaved_1f1b,
+             "zb-h1": schedules.zb_h1, "zb-v": schedules.zb_v}
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8)])
@@ -164,24 +96,11 @@ def test_pipelined_loss_and_gradients_equal_one_device(schedule, p, m):
     check(SCHEDULES[schedule](p, m))
 
 
-@pytest.mark.parametrize("p,m", [(4, 8), (4, 16)])
-def test_residual_slots_are_what_the_schedule_keeps_alive(p, m):
-    """GPipe keeps every micro-batch's activations; 1F1B at most p on the first stage."""
-    assert pp.plan(gpipe(p, m)).n_resid == m
-    assert pp.plan(one_f_one_b(p, m)).n_resid == p
-    assert pp.plan(one_f_one_b(p, m, split=True)).n_resid == p
-
-
-def test_a_table_that_sends_past_a_neighbour_is_refused():
-    scrambled = from_orders([[A("F", 0), A("B", 0)]] * 4, 4, 1, 1, lambda s, c: (0, 2, 1, 3)[s], False)
-    with pytest.raises(ValueError, match="stage 0 sends F0 to stage 2, not a neighbour"):
-        pp.plan(scrambled)
-
-
-def test_a_table_without_an_action_is_refused():
-    no_backward = pp.Table(((A("F", 0), None), (None, A("F", 0))), 2, 1, 1, lambda s, c: s, False)
-    with pytest.raises(ValueError, match="has no B0 of virtual stage 0"):
-        pp.plan(no_backward)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_residual_slots_are_the_schedules_peak(schedule):
+    """The executor keeps as many micro-batches' residuals as the schedule has alive at once."""
+    table = SCHEDULES[schedule](4, 8)
+    assert pp.plan(table).n_resid == max(schedules.peak_live_activations(table))
 
 
 def pipelined_step(table):
@@ -200,7 +119,7 @@ def pipelined_step(table):
     ({"pipe": 4, "data": 2}, P("pipe"), P("data")),
     ({"pipe": 2, "model": 4}, P("pipe", None, "model"), P()),
 ], ids=["pp4", "pp4-dp2", "pp2-tp4"])
-@pytest.mark.parametrize("schedule", ["1f1b", "1f1b-split", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1", "zb-v"])
 def test_parallelize_equals_one_device(axes, layer_spec, batch_spec, schedule):
     p, m = axes["pipe"], 2 * axes["pipe"]
     table = SCHEDULES[schedule](p, m)

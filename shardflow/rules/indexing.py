@@ -130,7 +130,7 @@ def _exchange(local, eqn, x, value, d, axes):
     return jnp.where((rows_global < lo) | (rows_global >= lo + size), value.astype(x.dtype), out)
 
 
-defrule(lax.pad_p, lower=_lower_pad, comm=pad_halo)(_pad_signatures)
+defrule(lax.pad_p, lower=_lower_pad, comm=pad_halo, comm_reason="exchanges the blocks of its split dims")(_pad_signatures)
 
 
 def _lower_slice(local, eqn, ins):
