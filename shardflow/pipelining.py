@@ -12,21 +12,24 @@ zero-bubble schedules need that; autodiff through a pipelined forward gives GPip
 It returns the mean loss and every gradient; a loss seeded with another cotangent scales them
 (the loss is a scalar, so its gradient is linear in the seed).
 
-Memory. What a schedule keeps is explicit: F stores its stage's ``jax.vjp`` residuals (the
-saved activations) in a slot that B (or W, when the schedule splits the backward) frees; slots
-are assigned per stage by interval colouring of the table, so a stage holds as many as its
-schedule keeps alive at once (GPipe m, 1F1B p - s on stage s). Inputs received from a
-neighbour wait in slots the same way.
+Lockstep. Devices meet at every tick's ppermute, so a tick lasts as long as its slowest action:
+an unsplit schedule runs with each backward as B (inputs) then W (weights) at the stage's next
+tick (``schedules.with_split_backward``), every action then one forward's work (1F1B at p = 4,
+m = 8: 30 ticks of one unit against 22 ticks of which the mixed ones cost two, 40 units).
 
-Partial: the schedule tables come from ``shardflow.schedules``; the sf.parallelize integration
-(a primitive whose rule shards the stacked layers over the pipeline axis, composed with the
-other axes' rules inside the layer) is not built yet.
+Memory. What a schedule keeps is explicit: F stores its stage's residuals (the saved
+activations, less the layer weights) in a slot that W frees; slots are assigned per stage by
+interval colouring of the table, so a stage holds as many as its schedule keeps alive at once
+(GPipe m, 1F1B p - s on stage s). Inputs received from a neighbour wait in slots the same way.
+
+Partial: uneven stages (``layers_per_stage``), the models' and trainer's use, and interleaved /
+V layouts that keep the layers in device order between steps (today the stacked layers are
+reordered each step, a collective explain shows) are not built yet.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +43,7 @@ from shardflow.program import open_jaxpr, source_line
 from shardflow.registry import Decision, defrule
 from shardflow.specs import B, Partial, ShardingError, Split, local_shape
 
-from shardflow.schedules import Schedule, by_name
+from shardflow.schedules import Schedule, by_name, with_split_backward
 
 IDLE, FORWARD, BACKWARD, WEIGHTS = 0, 1, 2, 3
 KINDS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHTS}
@@ -91,6 +94,8 @@ class Plan(NamedTuple):
 
 
 def plan(table: Schedule) -> Plan:
+    """The executor's tables for ``table`` run with a split backward (``with_split_backward``)."""
+    table = with_split_backward(table)
     p, m, v = table.stages, table.microbatches, table.chunks
     where = _place(table)
     last = p * v - 1
@@ -118,8 +123,7 @@ def plan(table: Schedule) -> Plan:
     for (kd, i, k), t in ran.items():
         s, c = where[k]
         if kd == "F":
-            end = ran[("W", i, k)] if table.split_backward else ran[("B", i, k)]
-            resid[s][(i, k)] = (t, end)
+            resid[s][(i, k)] = (t, ran[("W", i, k)])
             if k < last:
                 ds, _ = where[k + 1]
                 inbox_f[ds][(i, k + 1)] = (t + (ds != s), ran[("F", i, k + 1)])
@@ -127,8 +131,7 @@ def plan(table: Schedule) -> Plan:
             else:                              # the head's gradient waits for this stage's B
                 inbox_b[s][(i, k)] = (t, ran[("B", i, k)])
         elif kd == "B":
-            if table.split_backward:
-                grads[s][(i, k)] = (t, ran[("W", i, k)])
+            grads[s][(i, k)] = (t, ran[("W", i, k)])
             if k > 0:
                 ds, _ = where[k - 1]
                 inbox_b[ds][(i, k - 1)] = (t + (ds != s), ran[("B", i, k - 1)])
@@ -154,8 +157,7 @@ def plan(table: Schedule) -> Plan:
         elif kd == "B":
             in_slot[t, s] = in_b_slots[s][0][key]
             resid_slot[t, s] = resid_slots[s][0][key]
-            if table.split_backward:
-                grad_slot[t, s] = grad_slots[s][0][key]
+            grad_slot[t, s] = grad_slots[s][0][key]
         else:
             resid_slot[t, s] = resid_slots[s][0][key]
             grad_slot[t, s] = grad_slots[s][0][key]
@@ -371,12 +373,8 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         i, k = row["microbatch"], row["chunk"]
         dy = at(c["in_b"], row["in_slot"])
         stored = [at(b, row["resid_slot"]) for b in c["stored"]]
-        if table.split_backward:
-            dx = bodies.backward_x(chunk(k), stored, dy)
-            c = dict(c, grad=put(c["grad"], row["grad_slot"], dy))
-        else:
-            d_chunk, dx = bodies.backward(chunk(k), stored, dy)
-            c = dict(c, d_stage=accumulate(c["d_stage"], k, d_chunk))
+        dx = bodies.backward_x(chunk(k), stored, dy)
+        c = dict(c, grad=put(c["grad"], row["grad_slot"], dy))
         is_first = (me == first_stage) & (k == first_chunk)
         return dict(c, d_xs=jnp.where(is_first, put(c["d_xs"], i, dx), c["d_xs"]), out=dx)
 

@@ -354,6 +354,20 @@ def validate(schedule: Schedule) -> Schedule:
     return schedule
 
 
+def with_split_backward(schedule: Schedule) -> Schedule:
+    """``schedule`` with every B of an unsplit schedule run as B (inputs) then W (weights), at
+    the stage's next tick. The executor runs a table in lockstep — a tick lasts as long as its
+    slowest action — so an unsplit backward (two forwards' work) beside a forward would make
+    every mixed tick a double one; split, each action is one forward's work."""
+    if schedule.split_backward:
+        return schedule
+    orders = [[b for _, a in schedule.actions_of(stage)
+               for b in ((a, Action("W", a.microbatch, a.chunk)) if a.kind == "B" else (a,))]
+              for stage in range(schedule.stages)]
+    return Schedule.from_orders(orders, name=schedule.name, microbatches=schedule.microbatches,
+                                chunks=schedule.chunks, split_backward=True, layout=schedule.layout)
+
+
 # ----------------------------------------------------------------------------------- builders
 def gpipe(p: int, m: int) -> Schedule:
     """GPipe (Huang et al. 2019): every stage runs all m forwards, then all m backwards."""
