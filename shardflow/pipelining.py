@@ -22,8 +22,7 @@ activations, less the layer weights) in a slot that W frees; slots are assigned 
 interval colouring of the table, so a stage holds as many as its schedule keeps alive at once
 (GPipe m, 1F1B p - s on stage s). Inputs received from a neighbour wait in slots the same way.
 
-Partial: uneven stages (``layers_per_stage``), the models' and trainer's use, and interleaved /
-V layouts that keep the layers in device order between steps (today the stacked layers are
+Partial: interleaved / V layouts that keep the layers in device order between steps (today the stacked layers are
 reordered each step, a collective explain shows) are not built yet.
 """
 from __future__ import annotations
@@ -432,6 +431,30 @@ def _bodies_param(params) -> Bodies:
     return Bodies(*(params[name] for name in Bodies._fields))
 
 
+def _uneven(layer_fn, counts, n_layers, table):
+    """(device_order of a layer leaf, the ``active`` flag of each padded layer [p, 1, width],
+    layer_fn of {"layer", "active"} skipping inactive ones) for stages of ``counts`` layers
+    each, padded to the largest."""
+    p = table.stages
+    if table.chunks != 1:
+        raise ValueError(f"pipeline: layers_per_stage {list(counts)} with {table.chunks} chunks per stage; "
+                         f"uneven stages take one-chunk schedules (gpipe, 1f1b, zb-h1)")
+    if len(counts) != p or sum(counts) != n_layers or min(counts) < 1:
+        raise ValueError(f"pipeline: layers_per_stage {list(counts)} must be {p} counts of at least 1 "
+                         f"summing to the {n_layers} layers")
+    width, starts = max(counts), np.cumsum((0,) + counts[:-1])
+    index = np.array([[start + min(j, n - 1) for j in range(width)] for start, n in zip(starts, counts)])
+    active = np.array([[j < n for j in range(width)] for n in counts], np.float32)
+
+    def device_order(leaf):              # [L, ...] -> [p, 1, width, ...]
+        return leaf[index][:, None]
+
+    def masked(layer, h):
+        return lax.cond(layer["active"] > 0, lambda: layer_fn(layer["layer"], h), lambda: h)
+
+    return device_order, jnp.asarray(active)[:, None], masked
+
+
 def _sequential_impl(*values, **params):
     stage, head, xs, args = _groups(params, list(values))
     loss, d_stage, d_head, d_xs = sequential(callables(_bodies_param(params)), params["table"],
@@ -452,7 +475,7 @@ mlir.register_lowering(pipeline_p, mlir.lower_fun(_sequential_impl, multiple_res
 
 
 def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: int, microbatches: int,
-             schedule="1f1b", chunks: int | None = None, axis: str = "pipe"):
+             schedule="1f1b", chunks: int | None = None, layers_per_stage=None, axis: str = "pipe"):
     """``mean_i head(head_params, layers applied to micro-batch i of x, head_args of i)``.
 
     ``layers`` is a pytree of stacked layer parameters (leading dim: the number of layers),
@@ -463,6 +486,10 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
     numbers come from one device running the micro-batches in turn. Differentiating the result
     gives the schedule's gradients (computed with the loss; the loss must be the output that is
     differentiated — its gradient is linear in the seed).
+
+    ``layers_per_stage`` (e.g. [5, 4, 4, 3]) splits the layers unevenly: every stage holds as
+    many as the largest, the padding ones skipped by a ``lax.cond`` (predication: the stage's
+    program is the same on every device, its work is not).
     """
     leaves, layer_tree = jax.tree.flatten(layers)
     n_layers = {x.shape[0] for x in leaves}
@@ -471,23 +498,30 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
     (n_layers,) = n_layers
     table = schedule if isinstance(schedule, Schedule) else by_name(schedule, stages, microbatches, chunks)
     p, m, v = table.stages, table.microbatches, table.chunks
-    if n_layers % (p * v):
-        raise ValueError(f"pipeline: {n_layers} layers do not split into {p} stages x {v} chunks")
     if x.shape[0] % m:
         raise ValueError(f"pipeline: a batch of {x.shape[0]} does not split into {m} micro-batches")
-    per_chunk = n_layers // (p * v)
-    order = np.array([[table.virtual_stage(s, c) for c in range(v)] for s in range(p)])
+    if layers_per_stage is not None:
+        device_order, active, layer_fn = _uneven(layer_fn, tuple(layers_per_stage), n_layers, table)
+        stage_tree = {"layer": jax.tree.map(device_order, layers), "active": active}
+    else:
+        if n_layers % (p * v):
+            raise ValueError(f"pipeline: {n_layers} layers do not split into {p} stages x {v} chunks; "
+                             f"give layers_per_stage for an uneven split")
+        per_chunk = n_layers // (p * v)
+        order = np.array([[table.virtual_stage(s, c) for c in range(v)] for s in range(p)])
 
-    def device_order(leaf):             # [L, ...] -> [p, v, L / (p v), ...]
-        blocks = leaf.reshape((p * v, per_chunk) + leaf.shape[1:])
-        if (order.reshape(-1) == np.arange(p * v)).all():
-            return blocks.reshape((p, v) + blocks.shape[1:])
-        return blocks[order]
+        def device_order(leaf):             # [L, ...] -> [p, v, L / (p v), ...]
+            blocks = leaf.reshape((p * v, per_chunk) + leaf.shape[1:])
+            if (order.reshape(-1) == np.arange(p * v)).all():
+                return blocks.reshape((p, v) + blocks.shape[1:])
+            return blocks[order]
+
+        stage_tree = jax.tree.map(device_order, layers)
 
     def micro(a):       # micro-batch i: rows i, i + m, i + 2m, ... (a batch split stays split)
         return a.reshape((a.shape[0] // m, m) + a.shape[1:]).swapaxes(0, 1)
 
-    stage = [device_order(leaf) for leaf in leaves]
+    stage, layer_tree = jax.tree.flatten(stage_tree)
     head_leaves, head_tree = jax.tree.flatten(head_params)
     xs = micro(x)
     arg_leaves, arg_tree = jax.tree.flatten(jax.tree.map(micro, head_args))

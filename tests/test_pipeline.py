@@ -142,3 +142,27 @@ def test_without_a_pipeline_axis_the_stages_run_in_turn():
     step = sf.parallelize(pipelined_step(SCHEDULES["1f1b"](1, 8)), mesh=sf.make_mesh({"data": 2}),
                           in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), (P(), P(), P("data"))))
     assert_close(step(layers, hp, x, tg), want)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_uneven_stages_equal_one_device(schedule):
+    """layers_per_stage [3, 2, 2, 1]: stages padded to 3 layers, the padding skipped."""
+    table = SCHEDULES[schedule](4, 8)
+    layers, hp, x, tg = model(8, 8)
+    want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 8)
+
+    def step(layers, hp, x, tg):
+        def loss(layers, hp, x):
+            return sf.pipeline(layer, layers, x, head=head_fn, head_params=hp, head_args=tg, stages=4,
+                               microbatches=8, schedule=table, layers_per_stage=[3, 2, 2, 1])
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(layers, hp, x)
+    assert_close(step(layers, hp, x, tg), want)
+    parallel = sf.parallelize(step, mesh=sf.make_mesh({"pipe": 4}), in_specs=(P(), P(), P(), P()))
+    assert_close(parallel(layers, hp, x, tg), want)
+
+
+def test_uneven_stages_are_checked():
+    layers, hp, x, tg = model(8, 8)
+    with pytest.raises(ValueError, match=r"layers_per_stage \[3, 3, 2, 1\] must be 4 counts"):
+        sf.pipeline(layer, layers, x, head=head_fn, head_params=hp, head_args=tg, stages=4,
+                    microbatches=8, layers_per_stage=[3, 3, 2, 1])
