@@ -459,7 +459,7 @@ def _sequential_impl(*values, **params):
     stage, head, xs, args = _groups(params, list(values))
     loss, d_stage, d_head, d_xs = sequential(callables(_bodies_param(params)), params["table"],
                                              stage, head, xs, args)
-    return [loss, *d_stage, *d_head, d_xs]
+    return [loss.astype(params["head"].out_avals[0].dtype), *d_stage, *d_head, d_xs]
 
 
 def _abstract_eval(*avals, **params):
@@ -635,7 +635,7 @@ def _lower(local, eqn, ins):
     else:
         loss, d_stage, d_head, d_xs = execute(bodies, params["table"], stage, head, xs, args,
                                               axis=params["axis"])
-    return [loss, *d_stage, *d_head, d_xs]
+    return [loss.astype(params["head"].out_avals[0].dtype), *d_stage, *d_head, d_xs]
 
 
 def _comm(eqn, ins, sigs, mesh):

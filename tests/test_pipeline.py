@@ -166,3 +166,14 @@ def test_uneven_stages_are_checked():
     with pytest.raises(ValueError, match=r"layers_per_stage \[3, 3, 2, 1\] must be 4 counts"):
         sf.pipeline(layer, layers, x, head=head_fn, head_params=hp, head_args=tg, stages=4,
                     microbatches=8, layers_per_stage=[3, 3, 2, 1])
+
+
+def test_bf16_loss_keeps_its_dtype():
+    table = SCHEDULES["1f1b"](4, 8)
+    layers, hp, x, tg = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model(4 * Lc, 8))
+    want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 8)
+    got = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh({"pipe": 4}),
+                         in_specs=(P("pipe"), P(), P(), P()))(layers, hp, x, tg)
+    assert jax.tree.map(lambda a: a.dtype, got) == jax.tree.map(lambda a: a.dtype, want)
+    assert_close(jax.tree.map(lambda a: a.astype(jnp.float32), got),
+                 jax.tree.map(lambda a: a.astype(jnp.float32), want), tol=3e-2)
