@@ -485,7 +485,8 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
     devices, the layers are split over it in blocks and the schedule runs; elsewhere the same
     numbers come from one device running the micro-batches in turn. Differentiating the result
     gives the schedule's gradients (computed with the loss; the loss must be the output that is
-    differentiated — its gradient is linear in the seed).
+    differentiated — its gradient is linear in the seed). Partial: called without
+    differentiating (an evaluation), it still runs the backward and drops it.
 
     ``layers_per_stage`` (e.g. [5, 4, 4, 3]) splits the layers unevenly: every stage holds as
     many as the largest, the padding ones skipped by a ``lax.cond`` (predication: the stage's
