@@ -1,12 +1,15 @@
 """Annotated language models for shardflow: Llama-style and GPT-2-style, in Flax NNX."""
-__all__ = ["GPT2", "Llama", "ModelConfig", "PRESETS", "REMAT_POLICIES", "RULES",
-           "activation_sharding", "build", "check_rules", "constrain", "count_params",
-           "get_rules", "logical_axes", "param_logical_axes", "param_specs", "preset", "spec_for"]
+__all__ = ["GPT2", "Llama", "ModelConfig", "PRESETS", "PipelineConfig", "REMAT_POLICIES", "RULES",
+           "STACKED_AXIS", "activation_sharding", "build", "check_rules", "constrain",
+           "count_params", "get_rules", "logical_axes", "param_logical_axes", "param_specs",
+           "preset", "spec_for", "with_pipeline"]
 from .config import PRESETS, REMAT_POLICIES, ModelConfig, preset
 from .gpt2 import GPT2
 from .llama import Llama
-from .sharding import (RULES, activation_sharding, check_rules, constrain, get_rules,
-                       logical_axes, param_logical_axes, param_specs, spec_for)
+from .pipeline import PipelineConfig
+from .sharding import (RULES, STACKED_AXIS, activation_sharding, check_rules, constrain,
+                       get_rules, logical_axes, param_logical_axes, param_specs, spec_for,
+                       with_pipeline)
 
 
 def build(cfg: ModelConfig, seed: int = 0):

@@ -12,7 +12,8 @@ from flax import nnx
 
 from .attention import attention
 from .config import ModelConfig
-from .llama import RESIDUAL, scan_layers, stacked
+from .llama import stacked
+from .pipeline import RESIDUAL, PipelineConfig, cross_entropy, pipelined_loss, scan_layers
 from .sharding import constrain
 
 
@@ -78,6 +79,30 @@ class GPT2(nnx.Module):
         self.ln_f = _layer_norm(cfg.d_model, cfg.norm_eps, rngs)
 
     def __call__(self, tokens):
-        x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
-        x = scan_layers(self.layers, constrain(x, RESIDUAL), self.cfg.remat)
-        return constrain(self.wte.attend(self.ln_f(x)), ("batch", None, "vocab"))
+        x = scan_layers(self.layers, constrain(self._embed(tokens), RESIDUAL), self.cfg.remat)
+        head, head_params = self._head()
+        return head(head_params, x)
+
+    def loss(self, tokens, targets, *, pipeline: PipelineConfig | None = None):
+        """Mean next-token cross-entropy (fp32) of ``tokens`` against ``targets`` [batch, seq].
+        With ``pipeline``, the stacked layers run as ``sf.pipeline``'s stages (models/pipeline.py)."""
+        if pipeline is None:
+            return cross_entropy(self(tokens), targets)
+        head, head_params = self._head()
+        return pipelined_loss(self.layers, constrain(self._embed(tokens), RESIDUAL), targets,
+                              pipeline=pipeline, remat=self.cfg.remat, head=head,
+                              head_params=head_params)
+
+    def _embed(self, tokens):
+        return self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
+
+    def _head(self):
+        """(head(head_params, x) -> logits, head_params): final LayerNorm and the tied
+        embedding as a pure function."""
+        graphdef, state = nnx.split((self.ln_f, self.wte))
+
+        def head(state, x):
+            ln_f, wte = nnx.merge(graphdef, state)
+            return constrain(wte.attend(ln_f(x)), ("batch", None, "vocab"))
+
+        return head, state

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .attention import attention
-from .config import REMAT_POLICIES, ModelConfig
+from .config import ModelConfig
+from .pipeline import (RESIDUAL, PipelineConfig, cross_entropy, pipelined_loss,  # noqa: F401
+                       scan_layers)
 from .sharding import constrain, logical_axes
-
-RESIDUAL = ("batch", "seq", None)  # logical axes of the residual stream between blocks
 
 
 @logical_axes(scale=("norm",))
@@ -105,21 +105,6 @@ def stacked(make_layer, n_layers: int, rngs: nnx.Rngs):
     return make(rngs)
 
 
-def scan_layers(layers: nnx.Module, x, remat: str, *args):
-    """Run stacked layers over depth with lax.scan (one compiled layer, not n copies)."""
-    graphdef, params = nnx.split(layers)
-
-    def step(x, layer_params):
-        x = nnx.merge(graphdef, layer_params)(x, *args)
-        return constrain(x, RESIDUAL), None
-
-    policy = REMAT_POLICIES[remat]
-    if remat != "none":
-        step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-    x, _ = jax.lax.scan(step, x, params)
-    return x
-
-
 @logical_axes(embedding=("vocab", "embed"), lm_head=("embed", "vocab"))
 class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -133,9 +118,38 @@ class Llama(nnx.Module):
     def __call__(self, tokens):
         """tokens [batch, seq] int → logits [batch, seq, vocab] in the compute dtype."""
         cfg = self.cfg
-        x = constrain(jnp.take(self.embedding[...], tokens, axis=0), RESIDUAL)
+        x = self._embed(tokens)
         cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
         x = scan_layers(self.layers, x, cfg.remat, cos, sin)
-        x = self.final_norm(x)
-        head = self.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
-        return constrain(x @ head, ("batch", None, "vocab"))
+        head, head_params = self._head()
+        return head(head_params, x)
+
+    def loss(self, tokens, targets, *, pipeline: PipelineConfig | None = None):
+        """Mean next-token cross-entropy (fp32) of ``tokens`` against ``targets`` [batch, seq].
+        With ``pipeline``, the stacked layers run as ``sf.pipeline``'s stages (models/pipeline.py)."""
+        cfg = self.cfg
+        if pipeline is None:
+            return cross_entropy(self(tokens), targets)
+        with jax.ensure_compile_time_eval():  # constants the pipelined layer closes over
+            cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+        head, head_params = self._head()
+        return pipelined_loss(self.layers, self._embed(tokens), targets, pipeline=pipeline,
+                              remat=cfg.remat, layer_args=(cos, sin), head=head,
+                              head_params=head_params)
+
+    def _embed(self, tokens):
+        return constrain(jnp.take(self.embedding[...], tokens, axis=0), RESIDUAL)
+
+    def _head(self):
+        """(head(head_params, x) -> logits, head_params): the final norm and the output
+        projection (the embedding, transposed, where tied) as a pure function."""
+        norm_def, norm_state = nnx.split(self.final_norm)
+        tied = self.cfg.tie_embeddings
+        weight = self.embedding[...] if tied else self.lm_head[...]
+
+        def head(params, x):
+            norm_state, weight = params
+            x = nnx.merge(norm_def, norm_state)(x)
+            return constrain(x @ (weight.T if tied else weight), ("batch", None, "vocab"))
+
+        return head, (norm_state, weight)

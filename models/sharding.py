@@ -48,9 +48,11 @@ def logical_axes(**axes_by_param: Sequence[str | None]):
     return decorate
 
 
-# Strategy presets. Mesh axes: "data" (batch / FSDP shards) and "model" (tensor parallel).
-# Logical axes absent from a table are replicated.
+# Strategy presets. Mesh axes: "data" (batch / FSDP shards), "model" (tensor parallel) and
+# "pipe" (pipeline stages: the stacked layers' depth dim). Logical axes absent from a table are
+# replicated.
 _TP = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+_PP = {STACKED_AXIS: "pipe"}
 RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     "dp": {"batch": "data"},
     "fsdp": {"batch": "data", "embed": "data"},
@@ -59,7 +61,25 @@ RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     # split along the sequence over the same axis that splits heads / mlp inside the blocks.
     "tp_sp": {"batch": "data", "seq": "model", **_TP},
     "2d": {"batch": "data", "embed": "data", **_TP},
+    # Pipeline parallelism (the loss run by sf.pipeline; the trainer's `pipeline` config):
+    # stage s holds layers [s L/p, (s+1) L/p). The other strategies take the pipe axis as well
+    # when a pipeline is configured (with_pipeline); these name the meshes without a data axis.
+    "pp": dict(_PP),
+    "pp_dp": {"batch": "data", **_PP},
+    "pp_tp": {**_TP, **_PP},
 }
+
+
+def with_pipeline(rules: Rules, axis: str = "pipe") -> dict:
+    """``rules`` with the stacked layers' depth dim on mesh axis ``axis`` (the pipeline's
+    stages); a ValueError where the table already puts it elsewhere."""
+    rules = dict(rules)
+    current = rules.get(STACKED_AXIS)
+    if current not in (None, axis):
+        raise ValueError(f"the rules put the stacked layers ({STACKED_AXIS!r}) on {current!r}, "
+                         f"but the pipeline's stages are mesh axis {axis!r}")
+    rules[STACKED_AXIS] = axis
+    return rules
 
 
 def get_rules(strategy_or_rules: str | Rules) -> dict:

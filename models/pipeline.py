@@ -1,0 +1,85 @@
+"""The models' training loss, with the stacked layers optionally pipelined (``sf.pipeline``).
+
+A model's ``loss(tokens, targets, pipeline=None)`` is the mean next-token cross-entropy. With
+a :class:`PipelineConfig` the same loss is computed by ``sf.pipeline``: the embedding runs
+before it, the stacked layers are its layers (one Block, merged from the stack's graphdef, as
+``scan_layers`` runs it: the residual stream's ``constrain`` and the remat policy stay inside
+the layer), and the final norm, the output projection and the cross-entropy are its head, the
+targets the head's per-micro-batch argument. Nothing in a model is schedule-specific; on one
+device, or under ``sf.parallelize`` on a mesh with the pipeline axis, the numbers are the plain
+loss's (up to float rounding: micro-batches are summed in another order).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from .config import REMAT_POLICIES
+from .sharding import constrain
+
+RESIDUAL = ("batch", "seq", None)  # logical axes of the residual stream between blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """How ``sf.pipeline`` runs the stacked layers: ``stages`` devices on mesh axis ``axis``
+    (its size under ``sf.parallelize``), the batch cut into ``microbatches`` (strided: rows i,
+    i + m, ... — a batch split over ``data`` stays split), ``schedule`` a name of
+    ``shardflow.schedules.by_name`` or a ``Schedule``, ``chunks`` the layer chunks per stage
+    (interleaved only; default 2)."""
+    stages: int
+    microbatches: int
+    schedule: Any = "1f1b"
+    chunks: int | None = None
+    axis: str = "pipe"
+
+
+def layer_step(graphdef, remat: str, *args) -> Callable:
+    """``(h, layer_params) -> h``: one layer of a stack split by ``nnx.split`` (graphdef, the
+    state of one layer), its output pinned to the residual stream's sharding, rematerialised
+    under the model's remat policy. ``args`` (RoPE tables) are passed to every layer."""
+    def step(x, layer_params):
+        x = nnx.merge(graphdef, layer_params)(x, *args)
+        return constrain(x, RESIDUAL)
+
+    if remat != "none":
+        step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return step
+
+
+def scan_layers(layers: nnx.Module, x, remat: str, *args):
+    """Run stacked layers over depth with lax.scan (one compiled layer, not n copies)."""
+    graphdef, params = nnx.split(layers)
+    step = layer_step(graphdef, remat, *args)
+    x, _ = jax.lax.scan(lambda x, p: (step(x, p), None), x, params)
+    return x
+
+
+def cross_entropy(logits, targets):
+    """Mean next-token cross-entropy in fp32."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), targets).mean()
+
+
+def pipelined_loss(layers: nnx.Module, x, targets, *, pipeline: PipelineConfig, remat: str,
+                   layer_args=(), head: Callable, head_params):
+    """``cross_entropy(head(head_params, layers(x)), targets)`` with the stacked ``layers`` run
+    by ``sf.pipeline`` in ``pipeline``'s stages, micro-batches and schedule.
+
+    ``head(head_params, h) -> logits`` is a pure function of its parameters (a pytree of arrays
+    and nnx states), so that the pipeline owns its gradient; ``layer_args`` (RoPE tables) are
+    closed over by the pipelined layer, so they must be values known at trace time."""
+    import shardflow as sf
+
+    graphdef, params = nnx.split(layers)
+    step = layer_step(graphdef, remat, *layer_args)
+    return sf.pipeline(lambda layer, h: step(h, layer), params, x,
+                       head=lambda hp, h, t: cross_entropy(head(hp, h), t),
+                       head_params=head_params, head_args=targets, stages=pipeline.stages,
+                       microbatches=pipeline.microbatches, schedule=pipeline.schedule,
+                       chunks=pipeline.chunks, axis=pipeline.axis)
