@@ -47,14 +47,28 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
+class PipelineConfig:
+    """Pipeline parallelism: the model's stacked layers split over mesh axis ``axis`` in
+    ``stages`` stages, the batch (of each grad_accum step) in ``microbatches``, run by
+    ``sf.pipeline`` in ``schedule``. ``stages: null`` (the default) pipelines nothing."""
+    stages: int | None = None      # the size of mesh axis `axis`; null = no pipeline
+    microbatches: int | None = None  # null = 2 * stages
+    schedule: str = "1f1b"         # gpipe, 1f1b, interleaved, zb-h1, zb-v
+    chunks: int | None = None      # layer chunks per stage, interleaved only (null = 2)
+    axis: str = "pipe"
+
+
+@dataclasses.dataclass
 class Config:
     model: dict = dataclasses.field(default_factory=lambda: {"preset": "tiny"})
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     # Mesh axis name -> size; None puts every device on one "data" axis.
     mesh: dict | None = None
-    # A preset name (dp, fsdp, tp, tp_sp, 2d) or an explicit {logical axis: mesh axis} table.
+    # A preset name (dp, fsdp, tp, tp_sp, 2d, pp, pp_dp, pp_tp) or an explicit {logical axis:
+    # mesh axis} table. With a pipeline, the stacked layers go on its axis whatever the table.
     strategy: Any = "dp"
     engine: str = "shardflow"      # "shardflow" (sf.parallelize) or "jit" (the jax.jit baseline)
     batch_size: int = 16           # sequences per optimizer step, all devices together
@@ -162,6 +176,24 @@ def model_config(cfg: Config):
         raise ConfigError(str(e)) from None
 
 
+def pipeline_config(cfg: Config):
+    """The models' PipelineConfig of the run, or None where no pipeline is configured."""
+    from shardflow.models import PipelineConfig as ModelPipeline
+    pl = cfg.pipeline
+    if pl.stages is None:
+        return None
+    return ModelPipeline(stages=pl.stages, microbatches=pl.microbatches or 2 * pl.stages,
+                         schedule=pl.schedule, chunks=pl.chunks, axis=pl.axis)
+
+
+def rules_for(cfg: Config) -> dict:
+    """The strategy's rules table; with a pipeline of stages, the stacked layers on its axis."""
+    from shardflow.models import get_rules, with_pipeline
+    rules = get_rules(cfg.strategy)
+    stages = cfg.pipeline.stages
+    return with_pipeline(rules, cfg.pipeline.axis) if stages is not None and stages > 1 else rules
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -204,6 +236,14 @@ _CHECKS = {
     "checkpoint.async_save": _boolean,
     "checkpoint.resume": _boolean,
     "peak_flops": (lambda x: x is None or (_is_real(x) and x > 0), "a number > 0 (or null)"),
+    "pipeline.stages": (lambda x: x is None or (_is_int(x) and x >= 1),
+                        "a positive integer (or null: no pipeline)"),
+    "pipeline.microbatches": (lambda x: x is None or (_is_int(x) and x >= 1),
+                              "a positive integer (or null: 2 * stages)"),
+    "pipeline.chunks": (lambda x: x is None or (_is_int(x) and x >= 1),
+                        "a positive integer (or null)"),
+    "pipeline.schedule": (lambda x: isinstance(x, str), "a schedule's name"),
+    "pipeline.axis": (lambda x: isinstance(x, str), "a mesh axis name"),
 }
 
 
@@ -285,12 +325,28 @@ def validate(cfg: Config, n_devices: int) -> dict:
     if math.prod(mesh.values()) != n_devices:
         raise ConfigError(f"mesh {mesh} has {math.prod(mesh.values())} devices but "
                           f"{n_devices} are available")
-    from shardflow.models import check_rules, get_rules
+    pl = cfg.pipeline
+    if pl.stages is not None:
+        if cfg.engine != "shardflow":
+            raise ConfigError(f"pipeline runs under engine 'shardflow' (sf.parallelize runs its "
+                              f"schedule), not {cfg.engine!r}")
+        if pl.axis not in mesh and pl.stages > 1:
+            raise ConfigError(f"pipeline.stages {pl.stages} runs on mesh axis {pl.axis!r}, which "
+                              f"the mesh {mesh} lacks; give it one, e.g. mesh={{data: 2, "
+                              f"{pl.axis}: {pl.stages}}}")
+        if pl.axis in mesh and mesh[pl.axis] != pl.stages:
+            raise ConfigError(f"pipeline.stages {pl.stages} must equal the size of mesh axis "
+                              f"{pl.axis!r} ({mesh[pl.axis]}, mesh {mesh})")
+    from shardflow.models import STACKED_AXIS, check_rules
     try:
-        rules = get_rules(cfg.strategy)
+        rules = rules_for(cfg)
         check_rules(rules, list(mesh))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if pl.stages is None and rules.get(STACKED_AXIS) is not None:
+        raise ConfigError(f"strategy {cfg.strategy!r} puts the stacked layers on mesh axis "
+                          f"{rules[STACKED_AXIS]!r}, which only a pipeline runs them on: set "
+                          f"pipeline.stages to its size")
     if cfg.batch_size % cfg.grad_accum:
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by "
                           f"grad_accum {cfg.grad_accum}")
@@ -305,4 +361,25 @@ def validate(cfg: Config, n_devices: int) -> dict:
     mc = model_config(cfg)
     if cfg.data.seq_len > mc.max_seq_len and mc.family == "gpt2":
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds gpt2 max_seq_len {mc.max_seq_len}")
+    if pl.stages is not None:
+        _check_pipeline(cfg, micro, batch_axes, ways, mc)
     return mesh
+
+
+def _check_pipeline(cfg: Config, micro: int, batch_axes, ways: int, mc) -> None:
+    """The schedule, and the layers and the batch against the stages and micro-batches."""
+    from shardflow import schedules
+    pl, pipeline = cfg.pipeline, pipeline_config(cfg)
+    p, m = pipeline.stages, pipeline.microbatches
+    try:
+        table = schedules.by_name(pl.schedule, p, m, pl.chunks)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if mc.n_layers % (p * table.chunks):
+        chunks = f" x {table.chunks} chunks ({table.name})" if table.chunks > 1 else ""
+        raise ConfigError(f"model.n_layers {mc.n_layers} does not split into pipeline.stages "
+                          f"{p}{chunks}")
+    if micro % (m * ways):
+        data = f" x the data axes {batch_axes} ({ways} ways)" if ways > 1 else ""
+        raise ConfigError(f"micro-batch {micro} (batch_size {cfg.batch_size} / grad_accum "
+                          f"{cfg.grad_accum}) does not split into pipeline.microbatches {m}{data}")

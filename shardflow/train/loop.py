@@ -81,33 +81,33 @@ def build_optimizer(ocfg, total_steps: int, decay_mask):
     return optax.chain(clip, adamw), schedule
 
 
-def make_loss_fn(graphdef, compute_dtype):
-    """(params, inputs, targets) -> mean next-token cross-entropy, fp32."""
+def make_loss_fn(graphdef, compute_dtype, pipeline=None):
+    """(params, inputs, targets) -> mean next-token cross-entropy, fp32: the model's ``loss``,
+    its stacked layers run by ``sf.pipeline`` where ``pipeline`` (a models.PipelineConfig)
+    is given."""
     import jax
-    import jax.numpy as jnp
-    import optax
     from flax import nnx
 
     def loss_fn(params, inputs, targets):
         # fp32 master weights; the forward (and backward) run on a compute_dtype copy.
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-        logits = model(inputs).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return model.loss(inputs, targets, pipeline=pipeline)
 
     return loss_fn
 
 
-def make_train_step(graphdef, optimizer, compute_dtype, grad_accum: int):
+def make_train_step(graphdef, optimizer, compute_dtype, grad_accum: int, pipeline=None):
     """(params, opt_state, batch) -> (params, opt_state, {"loss", "grad_norm"}).
 
     batch["inputs"/"targets"] are [grad_accum, micro_batch, seq]; gradients of the
-    micro-batches are summed in fp32 by a scan, then averaged.
+    micro-batches are summed in fp32 by a scan, then averaged. With ``pipeline``, each
+    micro-batch's loss and gradients come from the pipeline's schedule.
     """
     import jax
     import jax.numpy as jnp
     import optax
 
-    grad_fn = jax.value_and_grad(make_loss_fn(graphdef, compute_dtype))
+    grad_fn = jax.value_and_grad(make_loss_fn(graphdef, compute_dtype, pipeline))
 
     def train_step(params, opt_state, batch):
         if grad_accum == 1:
@@ -126,9 +126,11 @@ def make_train_step(graphdef, optimizer, compute_dtype, grad_accum: int):
     return train_step
 
 
-def make_eval_step(graphdef, compute_dtype):
-    """(params, batch) -> mean loss over the batch's tokens (batch as in train_step)."""
-    loss_fn = make_loss_fn(graphdef, compute_dtype)
+def make_eval_step(graphdef, compute_dtype, pipeline=None):
+    """(params, batch) -> mean loss over the batch's tokens (batch as in train_step). With
+    ``pipeline``, the pipelined loss (its layers stay on their stages; the schedule's backward
+    runs too, as sf.pipeline computes the loss with its gradient)."""
+    loss_fn = make_loss_fn(graphdef, compute_dtype, pipeline)
 
     def eval_step(params, batch):
         return loss_fn(params, batch["inputs"][0], batch["targets"][0])
@@ -180,6 +182,7 @@ class Run:
     n_params: int
     data: object
     val_data: object
+    pipeline: object = None   # models.PipelineConfig, or None
 
     def shardings(self, specs):
         import jax
@@ -191,7 +194,7 @@ class Run:
         """The config's training step, (params, opt_state, batch) -> (params, opt_state,
         metrics), run by ``engine`` (default: the config's) with the run's specs."""
         step = make_train_step(self.graphdef, self.optimizer, self.cfg.compute_dtype,
-                               self.cfg.grad_accum)
+                               self.cfg.grad_accum, self.pipeline)
         return parallelize_step(step, engine or self.cfg.engine, self.mesh, self.rules,
                                 in_specs=(self.param_specs, self.opt_specs, self.batch_spec),
                                 out_specs=(self.param_specs, self.opt_specs, None))
@@ -223,7 +226,7 @@ def setup(cfg) -> Run:
             f"{data.vocab_size} (a multiple of 128 keeps the matmuls aligned)")
     mesh = Mesh(np.asarray(jax.devices()).reshape(tuple(mesh_shape.values())),
                 tuple(mesh_shape))
-    rules = models.get_rules(cfg.strategy)
+    rules = config_lib.rules_for(cfg)
 
     abstract_model = nnx.eval_shape(lambda: models.build(model_cfg, cfg.seed))
     graphdef, abstract_params = nnx.split(abstract_model)
@@ -248,7 +251,7 @@ def setup(cfg) -> Run:
     batch_spec = model_sharding.spec_for((None, "batch", None), rules)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params_shape))
     return Run(cfg, model_cfg, mesh, rules, graphdef, param_specs, opt_specs, batch_spec,
-               optimizer, schedule, n_params, data, val_data)
+               optimizer, schedule, n_params, data, val_data, config_lib.pipeline_config(cfg))
 
 
 def init_state(run: Run):
@@ -315,9 +318,10 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     batch_sharding = run.shardings(run.batch_spec)
     micro = cfg.batch_size // cfg.grad_accum
     if run.val_data is not None:
-        eval_fn = parallelize_step(make_eval_step(run.graphdef, cfg.compute_dtype), cfg.engine,
-                                   run.mesh, run.rules, in_specs=(run.param_specs, run.batch_spec),
-                                   out_specs=None, donate=())
+        eval_fn = parallelize_step(make_eval_step(run.graphdef, cfg.compute_dtype, run.pipeline),
+                                   cfg.engine, run.mesh, run.rules,
+                                   in_specs=(run.param_specs, run.batch_spec), out_specs=None,
+                                   donate=())
 
     def val_loss():
         """Mean loss over cfg.eval_batches fixed batches of val.bin (the same at every eval)."""
@@ -331,9 +335,13 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     flops_per_token = metrics_lib.flops_per_token(run.model_cfg, run.n_params, seq_len)
     peak = metrics_lib.peak_flops(jax.devices()[0], cfg.peak_flops)
     log = metrics_lib.MetricsLog(out, start, enabled=main_process)
+    pl = run.pipeline
+    pipeline_note = (f" | pipeline {pl.schedule} {pl.stages} stages x {pl.microbatches} "
+                     f"micro-batches" if pl else "")
     if main_process:
         print(f"model {cfg.model} {run.n_params / 1e6:.1f}M params | mesh {dict(run.mesh.shape)} "
-              f"strategy {cfg.strategy} engine {cfg.engine} | batch {cfg.batch_size}x{seq_len} "
+              f"strategy {cfg.strategy} engine {cfg.engine}{pipeline_note} | batch "
+              f"{cfg.batch_size}x{seq_len} "
               f"(accum {cfg.grad_accum}) | data {run.data.meta.get('tokenizer')} "
               f"{len(run.data) / 1e6:.1f}M tokens | {jax.device_count()} x "
               f"{jax.devices()[0].device_kind}")
