@@ -54,6 +54,18 @@ def _checkpoints_of_another_run(*steps, resume="false"):
     return make
 
 
+def _pipeline(*settings, n_layers=None):
+    """mesh {data: 2, pipe: 4} and pipeline.stages=4, then pipeline.KEY=VALUE settings (or
+    plain arguments after a "--set"), the model's layers set to n_layers."""
+    def make(tmp):
+        args = ["--set", "mesh={data: 2, pipe: 4}", "--set", "pipeline.stages=4"]
+        plain = list(settings).index("--set") if "--set" in settings else len(settings)
+        args += [a for s in settings[:plain] for a in ("--set", f"pipeline.{s}")]
+        args += list(settings[plain:])
+        return args + (["--set", f"model.n_layers={n_layers}"] if n_layers else [])
+    return make
+
+
 # name -> (what makes the case: tmp dir -> extra arguments, expected message fragment)
 CASES = {
     "mesh an int": (lambda tmp: ["--set", "mesh=8"],
@@ -86,6 +98,44 @@ CASES = {
         "{tmp}/run/checkpoints yourself"),
     "boolean a word": (lambda tmp: ["--set", "checkpoint.resume=maybe"],
                        "checkpoint.resume must be true or false, got 'maybe'"),
+    # pipeline parallelism (docs/models.md): mesh {data: 2, pipe: 4}, pipeline.stages=4
+    "pipeline stages not the pipe axis's size": (
+        _pipeline("stages=2"), "pipeline.stages 2 must equal the size of mesh axis 'pipe' (4, "
+                               "mesh {'data': 2, 'pipe': 4})"),
+    "pipeline without a pipe axis": (
+        lambda tmp: ["--set", "pipeline.stages=4"],
+        "pipeline.stages 4 runs on mesh axis 'pipe', which the mesh {'data': 8} lacks; give it "
+        "one, e.g. mesh={data: 2, pipe: 4}"),
+    "layers not divisible by the stages": (
+        _pipeline(), "model.n_layers 1 does not split into pipeline.stages 4"),
+    "layers not divisible by stages x chunks": (
+        _pipeline("schedule=zb-v", n_layers=4),
+        "model.n_layers 4 does not split into pipeline.stages 4 x 2 chunks (zb-v)"),
+    "batch not divisible by the micro-batches": (
+        _pipeline("microbatches=8", n_layers=4),
+        "micro-batch 8 (batch_size 8 / grad_accum 1) does not split into "
+        "pipeline.microbatches 8 x the data axes ('data',) (2 ways)"),
+    "unknown schedule": (
+        _pipeline("schedule=pipedream", n_layers=4),
+        "unknown pipeline schedule 'pipedream'; the built-in ones are gpipe, 1f1b, "
+        "interleaved, zb-h1, zb-v"),
+    "interleaved micro-batches not a multiple of the stages": (
+        _pipeline("schedule=interleaved", "microbatches=2", n_layers=8),
+        "interleaved: the number of microbatches must be a multiple of the number of stages "
+        "(the schedule runs microbatches in groups of p = 4), got m = 2; use m = 4 or 4"),
+    "pipeline stages a word": (_pipeline("stages=four"),
+                               "pipeline.stages must be a positive integer (or null: no "
+                               "pipeline), got 'four'"),
+    "pipeline key misspelt": (_pipeline("stage=4"), "unknown config key 'pipeline.stage'; valid "
+                                                    "keys here: axis, chunks, microbatches, "
+                                                    "schedule, stages"),
+    "pipeline under the jit engine": (
+        _pipeline("microbatches=2", "--set", "engine=jit", n_layers=4),
+        "pipeline runs under engine 'shardflow' (sf.parallelize runs its schedule), not 'jit'"),
+    "pp strategy without a pipeline": (
+        lambda tmp: ["--set", "strategy=pp", "--set", "mesh={pipe: 8}"],
+        "strategy 'pp' puts the stacked layers on mesh axis 'pipe', which only a pipeline runs "
+        "them on: set pipeline.stages to its size"),
 }
 
 

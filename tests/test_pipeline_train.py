@@ -1,0 +1,132 @@
+"""The models and `shardflow train` with pipeline parallelism (sf.pipeline over the stacked
+layers): the pipelined loss and its gradients equal the plain loss's, on one device and under
+sf.parallelize composed with data and tensor parallelism; the trainer under every schedule
+follows the un-pipelined loss curve; a checkpoint restores across pipeline sizes."""
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import shardflow as sf
+from shardflow import models, train
+from shardflow.models import PipelineConfig, sharding
+from shardflow.train import cli
+from test_models import SMALL_GPT2, SMALL_LLAMA, data_dir, single_device_losses, small_config  # noqa: F401
+
+
+def model_and_batch(fields, batch=16, seq=16, **overrides):
+    fields = {**fields, **overrides}
+    cfg = models.preset(fields.pop("preset"), **fields)
+    graphdef, params = nnx.split(models.build(cfg))
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size)
+    return cfg, graphdef, nnx.to_pure_dict(params), tokens[:, :-1], tokens[:, 1:]
+
+
+def value_and_grad(graphdef, pipeline):
+    def loss(params, inputs, targets):
+        return nnx.merge(graphdef, params).loss(inputs, targets, pipeline=pipeline)
+    return jax.value_and_grad(loss)
+
+
+def assert_close(got, want, rtol=1e-5):
+    np.testing.assert_allclose(got[0], want[0], rtol=rtol)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-7), got[1], want[1])
+
+
+LLAMA4 = {**SMALL_LLAMA, "n_layers": 4}
+GPT2_4 = {**SMALL_GPT2, "n_layers": 4}
+
+
+@pytest.mark.parametrize("fields,overrides,pipeline", [
+    (LLAMA4, {"tie_embeddings": True, "remat": "full"}, PipelineConfig(2, 4, "zb-v")),
+    (GPT2_4, {}, PipelineConfig(2, 2, "interleaved")),
+], ids=["llama-tied-remat-zbv", "gpt2-interleaved"])
+def test_pipelined_loss_equals_the_plain_loss_on_one_device(fields, overrides, pipeline):
+    """Outside parallelize sf.pipeline runs the micro-batches in turn: the same numbers."""
+    _, graphdef, params, inputs, targets = model_and_batch(fields, **overrides)
+    want = jax.jit(value_and_grad(graphdef, None))(params, inputs, targets)
+    got = jax.jit(value_and_grad(graphdef, pipeline))(params, inputs, targets)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("fields,mesh,strategy,schedule", [
+    (LLAMA4, {"pipe": 4, "data": 2}, "dp", "1f1b"),
+    (LLAMA4, {"pipe": 2, "model": 4}, "pp_tp", "zb-h1"),
+    (GPT2_4, {"pipe": 2, "data": 2, "model": 2}, "tp", "gpipe"),
+], ids=["llama-pp4-dp2", "llama-pp2-tp4", "gpt2-pp2-dp2-tp2"])
+def test_pipelined_loss_under_parallelize_equals_one_device(fields, mesh, strategy, schedule):
+    """The layers on the pipe axis (the "layers" rule), the rest of the table as it shards any
+    model: the schedule's loss and every gradient equal the plain loss's on one device."""
+    cfg, graphdef, params, inputs, targets = model_and_batch(fields)
+    want = jax.jit(value_and_grad(graphdef, None))(params, inputs, targets)
+    mesh = sf.make_mesh(mesh)
+    rules = sharding.with_pipeline(models.get_rules(strategy))
+    specs = models.param_specs(nnx.eval_shape(lambda: models.build(cfg)), rules, mesh)
+    assert all(spec[0] == "pipe" for spec in jax.tree.leaves(
+        specs["layers"], is_leaf=lambda x: isinstance(x, P)))
+    batch = sharding.spec_for(("batch", None), rules)
+    grad = value_and_grad(graphdef, PipelineConfig(mesh.shape["pipe"], 2 * mesh.shape["pipe"], schedule))
+
+    def step(params, inputs, targets):
+        with sharding.activation_sharding(rules, sf.constrain):
+            return grad(params, inputs, targets)
+
+    got = sf.parallelize(step, mesh=mesh, in_specs=(specs, batch, batch),
+                         out_specs=(P(), specs))(params, inputs, targets)
+    assert_close(got, want)
+
+
+def test_with_pipeline_puts_the_layers_on_the_pipe_axis():
+    assert models.spec_for(("layers", "embed", "mlp"), sharding.with_pipeline(models.RULES["2d"])) \
+        == P("pipe", "data", "model")
+    assert models.RULES["pp_dp"] == sharding.with_pipeline(models.RULES["dp"])
+    with pytest.raises(ValueError, match=r"put the stacked layers \('layers'\) on 'data'"):
+        sharding.with_pipeline({"layers": "data"})
+
+
+# ------------------------------------------------------------------------------ the trainer
+
+def _argv(data_dir, out, *extra):
+    model = ", ".join(f"{k}: {v}" for k, v in {**SMALL_LLAMA, "n_layers": 8}.items())
+    return ["train", "--steps", "3", "--out", str(out), "--no-progress",
+            "--set", f"data.path={data_dir}", "--set", "data.seq_len=32",
+            "--set", f"model={{{model}}}", "--set", "batch_size=8", "--set", "log_every=1",
+            "--set", "compute_dtype=float32", "--set", "checkpoint.every=0",
+            "--set", "eval_every=0", *extra]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
+def test_cli_trains_under_each_schedule_on_the_unpipelined_curve(schedule, data_dir, tmp_path):
+    """`shardflow train` with mesh {data: 2, pipe: 4}: the first steps' losses are those of
+    the same steps without a pipeline (on one device)."""
+    out = tmp_path / "run"
+    assert cli.main(_argv(data_dir, out, "--set", "mesh={data: 2, pipe: 4}",
+                          "--set", "pipeline.stages=4", "--set", "pipeline.microbatches=4",
+                          "--set", f"pipeline.schedule={schedule}")) == 0
+    got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    cfg = small_config(data_dir, tmp_path)
+    cfg.model = {**SMALL_LLAMA, "n_layers": 8}
+    want = single_device_losses(cfg)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert want[2] < want[0]
+
+
+def test_a_checkpoint_restores_across_pipeline_sizes(data_dir, tmp_path):
+    """Parameters keep their global [layers, ...] shapes, so a step saved with 4 stages loads
+    into 2 stages and into no pipeline at all."""
+    def cfg(mesh, stages):
+        c = small_config(data_dir, tmp_path, steps=1, mesh=mesh)
+        c.model = {**SMALL_LLAMA, "n_layers": 4}
+        c.checkpoint.every, c.pipeline.stages, c.pipeline.microbatches = 1, stages, stages
+        return c
+
+    saved = jax.device_get(train.train(cfg({"data": 2, "pipe": 4}, 4), progress=False)["params"])
+    for mesh, stages in [({"data": 4, "pipe": 2}, 2), ({"data": 8}, None)]:
+        result = train.train(cfg(mesh, stages), progress=False)
+        assert result["start_step"] == 1 and result["losses"] == {}
+        wq = result["params"]["layers"]["attn"]["wq"]
+        assert wq.sharding.spec[0] == ("pipe" if stages else None)
+        jax.tree.map(np.testing.assert_array_equal, saved, jax.device_get(result["params"]))
