@@ -115,18 +115,21 @@ def test_cli_trains_under_each_schedule_on_the_unpipelined_curve(schedule, data_
 
 
 def test_a_checkpoint_restores_across_pipeline_sizes(data_dir, tmp_path):
-    """Parameters keep their global [layers, ...] shapes, so a step saved with 4 stages loads
-    into 2 stages and into no pipeline at all."""
-    def cfg(mesh, stages):
-        c = small_config(data_dir, tmp_path, steps=1, mesh=mesh)
+    """Parameters keep their global [layers, ...] shapes, so a step saved with 4 stages (and
+    fsdp: the mesh {data: 2, pipe: 4} runs with the pipe axis outermost) loads into 2 stages
+    and into no pipeline at all."""
+    def cfg(mesh, stages, strategy):
+        c = small_config(data_dir, tmp_path, steps=1, mesh=mesh, strategy=strategy)
         c.model = {**SMALL_LLAMA, "n_layers": 4}
         c.checkpoint.every, c.pipeline.stages, c.pipeline.microbatches = 1, stages, stages
         return c
 
-    saved = jax.device_get(train.train(cfg({"data": 2, "pipe": 4}, 4), progress=False)["params"])
-    for mesh, stages in [({"data": 4, "pipe": 2}, 2), ({"data": 8}, None)]:
-        result = train.train(cfg(mesh, stages), progress=False)
+    saved = train.train(cfg({"data": 2, "pipe": 4}, 4, "fsdp"), progress=False)
+    assert np.isfinite(saved["losses"][1])
+    saved = jax.device_get(saved["params"])
+    for mesh, stages, strategy, spec in [({"data": 4, "pipe": 2}, 2, "dp", P("pipe", None, None, None)),
+                                         ({"data": 8}, None, "fsdp", P(None, "data", None, None))]:
+        result = train.train(cfg(mesh, stages, strategy), progress=False)
         assert result["start_step"] == 1 and result["losses"] == {}
-        wq = result["params"]["layers"]["attn"]["wq"]
-        assert wq.sharding.spec[0] == ("pipe" if stages else None)
+        assert result["params"]["layers"]["attn"]["wq"].sharding.spec == spec
         jax.tree.map(np.testing.assert_array_equal, saved, jax.device_get(result["params"]))
