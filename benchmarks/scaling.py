@@ -93,7 +93,7 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
     from jax.sharding import Mesh
 
     from shardflow import train
-    from shardflow.train import config, metrics
+    from shardflow.train import config
 
     jit_attention = "cudnn" if jax.default_backend() == "gpu" else "jax"
     row = {"preset": preset, "strategy": strategy, "engine": engine,
@@ -116,6 +116,18 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
         return {**row, "status": f"skip: {error}"}
     if one_device:  # dp specs hold on a 1-device mesh: one replica's batch on one device
         run = dataclasses.replace(run, mesh=Mesh(np.asarray(jax.devices()[:1]), ("data",)))
+    return time_steps(run, row, batch * run.mesh.shape["data"], seq, args)
+
+
+def time_steps(run, row, global_batch, seq, args):
+    """``row`` with the run's measured tokens/s, step time, loss and MFU (or a status saying why
+    not): --warmup untimed steps, then --steps timed ones."""
+    import jax
+    import numpy as np
+
+    from shardflow import train
+    from shardflow.train import metrics
+
     row["mesh"] = dict(run.mesh.shape)
     row["devices"] = run.mesh.size
     row["params"] = run.n_params
@@ -132,7 +144,6 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
     try:
         params, opt_state = train.init_state(run)
         step_fn = run.train_step()
-        global_batch = batch * run.mesh.shape["data"]
         tokens = np.random.default_rng(0).integers(0, run.model_cfg.vocab_size,
                                                    (1, global_batch, seq + 1))
         sharding = run.shardings(run.batch_spec)
@@ -147,6 +158,8 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
         jax.block_until_ready((params, opt_state, out))
         elapsed = time.perf_counter() - start
         loss = float(out["loss"])
+        row["peak_gb_per_device"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0)
+                                        for d in run.mesh.devices.flat) / 1e9 or None
     except Exception as e:  # noqa: BLE001 - report the config and go on with the others
         return {**row, "status": failure(e)}
     tok_s = args.steps * global_batch * seq / elapsed

@@ -1,0 +1,144 @@
+"""Pipeline parallelism: tokens/s, MFU and peak memory per schedule against FSDP, in one run.
+
+    python benchmarks/pipeline.py                          # 1b on every GPU of the machine
+    python benchmarks/pipeline.py --preset tiny            # end-to-end check on 8 simulated CPUs
+    python benchmarks/pipeline.py --preset 7b --schedules 1f1b,zb-h1 --out pipeline.json
+
+On N = jax.device_count() devices the `shardflow train` step (fp32 master weights, bf16
+compute, AdamW + clipping; benchmarks/scaling.py's measurement) runs under FSDP on {data: N}
+and, for each schedule, pipelined on {pipe: N} and on {pipe: N/2, data: 2} with the same global
+batch. Per row: tokens/s, MFU, its ratio to FSDP's, peak device memory (GPU), and the bubble
+the schedule's table predicts for its lockstep execution (shardflow.schedules.bubble_fraction
+of the split-backward table the executor runs, every action one unit) — the measured step time
+is compared with it in benchmarks/results/, not here.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+
+import _checkout  # noqa: F401
+from shardflow.train import configure_host_platform
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import scaling  # noqa: E402  (after the NCCL setting)
+
+CASES = {"1b": (64, 2048, "none"), "3b": (32, 2048, "full"), "7b": (32, 2048, "full"),
+         "tiny": (16, 128, "none")}   # preset -> (global batch, seq, remat)
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v")
+
+
+def configs(n: int, schedules, microbatches: int):
+    """(name, mesh, strategy, pipeline) per measured configuration."""
+    out = [("fsdp", {"data": n}, "fsdp", None)]
+    for pipe in sorted({n, n // 2} - {0, 1}, reverse=True):
+        mesh = {"pipe": pipe} if pipe == n else {"pipe": pipe, "data": n // pipe}
+        for schedule in schedules:
+            out.append((f"pp{pipe}" + (f"xdp{n // pipe}" if pipe < n else "") + f" {schedule}",
+                        mesh, "pp" if pipe == n else "pp_dp",
+                        {"stages": pipe, "microbatches": microbatches, "schedule": schedule}))
+    return out
+
+
+def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
+    import jax
+
+    from shardflow import schedules, train
+    from shardflow.train import config
+
+    row = {"preset": preset, "config": name, "mesh": mesh, "global_batch": batch, "seq": seq,
+           "remat": remat, "pipeline": pipeline}
+    cfg = config.Config(mesh=mesh, strategy=strategy, engine="shardflow", batch_size=batch,
+                        steps=args.warmup + args.steps, eval_every=0, peak_flops=args.peak_flops)
+    cfg.model = {"preset": preset, "remat": remat, "attention_impl": "ops"}
+    cfg.data.seq_len = seq
+    if pipeline:
+        for key, value in pipeline.items():
+            setattr(cfg.pipeline, key, value)
+        table = schedules.with_split_backward(
+            schedules.by_name(pipeline["schedule"], pipeline["stages"], pipeline["microbatches"]))
+        row["predicted_bubble"] = float(schedules.bubble_fraction(table, {"F": 1, "B": 1, "W": 1}))
+    try:
+        run = train.setup(cfg)
+    except config.ConfigError as e:
+        return {**row, "status": f"skip: {e}"}
+    row = scaling.time_steps(run, row, batch, seq, args)
+    gc.collect()
+    jax.clear_caches()
+    return row
+
+
+def print_table(rows) -> None:
+    base = {r["preset"]: r for r in rows if r["config"] == "fsdp" and r["status"] == "ok"}
+    header = ("preset", "config", "tokens/s", "MFU", "x fsdp", "peak GB", "predicted bubble")
+    lines = [header]
+    for r in rows:
+        ok, b = r["status"] == "ok", base.get(r["preset"])
+        lines.append((r["preset"], r["config"],
+                      f"{r['tokens_per_s']:,.0f}" if ok else r["status"].split(":")[0],
+                      scaling.pct(r["mfu"]) if ok else "-",
+                      f"{r['tokens_per_s'] / b['tokens_per_s']:.3f}" if ok and b else "-",
+                      f"{r['peak_gb_per_device']:.1f}" if ok and r.get("peak_gb_per_device") else "-",
+                      scaling.pct(r.get("predicted_bubble")) if r.get("predicted_bubble") is not None else "-"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for i, line in enumerate(lines):
+        print("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    for r in rows:
+        if r["status"].startswith(("skip", "error")):
+            print(f"{r['preset']} {r['config']}: {r['status']}")
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", action="append", choices=sorted(CASES), help="default: 1b")
+    parser.add_argument("--schedules", default="gpipe,1f1b,zb-h1", help="comma-separated")
+    parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--batch", type=int, help="global batch (sequences)")
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--peak-flops", type=float)
+    parser.add_argument("--device-memory-gb", type=float)
+    parser.add_argument("--only", help="run only the configs whose name contains this")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    schedules = args.schedules.split(",")
+    if set(schedules) - set(SCHEDULES):
+        parser.error(f"unknown {sorted(set(schedules) - set(SCHEDULES))}; choose from {SCHEDULES}")
+    configure_host_platform()
+    import jax
+
+    n = jax.device_count()
+    print(f"jax {jax.__version__}, {n} x {jax.devices()[0].device_kind}, "
+          f"NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
+    rows = []
+    for preset in args.preset or ["1b"]:
+        batch, seq, remat = CASES[preset]
+        batch, seq = args.batch or batch, args.seq or seq
+        for name, mesh, strategy, pipeline in configs(n, schedules, args.microbatches):
+            if args.only and args.only not in name:
+                continue
+            row = measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args)
+            rows.append(row)
+            done = (f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['loss']:.3f}"
+                    if row["status"] == "ok" else row["status"])
+            print(f"{preset:5s} {name:22s} {done}", flush=True)
+    print()
+    print_table(rows)
+    if args.out:
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "jax": jax.__version__, "devices": n, "device_kind": jax.devices()[0].device_kind,
+                "steps": args.steps, "warmup": args.warmup}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
