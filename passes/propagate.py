@@ -19,6 +19,7 @@ result is deterministic.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 from jax import lax
@@ -48,6 +49,7 @@ class Propagation:
         self.fallbacks: list = []
         self.constrained: dict = {}     # var -> (NdSbp, source) of sf.constrain on it
         self.graph = None               # (users, producer) for the lookahead
+        self.held: set = set()          # axes bodies may not split (a pipeline's stages)
 
     # ---------------------------------------------------------------- values
 
@@ -141,7 +143,7 @@ class Propagation:
         chosen = []
         for i in range(n_ax):
             best, best_cost = None, math.inf
-            for sig in list(sigs) + [whole]:
+            for sig in [whole] if i in self.held else list(sigs) + [whole]:
                 cost = self.cost(eqn, cur, req, outs, i, sig, chosen, met)
                 if cost < best_cost:
                     best, best_cost = sig, cost
@@ -276,6 +278,16 @@ class Propagation:
         return self.graph
 
     # ---------------------------------------------------------------- nested jaxprs
+
+    @contextlib.contextmanager
+    def holding(self, axis: int):
+        """Within: equations run whole on mesh axis ``axis`` (inside a pipeline's stage every
+        device of the axis runs its own stage: the axis is not there to split work over)."""
+        held, self.held = self.held, self.held | {axis}
+        try:
+            yield
+        finally:
+            self.held = held
 
     def run_body(self, jaxpr, in_sbp, source):
         """(annotated body, NdSbp of its outputs) with its inputs at ``in_sbp``."""

@@ -603,8 +603,10 @@ def _propagate(prop, eqn):
     bodies = _bodies_param(params)
 
     def run(name, in_sbp):
-        new, outs = prop.run_body(open_jaxpr(params[name]), in_sbp, src)
-        return new, outs
+        if ax is None:
+            return prop.run_body(open_jaxpr(params[name]), in_sbp, src)
+        with prop.holding(ax):
+            return prop.run_body(open_jaxpr(params[name]), in_sbp, src)
 
     forward, (_, *stored) = run("forward", chunk + [x])
     head_body, (loss, *d_head_and_dy) = run("head", [_inner(s, ax, 0) for s in head] + [x] + [_inner(s, ax, 1) for s in args])

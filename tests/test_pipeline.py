@@ -194,3 +194,23 @@ def test_compiled_memory_falls_with_the_schedules_live_activations():
                               in_specs=(P("pipe"), P(), P(), P()))
         temp[name] = step.lower(layers, hp, x, tg).compile().memory_analysis().temp_size_in_bytes
     assert temp["1f1b"] < 0.8 * temp["gpipe"], temp
+
+
+@pytest.mark.parametrize("axes,layer_spec,batch_spec", [
+    ({"data": 2, "pipe": 4}, P("pipe", "data", None), P("data")),
+    ({"model": 4, "pipe": 2}, P("pipe", None, "model"), P()),
+], ids=["dp2-pp4-fsdp", "tp4-pp2"])
+def test_the_pipeline_axis_anywhere_in_the_mesh(axes, layer_spec, batch_spec):
+    """Inside a stage the pipeline axis splits nothing (each of its devices runs its own stage):
+    with it after another axis, propagation once split the stage's values over it — a reshape
+    that failed to lower, or collectives over all 8 devices inside one stage's branch (a hang
+    on GPUs)."""
+    table = SCHEDULES["1f1b"](axes["pipe"], 2 * axes["pipe"])
+    layers, hp, x, tg = model(axes["pipe"] * Lc, 2 * axes["pipe"])
+    want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 2 * axes["pipe"])
+    specs = {"w": layer_spec, "b": P(*layer_spec[:2])}
+    step = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh(axes),
+                          in_specs=(specs, P(), batch_spec, batch_spec), out_specs=(P(), (specs, P(), batch_spec)))
+    own = "sf_pipeline passes activations"
+    assert all(c.reason.startswith(own) for c in step.explain(layers, hp, x, tg).collectives if "pipe" in c.axes)
+    assert_close(step(layers, hp, x, tg), want)
