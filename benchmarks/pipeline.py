@@ -7,7 +7,8 @@
 On N = jax.device_count() devices the `shardflow train` step (fp32 master weights, bf16
 compute, AdamW + clipping; benchmarks/scaling.py's measurement) runs under FSDP on {data: N}
 and, for each schedule, pipelined on {pipe: N} and on {pipe: N/2, data: 2} with the same global
-batch. Per row: tokens/s, MFU, its ratio to FSDP's, peak device memory (GPU), and the bubble
+batch. Per row: tokens/s, MFU, its ratio to FSDP's, the compiled step's memory per device (XLA's
+memory_analysis), and the bubble
 the schedule's table predicts for its lockstep execution (shardflow.schedules.bubble_fraction
 of the split-backward table the executor runs, every action one unit) — the measured step time
 is compared with it in benchmarks/results/, not here.
@@ -74,7 +75,7 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
 
 def print_table(rows) -> None:
     base = {r["preset"]: r for r in rows if r["config"] == "fsdp" and r["status"] == "ok"}
-    header = ("preset", "config", "tokens/s", "MFU", "x fsdp", "peak GB", "predicted bubble")
+    header = ("preset", "config", "tokens/s", "MFU", "x fsdp", "compiled GB", "predicted bubble")
     lines = [header]
     for r in rows:
         ok, b = r["status"] == "ok", base.get(r["preset"])
@@ -82,7 +83,7 @@ def print_table(rows) -> None:
                       f"{r['tokens_per_s']:,.0f}" if ok else r["status"].split(":")[0],
                       scaling.pct(r["mfu"]) if ok else "-",
                       f"{r['tokens_per_s'] / b['tokens_per_s']:.3f}" if ok and b else "-",
-                      f"{r['peak_gb_per_device']:.1f}" if ok and r.get("peak_gb_per_device") else "-",
+                      f"{r['compiled_gb_per_device']:.1f}" if ok and r.get("compiled_gb_per_device") else "-",
                       scaling.pct(r.get("predicted_bubble")) if r.get("predicted_bubble") is not None else "-"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     for i, line in enumerate(lines):

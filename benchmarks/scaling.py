@@ -158,8 +158,11 @@ def time_steps(run, row, global_batch, seq, args):
         jax.block_until_ready((params, opt_state, out))
         elapsed = time.perf_counter() - start
         loss = float(out["loss"])
-        row["peak_gb_per_device"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0)
-                                        for d in run.mesh.devices.flat) / 1e9 or None
+        # XLA's own account of the compiled step (the allocator's peak is process-wide and JAX
+        # preallocates): arguments + outputs not aliased to them + temporaries, per device.
+        memory = step_fn.lower(params, opt_state, data).compile().memory_analysis()
+        row["compiled_gb_per_device"] = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                                         - memory.alias_size_in_bytes + memory.temp_size_in_bytes) / 1e9
     except Exception as e:  # noqa: BLE001 - report the config and go on with the others
         return {**row, "status": failure(e)}
     tok_s = args.steps * global_batch * seq / elapsed
