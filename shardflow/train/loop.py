@@ -225,9 +225,8 @@ def setup(cfg) -> Run:
             f"model.vocab_size ({model_cfg.vocab_size}); --set model.vocab_size=N with N >= "
             f"{data.vocab_size} (a multiple of 128 keeps the matmuls aligned)")
     if cfg.pipeline.stages is not None and cfg.pipeline.axis in mesh_shape:
-        # The pipeline's axis outermost (each stage a block of consecutive devices, Megatron's
-        # order). sf.pipeline also needs it there when another axis splits the layers' weights
-        # (fsdp, tp): with that axis before the pipe axis the step fails to lower or hangs.
+        # The pipeline's axis outermost: each stage a block of consecutive devices (Megatron's
+        # order), so a stage's data / model groups sit on neighbouring devices.
         mesh_shape = {cfg.pipeline.axis: mesh_shape[cfg.pipeline.axis],
                       **{a: n for a, n in mesh_shape.items() if a != cfg.pipeline.axis}}
     mesh = Mesh(np.asarray(jax.devices()).reshape(tuple(mesh_shape.values())),
