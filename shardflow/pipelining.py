@@ -305,11 +305,7 @@ def _gradient_shapes(bodies: Bodies, chunk, x, head_params, args):
 def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, axis: str):
     """The pipelined loss and its gradients on this device (inside ``shard_map`` over ``axis``):
     ``sequential``'s results, each device holding its own [1, v, ...] block of the stage leaves
-    and of their gradients, the rest whole on every device.
-
-    Only an action's own inputs and results pass through its ``lax.switch`` (XLA copies what a
-    conditional carries); the buffers are read and written around it, every write unconditional
-    at a slot or at each buffer's one spare slot (the last), so no tick copies a whole buffer."""
+    and of their gradients, the rest whole on every device."""
     pl = plan(table)
     p, m, v = table.stages, table.microbatches, table.chunks
     T = pl.kind.shape[0]
@@ -319,28 +315,25 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     mine = [x[0] for x in stage]                    # [v, ...] this device's chunks
 
     def chunk(k):
-        if v == 1:                                  # a static slice: no copy of the weights
-            return [x[0] for x in mine]
         return [lax.dynamic_index_in_dim(x, k, keepdims=False) for x in mine]
 
     x0 = xs[0]
     stored0 = jax.eval_shape(bodies.forward, chunk(0), x0)[1]
-    d_chunk0, d_hp0 = _gradient_shapes(bodies, chunk(0), x0, head_params, [a[0] for a in args])
-    head_shapes = jax.eval_shape(bodies.head, list(head_params), x0, [a[0] for a in args])
+    d_chunk, d_hp = _gradient_shapes(bodies, chunk(0), x0, head_params, [a[0] for a in args])
 
-    def zeros(n, like):                             # n slots and the spare
-        return jnp.zeros((n + 1,) + tuple(like.shape), like.dtype)
-
-    def zeros_of(like):
-        return [jnp.zeros(a.shape, a.dtype) for a in like]
+    def buffers(n, like):
+        return [jnp.zeros((max(n, 1),) + tuple(a.shape), a.dtype) for a in like]
 
     carry = dict(
-        stored=[zeros(pl.n_resid, a) for a in stored0],
-        grad=zeros(pl.n_grad, x0), in_f=zeros(pl.n_in_f, x0), in_b=zeros(pl.n_in_b, x0),
-        d_stage=[zeros(v, g) for g in d_chunk0],
-        d_head=zeros_of(d_hp0),
-        d_xs=zeros(m, x0),
+        stored=buffers(pl.n_resid, stored0),
+        grad=buffers(pl.n_grad, [x0])[0],
+        in_f=buffers(pl.n_in_f, [x0])[0],
+        in_b=buffers(pl.n_in_b, [x0])[0],
+        d_stage=[jnp.zeros((v,) + g.shape, g.dtype) for g in d_chunk],
+        d_head=[jnp.zeros(g.shape, g.dtype) for g in d_hp],
+        d_xs=jnp.zeros_like(xs),
         loss=jnp.zeros((), jnp.float32),
+        out=jnp.zeros_like(x0),            # what this tick's action sends on
     )
     tables = {k: jnp.asarray(getattr(pl, k)) for k in
               ("kind", "microbatch", "chunk", "resid_slot", "grad_slot", "in_slot", "out_dir",
@@ -349,73 +342,71 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     def at(buf, i):
         return lax.dynamic_index_in_dim(buf, jnp.maximum(i, 0), keepdims=False)
 
-    def put(buf, i, value, spare):
-        """``buf`` with ``value`` at ``i``; at the spare slot where ``i`` is -1."""
-        i = jnp.where(i >= 0, i, spare)
-        return lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
+    def put(buf, i, value):
+        return lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), jnp.maximum(i, 0), 0)
 
-    def slot_if(cond, i):
-        return jnp.where(cond, i, -1)
+    def put_where(buf, i, value):
+        """``buf`` with ``value`` at ``i``, unchanged where ``i`` is -1."""
+        return jnp.where(i >= 0, put(buf, i, value), buf)
+
+    def accumulate(d_stage, k, d_chunk):
+        return [put(d, k, at(d, k) + g) for d, g in zip(d_stage, d_chunk)]
+
+    def idle(c, row):
+        return dict(c, out=jnp.zeros_like(c["out"]))
+
+    def forward(c, row):
+        i, k = row["microbatch"], row["chunk"]
+        is_first = (me == first_stage) & (k == first_chunk)
+        x = jnp.where(is_first, at(xs, i), at(c["in_f"], row["in_slot"]))
+        y, stored = bodies.forward(chunk(k), x)
+        c = dict(c, stored=[put(b, row["resid_slot"], r) for b, r in zip(c["stored"], stored)], out=y)
+
+        def head(c):
+            loss, dh, dy = bodies.head(list(head_params), y, [at(a, i) for a in args])
+            return dict(c, loss=c["loss"] + loss, d_head=[a + b for a, b in zip(c["d_head"], dh)],
+                        in_b=put(c["in_b"], row["self_b"], dy))
+        return lax.cond((me == last_stage) & (k == last_chunk), head, lambda c: c, c)
+
+    def backward(c, row):
+        i, k = row["microbatch"], row["chunk"]
+        dy = at(c["in_b"], row["in_slot"])
+        stored = [at(b, row["resid_slot"]) for b in c["stored"]]
+        dx = bodies.backward_x(chunk(k), stored, dy)
+        c = dict(c, grad=put(c["grad"], row["grad_slot"], dy))
+        is_first = (me == first_stage) & (k == first_chunk)
+        return dict(c, d_xs=jnp.where(is_first, put(c["d_xs"], i, dx), c["d_xs"]), out=dx)
+
+    def weights(c, row):
+        k = row["chunk"]
+        stored = [at(b, row["resid_slot"]) for b in c["stored"]]
+        d_chunk = bodies.backward_w(chunk(k), stored, at(c["grad"], row["grad_slot"]))
+        return dict(c, d_stage=accumulate(c["d_stage"], k, d_chunk), out=jnp.zeros_like(c["out"]))
+
+    branches = [idle, forward, backward, weights]
+    shifts = (("next", [(j, (j + 1) % p) for j in range(p)]), ("prev", [(j, (j - 1) % p) for j in range(p)]))
 
     def tick(c, t):
         row = {k: tab[t, me] for k, tab in tables.items()}
-        kind, i, k = row["kind"], row["microbatch"], row["chunk"]
-        is_first = (me == first_stage) & (k == first_chunk)
-        is_head = (kind == FORWARD) & (me == last_stage) & (k == last_chunk)
-        x = jnp.where(is_first, at(xs, i), at(c["in_f"], row["in_slot"]))
-        dy = at(c["in_b"], row["in_slot"])
-        stored = [at(b, row["resid_slot"]) for b in c["stored"]]
-        params = chunk(k)
-
-        def idle():
-            return jnp.zeros_like(x0), zeros_of(stored0), zeros_of(d_chunk0)
-
-        def forward():
-            y, st = bodies.forward(params, x)
-            return y, st, zeros_of(d_chunk0)
-
-        def backward():
-            return bodies.backward_x(params, stored, dy), zeros_of(stored0), zeros_of(d_chunk0)
-
-        def weights():
-            d = bodies.backward_w(params, stored, at(c["grad"], row["grad_slot"]))
-            return jnp.zeros_like(x0), zeros_of(stored0), d
-
-        out, new_stored, d_chunk = lax.switch(kind, [idle, forward, backward, weights])
-
-        def head():
-            return bodies.head(list(head_params), out, [at(a, i) for a in args])
-        loss, d_hp, dy_head = lax.cond(is_head, head, lambda: jax.tree.map(
-            lambda a: jnp.zeros(a.shape, a.dtype), head_shapes))
-        is_f, is_b, is_w = kind == FORWARD, kind == BACKWARD, kind == WEIGHTS
-        in_f, in_b = c["in_f"], c["in_b"]
-        in_b = put(in_b, slot_if(is_head, row["self_b"]), dy_head, pl.n_in_b)
-        # A hand-off to itself (the turn of a V) goes straight into this stage's inbox.
-        in_f = put(in_f, slot_if(is_f, row["self_f"]), out, pl.n_in_f)
-        in_b = put(in_b, slot_if(is_b, row["self_b"]), out, pl.n_in_b)
+        c = lax.switch(row["kind"], branches, c, row)
+        is_f, out = row["kind"] == FORWARD, c["out"]
+        # A hand-off to itself (the turn of a V) goes straight into this stage's inbox; a
+        # forward's self_b slot was the head's, already filled.
+        c = dict(c, in_f=put_where(c["in_f"], jnp.where(is_f, row["self_f"], -1), out),
+                 in_b=put_where(c["in_b"], jnp.where(is_f, -1, row["self_b"]), out))
         for col, (direction, perm) in enumerate(shifts):
             if not any(d.endswith(direction) for d in pl.directions):
                 continue
             sent = lax.ppermute(jnp.where(row["out_dir"] == col + 1, out, jnp.zeros_like(out)), axis, perm)
-            in_f = put(in_f, tables["recv_f"][t + 1, me, col], sent, pl.n_in_f)
-            in_b = put(in_b, tables["recv_b"][t + 1, me, col], sent, pl.n_in_b)
-        w_chunk = jnp.where(is_w, k, v)
-        return dict(
-            stored=[put(b, slot_if(is_f, row["resid_slot"]), r, pl.n_resid) for b, r in zip(c["stored"], new_stored)],
-            grad=put(c["grad"], slot_if(is_b, row["grad_slot"]), dy, pl.n_grad),
-            in_f=in_f, in_b=in_b,
-            d_stage=[lax.dynamic_update_index_in_dim(d, at(d, w_chunk) + g.astype(d.dtype), w_chunk, 0)
-                     for d, g in zip(c["d_stage"], d_chunk)],
-            d_head=[a + g.astype(a.dtype) for a, g in zip(c["d_head"], d_hp)],
-            d_xs=put(c["d_xs"], slot_if(is_b & is_first, i), out, m),
-            loss=c["loss"] + loss.astype(jnp.float32)), None
+            c = dict(c, in_f=put_where(c["in_f"], tables["recv_f"][t + 1, me, col], sent),
+                     in_b=put_where(c["in_b"], tables["recv_b"][t + 1, me, col], sent))
+        return c, None
 
-    shifts = (("next", [(j, (j + 1) % p) for j in range(p)]), ("prev", [(j, (j - 1) % p) for j in range(p)]))
     c, _ = lax.scan(tick, carry, jnp.arange(T))
     loss = lax.psum(c["loss"], axis) / m
     d_head = [lax.psum(g, axis) / m for g in c["d_head"]]
-    d_xs = lax.psum(c["d_xs"][:m], axis) / m
-    d_stage = [(g[:v] / m)[None] for g in c["d_stage"]]
+    d_xs = lax.psum(c["d_xs"], axis) / m
+    d_stage = [(g / m)[None] for g in c["d_stage"]]
     return loss, d_stage, d_head, d_xs
 
 
