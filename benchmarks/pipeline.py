@@ -16,9 +16,7 @@ is compared with it in benchmarks/results/, not here.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
 
 import _checkout  # noqa: F401
@@ -133,11 +131,7 @@ def main(argv=None) -> list[dict]:
     print()
     print_table(rows)
     if args.out:
-        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "jax": jax.__version__, "devices": n, "device_kind": jax.devices()[0].device_kind,
-                "steps": args.steps, "warmup": args.warmup}
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        scaling.write_json(args.out, rows, args)
     return rows
 
 

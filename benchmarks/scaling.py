@@ -262,12 +262,18 @@ def main(argv=None) -> list[dict]:
     print()
     print_table(rows)
     if args.out:
-        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "jax": jax.__version__, "devices": n, "device_kind": jax.devices()[0].device_kind,
-                "steps": args.steps, "warmup": args.warmup}
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json(args.out, rows, args)
     return rows
+
+
+def write_json(path, rows, args) -> None:
+    """``rows`` with the date, jax version and devices of this run."""
+    import jax
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "jax": jax.__version__, "devices": jax.device_count(),
+            "device_kind": jax.devices()[0].device_kind, "steps": args.steps, "warmup": args.warmup}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
