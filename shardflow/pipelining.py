@@ -77,12 +77,12 @@ class Plan(NamedTuple):
     kind: np.ndarray          # IDLE / F / B / W
     microbatch: np.ndarray
     chunk: np.ndarray
-    resid_slot: np.ndarray    # F stores, B (or W) reads the stage's vjp residuals here
-    grad_slot: np.ndarray     # split backward: B stores the output gradient W needs
+    resid_slot: np.ndarray    # F stores the stage's residuals here, B and W read them
+    grad_slot: np.ndarray     # B stores the output gradient W needs here
     in_slot: np.ndarray       # F reads its input / B its output gradient from this inbox slot
-    out_dir: np.ndarray       # where the action's result goes: 0 none, 1 next stage, 2 previous, 3 itself
+    out_dir: np.ndarray       # where the action's result goes: -1 nowhere, 1 next stage, 2 previous, 3 itself
     recv_f: np.ndarray        # [T + 1, s, 2] inbox-F slot for what arrives from (previous, next) stage
-    recv_b: np.ndarray        # [T, s, 2] inbox-B slot likewise
+    recv_b: np.ndarray        # [T + 1, s, 2] inbox-B slot likewise
     self_f: np.ndarray        # [T, s] inbox-F slot for this stage's own forward output (V turn)
     self_b: np.ndarray
     n_resid: int
