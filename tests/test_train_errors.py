@@ -136,6 +136,10 @@ CASES = {
         lambda tmp: ["--set", "strategy=pp", "--set", "mesh={pipe: 8}"],
         "strategy 'pp' puts the stacked layers on mesh axis 'pipe', which only a pipeline runs "
         "them on: set pipeline.stages to its size"),
+    "pipe axis without a pipeline": (
+        lambda tmp: ["--set", "mesh={data: 2, pipe: 4}"],
+        "mesh axis 'pipe' has 4 devices but no pipeline runs on it (every one would compute the "
+        "same): set pipeline.stages=4, or drop the axis from the mesh"),
 }
 
 

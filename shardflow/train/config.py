@@ -347,6 +347,10 @@ def validate(cfg: Config, n_devices: int) -> dict:
         raise ConfigError(f"strategy {cfg.strategy!r} puts the stacked layers on mesh axis "
                           f"{rules[STACKED_AXIS]!r}, which only a pipeline runs them on: set "
                           f"pipeline.stages to its size")
+    if pl.stages is None and mesh.get(pl.axis, 1) > 1:
+        raise ConfigError(f"mesh axis {pl.axis!r} has {mesh[pl.axis]} devices but no pipeline runs on "
+                          f"it (every one would compute the same): set pipeline.stages="
+                          f"{mesh[pl.axis]}, or drop the axis from the mesh")
     if cfg.batch_size % cfg.grad_accum:
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by "
                           f"grad_accum {cfg.grad_accum}")
