@@ -193,10 +193,10 @@ class Bodies(NamedTuple):
     head: Callable
 
 
-def bodies_of(layer_fn, head_fn, chunk, x, head_params, args):
-    """(ClosedJaxprs of the Bodies on one device, the chunk's pytree, the head's, the args')
-    for ``layer_fn(layer, h) -> h`` scanned over a chunk of stacked layers and ``head_fn(
-    head_params, y, args) -> loss``, traced at the given (abstract) values."""
+def bodies_of(layer_fn, head_fn, chunk, x, head_params, args) -> Bodies:
+    """The Bodies on one device as ClosedJaxprs, for ``layer_fn(layer, h) -> h`` scanned over a
+    chunk of stacked layers and ``head_fn(head_params, y, args) -> loss``, traced at the given
+    (abstract) values."""
     chunk_leaves, chunk_tree = jax.tree.flatten(chunk)
     head_leaves, head_tree = jax.tree.flatten(head_params)
     arg_leaves, arg_tree = jax.tree.flatten(args)
@@ -248,7 +248,7 @@ def bodies_of(layer_fn, head_fn, chunk, x, head_params, args):
     if jax.tree.structure(y) != jax.tree.structure(x) or y.shape != jnp.shape(x) or y.dtype != jnp.result_type(x):
         raise ValueError(f"pipeline: a layer must map its input to the same shape and dtype; "
                          f"{jnp.result_type(x)}{list(jnp.shape(x))} became {y.dtype}{list(y.shape)}")
-    return jaxprs, chunk_tree, head_tree, arg_tree
+    return jaxprs
 
 
 def callables(jaxprs: Bodies, run=jaxpr_as_fun) -> Bodies:
@@ -271,6 +271,7 @@ def sequential(bodies: Bodies, table: Schedule, stage, head_params, xs, args):
     device: (loss, d stage, d head_params, d xs), each a flat list (stage leaves [p, v, ...])."""
     where = _place(table)
     m, n_virtual = table.microbatches, table.stages * table.chunks
+
     def chunk(k):
         return [x[where[k]] for x in stage]
 
@@ -526,7 +527,7 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
     head_leaves, head_tree = jax.tree.flatten(head_params)
     xs = micro(x)
     arg_leaves, arg_tree = jax.tree.flatten(jax.tree.map(micro, head_args))
-    jaxprs, _, _, _ = bodies_of(
+    jaxprs = bodies_of(
         layer_fn, head, jax.tree.unflatten(layer_tree, [jax.ShapeDtypeStruct(a.shape[2:], a.dtype) for a in stage]),
         jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype), head_params,
         jax.tree.unflatten(arg_tree, [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in arg_leaves]))

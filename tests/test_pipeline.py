@@ -68,7 +68,7 @@ def check(table):
     xs, tgs = strided(x, m), strided(tg, m)
     chunk = jax.tree.unflatten(jax.tree.structure(layers), [jax.ShapeDtypeStruct(a.shape[2:], a.dtype) for a in stage])
     jaxprs = pp.bodies_of(layer, head_fn, chunk, jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype), hp,
-                          jax.ShapeDtypeStruct(tgs.shape[1:], tgs.dtype))[0]
+                          jax.ShapeDtypeStruct(tgs.shape[1:], tgs.dtype))
     bodies = pp.callables(jaxprs)
     mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
 
