@@ -83,11 +83,7 @@ def print_table(rows) -> None:
                       f"{r['tokens_per_s'] / b['tokens_per_s']:.3f}" if ok and b else "-",
                       f"{r['compiled_gb_per_device']:.1f}" if ok and r.get("compiled_gb_per_device") else "-",
                       scaling.pct(r.get("predicted_bubble")) if r.get("predicted_bubble") is not None else "-"))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    for i, line in enumerate(lines):
-        print("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    scaling.print_columns(lines, left=2)
     for r in rows:
         if r["status"].startswith(("skip", "error")):
             print(f"{r['preset']} {r['config']}: {r['status']}")

@@ -193,15 +193,20 @@ def print_table(rows) -> None:
                       pct(r["mfu"]) if ok else "-",
                       pct(r.get("weak_scaling_eff")) if ok and r["devices"] > 1 else "-",
                       f"{ratio:.3f}" if ratio is not None else "-"))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    for i, line in enumerate(lines):
-        cells = zip(line, widths)
-        print("  ".join(c.ljust(w) if j < 4 else c.rjust(w) for j, (c, w) in enumerate(cells)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_columns(lines, left=4)
     for r in rows:
         if r["status"].startswith(("skip", "error")):
             print(f"{r['preset']} {r['strategy']} {r['engine']}: {r['status']}")
+
+
+def print_columns(lines, left: int) -> None:
+    """``lines[0]`` a header, the rest rows of cells: aligned columns, the first ``left`` to the
+    left, the numbers to the right."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    for i, line in enumerate(lines):
+        print("  ".join(c.ljust(w) if j < left else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
 
 
 def main(argv=None) -> list[dict]:
