@@ -27,6 +27,7 @@ reordered each step, a collective explain shows) are not built yet.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -92,6 +93,7 @@ class Plan(NamedTuple):
     directions: frozenset     # which of "f_next", "f_prev", "b_next", "b_prev" the schedule uses
 
 
+@functools.lru_cache(maxsize=64)   # per Schedule: the executor and explain's pricing both ask
 def plan(table: Schedule) -> Plan:
     """The executor's tables for ``table`` run with a split backward (``with_split_backward``)."""
     table = with_split_backward(table)
@@ -217,10 +219,11 @@ def bodies_of(layer_fn, head_fn, chunk, x, head_params, args) -> Bodies:
     inputs = traced.jaxpr.invars[:n]
     # Where each residual comes from: a chunk parameter (its index) or the stored list (-1).
     from_chunk = tuple(inputs.index(v) if v in inputs else -1 for v in traced.jaxpr.outvars[1:])
-
-    def forward(leaves, x):
-        y, residuals = full_forward(leaves, x)
-        return y, [r for r, i in zip(residuals, from_chunk) if i < 0]
+    # forward: the traced jaxpr less the residuals that are chunk parameters (no new trace).
+    y, *residuals = traced.jaxpr.outvars
+    forward = traced.replace(jaxpr=traced.jaxpr.replace(
+        outvars=[y] + [r for r, i in zip(residuals, from_chunk) if i < 0]))
+    y, *stored = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in forward.out_avals)
 
     def pullback_of(leaves, stored):
         stored = iter(stored)
@@ -237,10 +240,8 @@ def bodies_of(layer_fn, head_fn, chunk, x, head_params, args) -> Bodies:
             argnums=(0, 1))(hp, y)
         return loss, list(dh), dy
 
-    y = jax.eval_shape(stage, chunk_leaves, x)
-    stored = jax.eval_shape(forward, chunk_leaves, x)[1]
     jaxprs = Bodies(
-        forward=jax.make_jaxpr(forward)(chunk_leaves, x),
+        forward=forward,
         backward=jax.make_jaxpr(backward)(chunk_leaves, stored, y),
         backward_x=jax.make_jaxpr(lambda c, st, dy: backward(c, st, dy)[1])(chunk_leaves, stored, y),
         backward_w=jax.make_jaxpr(lambda c, st, dy: backward(c, st, dy)[0])(chunk_leaves, stored, y),
