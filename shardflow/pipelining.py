@@ -44,6 +44,7 @@ from shardflow.registry import Decision, defrule
 from shardflow.specs import B, Partial, ShardingError, Split, local_shape
 
 from shardflow.schedules import Schedule, by_name, with_split_backward
+from shardflow.split_vjp import split_vjp
 
 IDLE, FORWARD, BACKWARD, WEIGHTS = 0, 1, 2, 3
 KINDS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHTS}
@@ -79,7 +80,7 @@ class Plan(NamedTuple):
     microbatch: np.ndarray
     chunk: np.ndarray
     resid_slot: np.ndarray    # F stores the stage's residuals here, B and W read them
-    grad_slot: np.ndarray     # B stores the output gradient W needs here
+    stash_slot: np.ndarray    # B stores what W reads of its values (split_vjp's stash) here
     in_slot: np.ndarray       # F reads its input / B its output gradient from this inbox slot
     out_dir: np.ndarray       # where the action's result goes: -1 nowhere, 1 next stage, 2 previous, 3 itself
     recv_f: np.ndarray        # [T + 1, s, 2] inbox-F slot for what arrives from (previous, next) stage
@@ -87,7 +88,7 @@ class Plan(NamedTuple):
     self_f: np.ndarray        # [T, s] inbox-F slot for this stage's own forward output (V turn)
     self_b: np.ndarray
     n_resid: int
-    n_grad: int
+    n_stash: int
     n_in_f: int
     n_in_b: int
     directions: frozenset     # which of "f_next", "f_prev", "b_next", "b_prev" the schedule uses
@@ -118,7 +119,7 @@ def plan(table: Schedule) -> Plan:
 
     # Lifetimes per stage: residuals F -> B (or W), output gradients B -> W, inbox entries
     # arrival -> use. Arrival is the tick after the send (self hand-offs: the same tick's end).
-    resid, grads = [dict() for _ in range(p)], [dict() for _ in range(p)]
+    resid, stashes = [dict() for _ in range(p)], [dict() for _ in range(p)]
     inbox_f, inbox_b = [dict() for _ in range(p)], [dict() for _ in range(p)]
     sends = []                                 # (tick, stage, kind, mb, target virtual stage)
     for (kd, i, k), t in ran.items():
@@ -132,17 +133,17 @@ def plan(table: Schedule) -> Plan:
             else:                              # the head's gradient waits for this stage's B
                 inbox_b[s][(i, k)] = (t, ran[("B", i, k)])
         elif kd == "B":
-            grads[s][(i, k)] = (t, ran[("W", i, k)])
+            stashes[s][(i, k)] = (t, ran[("W", i, k)])
             if k > 0:
                 ds, _ = where[k - 1]
                 inbox_b[ds][(i, k - 1)] = (t + (ds != s), ran[("B", i, k - 1)])
                 sends.append((t, s, "B", i, k - 1))
     resid_slots = [_colour(r) for r in resid]
-    grad_slots = [_colour(g) for g in grads]
+    stash_slots = [_colour(x) for x in stashes]
     in_f_slots = [_colour(x) for x in inbox_f]
     in_b_slots = [_colour(x) for x in inbox_b]
 
-    resid_slot, grad_slot = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
+    resid_slot, stash_slot = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
     recv_f, recv_b = np.full((T + 1, p, 2), -1, np.int32), np.full((T + 1, p, 2), -1, np.int32)
     self_f, self_b = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
     directions = set()
@@ -158,10 +159,10 @@ def plan(table: Schedule) -> Plan:
         elif kd == "B":
             in_slot[t, s] = in_b_slots[s][0][key]
             resid_slot[t, s] = resid_slots[s][0][key]
-            grad_slot[t, s] = grad_slots[s][0][key]
+            stash_slot[t, s] = stash_slots[s][0][key]
         else:
             resid_slot[t, s] = resid_slots[s][0][key]
-            grad_slot[t, s] = grad_slots[s][0][key]
+            stash_slot[t, s] = stash_slots[s][0][key]
     for t, s, kd, i, k in sends:
         ds, _ = where[k]
         d = direction(s, ds)
@@ -174,8 +175,8 @@ def plan(table: Schedule) -> Plan:
         directions.add(f"{kd.lower()}_{'next' if d == 1 else 'prev'}")
         # arriving from the previous stage (sent "next") lands in column 0, from the next in 1
         (recv_f if kd == "F" else recv_b)[t + 1, ds, 0 if d == 1 else 1] = slot
-    return Plan(kind, mb, ch, resid_slot, grad_slot, in_slot, out_dir, recv_f, recv_b, self_f, self_b,
-                max(n for _, n in resid_slots), max((n for _, n in grad_slots), default=0),
+    return Plan(kind, mb, ch, resid_slot, stash_slot, in_slot, out_dir, recv_f, recv_b, self_f, self_b,
+                max(n for _, n in resid_slots), max((n for _, n in stash_slots), default=0),
                 max((n for _, n in in_f_slots), default=0), max((n for _, n in in_b_slots), default=0),
                 frozenset(directions))
 
@@ -185,7 +186,10 @@ class Bodies(NamedTuple):
 
     forward(chunk, x) -> (y, stored): ``stored`` are the residuals B and W need, less those
     that are the chunk's own parameters (passed again rather than kept per micro-batch).
-    backward(chunk, stored, dy) -> (d chunk, dx); backward_x -> dx; backward_w -> d chunk.
+    backward(chunk, stored, dy) -> (d chunk, dx), and the same work cut in two
+    (``split_vjp``): backward_x(chunk, stored, dy) -> (dx, stash) and
+    backward_w(chunk, stored, stash) -> d chunk, the stash being what W reads of B's values
+    (the cotangents of the weights' matmuls).
     head(head_params, y, args) -> (loss, d head_params, dy).
     """
     forward: Callable
@@ -240,12 +244,10 @@ def bodies_of(layer_fn, head_fn, chunk, x, head_params, args) -> Bodies:
             argnums=(0, 1))(hp, y)
         return loss, list(dh), dy
 
-    jaxprs = Bodies(
-        forward=forward,
-        backward=jax.make_jaxpr(backward)(chunk_leaves, stored, y),
-        backward_x=jax.make_jaxpr(lambda c, st, dy: backward(c, st, dy)[1])(chunk_leaves, stored, y),
-        backward_w=jax.make_jaxpr(lambda c, st, dy: backward(c, st, dy)[0])(chunk_leaves, stored, y),
-        head=jax.make_jaxpr(head)(head_leaves, y, arg_leaves))
+    backward_jaxpr = jax.make_jaxpr(backward)(chunk_leaves, stored, y)
+    split = split_vjp(backward_jaxpr, shared=n + len(stored), weights=n)
+    jaxprs = Bodies(forward=forward, backward=backward_jaxpr, backward_x=split.b, backward_w=split.w,
+                    head=jax.make_jaxpr(head)(head_leaves, y, arg_leaves))
     if jax.tree.structure(y) != jax.tree.structure(x) or y.shape != jnp.shape(x) or y.dtype != jnp.result_type(x):
         raise ValueError(f"pipeline: a layer must map its input to the same shape and dtype; "
                          f"{jnp.result_type(x)}{list(jnp.shape(x))} became {y.dtype}{list(y.shape)}")
@@ -262,7 +264,7 @@ def callables(jaxprs: Bodies, run=jaxpr_as_fun) -> Bodies:
     n_dp = len(b.out_avals) - 1
     return Bodies(forward=flat(f, lambda o: (o[0], o[1:])),
                   backward=flat(b, lambda o: (o[:n_dp], o[n_dp])),
-                  backward_x=flat(bx, lambda o: o[0]),
+                  backward_x=flat(bx, lambda o: (o[0], o[1:])),
                   backward_w=flat(bw, lambda o: o),
                   head=flat(h, lambda o: (o[0], o[1:-1], o[-1])))
 
@@ -326,9 +328,10 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     def buffers(n, like):
         return [jnp.zeros((max(n, 1),) + tuple(a.shape), a.dtype) for a in like]
 
+    stash0 = jax.eval_shape(bodies.backward_x, chunk(0), stored0, x0)[1]
     carry = dict(
         stored=buffers(pl.n_resid, stored0),
-        grad=buffers(pl.n_grad, [x0])[0],
+        stash=buffers(pl.n_stash, stash0),
         in_f=buffers(pl.n_in_f, [x0])[0],
         in_b=buffers(pl.n_in_b, [x0])[0],
         d_stage=[jnp.zeros((v,) + g.shape, g.dtype) for g in d_chunk],
@@ -338,7 +341,7 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         out=jnp.zeros_like(x0),            # what this tick's action sends on
     )
     tables = {k: jnp.asarray(getattr(pl, k)) for k in
-              ("kind", "microbatch", "chunk", "resid_slot", "grad_slot", "in_slot", "out_dir",
+              ("kind", "microbatch", "chunk", "resid_slot", "stash_slot", "in_slot", "out_dir",
                "recv_f", "recv_b", "self_f", "self_b")}
 
     def at(buf, i):
@@ -374,15 +377,15 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         i, k = row["microbatch"], row["chunk"]
         dy = at(c["in_b"], row["in_slot"])
         stored = [at(b, row["resid_slot"]) for b in c["stored"]]
-        dx = bodies.backward_x(chunk(k), stored, dy)
-        c = dict(c, grad=put(c["grad"], row["grad_slot"], dy))
+        dx, stash = bodies.backward_x(chunk(k), stored, dy)
+        c = dict(c, stash=[put(b, row["stash_slot"], v) for b, v in zip(c["stash"], stash)])
         is_first = (me == first_stage) & (k == first_chunk)
         return dict(c, d_xs=jnp.where(is_first, put(c["d_xs"], i, dx), c["d_xs"]), out=dx)
 
     def weights(c, row):
         k = row["chunk"]
         stored = [at(b, row["resid_slot"]) for b in c["stored"]]
-        d_chunk = bodies.backward_w(chunk(k), stored, at(c["grad"], row["grad_slot"]))
+        d_chunk = bodies.backward_w(chunk(k), stored, [at(b, row["stash_slot"]) for b in c["stash"]])
         return dict(c, d_stage=accumulate(c["d_stage"], k, d_chunk), out=jnp.zeros_like(c["out"]))
 
     branches = [idle, forward, backward, weights]
@@ -615,10 +618,10 @@ def _propagate(prop, eqn):
     d_head = d_head_and_dy[:-1]
     backward, outs = run("backward", chunk + stored + [x])
     d_chunk = outs[:-1]
-    backward_x, _ = run("backward_x", chunk + stored + [x])
-    backward_w, _ = run("backward_w", chunk + stored + [x])
+    backward_x, (_, *stash) = run("backward_x", chunk + stored + [x])
+    backward_w, _ = run("backward_w", chunk + stored + stash)
     wanted = dict(forward=(x, *stored), head=(loss, *d_head, x), backward=(*d_chunk, x),
-                  backward_x=(x,), backward_w=tuple(d_chunk))
+                  backward_x=(x, *stash), backward_w=tuple(d_chunk))
     on_axis = lambda sbp: tuple(B if i == ax else s for i, s in enumerate(sbp))
     outs = ([on_axis(loss)] + [_outer(s, ax, 2, Split(0)) for s in d_chunk]
             + [on_axis(s) for s in d_head] + [_outer(x, ax, 1, B)])

@@ -1,0 +1,215 @@
+"""Split a backward pass into the input gradient (B) and the weight gradient (W).
+
+The zero-bubble schedules (Qi et al., 2023) run a layer's backward as two actions: B, the
+gradient with respect to the layer's input, which the previous stage waits for, and W, the
+gradient with respect to its weights, which nothing waits for and which fills the bubbles. Each
+must cost only its own work: a W that recomputed the input-gradient chain down to each weight
+would cost a whole backward, and in a lockstep pipeline every tick then lasts that long.
+
+``split_vjp`` cuts a backward jaxpr so that no equation runs twice. B runs every equation an
+input gradient depends on and also returns the *stash*: the values it made that W reads (for a
+matmul ``y = x @ w``, the cotangent of ``y``). W runs the rest from the shared inputs (the
+weights and the forward's residuals) and the stash. A scan — a stack of layers' backward — is
+itself cut into two scans, W's reading B's per-iteration values as stacked ``xs``; a scan's
+carry belongs to B when anything B needs depends on it. Calls (``jit``) and rematerialised
+regions (``checkpoint``: a remat layer's backward is one, recomputing the forward inside) are
+inlined first, so that they are cut too; any other equation (``cond``: an uneven stage's padding
+layer) goes whole to B when B needs one of its results (W then reads the others from the
+stash), else whole to W.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from jax.extend.core import ClosedJaxpr, Jaxpr, Var, new_jaxpr_eqn, no_effects, primitives
+
+scan_p = primitives.scan_p
+
+
+class SplitVjp(NamedTuple):
+    """b(*inputs) -> (*input gradients, *stash); w(*shared inputs, *stash) -> weight gradients."""
+    b: ClosedJaxpr
+    w: ClosedJaxpr
+    n_stash: int
+
+
+def split_vjp(backward: ClosedJaxpr, *, shared: int, weights: int) -> SplitVjp:
+    """Cut ``backward(*inputs) -> (*weight gradients, *input gradients)``: its first
+    ``weights`` results are W's, the rest B's; its first ``shared`` inputs are W's to read too
+    (the others, e.g. the output cotangent, reach W only through the stash)."""
+    jaxpr = _inline(backward.jaxpr)
+    roles = ["w"] * weights + ["b"] * (len(jaxpr.outvars) - weights)
+    available = set(jaxpr.constvars) | set(jaxpr.invars[:shared])
+    b_eqns, w_eqns, stash = _partition(jaxpr.eqns, jaxpr.outvars, roles, available)
+    b = _like(jaxpr, jaxpr.invars, jaxpr.outvars[weights:] + stash, b_eqns)
+    w = _like(jaxpr, jaxpr.invars[:shared] + stash, jaxpr.outvars[:weights], w_eqns)
+    return SplitVjp(ClosedJaxpr(b, backward.consts), ClosedJaxpr(w, backward.consts), len(stash))
+
+
+def _like(jaxpr: Jaxpr, invars, outvars, eqns) -> Jaxpr:
+    """A jaxpr with ``jaxpr``'s constants and provenance, of these inputs, results and equations."""
+    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else no_effects
+    return Jaxpr(jaxpr.constvars, invars, outvars, eqns, effects, jaxpr.debug_info.with_unknown_names())
+
+
+INLINED = ("jit", "pjit", "closed_call", "checkpoint", "remat2")
+
+
+def _inline(jaxpr: Jaxpr) -> Jaxpr:
+    """``jaxpr`` with its calls and remat regions' equations in its own list (recursively),
+    so the cut can separate them. The recomputation a remat region holds stays where B needs it:
+    no value is computed twice within a backward, only its grouping is lost."""
+    env = {}
+
+    def sub(a):
+        return env.get(a, a) if isinstance(a, Var) else a
+
+    eqns = []
+
+    def emit(e):
+        inner = _inner_jaxpr(e)
+        if inner is None:
+            eqns.append(e.replace(invars=[sub(a) for a in e.invars]))
+            return
+        inner = _inline(inner)
+        env.update({i: sub(o) for i, o in zip(inner.invars, e.invars)})
+        for q in inner.eqns:
+            emit(q)
+        env.update({o: sub(i) for o, i in zip(e.outvars, inner.outvars)})
+
+    for e in jaxpr.eqns:
+        emit(e)
+    return _like(jaxpr, jaxpr.invars, [sub(a) for a in jaxpr.outvars], eqns)
+
+
+def _inner_jaxpr(e):
+    """The open jaxpr to inline of a call or remat equation (None: keep the equation)."""
+    if e.primitive.name not in INLINED:
+        return None
+    inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+    if isinstance(inner, ClosedJaxpr):
+        return inner.jaxpr if not inner.consts else None
+    return inner
+
+
+def _vars(atoms):
+    return [a for a in atoms if isinstance(a, Var)]
+
+
+def _partition(eqns, outvars, roles, available):
+    """(B's equations, W's equations, the stash) for results tagged "b" / "w" / None (unused).
+    ``available``: the variables W reads without the stash."""
+    b_need = set(v for v, r in zip(_vars(outvars), roles) if r == "b")
+    w_need = set(v for v, r in zip(outvars, roles) if r == "w" and isinstance(v, Var))
+    b_eqns, w_eqns = [], []
+    for e in reversed(eqns):
+        in_b = [o in b_need for o in e.outvars]
+        in_w = [o in w_need and not b for o, b in zip(e.outvars, in_b)]
+        if not any(in_b) and not any(in_w):
+            continue
+        if any(in_b) and any(in_w) and e.primitive is scan_p:
+            eb, ew = _split_scan(e, in_b, in_w)
+        else:
+            eb, ew = (e, None) if any(in_b) else (None, e)
+        if eb is not None:
+            b_eqns.append(eb)
+            b_need.update(_vars(eb.invars))
+        if ew is not None:
+            w_eqns.append(ew)
+            w_need.update(_vars(ew.invars))
+    b_eqns.reverse()
+    w_eqns.reverse()
+    made_by_w = {o for e in w_eqns for o in e.outvars}
+    stash, seen = [], set()
+    for v in [a for e in w_eqns for a in _vars(e.invars)] + [v for v, r in zip(outvars, roles) if r == "w"]:
+        if isinstance(v, Var) and v not in made_by_w and v not in available and v not in seen:
+            seen.add(v)
+            stash.append(v)
+    return b_eqns, w_eqns, stash
+
+
+def _needed_carries(body: Jaxpr, n_consts, n_carry, b_out):
+    """The body's results B needs: ``b_out`` closed under the carries those depend on."""
+    b_out = list(b_out)
+    carry_in = body.invars[n_consts:n_consts + n_carry]
+    while True:
+        need = set(v for v, b in zip(_vars(body.outvars), b_out) if b)
+        for e in reversed(body.eqns):
+            if any(o in need for o in e.outvars):
+                need.update(_vars(e.invars))
+        grown = [b or v in need for b, v in zip(b_out[:n_carry], carry_in)] + b_out[n_carry:]
+        if grown == b_out:
+            return b_out
+        b_out = grown
+
+
+def _split_scan(e, in_b, in_w):
+    """A scan cut into B's scan (its results B needs, plus per-iteration stash as extra ys)
+    and W's scan (the rest, reading the stash as extra xs); (B's, None) when W has nothing."""
+    closed: ClosedJaxpr = e.params["jaxpr"]
+    body = _inline(closed.jaxpr)
+    n_consts, n_carry = e.params["num_consts"], e.params["num_carry"]
+    length = e.params["length"]
+    b_out = _needed_carries(body, n_consts, n_carry, in_b)
+    carry_b = b_out[:n_carry]
+    roles = ["b" if b else "w" if (i < n_carry or in_w[i]) else None for i, b in enumerate(b_out)]
+    if "w" not in roles:
+        return e, None
+    consts = body.invars[:n_consts]
+    carries = body.invars[n_consts:n_consts + n_carry]
+    xs = body.invars[n_consts + n_carry:]
+    w_carries = [c for c, b in zip(carries, carry_b) if not b]
+    available = set(body.constvars) | set(consts) | set(xs) | set(w_carries)
+    b_eqns, w_eqns, stash = _partition(body.eqns, body.outvars, roles, available)
+
+    def reads(eqns, outs):
+        return set(_vars(a for q in eqns for a in q.invars)) | set(_vars(outs))
+
+    def pick(inner, outer, used):                 # the (inner, outer) operands one side reads
+        kept = [(i, o) for i, o in zip(inner, outer) if i in used]
+        return [i for i, _ in kept], [o for _, o in kept]
+
+    outer_consts = e.invars[:n_consts]
+    outer_carries = e.invars[n_consts:n_consts + n_carry]
+    outer_xs = e.invars[n_consts + n_carry:]
+    outs_carry, outs_ys = e.outvars[:n_carry], e.outvars[n_carry:]
+    body_carry_out, body_ys = body.outvars[:n_carry], body.outvars[n_carry:]
+    ys_roles = roles[n_carry:]
+
+    # B's scan: its carries, the ys B needs, and the stash stacked over iterations.
+    b_body_outs = ([v for v, b in zip(body_carry_out, carry_b) if b]
+                   + [v for v, r in zip(body_ys, ys_roles) if r == "b"] + stash)
+    b_used = reads(b_eqns, b_body_outs)
+    b_consts, b_outer_consts = pick(consts, outer_consts, b_used)
+    b_xs, b_outer_xs = pick(xs, outer_xs, b_used)
+    b_carries = [c for c, b in zip(carries, carry_b) if b]
+    stacked = [Var(v.aval.update(shape=(length,) + v.aval.shape)) for v in stash]
+    b_body = _like(body, b_consts + b_carries + b_xs, b_body_outs, b_eqns)
+    eb = new_jaxpr_eqn(
+        b_outer_consts + [o for o, b in zip(outer_carries, carry_b) if b] + b_outer_xs,
+        [o for o, b in zip(outs_carry, carry_b) if b] + [o for o, r in zip(outs_ys, ys_roles) if r == "b"] + stacked,
+        scan_p, _scan_params(e.params, ClosedJaxpr(b_body, closed.consts), len(b_consts), len(b_carries),
+                             len(b_consts) + len(b_carries) + len(b_xs)),
+        e.effects, e.source_info)
+
+    # W's scan: the other carries and the ys W needs, from the stash as extra xs.
+    w_body_outs = ([v for v, b in zip(body_carry_out, carry_b) if not b]
+                   + [v for v, r in zip(body_ys, ys_roles) if r == "w"])
+    w_used = reads(w_eqns, w_body_outs)
+    w_consts, w_outer_consts = pick(consts, outer_consts, w_used)
+    w_xs, w_outer_xs = pick(xs, outer_xs, w_used)
+    w_body = _like(body, w_consts + w_carries + w_xs + stash, w_body_outs, w_eqns)
+    ew = new_jaxpr_eqn(
+        w_outer_consts + [o for o, b in zip(outer_carries, carry_b) if not b] + w_outer_xs + stacked,
+        [o for o, b in zip(outs_carry, carry_b) if not b] + [o for o, r in zip(outs_ys, ys_roles) if r == "w"],
+        scan_p, _scan_params(e.params, ClosedJaxpr(w_body, closed.consts), len(w_consts), len(w_carries),
+                             len(w_body.invars)),
+        e.effects, e.source_info)
+    return eb, ew
+
+
+def _scan_params(params, jaxpr, num_consts, num_carry, n_operands):
+    new = dict(params, jaxpr=jaxpr, num_consts=num_consts, num_carry=num_carry)
+    if "linear" in params:                       # jax versions whose scan still records it
+        new["linear"] = (False,) * n_operands
+    return new

@@ -1,0 +1,127 @@
+"""split_vjp cuts a backward into B (input gradient + stash) and W (weight gradient): together
+they compute the backward's numbers, and no equation runs twice — W holds only the weight
+gradients' matmuls, B only the input gradient's."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.extend.core import jaxpr_as_fun
+
+from shardflow.split_vjp import split_vjp
+
+d = 16
+
+
+def mlp(w, h):
+    return jnp.tanh(h @ w["w"] + w["b"]) @ w["v"]
+
+
+def gated(w, h):           # two matmuls sharing an input, a norm scale: Llama's MLP in small
+    n = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * w["scale"]
+    return h + (jax.nn.silu(n @ w["w"]) * (n @ w["b"])) @ w["v"]
+
+
+def remat(w, h):
+    return jax.checkpoint(gated)(w, h)
+
+
+def masked(w, h):          # an uneven stage's padding layer: predication by lax.cond
+    return jax.lax.cond(w["b"][0] > -10, lambda: mlp(w, h), lambda: h)
+
+
+def nested(w, h):          # a layer that is itself a scan over two sub-steps
+    return jax.lax.scan(lambda h, _: (mlp(w, h), None), h, None, length=2)[0]
+
+
+SHARED = jnp.full((d, d), 0.1, jnp.float32)
+
+
+def closes_over(w, h):     # a weight shared by every layer: its gradient sums in a scan carry
+    return mlp(w, h) @ SHARED + h
+
+
+# name: (layer, matmuls per layer in W, in B). W: one per weight. B: one per matmul the input
+# gradient passes; under remat also the two of the forward it recomputes (n @ w, n @ b); a layer
+# under lax.cond stays whole in B (cond is not cut), its weight gradients with it.
+LAYERS = dict(mlp=(mlp, 2, 2), gated=(gated, 3, 3), remat=(remat, 3, 3 + 2), masked=(masked, 0, 2 + 2),
+              nested=(nested, 4, 4), closes_over=(closes_over, 2, 3))
+
+
+def params(n_layers, seed=0):
+    r = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(r.standard_normal((n_layers,) + shape) / 4, jnp.float32)
+    return {"w": normal(d, 2 * d), "b": normal(d, 2 * d), "v": normal(2 * d, d), "scale": 1 + normal(d)}
+
+
+def backward_of(layer, stack, x):
+    """backward(stack leaves, residuals, dy) -> (d stack leaves, dx) as pipelining traces it."""
+    leaves, tree = jax.tree.flatten(stack)
+
+    def stage(leaves, x):
+        return jax.lax.scan(lambda h, w: (layer(w, h), None), x, jax.tree.unflatten(tree, leaves))[0]
+
+    y, vjp = jax.vjp(stage, leaves, x)
+    residuals, vjp_tree = jax.tree.flatten(vjp)
+
+    def backward(residuals, dy):
+        d_leaves, dx = jax.tree.unflatten(vjp_tree, residuals)(dy)
+        return list(d_leaves), dx
+
+    return jax.make_jaxpr(backward)(residuals, y), residuals, y, len(leaves)
+
+
+def count(jaxpr, name, trips=1):
+    """How many times primitive ``name`` runs, scans counted per iteration."""
+    n = 0
+    for e in jaxpr.eqns:
+        n += trips * (e.primitive.name == name)
+        inner_trips = trips * e.params["length"] if e.primitive.name == "scan" else trips
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            n += count(sub, name, inner_trips)
+    return n
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_b_then_w_is_the_backward_and_nothing_runs_twice(name):
+    layer, w_dots, b_dots = LAYERS[name]
+    stack = params(3)
+    if name not in ("gated", "remat"):
+        stack = {"w": stack["w"], "b": stack["b"][:, 0], "v": stack["v"]}
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, d)), jnp.float32)
+    backward, residuals, y, n = backward_of(layer, stack, x)
+    split = split_vjp(backward, shared=len(residuals), weights=n)
+    dy = jnp.asarray(np.random.default_rng(2).standard_normal(y.shape), jnp.float32)
+
+    want = jaxpr_as_fun(backward)(*residuals, dy)
+    dx, *stash = jaxpr_as_fun(split.b)(*residuals, dy)
+    d_leaves = jaxpr_as_fun(split.w)(*residuals, *stash)
+    assert len(stash) == split.n_stash > 0
+    for a, b in zip(want, list(d_leaves) + [dx]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+    dots = {j: count(x.jaxpr, "dot_general") for j, x in (("all", backward), ("b", split.b), ("w", split.w))}
+    assert dots["b"] + dots["w"] == dots["all"]
+    assert (dots["w"], dots["b"]) == (3 * w_dots, 3 * b_dots)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_llama_block_splits_into_its_seven_input_and_seven_weight_matmuls(remat):
+    """The model's own layer as sf.pipeline traces it: W runs the 7 weight-gradient matmuls
+    of each block (q, k, v, o, gate, up, down) and nothing of the input gradient."""
+    from shardflow import models, pipelining
+    from shardflow.models.pipeline import layer_step
+    from test_models import SMALL_LLAMA
+
+    fields = {k: v for k, v in SMALL_LLAMA.items() if k not in ("preset", "n_layers")}
+    cfg = models.preset(SMALL_LLAMA["preset"], **fields, n_layers=2, remat=remat)
+    model = models.build(cfg)
+    graphdef, layers = nnx.split(model.layers)
+    cos, sin = models.llama.rope_tables(8, cfg.head_dim, cfg.rope_theta)
+    step = layer_step(graphdef, remat, cos, sin)
+    x = jax.ShapeDtypeStruct((2, 8, cfg.d_model), jnp.float32)
+    bodies = pipelining.bodies_of(lambda layer, h: step(h, layer), lambda hp, y, a: jnp.sum(y), layers,
+                                  x, (), ())
+    w_dots, b_dots = count(bodies.backward_w.jaxpr, "dot_general"), count(bodies.backward_x.jaxpr, "dot_general")
+    assert w_dots == 2 * 7
+    assert b_dots + w_dots == count(bodies.backward.jaxpr, "dot_general")
