@@ -2,7 +2,8 @@
 
 Every device of the pipeline axis runs the same program. At each tick it looks up its action in
 the schedule's table (by its index on the axis) — forward (F), backward for inputs (B), backward
-for weights (W) or idle — and runs it through ``lax.switch``; activations and their gradients
+for weights (W) or idle — and runs it (each action a loop of 0 or 1 trips, which XLA updates in
+place, where a ``lax.switch`` would copy every buffer every tick); activations and their gradients
 move to the neighbouring stage by ``ppermute`` between ticks. The pipelined loss owns its
 gradient: F on the last virtual stage also runs the head and the loss and its backward, so a
 micro-batch's B can start while later micro-batches are still in their forwards (1F1B and the
@@ -82,7 +83,6 @@ class Plan(NamedTuple):
     resid_slot: np.ndarray    # F stores the stage's residuals here, B and W read them
     stash_slot: np.ndarray    # B stores what W reads of its values (split_vjp's stash) here
     in_slot: np.ndarray       # F reads its input / B its output gradient from this inbox slot
-    out_dir: np.ndarray       # where the action's result goes: -1 nowhere, 1 next stage, 2 previous, 3 itself
     recv_f: np.ndarray        # [T + 1, s, 2] inbox-F slot for what arrives from (previous, next) stage
     recv_b: np.ndarray        # [T + 1, s, 2] inbox-B slot likewise
     self_f: np.ndarray        # [T, s] inbox-F slot for this stage's own forward output (V turn)
@@ -103,7 +103,7 @@ def plan(table: Schedule) -> Plan:
     last = p * v - 1
     T = len(table.actions)
     shape = (T, p)
-    kind, mb, ch, in_slot, out_dir = (np.full(shape, -1, np.int32) for _ in range(5))
+    kind, mb, ch, in_slot = (np.full(shape, -1, np.int32) for _ in range(4))
     kind[:] = IDLE
     ran = {}                                   # (kind, mb, virtual stage) -> tick
     for t, row in enumerate(table.actions):
@@ -166,7 +166,6 @@ def plan(table: Schedule) -> Plan:
     for t, s, kd, i, k in sends:
         ds, _ = where[k]
         d = direction(s, ds)
-        out_dir[t, s] = d
         inbox = in_f_slots if kd == "F" else in_b_slots
         slot = inbox[ds][0][(i, k)]
         if d == 3:
@@ -175,7 +174,7 @@ def plan(table: Schedule) -> Plan:
         directions.add(f"{kd.lower()}_{'next' if d == 1 else 'prev'}")
         # arriving from the previous stage (sent "next") lands in column 0, from the next in 1
         (recv_f if kd == "F" else recv_b)[t + 1, ds, 0 if d == 1 else 1] = slot
-    return Plan(kind, mb, ch, resid_slot, stash_slot, in_slot, out_dir, recv_f, recv_b, self_f, self_b,
+    return Plan(kind, mb, ch, resid_slot, stash_slot, in_slot, recv_f, recv_b, self_f, self_b,
                 max(n for _, n in resid_slots), max((n for _, n in stash_slots), default=0),
                 max((n for _, n in in_f_slots), default=0), max((n for _, n in in_b_slots), default=0),
                 frozenset(directions))
@@ -325,92 +324,97 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     stored0 = jax.eval_shape(bodies.forward, chunk(0), x0)[1]
     d_chunk, d_hp = _gradient_shapes(bodies, chunk(0), x0, head_params, [a[0] for a in args])
 
-    def buffers(n, like):
-        return [jnp.zeros((max(n, 1),) + tuple(a.shape), a.dtype) for a in like]
+    def buffers(n, like, spare=0):
+        return [jnp.zeros((max(n, 1) + spare,) + tuple(a.shape), a.dtype) for a in like]
 
     stash0 = jax.eval_shape(bodies.backward_x, chunk(0), stored0, x0)[1]
     carry = dict(
         stored=buffers(pl.n_resid, stored0),
         stash=buffers(pl.n_stash, stash0),
-        in_f=buffers(pl.n_in_f, [x0])[0],
-        in_b=buffers(pl.n_in_b, [x0])[0],
+        in_f=buffers(pl.n_in_f, [x0], spare=1)[0],     # the last slot takes writes to nowhere
+        in_b=buffers(pl.n_in_b, [x0], spare=1)[0],
         d_stage=[jnp.zeros((v,) + g.shape, g.dtype) for g in d_chunk],
         d_head=[jnp.zeros(g.shape, g.dtype) for g in d_hp],
-        d_xs=jnp.zeros_like(xs),
+        d_xs=buffers(m, [x0], spare=1)[0],
         loss=jnp.zeros((), jnp.float32),
-        out=jnp.zeros_like(x0),            # what this tick's action sends on
+        out=jnp.zeros_like(x0),            # what this tick's action sends on (read only where sent)
     )
     tables = {k: jnp.asarray(getattr(pl, k)) for k in
-              ("kind", "microbatch", "chunk", "resid_slot", "stash_slot", "in_slot", "out_dir",
+              ("kind", "microbatch", "chunk", "resid_slot", "stash_slot", "in_slot",
                "recv_f", "recv_b", "self_f", "self_b")}
 
     def at(buf, i):
         return lax.dynamic_index_in_dim(buf, jnp.maximum(i, 0), keepdims=False)
 
     def put(buf, i, value):
-        return lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), jnp.maximum(i, 0), 0)
+        """``buf`` with ``value`` at ``i``; at its spare last slot where ``i`` is -1."""
+        i = jnp.where(i >= 0, i, buf.shape[0] - 1)
+        return lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
 
-    def put_where(buf, i, value):
-        """``buf`` with ``value`` at ``i``, unchanged where ``i`` is -1."""
-        return jnp.where(i >= 0, put(buf, i, value), buf)
+    def when(pred, fn, c, keys):
+        """``c`` with its entries ``keys`` replaced by ``fn`` of them where ``pred``. A loop of 0
+        or 1 trips, not a conditional: XLA updates a loop's state in place, where a conditional
+        copies every buffer its branches pass through — all of them, every tick."""
+        part = {k: c[k] for k in keys}
+        _, part = lax.while_loop(lambda s: s[0] < pred.astype(jnp.int32), lambda s: (s[0] + 1, fn(s[1])),
+                                 (jnp.int32(0), part))
+        return dict(c, **part)
 
-    def accumulate(d_stage, k, d_chunk):
-        return [put(d, k, at(d, k) + g) for d, g in zip(d_stage, d_chunk)]
-
-    def idle(c, row):
-        return dict(c, out=jnp.zeros_like(c["out"]))
-
-    def forward(c, row):
+    def forward(row, c):
         i, k = row["microbatch"], row["chunk"]
         is_first = (me == first_stage) & (k == first_chunk)
         x = jnp.where(is_first, at(xs, i), at(c["in_f"], row["in_slot"]))
         y, stored = bodies.forward(chunk(k), x)
-        c = dict(c, stored=[put(b, row["resid_slot"], r) for b, r in zip(c["stored"], stored)], out=y)
+        return dict(stored=[put(b, row["resid_slot"], r) for b, r in zip(c["stored"], stored)], out=y)
 
-        def head(c):
-            loss, dh, dy = bodies.head(list(head_params), y, [at(a, i) for a in args])
-            return dict(c, loss=c["loss"] + loss, d_head=[a + b for a, b in zip(c["d_head"], dh)],
-                        in_b=put(c["in_b"], row["self_b"], dy))
-        return lax.cond((me == last_stage) & (k == last_chunk), head, lambda c: c, c)
+    def head(row, c):
+        loss, dh, dy = bodies.head(list(head_params), c["out"], [at(a, row["microbatch"]) for a in args])
+        return dict(loss=c["loss"] + loss, d_head=[a + b for a, b in zip(c["d_head"], dh)],
+                    in_b=put(c["in_b"], row["self_b"], dy))
 
-    def backward(c, row):
+    def backward(row, c):
         i, k = row["microbatch"], row["chunk"]
         dy = at(c["in_b"], row["in_slot"])
         stored = [at(b, row["resid_slot"]) for b in c["stored"]]
         dx, stash = bodies.backward_x(chunk(k), stored, dy)
-        c = dict(c, stash=[put(b, row["stash_slot"], v) for b, v in zip(c["stash"], stash)])
         is_first = (me == first_stage) & (k == first_chunk)
-        return dict(c, d_xs=jnp.where(is_first, put(c["d_xs"], i, dx), c["d_xs"]), out=dx)
+        return dict(stash=[put(b, row["stash_slot"], v) for b, v in zip(c["stash"], stash)],
+                    d_xs=put(c["d_xs"], jnp.where(is_first, i, -1), dx), out=dx)
 
-    def weights(c, row):
+    def weights(row, c):
         k = row["chunk"]
         stored = [at(b, row["resid_slot"]) for b in c["stored"]]
         d_chunk = bodies.backward_w(chunk(k), stored, [at(b, row["stash_slot"]) for b in c["stash"]])
-        return dict(c, d_stage=accumulate(c["d_stage"], k, d_chunk), out=jnp.zeros_like(c["out"]))
+        return dict(d_stage=[put(d, k, at(d, k) + g) for d, g in zip(c["d_stage"], d_chunk)])
 
-    branches = [idle, forward, backward, weights]
     shifts = (("next", [(j, (j + 1) % p) for j in range(p)]), ("prev", [(j, (j - 1) % p) for j in range(p)]))
 
     def tick(c, t):
         row = {k: tab[t, me] for k, tab in tables.items()}
-        c = lax.switch(row["kind"], branches, c, row)
-        is_f, out = row["kind"] == FORWARD, c["out"]
+        kind = row["kind"]
+        read = lambda fn: lambda part: fn(row, dict(c, **part))     # the other entries as they are now
+        c = when(kind == FORWARD, read(forward), c, ("stored", "out"))
+        c = when((kind == FORWARD) & (me == last_stage) & (row["chunk"] == last_chunk), read(head), c,
+                 ("loss", "d_head", "in_b"))
+        c = when(kind == BACKWARD, read(backward), c, ("stash", "d_xs", "out"))
+        c = when(kind == WEIGHTS, read(weights), c, ("d_stage",))
+        is_f, out = kind == FORWARD, c["out"]
         # A hand-off to itself (the turn of a V) goes straight into this stage's inbox; a
         # forward's self_b slot was the head's, already filled.
-        c = dict(c, in_f=put_where(c["in_f"], jnp.where(is_f, row["self_f"], -1), out),
-                 in_b=put_where(c["in_b"], jnp.where(is_f, -1, row["self_b"]), out))
+        c = dict(c, in_f=put(c["in_f"], jnp.where(is_f, row["self_f"], -1), out),
+                 in_b=put(c["in_b"], jnp.where(is_f, -1, row["self_b"]), out))
         for col, (direction, perm) in enumerate(shifts):
             if not any(d.endswith(direction) for d in pl.directions):
                 continue
-            sent = lax.ppermute(jnp.where(row["out_dir"] == col + 1, out, jnp.zeros_like(out)), axis, perm)
-            c = dict(c, in_f=put_where(c["in_f"], tables["recv_f"][t + 1, me, col], sent),
-                     in_b=put_where(c["in_b"], tables["recv_b"][t + 1, me, col], sent))
+            sent = lax.ppermute(out, axis, perm)
+            c = dict(c, in_f=put(c["in_f"], tables["recv_f"][t + 1, me, col], sent),
+                     in_b=put(c["in_b"], tables["recv_b"][t + 1, me, col], sent))
         return c, None
 
     c, _ = lax.scan(tick, carry, jnp.arange(T))
     loss = lax.psum(c["loss"], axis) / m
     d_head = [lax.psum(g, axis) / m for g in c["d_head"]]
-    d_xs = lax.psum(c["d_xs"], axis) / m
+    d_xs = lax.psum(c["d_xs"][:m], axis) / m
     d_stage = [(g / m)[None] for g in c["d_stage"]]
     return loss, d_stage, d_head, d_xs
 
