@@ -52,7 +52,10 @@ def logical_axes(**axes_by_param: Sequence[str | None]):
 # "pipe" (pipeline stages: the stacked layers' depth dim). Logical axes absent from a table are
 # replicated.
 _TP = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
-_PP = {STACKED_AXIS: "pipe"}
+# The pipeline's head (final norm, output projection, loss) runs on every stage at once, so its
+# vocab dim goes over the stages too: each computes 1/p of the logits instead of the last stage
+# all of them (at 1b the head is a fifth of the weights: whole on one stage, every tick waits).
+_PP = {STACKED_AXIS: "pipe", "vocab": "pipe"}
 RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     "dp": {"batch": "data"},
     "fsdp": {"batch": "data", "embed": "data"},
@@ -66,19 +69,23 @@ RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     # when a pipeline is configured (with_pipeline); these name the meshes without a data axis.
     "pp": dict(_PP),
     "pp_dp": {"batch": "data", **_PP},
-    "pp_tp": {**_TP, **_PP},
+    "pp_tp": {**_TP, **_PP, "vocab": ("pipe", "model")},
 }
 
 
 def with_pipeline(rules: Rules, axis: str = "pipe") -> dict:
     """``rules`` with the stacked layers' depth dim on mesh axis ``axis`` (the pipeline's
-    stages); a ValueError where the table already puts it elsewhere."""
+    stages) and the vocab dim over it as well, outermost (the head runs on every stage); a
+    ValueError where the table already puts the layers elsewhere."""
     rules = dict(rules)
     current = rules.get(STACKED_AXIS)
     if current not in (None, axis):
         raise ValueError(f"the rules put the stacked layers ({STACKED_AXIS!r}) on {current!r}, "
                          f"but the pipeline's stages are mesh axis {axis!r}")
     rules[STACKED_AXIS] = axis
+    vocab = _mesh_axes_of(rules.get("vocab"))
+    if axis not in vocab:
+        rules["vocab"] = (axis, *vocab) if vocab else axis
     return rules
 
 

@@ -64,3 +64,18 @@ def prng_impl_name(dtype) -> str | None:
     from its aval (jax.random.key_impl needs an array): shardflow's random_bits lowering
     reproduces only threefry2x32's counter-based bits."""
     return getattr(getattr(dtype, "_impl", None), "name", None)
+
+
+def scan_params(params, jaxpr, *, consts: int, carries: int, xs: int, ys: int) -> dict:
+    """A scan equation's params for a new body ``jaxpr`` of these operand and result groups,
+    the others (length, reverse, unroll) as in ``params``."""
+    new = dict(params, jaxpr=jaxpr)
+    if "num_consts" in params:
+        new.update(num_consts=consts, num_carry=carries)
+        if "linear" in params:
+            new["linear"] = (False,) * (consts + carries + xs)
+        return new
+    from jax._src import flattree as ft
+    new.update(ft_in=ft.pack((ft.nones(consts), ft.nones(carries), ft.nones(xs))),
+               ft_out=ft.pack((ft.nones(carries), ft.nones(ys))))
+    return new

@@ -367,8 +367,10 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         y, stored = bodies.forward(chunk(k), x)
         return dict(stored=[put(b, row["resid_slot"], r) for b, r in zip(c["stored"], stored)], out=y)
 
-    def head(row, c):
-        loss, dh, dy = bodies.head(list(head_params), c["out"], [at(a, row["microbatch"]) for a in args])
+    def head(row, c):       # on every device: y from the last stage; dy to it
+        y = lax.psum(jnp.where(me == last_stage, c["out"], jnp.zeros_like(c["out"])), axis)
+        i = tables["microbatch"][row["t"], last_stage]
+        loss, dh, dy = bodies.head(list(head_params), y, [at(a, i) for a in args])
         return dict(loss=c["loss"] + loss, d_head=[a + b for a, b in zip(c["d_head"], dh)],
                     in_b=put(c["in_b"], row["self_b"], dy))
 
@@ -387,17 +389,21 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         d_chunk = bodies.backward_w(chunk(k), stored, [at(b, row["stash_slot"]) for b in c["stash"]])
         return dict(d_stage=[put(d, k, at(d, k) + g) for d, g in zip(c["d_stage"], d_chunk)])
 
+    # the ticks whose last virtual stage's forward ends in the head (the same on every device)
+    head_ticks = jnp.asarray((pl.kind[:, last_stage] == FORWARD) & (pl.chunk[:, last_stage] == last_chunk))
     shifts = (("next", [(j, (j + 1) % p) for j in range(p)]), ("prev", [(j, (j - 1) % p) for j in range(p)]))
 
     def tick(c, t):
-        row = {k: tab[t, me] for k, tab in tables.items()}
+        row = dict({k: tab[t, me] for k, tab in tables.items()}, t=t)
         kind = row["kind"]
         read = lambda fn: lambda part: fn(row, dict(c, **part))     # the other entries as they are now
         c = when(kind == FORWARD, read(forward), c, ("stored", "out"))
-        c = when((kind == FORWARD) & (me == last_stage) & (row["chunk"] == last_chunk), read(head), c,
-                 ("loss", "d_head", "in_b"))
         c = when(kind == BACKWARD, read(backward), c, ("stash", "d_xs", "out"))
         c = when(kind == WEIGHTS, read(weights), c, ("d_stage",))
+        # The head last: every device waits in its collectives for the last stage's forward,
+        # so a device's own action before it runs alongside that forward, after it would not
+        # (a tick as long as two actions). Its dy is read at a later tick.
+        c = when(head_ticks[t], read(head), c, ("loss", "d_head", "in_b"))
         is_f, out = kind == FORWARD, c["out"]
         # A hand-off to itself (the turn of a V) goes straight into this stage's inbox; a
         # forward's self_b slot was the head's, already filled.
@@ -412,8 +418,8 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         return c, None
 
     c, _ = lax.scan(tick, carry, jnp.arange(T))
-    loss = lax.psum(c["loss"], axis) / m
-    d_head = [lax.psum(g, axis) / m for g in c["d_head"]]
+    loss = c["loss"] / m
+    d_head = [g / m for g in c["d_head"]]
     d_xs = lax.psum(c["d_xs"][:m], axis) / m
     d_stage = [(g / m)[None] for g in c["d_stage"]]
     return loss, d_stage, d_head, d_xs
@@ -604,7 +610,9 @@ def _propagate(prop, eqn):
                              f"{prop.mesh.devices.shape[ax]} devices")
     stage, head, xs, args = _groups(params, [prop.of(a) for a in eqn.invars])
     stage = [_operand(s, ax, 2, Split(0)) for s in stage]
-    head = [_operand(s, ax, 0, B) for s in head]
+    # The head runs on every device of the axis at once, split as its parameters are (a vocab
+    # split over the stages shares the head's work out); replicated parameters run it whole.
+    head = [_operand(s, ax, 0, s[ax] if ax is not None and isinstance(s[ax], Split) else B) for s in head]
     xs = _operand(xs, ax, 1, B)
     args = [_operand(s, ax, 1, B) for s in args]
     chunk = [_inner(s, ax, 2) for s in stage]
@@ -612,23 +620,23 @@ def _propagate(prop, eqn):
     bodies = _bodies_param(params)
 
     def run(name, in_sbp):
-        if ax is None:
+        if ax is None or name == "head":
             return prop.run_body(open_jaxpr(params[name]), in_sbp, src)
         with prop.holding(ax):
             return prop.run_body(open_jaxpr(params[name]), in_sbp, src)
 
     forward, (_, *stored) = run("forward", chunk + [x])
-    head_body, (loss, *d_head_and_dy) = run("head", [_inner(s, ax, 0) for s in head] + [x] + [_inner(s, ax, 1) for s in args])
-    d_head = d_head_and_dy[:-1]
+    head_body, (loss, *d_head_and_dy) = run("head", head + [x] + [_inner(s, ax, 1) for s in args])
+    on_axis = lambda sbp, entry=B: sbp if ax is None else tuple(entry if i == ax else s for i, s in enumerate(sbp))
+    loss = on_axis(loss)
+    d_head = [on_axis(d, h[ax] if ax is not None else B) for d, h in zip(d_head_and_dy[:-1], head)]
     backward, outs = run("backward", chunk + stored + [x])
     d_chunk = outs[:-1]
     backward_x, (_, *stash) = run("backward_x", chunk + stored + [x])
     backward_w, _ = run("backward_w", chunk + stored + stash)
     wanted = dict(forward=(x, *stored), head=(loss, *d_head, x), backward=(*d_chunk, x),
                   backward_x=(x, *stash), backward_w=tuple(d_chunk))
-    on_axis = lambda sbp: tuple(B if i == ax else s for i, s in enumerate(sbp))
-    outs = ([on_axis(loss)] + [_outer(s, ax, 2, Split(0)) for s in d_chunk]
-            + [on_axis(s) for s in d_head] + [_outer(x, ax, 1, B)])
+    outs = [loss] + [_outer(s, ax, 2, Split(0)) for s in d_chunk] + d_head + [_outer(x, ax, 1, B)]
     decision = Decision(tuple(stage + head + [xs] + args), tuple(outs),
                         bodies=tuple((name, wanted[name]) for name in Bodies._fields))
     rebody = lambda old, new: old.replace(jaxpr=new)
@@ -651,30 +659,30 @@ def _lower(local, eqn, ins):
 
 
 def _comm(eqn, ins, sigs, mesh):
-    """Per tick, one ppermute of an activation-sized block per direction the table uses; at the
-    end, the all-reduces over the stages of the loss, the head's gradient and d xs."""
+    """Per tick, one ppermute of an activation-sized block per direction the table uses; per
+    micro-batch, the last stage's output summed onto every device for the head (whose own
+    collectives explain lists in its body); at the end, d xs summed over the stages."""
     params = eqn.params
     table, axis = params["table"], params["axis"]
     if axis not in mesh.axis_names or table.stages == 1:
         return []
     ax = mesh.axis_names.index(axis)
-    stage, head, xs, _ = _groups(params, list(eqn.invars))
-    _, head_sbp, xs_sbp, _ = _groups(params, list(ins))
+    _, _, xs, _ = _groups(params, list(eqn.invars))
+    _, _, xs_sbp, _ = _groups(params, list(ins))
     x = jax.core.ShapedArray(xs.aval.shape[1:], xs.aval.dtype)
+    n = mesh.devices.shape[ax]
 
-    def nbytes(aval, sbp):
-        return math.prod(local_shape(aval.shape, sbp, mesh)) * aval.dtype.itemsize
+    def all_reduce(aval, sbp):
+        return Step("all_reduce", (axis,), value=aval,
+                    bytes=int(2 * (n - 1) / n * math.prod(local_shape(aval.shape, sbp, mesh)) * aval.dtype.itemsize))
 
-    block = nbytes(x, _inner(xs_sbp, ax, 1))
+    block = math.prod(local_shape(x.shape, _inner(xs_sbp, ax, 1), mesh)) * x.dtype.itemsize
     pl = plan(table)
     ticks, used = pl.kind.shape[0], {d.split("_")[1] for d in pl.directions}
-    steps = [Step("ppermute", (axis,), bytes=block, value=x)] * (ticks * len(used))
-    n = mesh.devices.shape[ax]
-    for v, sbp in [(xs, xs_sbp)] + list(zip(head, head_sbp)):
-        steps.append(Step("all_reduce", (axis,), bytes=int(2 * (n - 1) / n * nbytes(v.aval, sbp)), value=v.aval))
-    return steps
+    return ([Step("ppermute", (axis,), bytes=block, value=x)] * (ticks * len(used))
+            + [all_reduce(x, _inner(xs_sbp, ax, 1))] * table.microbatches + [all_reduce(xs.aval, xs_sbp)])
 
 
 defrule(pipeline_p, propagate=_propagate, lower=_lower, comm=_comm,
-        comm_reason="passes activations and gradients between stages and sums its results over them",
+        comm_reason="passes activations and gradients between stages, gives the head the last stage's output, sums d xs",
         trips=lambda eqn: eqn.params["table"].microbatches * eqn.params["table"].chunks)

@@ -23,6 +23,9 @@ from typing import NamedTuple
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var, new_jaxpr_eqn, no_effects, primitives
 
+from shardflow._compat import scan_params
+from shardflow.program import scan_arity
+
 scan_p = primitives.scan_p
 
 
@@ -148,7 +151,7 @@ def _split_scan(e, in_b, in_w):
     and W's scan (the rest, reading the stash as extra xs); (B's, None) when W has nothing."""
     closed: ClosedJaxpr = e.params["jaxpr"]
     body = _inline(closed.jaxpr)
-    n_consts, n_carry = e.params["num_consts"], e.params["num_carry"]
+    n_consts, n_carry = scan_arity(e.params)
     length = e.params["length"]
     b_out = _needed_carries(body, n_consts, n_carry, in_b)
     carry_b = b_out[:n_carry]
@@ -188,8 +191,8 @@ def _split_scan(e, in_b, in_w):
     eb = new_jaxpr_eqn(
         b_outer_consts + [o for o, b in zip(outer_carries, carry_b) if b] + b_outer_xs,
         [o for o, b in zip(outs_carry, carry_b) if b] + [o for o, r in zip(outs_ys, ys_roles) if r == "b"] + stacked,
-        scan_p, _scan_params(e.params, ClosedJaxpr(b_body, closed.consts), len(b_consts), len(b_carries),
-                             len(b_consts) + len(b_carries) + len(b_xs)),
+        scan_p, scan_params(e.params, ClosedJaxpr(b_body, closed.consts), consts=len(b_consts),
+                            carries=len(b_carries), xs=len(b_xs), ys=len(b_body_outs) - len(b_carries)),
         e.effects, e.source_info)
 
     # W's scan: the other carries and the ys W needs, from the stash as extra xs.
@@ -202,14 +205,8 @@ def _split_scan(e, in_b, in_w):
     ew = new_jaxpr_eqn(
         w_outer_consts + [o for o, b in zip(outer_carries, carry_b) if not b] + w_outer_xs + stacked,
         [o for o, b in zip(outs_carry, carry_b) if not b] + [o for o, r in zip(outs_ys, ys_roles) if r == "w"],
-        scan_p, _scan_params(e.params, ClosedJaxpr(w_body, closed.consts), len(w_consts), len(w_carries),
-                             len(w_body.invars)),
+        scan_p, scan_params(e.params, ClosedJaxpr(w_body, closed.consts), consts=len(w_consts),
+                            carries=len(w_carries), xs=len(w_xs) + len(stash), ys=len(w_body_outs) - len(w_carries)),
         e.effects, e.source_info)
     return eb, ew
 
-
-def _scan_params(params, jaxpr, num_consts, num_carry, n_operands):
-    new = dict(params, jaxpr=jaxpr, num_consts=num_consts, num_carry=num_carry)
-    if "linear" in params:                       # jax versions whose scan still records it
-        new["linear"] = (False,) * n_operands
-    return new
