@@ -404,7 +404,12 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         # so a device's own action before it runs alongside that forward, after it would not
         # (a tick as long as two actions). Its dy is read at a later tick.
         c = when(head_ticks[t], read(head), c, ("loss", "d_head", "in_b"))
-        is_f, out = kind == FORWARD, c["out"]
+        # The hand-offs wait for W too: XLA would otherwise run W, which nothing sent depends
+        # on, after them, and a device would do this tick's W and the next tick's F or B
+        # between two hand-offs — a tick as long as two actions on one device (seen on H200).
+        out, d_stage = lax.optimization_barrier((c["out"], c["d_stage"]))
+        c = dict(c, out=out, d_stage=d_stage)
+        is_f = kind == FORWARD
         # A hand-off to itself (the turn of a V) goes straight into this stage's inbox; a
         # forward's self_b slot was the head's, already filled.
         c = dict(c, in_f=put(c["in_f"], jnp.where(is_f, row["self_f"], -1), out),
