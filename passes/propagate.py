@@ -134,7 +134,9 @@ class Propagation:
                                              fallback=True))
         return self.decide(eqn, self.choose(eqn, cur, sigs))
 
-    def choose(self, eqn, cur, sigs) -> Decision:
+    def choose(self, eqn, cur, sigs, candidates=None) -> Decision:
+        """The cheapest signature per mesh axis, in mesh order, of ``sigs`` and running whole;
+        ``candidates(i, whole)``, where given, lists axis ``i``'s instead."""
         n_ax = len(self.names)
         whole = Sig((B,) * len(eqn.invars), (B,) * len(eqn.outvars), "whole")
         req = [list(c) for c in cur]
@@ -143,7 +145,7 @@ class Propagation:
         chosen = []
         for i in range(n_ax):
             best, best_cost = None, math.inf
-            for sig in [whole] if i in self.held else list(sigs) + [whole]:
+            for sig in [whole] if i in self.held else candidates(i, whole) if candidates else list(sigs) + [whole]:
                 cost = self.cost(eqn, cur, req, outs, i, sig, chosen, met)
                 if cost < best_cost:
                     best, best_cost = sig, cost

@@ -32,13 +32,16 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from shardflow import _compat
+from shardflow import _compat, ring_attention
+from shardflow.conversion import Step
 from shardflow.registry import Sig, decision_of, defrule
-from shardflow.specs import B, P, S
+from shardflow.program import source_line
+from shardflow.specs import B, P, S, ShardingError, local_shape
 
 from shardflow.kernels import attention_xla, flash_attention_gpu
 
 BACKENDS = ("auto", "pallas", "interpret", "xla", "cudnn", "pallas_tpu", "interpret_tpu")
+CONTEXTS = ("auto", "ring", "all_gather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,7 @@ class _AttentionConfig:
   static_offset_delta: int | None  # None when the offsets are operands
   has_segment_ids: bool
   has_dlse: bool
+  context: str = "auto"   # a sequence split over a mesh axis: "ring", "all_gather" or either
 
 
 def _implementation(backend: str) -> str:
@@ -165,18 +169,29 @@ def _split(names, dim):
   return tuple(S(_DIMS[n][dim]) if dim in _DIMS[n] else B for n in names)
 
 
+# The sequence dim of each array a ring splits (k and v too: each device holds one block).
+_RING = {"q": 1, "k": 1, "v": 1, "out": 1, "dout": 1, "dq": 1, "dk": 1, "dv": 1, "lse": 2, "dlse": 2}
+
+
 def _attention_signatures(eqn):
   """Batch rows and heads are independent. Queries may also be split along the sequence with
   whole keys and values (all-gather context parallelism, "query_seq"): each shard attends its
   queries to every key, its causal mask shifted by the shard's offset (see the lowering); the
   backward's dk and dv are then partial sums over the query shards. Not with segment ids,
-  which q and kv share."""
+  which q and kv share. Or everything split along the sequence ("ring", shardflow.ring_attention):
+  K/V blocks pass around the axis instead of being gathered; the attention's ``context``
+  ("ring", "all_gather", "auto") says which of the two it may use."""
   ins, outs = operand_names(eqn), _result_names(eqn)
+  context = eqn.params["config"].context
   sigs = [Sig(_split(ins, "batch"), _split(outs, "batch")), Sig(_split(ins, "heads"), _split(outs, "heads"))]
   if "segment_ids" not in ins:
-    query = tuple(S(_DIMS[n]["seq"]) if n in ("q", "out", "dout", "lse", "dlse") else B for n in ins)
-    result = {"out": S(1), "lse": S(2), "dq": S(1), "dk": P, "dv": P}
-    sigs.append(Sig(query, tuple(result[n] for n in outs), "query_seq"))
+    if context in ("auto", "all_gather"):
+      query = tuple(S(_DIMS[n]["seq"]) if n in ("q", "out", "dout", "lse", "dlse") else B for n in ins)
+      result = {"out": S(1), "lse": S(2), "dq": S(1), "dk": P, "dv": P}
+      sigs.append(Sig(query, tuple(result[n] for n in outs), "query_seq"))
+    if context in ("auto", "ring"):
+      sigs.append(Sig(tuple(S(_RING[n]) if n in _RING else B for n in ins), tuple(S(_RING[n]) for n in outs),
+                      "ring"))
   return sigs
 
 
@@ -184,6 +199,9 @@ def _local_attention(local, eqn, ins):
   """Per-device attention. Under the "query_seq" signature this shard's queries start at its
   offset: the causal mask moves with them (the offsets become operands)."""
   config = eqn.params["config"]
+  ring = decision_of(eqn).named("ring")
+  if ring:
+    return _local_ring(local, eqn, ins, tuple(local.names[i] for i in ring))
   if not decision_of(eqn).named("query_seq"):
     return eqn.primitive.bind(*ins, config=config)
   names = operand_names(eqn)
@@ -200,7 +218,73 @@ def _local_attention(local, eqn, ins):
   return eqn.primitive.bind(*(operands[n] for n in eqn_names), config=config)
 
 
-defrule(sf_attention_fwd_p, sf_attention_bwd_p, lower=_local_attention)(_attention_signatures)
+def _local_ring(local, eqn, ins, axes):
+  """This device's blocks of a ring: its queries from their global position, K/V block 0 at
+  the keys' (the ring finds each block's own)."""
+  config = eqn.params["config"]
+  operands = dict(zip(operand_names(eqn), ins))
+  shard, _ = local.shard_index(eqn.invars[0], _DIMS["q"]["seq"])
+  if config.static_offset_delta is None:
+    q_base, kv_base = operands["q_offset"], operands["kv_offset"]
+  else:
+    q_base, kv_base = jnp.int32(config.static_offset_delta), jnp.int32(0)
+  q_offset = q_base + (shard * ins[0].shape[1]).astype(jnp.int32)
+  block = dataclasses.replace(config, static_offset_delta=None, has_segment_ids=False)
+  where = dict(causal=config.causal, q_offset=q_offset, kv_offset=kv_base, axes=axes, sizes=local.sizes)
+  if eqn.primitive is sf_attention_fwd_p:
+    def attend(q, k, v, q_off, kv_off):
+      return tuple(sf_attention_fwd_p.bind(q, k, v, q_off, kv_off, config=block))
+    return list(ring_attention.forward(attend, operands["q"], operands["k"], operands["v"], **where))
+
+  def attend_bwd(q, k, v, out, lse, dout, dlse, q_off, kv_off):
+    extra = (dlse,) if config.has_dlse else ()
+    return tuple(sf_attention_bwd_p.bind(q, k, v, out, lse, dout, q_off, kv_off, *extra, config=block))
+  return list(ring_attention.backward(attend_bwd, *(operands[n] for n in ("q", "k", "v", "out", "lse", "dout")),
+                                      operands.get("dlse"), **where))
+
+
+def _attention_comm(eqn, ins, sigs, mesh):
+  """A ring's ppermutes, per device: K and V n-1 times; in the backward also dK and dV
+  (float32 sums) n times. Nothing for the other signatures (their collectives are boxes)."""
+  axes = tuple(a for a, s in zip(mesh.axis_names, sigs) if getattr(s, "name", None) == "ring")
+  if not axes:
+    return []
+  sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+  n = math.prod(sizes[a] for a in axes)
+  names = operand_names(eqn)
+  k, k_sbp = eqn.invars[names.index("k")].aval, ins[names.index("k")]
+  elements = math.prod(local_shape(k.shape, k_sbp, mesh))
+  steps = [Step("ppermute", axes, bytes=elements * k.dtype.itemsize, value=k)] * (2 * (n - 1))
+  if eqn.primitive is sf_attention_bwd_p:
+    sums = jax.core.ShapedArray(k.shape, jnp.float32)
+    steps += [Step("ppermute", axes, bytes=elements * 4, value=sums)] * (2 * n)
+  return steps
+
+
+def _propagate_attention(prop, eqn):
+  """An explicit ``context`` decides the mesh axes that split q's sequence: there, only that
+  variant. (The planner prices collectives, not compute: it would gather q, k and v and run the
+  attention whole on every device, or re-split them by heads.) Elsewhere, and for "auto", the
+  cheapest signature."""
+  sigs = _attention_signatures(eqn)
+  context = eqn.params["config"].context
+  if context == "auto":
+    return prop.generic(eqn)
+  name = "ring" if context == "ring" else "query_seq"
+  q_seq = [i for i, s in enumerate(prop.of(eqn.invars[0])) if s == S(_DIMS["q"]["seq"])]
+  variant = [s for s in sigs if s.name == name]
+  if q_seq and not variant:
+    raise ShardingError(f"{source_line(eqn)}: attention(context={context!r}) with q's sequence split over "
+                        f"{[prop.names[i] for i in q_seq]}: {context} attention takes no segment_ids")
+
+  def candidates(i, whole):
+    return variant if i in q_seq else [s for s in sigs if s.name not in ("ring", "query_seq")] + [whole]
+  return prop.decide(eqn, prop.choose(eqn, [prop.of(a) for a in eqn.invars], sigs, candidates))
+
+
+defrule(sf_attention_fwd_p, sf_attention_bwd_p, lower=_local_attention, comm=_attention_comm,
+        comm_reason="passes K/V blocks around the ring (and their dK/dV sums home)",
+        propagate=_propagate_attention)(_attention_signatures)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -274,7 +358,7 @@ def _cudnn_attention(q, k, v, *, causal, scale, segment_ids, q_offset, kv_offset
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
               segment_ids=None, q_offset=0, kv_offset=0, return_lse: bool = False,
-              backend: str = "auto"):
+              backend: str = "auto", context: str = "auto"):
   """Softmax attention over [batch, seq, heads, head_dim] inputs, with GQA/MQA.
 
   Args:
@@ -293,10 +377,16 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
       "interpret_tpu" (the TPU Pallas kernels in interpret mode), "pallas_tpu", "xla"
       (blockwise, never materialises seq_q x seq_kv), "cudnn" (comparison pass-through to
       jax.nn.dot_product_attention; no lse, segment ids or offsets).
+    context: where sf.parallelize splits the sequence of q, k and v over a mesh axis, how the
+      keys reach every query block: "ring" (K/V blocks passed around the axis,
+      shardflow.ring_attention), "all_gather" (K/V gathered, only q split), or "auto" (the
+      cheaper by the cost model). No effect on one device.
 
   A row that sees no key gives zeros and lse = -inf. Returns out [batch, seq_q, heads_q,
   head_dim] in q's dtype, and lse if return_lse.
   """
+  if context not in CONTEXTS:
+    raise ValueError(f"attention: context must be one of {CONTEXTS}, got {context!r}")
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
   _check_shapes(q, k, v, segment_ids)
@@ -323,6 +413,6 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
   config = _AttentionConfig(
       implementation=implementation, causal=bool(causal), scale=float(scale),
       static_offset_delta=q_offset - kv_offset if static_offsets else None,
-      has_segment_ids=segment_ids is not None, has_dlse=bool(return_lse))
+      has_segment_ids=segment_ids is not None, has_dlse=bool(return_lse), context=context)
   out, lse = _attention(config, q, k, v, extras)
   return (out, lse) if return_lse else out
