@@ -5,6 +5,8 @@ import dataclasses
 
 import jax
 
+from shardflow.ops import CONTEXTS
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -22,11 +24,14 @@ class ModelConfig:
     tie_embeddings: bool = False   # gpt2 always ties
     remat: str = "none"            # see REMAT_POLICIES
     attention_impl: str = "ops"    # "ops" (shardflow.ops.attention); "jax"/"cudnn": reference only
+    context: str = "auto"          # a sequence split over a mesh axis: "ring", "all_gather" or the planner's choice
     init_std: float = 0.02
 
     def __post_init__(self):
         if self.family not in ("llama", "gpt2"):
             raise ValueError(f"model.family must be 'llama' or 'gpt2', got {self.family!r}")
+        if self.context not in CONTEXTS:
+            raise ValueError(f"model.context must be one of {list(CONTEXTS)}, got {self.context!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
         if self.n_heads % self.n_kv_heads:

@@ -48,7 +48,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, std = cfg.d_model, cfg.init_std
         out_std = std / (2 * cfg.n_layers) ** 0.5
-        self.n_heads, self.impl = cfg.n_heads, cfg.attention_impl
+        self.n_heads, self.impl, self.context = cfg.n_heads, cfg.attention_impl, cfg.context
         self.ln_1 = _layer_norm(d, cfg.norm_eps, rngs)
         # "heads" here is the merged heads*head_dim dimension; splitting it splits whole heads.
         self.q = _linear(d, d, ("embed", "heads"), std, rngs)
@@ -64,7 +64,7 @@ class Block(nnx.Module):
         h = self.ln_1(x)
         q, k, v = (f(h).reshape(b, s, self.n_heads, d // self.n_heads)
                    for f in (self.q, self.k, self.v))
-        x = x + self.proj(attention(q, k, v, causal=True, impl=self.impl).reshape(b, s, d))
+        x = x + self.proj(attention(q, k, v, causal=True, impl=self.impl, context=self.context).reshape(b, s, d))
         return x + self.fc_proj(jax.nn.gelu(self.fc(self.ln_2(x))))
 
 

@@ -58,14 +58,14 @@ class Attention(nnx.Module):
         self.wk = _normal(rngs, (d, kv, hd), cfg.init_std)
         self.wv = _normal(rngs, (d, kv, hd), cfg.init_std)
         self.wo = _normal(rngs, (h, hd, d), out_std)
-        self.impl = cfg.attention_impl
+        self.impl, self.context = cfg.attention_impl, cfg.context
 
     def __call__(self, x, cos, sin):
         q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...])
         k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...])
         v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, causal=True, impl=self.impl)
+        out = attention(q, k, v, causal=True, impl=self.impl, context=self.context)
         return jnp.einsum("bshk,hkd->bsd", out, self.wo[...])
 
 

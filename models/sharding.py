@@ -64,6 +64,9 @@ RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     # split along the sequence over the same axis that splits heads / mlp inside the blocks.
     "tp_sp": {"batch": "data", "seq": "model", **_TP},
     "2d": {"batch": "data", "embed": "data", **_TP},
+    # Context parallelism: the sequence split over "context" everywhere (the residual stream,
+    # q / k / v); attention then runs as the model's `context` says (ring / all_gather).
+    "cp": {"batch": "data", "seq": "context"},
     # Pipeline parallelism (the loss run by sf.pipeline; the trainer's `pipeline` config):
     # stage s holds layers [s L/p, (s+1) L/p). The other strategies take the pipe axis as well
     # when a pipeline is configured (with_pipeline); these name the meshes without a data axis.
