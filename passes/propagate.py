@@ -29,7 +29,7 @@ from shardflow import conversion, registry, rules  # noqa: F401  (rules: registe
 from shardflow.program import Program, all_eqns, is_literal, source_line
 from shardflow.registry import DECISION, Decision, Sig
 from shardflow.rules.elementwise import SHAPE_KEEPING
-from shardflow.specs import B, Partial, Split, check_divisible, describe, divides, to_sbp
+from shardflow.specs import B, Partial, ShardingError, Split, check_divisible, describe, divides, to_sbp
 
 # Ops a primitive needs nothing to be "run whole" for: randomness and constants are B anyway.
 # (random_bits, the key primitives and threefry2x32 have rules: shardflow/rules/random.py;
@@ -149,6 +149,10 @@ class Propagation:
                 cost = self.cost(eqn, cur, req, outs, i, sig, chosen, met)
                 if cost < best_cost:
                     best, best_cost = sig, cost
+            if best is None:
+                shapes = ", ".join(describe(x.aval) for x in eqn.invars if not is_literal(x))
+                raise ShardingError(f"{source_line(eqn)}: no signature of {eqn.primitive.name} fits mesh axis "
+                                    f"{self.names[i]!r} ({self.mesh.devices.shape[i]} devices) for {shapes}")
             chosen.append(best)
             for k, s in enumerate(best.ins):
                 req[k][i] = s

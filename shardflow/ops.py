@@ -41,7 +41,7 @@ from shardflow.specs import B, P, S, ShardingError, local_shape
 from shardflow.kernels import attention_xla, flash_attention_gpu
 
 BACKENDS = ("auto", "pallas", "interpret", "xla", "cudnn", "pallas_tpu", "interpret_tpu")
-CONTEXTS = ("auto", "ring", "all_gather")
+CONTEXTS = ("auto", "ring", "all_gather", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +183,8 @@ def _attention_signatures(eqn):
   ("ring", "all_gather", "auto") says which of the two it may use."""
   ins, outs = operand_names(eqn), _result_names(eqn)
   context = eqn.params["config"].context
-  sigs = [Sig(_split(ins, "batch"), _split(outs, "batch")), Sig(_split(ins, "heads"), _split(outs, "heads"))]
+  sigs = [Sig(_split(ins, "batch"), _split(outs, "batch"), "batch"),
+          Sig(_split(ins, "heads"), _split(outs, "heads"), "heads")]
   if "segment_ids" not in ins:
     if context in ("auto", "all_gather"):
       query = tuple(S(_DIMS[n]["seq"]) if n in ("q", "out", "dout", "lse", "dlse") else B for n in ins)
@@ -270,7 +271,7 @@ def _propagate_attention(prop, eqn):
   context = eqn.params["config"].context
   if context == "auto":
     return prop.generic(eqn)
-  name = "ring" if context == "ring" else "query_seq"
+  name = {"ring": "ring", "all_gather": "query_seq", "ulysses": "heads"}[context]
   q_seq = [i for i, s in enumerate(prop.of(eqn.invars[0])) if s == S(_DIMS["q"]["seq"])]
   variant = [s for s in sigs if s.name == name]
   if q_seq and not variant:
@@ -279,6 +280,7 @@ def _propagate_attention(prop, eqn):
 
   def candidates(i, whole):
     return variant if i in q_seq else [s for s in sigs if s.name not in ("ring", "query_seq")] + [whole]
+  # Ulysses: where the sequence is split, an all-to-all re-splits q, k, v by heads (and back)
   return prop.decide(eqn, prop.choose(eqn, [prop.of(a) for a in eqn.invars], sigs, candidates))
 
 
@@ -379,8 +381,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
       jax.nn.dot_product_attention; no lse, segment ids or offsets).
     context: where sf.parallelize splits the sequence of q, k and v over a mesh axis, how the
       keys reach every query block: "ring" (K/V blocks passed around the axis,
-      shardflow.ring_attention), "all_gather" (K/V gathered, only q split), or "auto" (the
-      cheaper by the cost model). No effect on one device.
+      shardflow.ring_attention), "all_gather" (K/V gathered, only q split), "ulysses" (q, k, v
+      re-split by heads with all-to-alls: the kv heads must divide over the axis), or "auto"
+      (the cheapest by the cost model, any of these). No effect on one device.
 
   A row that sees no key gives zeros and lse = -inf. Returns out [batch, seq_q, heads_q,
   head_dim] in q's dtype, and lse if return_lse.

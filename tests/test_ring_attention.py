@@ -123,3 +123,24 @@ def test_the_model_trains_with_its_sequence_over_a_context_axis(context, data_di
     cfg.model = dict(SMALL_LLAMA)
     want = single_device_losses(cfg)
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ulysses_resplits_by_heads_with_all_to_alls(causal):
+    """context="ulysses": q, k, v (seq-split) all-to-all'd to a heads split, the attention
+    local, the results back; equal to one device, and only all_to_alls move K/V."""
+    fn, step = ring_step({"context": 4}, "context", causal=causal)
+    def loss(q, k, v):
+        out = attention(q, k, v, causal=causal, backend="xla", context="ulysses")
+        return jnp.sum(jnp.tanh(out)), out
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    seq = PS(None, "context")
+    step = sf.parallelize(fn, mesh=sf.make_mesh({"context": 4}), in_specs=seq,
+                          out_specs=((PS(), seq), (seq, seq, seq)))
+    q, k, v = inputs(hkv=4)
+    for a, e in zip(jax.tree.leaves(step(q, k, v)), jax.tree.leaves(jax.jit(fn)(q, k, v))):
+        assert rel_l2(a, e) <= 1e-5
+    kinds = {c.kind for c in step.explain(q, k, v).collectives if c.shape != ()}
+    assert kinds == {"all_to_all"}, kinds
+    with pytest.raises(sf.ShardingError, match="no signature of sf_attention_fwd fits mesh axis 'context'"):
+        step(*inputs(hkv=2))       # 2 kv heads do not split over 4 devices
