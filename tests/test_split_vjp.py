@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.extend.core import jaxpr_as_fun
 
 from shardflow.split_vjp import split_vjp
@@ -125,3 +127,62 @@ def test_a_llama_block_splits_into_its_seven_input_and_seven_weight_matmuls(rema
     w_dots, b_dots = count(bodies.backward_w.jaxpr, "dot_general"), count(bodies.backward_x.jaxpr, "dot_general")
     assert w_dots == 2 * 7
     assert b_dots + w_dots == count(bodies.backward.jaxpr, "dot_general")
+
+
+# Random layers: a chain of steps over h [4, d], each a weight matmul, a nonlinearity, a
+# residual add, a product of two branches or a norm-like scale, then an output scale (so every
+# layer has a weight), optionally under remat.
+STEPS = ("matmul", "tanh", "residual", "gate", "scale")
+
+
+def random_layer(steps, remat):
+    def layer(w, h):
+        x = h
+        for i, step in enumerate(steps):
+            if step == "matmul":
+                x = x @ w[f"m{i}"]
+            elif step == "tanh":
+                x = jnp.tanh(x)
+            elif step == "residual":
+                x = x + h
+            elif step == "gate":
+                x = jax.nn.sigmoid(x @ w[f"m{i}"]) * x
+            else:
+                x = x * w[f"s{i}"]
+        return x * w["out"]
+    return jax.checkpoint(layer) if remat else layer
+
+
+def random_stack(steps, n_layers, seed):
+    r = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(r.standard_normal((n_layers,) + shape) / 4, jnp.float32)  # noqa: E731
+    stack = {"out": 1 + normal(d)}
+    for i, step in enumerate(steps):
+        if step in ("matmul", "gate"):
+            stack[f"m{i}"] = normal(d, d)
+        elif step == "scale":
+            stack[f"s{i}"] = 1 + normal(d)
+    return stack
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.sampled_from(STEPS), min_size=1, max_size=6), remat=st.booleans(),
+       n_layers=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+def test_random_layers_split_exactly(steps, remat, n_layers, seed):
+    """B then W computes the backward's numbers; no matmul runs twice; W holds one matmul per
+    weight matmul per layer (and, under remat, recomputation that only W reads)."""
+    stack = random_stack(steps, n_layers, seed)
+    x = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((4, d)), jnp.float32)
+    backward, residuals, y, n = backward_of(random_layer(steps, remat), stack, x)
+    split = split_vjp(backward, shared=len(residuals), weights=n)
+    dy = jnp.asarray(np.random.default_rng(seed + 2).standard_normal(y.shape), jnp.float32)
+    want = jaxpr_as_fun(backward)(*residuals, dy)
+    dx, *stash = jaxpr_as_fun(split.b)(*residuals, dy)
+    d_leaves = jaxpr_as_fun(split.w)(*residuals, *stash)
+    for a, b in zip(want, list(d_leaves) + [dx]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    dots = [count(j.jaxpr, "dot_general") for j in (backward, split.b, split.w)]
+    assert dots[1] + dots[2] == dots[0]
+    weight_dots = n_layers * sum(s in ("matmul", "gate") for s in steps)
+    # under remat W also runs the recomputed forward matmuls only it reads (for a scale's gradient)
+    assert dots[2] >= weight_dots if remat else dots[2] == weight_dots
