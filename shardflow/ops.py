@@ -33,6 +33,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from shardflow import _compat, ring_attention
+from shardflow.ring_attention import Layout
 from shardflow.conversion import Step
 from shardflow.registry import Sig, decision_of, defrule
 from shardflow.program import source_line
@@ -52,7 +53,8 @@ class _AttentionConfig:
   static_offset_delta: int | None  # None when the offsets are operands
   has_segment_ids: bool
   has_dlse: bool
-  context: str = "auto"   # a sequence split over a mesh axis: "ring", "all_gather" or either
+  context: str = "auto"   # a sequence split over a mesh axis: "ring", "all_gather", "ulysses" or any
+  layout: ring_attention.Layout | None = None   # the tokens' order (zigzag / striped); None: natural
 
 
 def _implementation(backend: str) -> str:
@@ -104,18 +106,28 @@ def _split_extras(config: _AttentionConfig, extras, *, backward: bool):
 
 
 def sf_attention_fwd(config: _AttentionConfig, q, k, v, *extras):
-  """(q, k, v[, segment_ids][, q_offset, kv_offset]) -> (out, lse)."""
+  """(q, k, v[, segment_ids][, q_offset, kv_offset]) -> (out, lse). Tokens in a ``layout``
+  are put in natural order for the kernel and back."""
   segment_ids, offset_delta, _ = _split_extras(config, extras, backward=False)
   forward, _ = _kernels(config.implementation)
-  return forward(q, k, v, segment_ids, offset_delta, causal=config.causal, scale=config.scale)
+  lay = config.layout
+  if lay is not None:
+    q, k, v = (lay.unpermute(x) for x in (q, k, v))
+  out, lse = forward(q, k, v, segment_ids, offset_delta, causal=config.causal, scale=config.scale)
+  return (out, lse) if lay is None else (lay.permute(out), lay.permute(lse, axis=2))
 
 
 def sf_attention_bwd(config: _AttentionConfig, q, k, v, out, lse, dout, *extras):
   """(q, k, v, out, lse, dout[, segment_ids][, q_offset, kv_offset][, dlse]) -> (dq, dk, dv)."""
   segment_ids, offset_delta, dlse = _split_extras(config, extras, backward=True)
   _, backward = _kernels(config.implementation)
-  return backward(q, k, v, segment_ids, offset_delta, out, lse, dout, causal=config.causal,
-                  scale=config.scale, dlse=dlse)
+  lay = config.layout
+  if lay is not None:
+    q, k, v, out, dout = (lay.unpermute(x) for x in (q, k, v, out, dout))
+    lse, dlse = (None if x is None else lay.unpermute(x, axis=2) for x in (lse, dlse))
+  grads = backward(q, k, v, segment_ids, offset_delta, out, lse, dout, causal=config.causal,
+                   scale=config.scale, dlse=dlse)
+  return grads if lay is None else tuple(lay.permute(g) for g in grads)
 
 
 def _attention_primitive(name: str, kernel):
@@ -186,7 +198,7 @@ def _attention_signatures(eqn):
   sigs = [Sig(_split(ins, "batch"), _split(outs, "batch"), "batch"),
           Sig(_split(ins, "heads"), _split(outs, "heads"), "heads")]
   if "segment_ids" not in ins:
-    if context in ("auto", "all_gather"):
+    if context in ("auto", "all_gather") and eqn.params["config"].layout is None:
       query = tuple(S(_DIMS[n]["seq"]) if n in ("q", "out", "dout", "lse", "dlse") else B for n in ins)
       result = {"out": S(1), "lse": S(2), "dq": S(1), "dk": P, "dv": P}
       sigs.append(Sig(query, tuple(result[n] for n in outs), "query_seq"))
@@ -224,14 +236,17 @@ def _local_ring(local, eqn, ins, axes):
   the keys' (the ring finds each block's own)."""
   config = eqn.params["config"]
   operands = dict(zip(operand_names(eqn), ins))
-  shard, _ = local.shard_index(eqn.invars[0], _DIMS["q"]["seq"])
+  shard, count = local.shard_index(eqn.invars[0], _DIMS["q"]["seq"])
+  if config.layout is not None and count != config.layout.blocks:
+    raise ShardingError(f"{source_line(eqn)}: attention with tokens in a {config.layout.kind} layout of "
+                        f"{config.layout.blocks} blocks, its sequence split {count} ways")
   if config.static_offset_delta is None:
     q_base, kv_base = operands["q_offset"], operands["kv_offset"]
   else:
     q_base, kv_base = jnp.int32(config.static_offset_delta), jnp.int32(0)
-  q_offset = q_base + (shard * ins[0].shape[1]).astype(jnp.int32)
-  block = dataclasses.replace(config, static_offset_delta=None, has_segment_ids=False)
-  where = dict(causal=config.causal, q_offset=q_offset, kv_offset=kv_base, axes=axes, sizes=local.sizes)
+  block = dataclasses.replace(config, static_offset_delta=None, has_segment_ids=False, layout=None)
+  where = dict(causal=config.causal, q_block=shard, q_base=q_base, kv_base=kv_base, layout=config.layout,
+               axes=axes, sizes=local.sizes)
   if eqn.primitive is sf_attention_fwd_p:
     def attend(q, k, v, q_off, kv_off):
       return tuple(sf_attention_fwd_p.bind(q, k, v, q_off, kv_off, config=block))
@@ -360,7 +375,7 @@ def _cudnn_attention(q, k, v, *, causal, scale, segment_ids, q_offset, kv_offset
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
               segment_ids=None, q_offset=0, kv_offset=0, return_lse: bool = False,
-              backend: str = "auto", context: str = "auto"):
+              backend: str = "auto", context: str = "auto", layout=None):
   """Softmax attention over [batch, seq, heads, head_dim] inputs, with GQA/MQA.
 
   Args:
@@ -384,12 +399,25 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
       shardflow.ring_attention), "all_gather" (K/V gathered, only q split), "ulysses" (q, k, v
       re-split by heads with all-to-alls: the kv heads must divide over the axis), or "auto"
       (the cheapest by the cost model, any of these). No effect on one device.
+    layout: None (tokens in order) or a ``Layout`` (``Layout("zigzag", n)``, ``Layout("striped",
+      n)``): the sequence of q, k and v is stored in that order (``Layout.permute``, applied
+      once to the tokens), which balances a causal ring of n devices; the mask follows the
+      tokens' positions, out and lse come in the same order. Needs seq_q == seq_kv, no offsets
+      and no segment ids.
 
   A row that sees no key gives zeros and lse = -inf. Returns out [batch, seq_q, heads_q,
   head_dim] in q's dtype, and lse if return_lse.
   """
   if context not in CONTEXTS:
     raise ValueError(f"attention: context must be one of {CONTEXTS}, got {context!r}")
+  if layout is not None:
+    if not isinstance(layout, Layout):
+      raise ValueError(f"attention: layout must be None or a shardflow.ops.Layout, got {layout!r}")
+    if segment_ids is not None or not (isinstance(q_offset, int) and isinstance(kv_offset, int)
+                                       and q_offset == kv_offset == 0) or jnp.shape(q)[1] != jnp.shape(k)[1]:
+      raise ValueError(f"attention: a {layout.kind} layout needs seq_q == seq_kv, no offsets and no "
+                       f"segment_ids (got q {jnp.shape(q)}, k {jnp.shape(k)}, offsets {q_offset}, {kv_offset})")
+    layout.positions(jnp.shape(q)[1])     # the sequence splits into the layout's chunks
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
   _check_shapes(q, k, v, segment_ids)
@@ -416,6 +444,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
   config = _AttentionConfig(
       implementation=implementation, causal=bool(causal), scale=float(scale),
       static_offset_delta=q_offset - kv_offset if static_offsets else None,
-      has_segment_ids=segment_ids is not None, has_dlse=bool(return_lse), context=context)
+      has_segment_ids=segment_ids is not None, has_dlse=bool(return_lse), context=context,
+      layout=layout)
   out, lse = _attention(config, q, k, v, extras)
   return (out, lse) if return_lse else out

@@ -8,21 +8,91 @@ backward passes K/V around again, the dK/dV accumulated for a block travelling w
 sent home at the end; dQ stays. Each block's backward is exact on its own, as flash attention's
 is: it takes the whole row's output and log-sum-exp (Liu et al., Ring Attention, 2023).
 
-Causal masks follow the blocks' global positions (the kernels' ``q_offset`` / ``kv_offset``);
-a block entirely in a query block's future is skipped (``lax.cond``). With contiguous blocks
-that leaves device n-1 with n blocks of work and device 0 with one (zigzag and striped layouts,
-which balance it, are not built yet). Segment ids are not supported on a ring (queries and keys
-would need their own).
+Causal masks follow the tokens' global positions (the kernels' ``q_offset`` / ``kv_offset``),
+and a (query part, key part) pair wholly in the future is skipped (``lax.cond``). Which
+positions a block holds is the sequence's :class:`Layout`:
 
-Every step's ppermute is independent of that step's attention, so XLA may run them together.
+- contiguous: block r holds positions [r L, (r+1) L). Causal work is unbalanced: device r has
+  r + 1/2 blocks of it, the last device about twice the mean.
+- zigzag: block r holds chunks r and 2n-1-r of 2n (Brandon et al., 2023): every device the
+  same causal work, 2n - 1 of its 4n chunk pairs unmasked or half masked.
+- striped: block r holds positions r, r + n, r + 2n, ... (Brandon et al., Striped Attention):
+  every pair of blocks is nearly half masked, a kernel call each with a diagonal shifted by 0
+  or 1.
+
+The layout is applied to the tokens once (``Layout.permute``, e.g. by the data loader, with the
+RoPE positions permuted alike); attention on one device un-permutes, attends and permutes back,
+so a program means the same on any mesh. Segment ids are not supported on a ring.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+LAYOUTS = ("zigzag", "striped")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the tokens of a sequence are ordered for a ring of ``blocks`` devices."""
+    kind: str
+    blocks: int
+
+    def __post_init__(self):
+        if self.kind not in LAYOUTS or not (isinstance(self.blocks, int) and self.blocks >= 1):
+            raise ValueError(f"layout: kind one of {LAYOUTS} and blocks a positive int, got "
+                             f"{self.kind!r}, {self.blocks!r}")
+
+    def positions(self, seq: int) -> np.ndarray:
+        """The global position of the token at each stored index of a sequence of ``seq``."""
+        n = self.blocks
+        chunks = 2 * n if self.kind == "zigzag" else n
+        if seq % chunks:
+            raise ValueError(f"layout {self.kind} over {n} blocks: a sequence of {seq} does not split "
+                             f"into {chunks} chunks")
+        index = np.arange(seq)
+        if self.kind == "striped":
+            length = seq // n
+            return (index % length) * n + index // length
+        c = seq // chunks
+        order = [x for r in range(n) for x in (r, chunks - 1 - r)]
+        return np.concatenate([np.arange(k * c, (k + 1) * c) for k in order])
+
+    def permute(self, x, axis: int = 1):
+        """Natural order -> this layout, along ``axis`` (tokens, targets, RoPE tables)."""
+        return jnp.take(x, self.positions(x.shape[axis]), axis=axis)
+
+    def unpermute(self, x, axis: int = 1):
+        return jnp.take(x, np.argsort(self.positions(x.shape[axis])), axis=axis)
+
+
+def parts(layout: Layout | None, block, length: int, base):
+    """(start, length, global offset) of the contiguous runs of positions in block ``block``
+    (traced) of ``length`` stored tokens; ``base``: the global position of the sequence's
+    first token. Striped blocks are not runs: their one part has an offset that shifts the
+    causal diagonal instead (0 for blocks at or before this one, 1 after), see ``_pairs``."""
+    if layout is None:
+        return [(0, length, base + block * length)]
+    if layout.kind == "zigzag":
+        c = length // 2
+        return [(0, c, base + block * c), (c, c, base + (2 * layout.blocks - 1 - block) * c)]
+    return [(0, length, block)]
+
+
+def _pairs(layout, q_parts, kv_parts, striped_q_block):
+    """(q part, kv part, q offset, kv offset) of every pair a step attends."""
+    for qp in q_parts:
+        for kp in kv_parts:
+            if layout is not None and layout.kind == "striped":
+                # q token i is at i n + r, key j of block s at j n + s: visible iff j <= i (s <= r)
+                # or j < i (s > r) — the causal diagonal of the local indices, shifted by one.
+                yield qp, kp, jnp.int32(0), (kp[2] > striped_q_block).astype(jnp.int32)
+            else:
+                yield qp, kp, qp[2], kp[2]
 
 
 def _ring(axes, sizes):
@@ -31,8 +101,7 @@ def _ring(axes, sizes):
 
 
 def _masked(causal, q_offset, sq, kv_offset):
-    """Whether a K/V block starting at ``kv_offset`` lies wholly after every query of the block
-    [q_offset, q_offset + sq)."""
+    """Whether keys from ``kv_offset`` on lie wholly after every query of [q_offset, q_offset + sq)."""
     return jnp.asarray(causal) & (kv_offset > q_offset + sq - 1)
 
 
@@ -48,51 +117,74 @@ def _merge(out, lse, out_j, lse_j):
     return out * weight(lse) + out_j.astype(jnp.float32) * weight(lse_j), new
 
 
-def forward(attend, q, k, v, *, causal, q_offset, kv_offset, axes, sizes):
-    """(out, lse) of this device's query block against every K/V block of the ring.
+def _seq(x, part, axis=1):
+    start, length, _ = part
+    return lax.slice_in_dim(x, start, start + length, axis=axis)
 
-    ``attend(q, k, v, q_offset, kv_offset) -> (out, lse)`` is one block's attention;
-    ``q_offset`` is this query block's global position, ``kv_offset`` that of K/V block 0."""
+
+def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, sizes):
+    """(out, lse) of this device's query block (block ``q_block``) against every K/V block of
+    the ring. ``attend(q, k, v, q_offset, kv_offset) -> (out, lse)`` is one contiguous pair's
+    attention; ``q_base`` / ``kv_base``: the global position of token 0 of q / of k."""
     n, r, perm = _ring(axes, sizes)
-    b, sq, h, _ = q.shape
-    out = jnp.zeros(q.shape, jnp.float32)
-    lse = jnp.full((b, h, sq), -jnp.inf, jnp.float32)
+    b, _, h, _ = q.shape
+    q_parts = parts(layout, q_block, q.shape[1], q_base)
+    acc = [(jnp.zeros(_seq(q, p).shape, jnp.float32), jnp.full((b, h, p[1]), -jnp.inf, jnp.float32))
+           for p in q_parts]
     for j in range(n):
         src = (r - j) % n
-        offset = kv_offset + src * k.shape[1]
         if j < n - 1:
             k_next, v_next = lax.ppermute((k, v), axes, perm)
-        out_j, lse_j = lax.cond(
-            _masked(causal, q_offset, sq, offset),
-            lambda: (jnp.zeros(q.shape, q.dtype), jnp.full((b, h, sq), -jnp.inf, jnp.float32)),
-            lambda: attend(q, k, v, q_offset, offset))
-        out, lse = _merge(out, lse, out_j, lse_j)
+        kv_parts = parts(layout, src, k.shape[1], kv_base)
+        for i, (qp, kp, q_off, kv_off) in enumerate(_pairs(layout, q_parts, kv_parts, q_block)):
+            qi = q_parts.index(qp)
+            q_, k_, v_ = _seq(q, qp), _seq(k, kp), _seq(v, kp)
+            out_j, lse_j = lax.cond(
+                _masked(causal, q_off, qp[1], kv_off),
+                lambda: (jnp.zeros(q_.shape, q.dtype), jnp.full((b, h, qp[1]), -jnp.inf, jnp.float32)),
+                lambda: attend(q_, k_, v_, q_off, kv_off))
+            acc[qi] = _merge(*acc[qi], out_j, lse_j)
         if j < n - 1:
             k, v = k_next, v_next
-    return out.astype(q.dtype), lse
+    out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
+    return out, jnp.concatenate([l for _, l in acc], axis=2)
 
 
-def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_offset, kv_offset, axes, sizes):
+def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_base, kv_base, layout,
+             axes, sizes):
     """(dq, dk, dv) of this device's blocks. ``attend_bwd(q, k, v, out, lse, dout, dlse,
-    q_offset, kv_offset) -> (dq, dk, dv)`` is one block's backward given the whole rows' out
-    and lse; dk / dv of a block are summed as it travels, then sent home."""
+    q_offset, kv_offset) -> (dq, dk, dv)`` is one contiguous pair's backward given the whole
+    rows' out and lse; dk / dv of a block are summed as it travels, then sent home."""
     n, r, perm = _ring(axes, sizes)
-    sq = q.shape[1]
+    q_parts = parts(layout, q_block, q.shape[1], q_base)
     dq = jnp.zeros(q.shape, jnp.float32)
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     for j in range(n):
         src = (r - j) % n
-        offset = kv_offset + src * k.shape[1]
         if j < n - 1:
             k_next, v_next = lax.ppermute((k, v), axes, perm)
-        dq_j, dk_j, dv_j = lax.cond(
-            _masked(causal, q_offset, sq, offset),
-            lambda: (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)),
-            lambda: attend_bwd(q, k, v, out, lse, dout, dlse, q_offset, offset))
-        dq, dk, dv = dq + dq_j, dk + dk_j, dv + dv_j
+        kv_parts = parts(layout, src, k.shape[1], kv_base)
+        for qp, kp, q_off, kv_off in _pairs(layout, q_parts, kv_parts, q_block):
+            rows = [_seq(x, qp) for x in (q, out, dout)] + [_seq(x, qp, axis=2) for x in (lse,)]
+            dl = None if dlse is None else _seq(dlse, qp, axis=2)
+            k_, v_ = _seq(k, kp), _seq(v, kp)
+            dq_j, dk_j, dv_j = lax.cond(
+                _masked(causal, q_off, qp[1], kv_off),
+                lambda: (jnp.zeros(rows[0].shape, q.dtype), jnp.zeros(k_.shape, k.dtype), jnp.zeros(v_.shape, v.dtype)),
+                lambda: attend_bwd(rows[0], k_, v_, rows[1], rows[3], rows[2], dl, q_off, kv_off))
+            dq = lax.dynamic_update_slice_in_dim(dq, _seq(dq, qp) + dq_j, qp[0], axis=1)
+            dk = lax.dynamic_update_slice_in_dim(dk, _seq(dk, kp) + dk_j, kp[0], axis=1)
+            dv = lax.dynamic_update_slice_in_dim(dv, _seq(dv, kp) + dv_j, kp[0], axis=1)
         # block src's sums move on with it; after the last step they go home (src + 1 -> ... -> src)
         dk, dv = lax.ppermute((dk, dv), axes, perm)
         if j < n - 1:
             k, v = k_next, v_next
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
+
+def causal_work(layout: Layout | None, n: int, seq: int) -> np.ndarray:
+    """Per device of a ring of ``n`` over a sequence of ``seq``, the (query, key) pairs causal
+    attention has to compute: its queries' positions against every key's."""
+    positions = np.arange(seq) if layout is None else layout.positions(seq)
+    return np.array([(block[:, None] >= np.arange(seq)[None, :]).sum()
+                     for block in positions.reshape(n, -1)], np.float64)
