@@ -5,14 +5,16 @@ import jax
 from shardflow import ops
 
 
-def attention(q, k, v, *, causal: bool, impl: str = "ops", context: str = "auto"):
+def attention(q, k, v, *, causal: bool, impl: str = "ops", context: str = "auto", layout=None):
     """``impl="ops"``: shardflow.ops.attention, the entry point shardflow's passes recognise.
     ``impl="jax"`` / ``"cudnn"``: jax.nn.dot_product_attention directly (JAX's choice of
     implementation / cuDNN forced) — only for the plain-JAX reference the benchmarks compare
     against. ``context``: how the keys reach each query block where the sequence is split over
-    a mesh axis (ops.attention's: "ring", "all_gather", "auto")."""
+    a mesh axis (ops.attention's), ``layout`` the tokens' order (ops.Layout or None)."""
     if impl == "ops":
-        return ops.attention(q, k, v, causal=causal, context=context)
+        return ops.attention(q, k, v, causal=causal, context=context, layout=layout)
+    if layout is not None:
+        raise ValueError(f"attention impl {impl!r} takes no token layout ({layout.kind})")
     if impl == "jax":
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
     if impl == "cudnn":

@@ -5,7 +5,8 @@ import dataclasses
 
 import jax
 
-from shardflow.ops import CONTEXTS
+from shardflow.ops import CONTEXTS, Layout
+from shardflow.ring_attention import LAYOUTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,14 +25,30 @@ class ModelConfig:
     tie_embeddings: bool = False   # gpt2 always ties
     remat: str = "none"            # see REMAT_POLICIES
     attention_impl: str = "ops"    # "ops" (shardflow.ops.attention); "jax"/"cudnn": reference only
-    context: str = "auto"          # a sequence split over a mesh axis: "ring", "all_gather" or the planner's choice
+    # A sequence split over a mesh axis: attention by "ring", "all_gather", "ulysses" or the
+    # planner's choice ("auto"); "zigzag" / "striped": a ring over tokens in that order, for a
+    # ring of context_blocks devices (the trainer sets it from the mesh and permutes the data).
+    context: str = "auto"
+    context_blocks: int = 1
     init_std: float = 0.02
+
+    @property
+    def layout(self) -> Layout | None:
+        """The tokens' order along the sequence (None: natural)."""
+        return Layout(self.context, self.context_blocks) if self.context in LAYOUTS else None
+
+    @property
+    def attention_context(self) -> str:
+        return "ring" if self.context in LAYOUTS else self.context
 
     def __post_init__(self):
         if self.family not in ("llama", "gpt2"):
             raise ValueError(f"model.family must be 'llama' or 'gpt2', got {self.family!r}")
-        if self.context not in CONTEXTS:
-            raise ValueError(f"model.context must be one of {list(CONTEXTS)}, got {self.context!r}")
+        if self.context not in CONTEXTS + LAYOUTS:
+            raise ValueError(f"model.context must be one of {list(CONTEXTS + LAYOUTS)}, got {self.context!r}")
+        if self.context in LAYOUTS and self.family != "llama":
+            raise ValueError(f"model.context={self.context!r}: token layouts are built for llama only "
+                             f"(gpt2's learned positions do not follow them yet)")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
         if self.n_heads % self.n_kv_heads:

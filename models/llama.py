@@ -30,10 +30,12 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float):
-    """cos/sin of shape [seq, head_dim // 2], fp32."""
+def rope_tables(seq_len: int, head_dim: int, theta: float, layout=None):
+    """cos/sin of shape [seq, head_dim // 2], fp32, for the tokens' positions (in ``layout``'s
+    order, if given)."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    positions = jnp.arange(seq_len) if layout is None else jnp.asarray(layout.positions(seq_len))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -58,14 +60,14 @@ class Attention(nnx.Module):
         self.wk = _normal(rngs, (d, kv, hd), cfg.init_std)
         self.wv = _normal(rngs, (d, kv, hd), cfg.init_std)
         self.wo = _normal(rngs, (h, hd, d), out_std)
-        self.impl, self.context = cfg.attention_impl, cfg.context
+        self.impl, self.context, self.layout = cfg.attention_impl, cfg.attention_context, cfg.layout
 
     def __call__(self, x, cos, sin):
         q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...])
         k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...])
         v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, causal=True, impl=self.impl, context=self.context)
+        out = attention(q, k, v, causal=True, impl=self.impl, context=self.context, layout=self.layout)
         return jnp.einsum("bshk,hkd->bsd", out, self.wo[...])
 
 
@@ -119,7 +121,7 @@ class Llama(nnx.Module):
         """tokens [batch, seq] int → logits [batch, seq, vocab] in the compute dtype."""
         cfg = self.cfg
         x = self._embed(tokens)
-        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.layout)
         x = scan_layers(self.layers, x, cfg.remat, cos, sin)
         head, head_params = self._head()
         return head(head_params, x)
@@ -131,7 +133,7 @@ class Llama(nnx.Module):
         if pipeline is None:
             return cross_entropy(self(tokens), targets)
         with jax.ensure_compile_time_eval():  # constants the pipelined layer closes over
-            cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+            cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.layout)
         head, head_params = self._head()
         return pipelined_loss(self.layers, self._embed(tokens), targets, pipeline=pipeline,
                               remat=cfg.remat, layer_args=(cos, sin), head=head,

@@ -103,10 +103,11 @@ def test_a_ring_with_segment_ids_is_refused_at_the_users_line():
         attention(q, k, v, context="zigzag")
 
 
-@pytest.mark.parametrize("context", ["ring", "all_gather"])
+@pytest.mark.parametrize("context", ["ring", "all_gather", "zigzag", "striped"])
 def test_the_model_trains_with_its_sequence_over_a_context_axis(context, data_dir, tmp_path):
     """`shardflow train` on {data: 2, context: 4} (strategy cp: the sequence split over
-    `context` everywhere) follows the one-device loss curve, under either variant."""
+    `context` everywhere) follows the one-device loss curve, under each variant; zigzag and
+    striped with the data and the RoPE positions in their token order."""
     import json
 
     from shardflow.train import cli
@@ -124,6 +125,11 @@ def test_the_model_trains_with_its_sequence_over_a_context_axis(context, data_di
     cfg.model = dict(SMALL_LLAMA)
     want = single_device_losses(cfg)
     np.testing.assert_allclose(got, want, rtol=1e-5)
+    if context in ("zigzag", "striped"):      # the layout is in effect: a ring of 4 blocks
+        from shardflow import train
+        run_cfg = small_config(data_dir, tmp_path, mesh={"data": 2, "context": 4}, strategy="cp")
+        run_cfg.model = {**SMALL_LLAMA, "context": context}
+        assert train.setup(run_cfg).model_cfg.layout == Layout(context, 4)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])

@@ -177,8 +177,11 @@ class TokenFile:
         return rows.astype(np.int32).reshape(starts.shape + (seq_len + 1,))
 
 
-def global_batch(data: TokenFile, step: int, shape: tuple, seq_len: int, seed: int, sharding):
-    """{"inputs", "targets"} of shape ``shape + (seq_len,)`` as jax.Arrays with ``sharding``.
+def global_batch(data: TokenFile, step: int, shape: tuple, seq_len: int, seed: int, sharding,
+                 order=None):
+    """{"inputs", "targets"} of shape ``shape + (seq_len,)`` as jax.Arrays with ``sharding``;
+    ``order``: the window's token positions in the order to store them (a context-parallel
+    layout's; None: natural).
 
     Only rows that live on this process's devices are read from disk.
     """
@@ -189,8 +192,8 @@ def global_batch(data: TokenFile, step: int, shape: tuple, seq_len: int, seed: i
 
     def reader(shift):
         def read(index):
-            rows = data.windows(starts[index[:-1]], seq_len)
-            return rows[..., shift:shift + seq_len][..., index[-1]]
+            rows = data.windows(starts[index[:-1]], seq_len)[..., shift:shift + seq_len]
+            return (rows if order is None else rows[..., order])[..., index[-1]]
         return read
 
     return {"inputs": jax.make_array_from_callback(full_shape, sharding, reader(0)),

@@ -232,6 +232,9 @@ def setup(cfg) -> Run:
     mesh = Mesh(np.asarray(jax.devices()).reshape(tuple(mesh_shape.values())),
                 tuple(mesh_shape))
     rules = config_lib.rules_for(cfg)
+    if model_cfg.layout is not None:   # a ring of as many blocks as the sequence is split into
+        seq_axes = model_sharding._mesh_axes_of(rules.get("seq"))
+        model_cfg = dataclasses.replace(model_cfg, context_blocks=math.prod(mesh_shape[a] for a in seq_axes))
 
     abstract_model = nnx.eval_shape(lambda: models.build(model_cfg, cfg.seed))
     graphdef, abstract_params = nnx.split(abstract_model)
@@ -331,11 +334,13 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     def val_loss():
         """Mean loss over cfg.eval_batches fixed batches of val.bin (the same at every eval)."""
         losses = [eval_fn(params, data_lib.global_batch(run.val_data, i, (1, micro), seq_len,
-                                                        cfg.data.seed, batch_sharding))
+                                                        cfg.data.seed, batch_sharding, order))
                   for i in range(cfg.eval_batches)]
         return float(sum(losses)) / len(losses)
 
     seq_len = cfg.data.seq_len
+    layout = run.model_cfg.layout      # a context-parallel token order: the data stored in it
+    order = None if layout is None else layout.positions(seq_len)
     tokens_per_step = cfg.batch_size * seq_len
     flops_per_token = metrics_lib.flops_per_token(run.model_cfg, run.n_params, seq_len)
     peak = metrics_lib.peak_flops(jax.devices()[0], cfg.peak_flops)
@@ -375,7 +380,7 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     try:
         for step in range(start, min(cfg.steps, until or cfg.steps)):
             batch = data_lib.global_batch(run.data, step, (cfg.grad_accum, micro), seq_len,
-                                          cfg.data.seed, batch_sharding)
+                                          cfg.data.seed, batch_sharding, order)
             params, opt_state, metrics = step_fn(params, opt_state, batch)
             if pending is not None and not check(*pending):
                 break
