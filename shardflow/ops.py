@@ -42,7 +42,7 @@ from shardflow.specs import B, P, S, ShardingError, local_shape
 from shardflow.kernels import attention_xla, flash_attention_gpu
 
 BACKENDS = ("auto", "pallas", "interpret", "xla", "cudnn", "pallas_tpu", "interpret_tpu")
-CONTEXTS = ("auto", "ring", "all_gather", "ulysses")
+CONTEXTS = ("auto", "ring", "all_gather", "ulysses", "hybrid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +202,7 @@ def _attention_signatures(eqn):
       query = tuple(S(_DIMS[n]["seq"]) if n in ("q", "out", "dout", "lse", "dlse") else B for n in ins)
       result = {"out": S(1), "lse": S(2), "dq": S(1), "dk": P, "dv": P}
       sigs.append(Sig(query, tuple(result[n] for n in outs), "query_seq"))
-    if context in ("auto", "ring"):
+    if context in ("auto", "ring", "hybrid"):
       sigs.append(Sig(tuple(S(_RING[n]) if n in _RING else B for n in ins), tuple(S(_RING[n]) for n in outs),
                       "ring"))
   return sigs
@@ -286,16 +286,19 @@ def _propagate_attention(prop, eqn):
   context = eqn.params["config"].context
   if context == "auto":
     return prop.generic(eqn)
-  name = {"ring": "ring", "all_gather": "query_seq", "ulysses": "heads"}[context]
   q_seq = [i for i, s in enumerate(prop.of(eqn.invars[0])) if s == S(_DIMS["q"]["seq"])]
-  variant = [s for s in sigs if s.name == name]
-  if q_seq and not variant:
-    raise ShardingError(f"{source_line(eqn)}: attention(context={context!r}) with q's sequence split over "
-                        f"{[prop.names[i] for i in q_seq]}: {context} attention takes no segment_ids")
+
+  def variant(i):       # hybrid (USP): Ulysses over the innermost sequence axis, ring outside it
+    name = {"ring": "ring", "all_gather": "query_seq", "ulysses": "heads",
+            "hybrid": "heads" if i == q_seq[-1] else "ring"}[context]
+    found = [s for s in sigs if s.name == name]
+    if not found:
+      raise ShardingError(f"{source_line(eqn)}: attention(context={context!r}) with q's sequence split over "
+                          f"{[prop.names[j] for j in q_seq]}: a ring takes no segment_ids")
+    return found
 
   def candidates(i, whole):
-    return variant if i in q_seq else [s for s in sigs if s.name not in ("ring", "query_seq")] + [whole]
-  # Ulysses: where the sequence is split, an all-to-all re-splits q, k, v by heads (and back)
+    return variant(i) if i in q_seq else [s for s in sigs if s.name not in ("ring", "query_seq")] + [whole]
   return prop.decide(eqn, prop.choose(eqn, [prop.of(a) for a in eqn.invars], sigs, candidates))
 
 
@@ -397,7 +400,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     context: where sf.parallelize splits the sequence of q, k and v over a mesh axis, how the
       keys reach every query block: "ring" (K/V blocks passed around the axis,
       shardflow.ring_attention), "all_gather" (K/V gathered, only q split), "ulysses" (q, k, v
-      re-split by heads with all-to-alls: the kv heads must divide over the axis), or "auto"
+      re-split by heads with all-to-alls: the kv heads must divide over the axis), "hybrid"
+      (Ulysses over the innermost sequence-split mesh axis, a ring over the others), or "auto"
       (the cheapest by the cost model, any of these). No effect on one device.
     layout: None (tokens in order) or a ``Layout`` (``Layout("zigzag", n)``, ``Layout("striped",
       n)``): the sequence of q, k and v is stored in that order (``Layout.permute``, applied

@@ -181,3 +181,21 @@ def test_causal_work_per_device(n):
         assert work.max() / work.mean() <= bound
     work = causal_work(None, n, seq)
     assert abs(work.max() / work.mean() - (2 * n - 1) / n) < 0.01
+
+
+def test_hybrid_ulysses_inside_a_ring():
+    """context="hybrid" with the sequence over (data, model) = (2, 4): Ulysses all-to-alls on
+    model (the inner axis), a ring on data; equal to one device."""
+    def loss(q, k, v):
+        out = attention(q, k, v, causal=True, backend="xla", context="hybrid")
+        return jnp.sum(jnp.tanh(out)), out
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    seq = PS(None, ("data", "model"))
+    step = sf.parallelize(fn, mesh=sf.make_mesh({"data": 2, "model": 4}), in_specs=seq,
+                          out_specs=((PS(), seq), (seq, seq, seq)))
+    q, k, v = inputs(s=64, hkv=4)
+    for a, e in zip(jax.tree.leaves(step(q, k, v)), jax.tree.leaves(jax.jit(fn)(q, k, v))):
+        assert rel_l2(a, e) <= 1e-5
+    moved = {(c.kind, c.axes) for c in step.explain(q, k, v).collectives if c.shape != ()}
+    assert ("ppermute", ("data",)) in moved and ("all_to_all", ("model",)) in moved, moved
+    assert not {kind for kind, _ in moved} & {"all_gather"}, moved
