@@ -78,9 +78,9 @@ def main(argv=None) -> list[dict]:
     if set(variants) - set(VARIANTS):
         parser.error(f"unknown {sorted(set(variants) - set(VARIANTS))}; choose from {VARIANTS}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    from shardflow.train import configure_host_platform
+    configure_host_platform()          # on a CPU-only machine: simulated devices for --cpu-check
     import jax
-    if args.cpu_check:
-        jax.config.update("jax_num_cpu_devices", 8)
     import jax.numpy as jnp
     import numpy as np
 
@@ -93,6 +93,8 @@ def main(argv=None) -> list[dict]:
     if args.cpu_check:
         heads, kv_heads, head_dim, seqs, backend = 8, 4, 16, [256], "xla"
     n = 4 if args.cpu_check else jax.device_count()
+    if jax.device_count() < n:
+        parser.error(f"--cpu-check needs {n} devices, JAX has {jax.device_count()}")
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
           f"{heads} q heads / {kv_heads} kv heads x {head_dim}, context axis of {n}")
     rows = []

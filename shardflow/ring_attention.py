@@ -136,7 +136,7 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
         if j < n - 1:
             k_next, v_next = lax.ppermute((k, v), axes, perm)
         kv_parts = parts(layout, src, k.shape[1], kv_base)
-        for i, (qp, kp, q_off, kv_off) in enumerate(_pairs(layout, q_parts, kv_parts, q_block)):
+        for qp, kp, q_off, kv_off in _pairs(layout, q_parts, kv_parts, q_block):
             qi = q_parts.index(qp)
             q_, k_, v_ = _seq(q, qp), _seq(k, kp), _seq(v, kp)
             out_j, lse_j = lax.cond(
