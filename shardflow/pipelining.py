@@ -15,16 +15,25 @@ It returns the mean loss and every gradient; a loss seeded with another cotangen
 
 Lockstep. Devices meet at every tick's ppermute, so a tick lasts as long as its slowest action:
 an unsplit schedule runs with each backward as B (inputs) then W (weights) at the stage's next
-tick (``schedules.with_split_backward``), every action then one forward's work (1F1B at p = 4,
-m = 8: 30 ticks of one unit against 22 ticks of which the mixed ones cost two, 40 units).
+tick (``schedules.with_split_backward``), every action then about one forward's work (1F1B at
+p = 4, m = 8: 30 ticks of one unit against 22 ticks of which the mixed ones cost two, 40
+units). The split costs nothing extra: ``split_vjp`` cuts the traced backward so that B and W
+share no equation, B keeping for W the values W reads (the stash). The head runs on every
+device of the axis at once, after the tick's actions, sharded as its parameters are (a vocab
+split over the stages shares its work out); and the hand-offs wait for every action of the
+tick (an optimization barrier), else XLA runs W after them and a device does two actions
+between two hand-offs.
 
 Memory. What a schedule keeps is explicit: F stores its stage's residuals (the saved
-activations, less the layer weights) in a slot that W frees; slots are assigned per stage by
+activations, less the layer weights) in a slot that W frees, B the stash in one that W frees;
+slots are assigned per stage by
 interval colouring of the table, so a stage holds as many as its schedule keeps alive at once
 (GPipe m, 1F1B p - s on stage s). Inputs received from a neighbour wait in slots the same way.
 
-Partial: interleaved / V layouts that keep the layers in device order between steps (today the stacked layers are
-reordered each step, a collective explain shows) are not built yet.
+Partial: interleaved / V layouts that keep the layers in device order between steps (today
+the stacked layers are reordered each step, a collective explain shows) are not built yet; an
+undifferentiated call still runs the backward. Slow on GPUs so far (benchmarks/results/
+pipeline.md): residual slots are copied in and out by every action.
 """
 from __future__ import annotations
 
