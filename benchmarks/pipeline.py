@@ -20,7 +20,6 @@ import gc
 import os
 
 import _checkout  # noqa: F401
-from shardflow.train import configure_host_platform
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -106,12 +105,7 @@ def main(argv=None) -> list[dict]:
     schedules = args.schedules.split(",")
     if set(schedules) - set(SCHEDULES):
         parser.error(f"unknown {sorted(set(schedules) - set(SCHEDULES))}; choose from {SCHEDULES}")
-    configure_host_platform()
-    import jax
-
-    n = jax.device_count()
-    print(f"jax {jax.__version__}, {n} x {jax.devices()[0].device_kind}, "
-          f"NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
+    n = scaling.devices()
     rows = []
     for preset in args.preset or ["1b"]:
         batch, seq, remat = CASES[preset]

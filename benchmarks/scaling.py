@@ -177,6 +177,18 @@ def fmt_mesh(mesh: dict) -> str:
     return " ".join(f"{k}:{v}" for k, v in mesh.items())
 
 
+def devices() -> int:
+    """The number of devices, after simulating CPU devices where there is no accelerator; the
+    run's header line (jax version, devices, NCCL setting) printed."""
+    configure_host_platform()
+    import jax
+
+    n = jax.device_count()
+    print(f"jax {jax.__version__}, {n} x {jax.devices()[0].device_kind}, "
+          f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
+    return n
+
+
 def pct(x) -> str:
     return f"{100 * x:.1f} %" if x is not None else "n/a"
 
@@ -231,12 +243,9 @@ def main(argv=None) -> list[dict]:
     for name, allowed in ((strategies, STRATEGIES), (engines, ENGINES)):
         if set(name) - set(allowed):
             parser.error(f"unknown {sorted(set(name) - set(allowed))}; choose from {allowed}")
-    configure_host_platform()
+    n = devices()
     import jax
 
-    n = jax.device_count()
-    print(f"jax {jax.__version__}, {n} x {jax.devices()[0].device_kind}, "
-          f"NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
     rows = []
     for preset in args.preset or ["1b", "7b"]:
         batch, seq, remat = CASES[preset]

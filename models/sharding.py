@@ -86,7 +86,7 @@ def with_pipeline(rules: Rules, axis: str = "pipe") -> dict:
         raise ValueError(f"the rules put the stacked layers ({STACKED_AXIS!r}) on {current!r}, "
                          f"but the pipeline's stages are mesh axis {axis!r}")
     rules[STACKED_AXIS] = axis
-    vocab = _mesh_axes_of(rules.get("vocab"))
+    vocab = mesh_axes_of(rules.get("vocab"))
     if axis not in vocab:
         rules["vocab"] = (axis, *vocab) if vocab else axis
     return rules
@@ -102,7 +102,7 @@ def get_rules(strategy_or_rules: str | Rules) -> dict:
     return dict(strategy_or_rules)
 
 
-def _mesh_axes_of(rule) -> tuple[str, ...]:
+def mesh_axes_of(rule) -> tuple[str, ...]:
     if rule is None:
         return ()
     return (rule,) if isinstance(rule, str) else tuple(rule)
@@ -111,7 +111,7 @@ def _mesh_axes_of(rule) -> tuple[str, ...]:
 def check_rules(rules: Rules, mesh_axis_names: Sequence[str]) -> None:
     """Every mesh axis a rule names must exist in the mesh."""
     for logical, rule in rules.items():
-        for axis in _mesh_axes_of(rule):
+        for axis in mesh_axes_of(rule):
             if axis not in mesh_axis_names:
                 raise ValueError(
                     f"rule {logical!r} -> {rule!r} names mesh axis {axis!r}, which the mesh "
@@ -127,7 +127,7 @@ def spec_for(axes: LogicalAxes, rules: Rules) -> PartitionSpec:
     used: set[str] = set()
     entries = []
     for name in axes:
-        mesh_axes = tuple(a for a in _mesh_axes_of(rules.get(name)) if a not in used)
+        mesh_axes = tuple(a for a in mesh_axes_of(rules.get(name)) if a not in used)
         used.update(mesh_axes)
         entries.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
     return PartitionSpec(*entries)
@@ -208,7 +208,7 @@ def _get_nested(tree, path):
 
 def check_divisible(what: str, shape, spec: PartitionSpec, mesh: jax.sharding.Mesh) -> None:
     for dim, (size, entry) in enumerate(zip(shape, spec)):
-        axes = _mesh_axes_of(entry)
+        axes = mesh_axes_of(entry)
         ways = math.prod(mesh.shape[a] for a in axes)
         if size % ways:
             raise ValueError(

@@ -100,6 +100,18 @@ def _ring(axes, sizes):
     return n, lax.axis_index(axes), [(j, (j + 1) % n) for j in range(n)]
 
 
+def _blocks(k, v, axes, sizes):
+    """(source block index, k, v) at each of the ring's n steps, starting with this device's
+    own; the next block's ppermute is issued before the current one is used, so the two may
+    overlap."""
+    n, r, perm = _ring(axes, sizes)
+    for j in range(n):
+        following = lax.ppermute((k, v), axes, perm) if j < n - 1 else None
+        yield (r - j) % n, k, v
+        if following is not None:
+            k, v = following
+
+
 def _masked(causal, q_offset, sq, kv_offset):
     """Whether keys from ``kv_offset`` on lie wholly after every query of [q_offset, q_offset + sq)."""
     return jnp.asarray(causal) & (kv_offset > q_offset + sq - 1)
@@ -126,15 +138,11 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
     """(out, lse) of this device's query block (block ``q_block``) against every K/V block of
     the ring. ``attend(q, k, v, q_offset, kv_offset) -> (out, lse)`` is one contiguous pair's
     attention; ``q_base`` / ``kv_base``: the global position of token 0 of q / of k."""
-    n, r, perm = _ring(axes, sizes)
     b, _, h, _ = q.shape
     q_parts = parts(layout, q_block, q.shape[1], q_base)
     acc = [(jnp.zeros(_seq(q, p).shape, jnp.float32), jnp.full((b, h, p[1]), -jnp.inf, jnp.float32))
            for p in q_parts]
-    for j in range(n):
-        src = (r - j) % n
-        if j < n - 1:
-            k_next, v_next = lax.ppermute((k, v), axes, perm)
+    for src, k, v in _blocks(k, v, axes, sizes):
         kv_parts = parts(layout, src, k.shape[1], kv_base)
         for qp, kp, q_off, kv_off in _pairs(layout, q_parts, kv_parts, q_block):
             qi = q_parts.index(qp)
@@ -144,8 +152,6 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
                 lambda: (jnp.zeros(q_.shape, q.dtype), jnp.full((b, h, qp[1]), -jnp.inf, jnp.float32)),
                 lambda: attend(q_, k_, v_, q_off, kv_off))
             acc[qi] = _merge(*acc[qi], out_j, lse_j)
-        if j < n - 1:
-            k, v = k_next, v_next
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     return out, jnp.concatenate([l for _, l in acc], axis=2)
 
@@ -155,14 +161,12 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
     """(dq, dk, dv) of this device's blocks. ``attend_bwd(q, k, v, out, lse, dout, dlse,
     q_offset, kv_offset) -> (dq, dk, dv)`` is one contiguous pair's backward given the whole
     rows' out and lse; dk / dv of a block are summed as it travels, then sent home."""
-    n, r, perm = _ring(axes, sizes)
+    _, _, perm = _ring(axes, sizes)
     q_parts = parts(layout, q_block, q.shape[1], q_base)
     dq = jnp.zeros(q.shape, jnp.float32)
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    for j in range(n):
-        src = (r - j) % n
-        if j < n - 1:
-            k_next, v_next = lax.ppermute((k, v), axes, perm)
+    dtypes = k.dtype, v.dtype
+    for src, k, v in _blocks(k, v, axes, sizes):
         kv_parts = parts(layout, src, k.shape[1], kv_base)
         for qp, kp, q_off, kv_off in _pairs(layout, q_parts, kv_parts, q_block):
             rows = [_seq(x, qp) for x in (q, out, dout)] + [_seq(x, qp, axis=2) for x in (lse,)]
@@ -177,9 +181,7 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
             dv = lax.dynamic_update_slice_in_dim(dv, _seq(dv, kp) + dv_j, kp[0], axis=1)
         # block src's sums move on with it; after the last step they go home (src + 1 -> ... -> src)
         dk, dv = lax.ppermute((dk, dv), axes, perm)
-        if j < n - 1:
-            k, v = k_next, v_next
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), dk.astype(dtypes[0]), dv.astype(dtypes[1])
 
 
 def causal_work(layout: Layout | None, n: int, seq: int) -> np.ndarray:

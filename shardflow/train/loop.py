@@ -233,7 +233,7 @@ def setup(cfg) -> Run:
                 tuple(mesh_shape))
     rules = config_lib.rules_for(cfg)
     if model_cfg.layout is not None:   # a ring of as many blocks as the sequence is split into
-        seq_axes = model_sharding._mesh_axes_of(rules.get("seq"))
+        seq_axes = model_sharding.mesh_axes_of(rules.get("seq"))
         model_cfg = dataclasses.replace(model_cfg, context_blocks=math.prod(mesh_shape[a] for a in seq_axes))
 
     abstract_model = nnx.eval_shape(lambda: models.build(model_cfg, cfg.seed))
