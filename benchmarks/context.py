@@ -4,15 +4,22 @@ single-GPU kernel, in one run.
     python benchmarks/context.py                       # 32k, 64k, 128k tokens on every GPU
     python benchmarks/context.py --seq 65536 --variants zigzag,ulysses
     python benchmarks/context.py --cpu-check           # the same code on 8 simulated CPUs, tiny
+    python benchmarks/context.py --train --seq 65536   # the 1b preset's training step per variant
+    python benchmarks/context.py --profile zigzag --seq 65536 --out-dir DIR   # overlap, one step
 
-Causal attention, batch 1, the heads of a model preset (1b: 32 q heads over 8 kv heads, head
-dim 64), q / k / v split along the sequence over {context: N}, forward + backward
+Causal attention, batch 1, the heads of a model preset (1b: 16 q heads over 8 kv heads, head
+dim 128), q / k / v split along the sequence over {context: N}, forward + backward
 (`jax.value_and_grad`) under `sf.parallelize`, for each variant of `attention(context=...,
 layout=...)`: ring (contiguous blocks), zigzag and striped (a ring over tokens in that order),
 ulysses (re-split by heads), all_gather (K/V gathered). The baseline is the same attention on
 one GPU at the same sequence length; a variant's ratio is its per-GPU TFLOP/s over the
 baseline's TFLOP/s (ideal 1.0). FLOPs: 4 S^2 H D / 2 forward, x3.5 forward + backward. Times:
 wall clock of --steps calls after --warmup, ended by one block_until_ready.
+
+--train: the preset's `shardflow train` step (strategy cp: the sequence over {context: N}
+everywhere, batch 1, AdamW) with ``model.context`` set to each variant: tokens/s and MFU.
+--profile VARIANT: one traced attention step of that variant; per GPU, the time NCCL kernels
+(the ring's collective-permutes) run and how much of it overlaps an attention kernel.
 """
 from __future__ import annotations
 
@@ -64,6 +71,104 @@ def step_fn(variant: str, n: int, causal: bool, backend: str):
                           out_specs=(P(), (seq, seq, seq)))
 
 
+def train_rows(preset: str, seq: int, n: int, variants, remat: str, steps: int, warmup: int) -> list[dict]:
+    """The preset's training step on {data: devices / n, context: n}, a sequence of ``seq``
+    tokens per data replica, per variant."""
+    import jax
+    import numpy as np
+
+    from shardflow import train
+    from shardflow.train import config, metrics
+
+    replicas = jax.device_count() // n    # the trainer takes every device: the rest on `data`
+    rows = []
+    for variant in variants:
+        row = {"seq": seq, "variant": variant, "train": True, "remat": remat}
+        try:
+            cfg = config.Config(mesh={"data": replicas, "context": n}, strategy="cp", batch_size=replicas,
+                                steps=warmup + steps,
+                                eval_every=0, compute_dtype="bfloat16")
+            cfg.model = {"preset": preset, "remat": remat, "attention_impl": "ops", "context": variant}
+            cfg.data.seq_len = seq
+            run = train.setup(cfg)
+            params, opt_state = train.init_state(run)
+            step = run.train_step()
+            tokens = np.random.default_rng(0).integers(0, run.model_cfg.vocab_size, (1, replicas, seq + 1))
+            sharding = run.shardings(run.batch_spec)
+            data = {"inputs": jax.device_put(tokens[..., :-1].astype(np.int32), sharding),
+                    "targets": jax.device_put(tokens[..., 1:].astype(np.int32), sharding)}
+            for _ in range(warmup):
+                params, opt_state, out = step(params, opt_state, data)
+            jax.block_until_ready(out)
+            start = time.perf_counter()
+            for _ in range(steps):
+                params, opt_state, out = step(params, opt_state, data)
+            jax.block_until_ready(out)
+            seconds = (time.perf_counter() - start) / steps
+            peak = metrics.peak_flops(jax.devices()[0])
+            tok_s = replicas * seq / seconds
+            mfu = (tok_s * metrics.flops_per_token(run.model_cfg, run.n_params, seq) / (peak * jax.device_count())
+                   if peak else None)
+            memory = max(d.memory_stats().get("peak_bytes_in_use", 0) for d in jax.devices()) \
+                if jax.devices()[0].memory_stats() else None
+            row.update(status="ok", ms=seconds * 1e3, tokens_per_s=tok_s, mfu=mfu, loss=float(out["loss"]),
+                       peak_gb=memory / 2**30 if memory else None)
+        except Exception as e:  # noqa: BLE001 - report and go on (e.g. out of memory)
+            row.update(status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        rows.append(row)
+        print(f"{seq:7d} {variant:11s} train " + (
+            f"{row['ms']:9.1f} ms {row['tokens_per_s']:9,.0f} tok/s  MFU "
+            + (f"{100 * row['mfu']:.1f} %" if row["mfu"] else "n/a")
+            + (f"  peak {row['peak_gb']:.1f} GB" if row["peak_gb"] else "")
+            if row["status"] == "ok" else row["status"]), flush=True)
+        jax.clear_caches()
+    return rows
+
+
+def overlap(trace_dir: str, devices: int) -> list[dict]:
+    """Per GPU of a perfetto trace: NCCL kernel time, attention kernel time, and the NCCL time
+    during which an attention kernel runs (on another stream)."""
+    import glob
+    import gzip
+    import json
+    import re
+
+    path = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
+    events = json.load(gzip.open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    gpu = {e["pid"]: int(m.group(1)) for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           for m in [re.search(r"GPU:(\d+)$", e["args"]["name"])] if m}
+
+    def covered(spans, others):
+        """Length of ``spans`` covered by the union of ``others`` (both lists of (start, end))."""
+        merged = []
+        for a, b in sorted(others):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        total = 0.0
+        for a, b in spans:
+            total += sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged)
+        return total
+
+    rows = []
+    for g in range(devices):
+        kernels = [(e["name"].lower(), e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                   if e.get("ph") == "X" and gpu.get(e.get("pid")) == g]
+        nccl = [(a, b) for name, a, b in kernels if "nccl" in name]
+        attn = [(a, b) for name, a, b in kernels if "nccl" not in name and
+                any(w in name for w in ("attention", "flash", "mosaic", "_fwd", "_bwd"))]
+        by_name = {}
+        for name, a, b in kernels:
+            by_name[name[:60]] = by_name.get(name[:60], 0.0) + (b - a) / 1e3
+        rows.append({"gpu": g, "top_kernels_ms": sorted(by_name.items(), key=lambda x: -x[1])[:8],
+                     "nccl_ms": sum(b - a for a, b in nccl) / 1e3,
+                     "attention_ms": sum(b - a for a, b in attn) / 1e3,
+                     "nccl_under_attention_ms": covered(nccl, attn) / 1e3})
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", default="32768,65536,131072", help="total tokens, comma-separated")
@@ -72,6 +177,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cpu-check", action="store_true", help="8 simulated CPUs, tiny shapes")
+    parser.add_argument("--train", action="store_true", help="the preset's training step per variant")
+    parser.add_argument("--remat", default="none", help="--train: the model's remat policy")
+    parser.add_argument("--profile", metavar="VARIANT", help="trace one attention step of VARIANT")
+    parser.add_argument("--out-dir", default="/tmp/context_profile", help="--profile: where the trace goes")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
@@ -97,6 +206,28 @@ def main(argv=None) -> list[dict]:
         parser.error(f"--cpu-check needs {n} devices, JAX has {jax.device_count()}")
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
           f"{heads} q heads / {kv_heads} kv heads x {head_dim}, context axis of {n}")
+    if args.train:
+        preset = "tiny" if args.cpu_check else args.preset
+        rows = [row for seq in seqs for row in train_rows(preset, seq, n, variants, args.remat, args.steps,
+                                                          args.warmup)]
+        if args.out:
+            import scaling
+            scaling.write_json(args.out, rows, args)
+        return rows
+    if args.profile:
+        r = np.random.default_rng(0)
+        q, k, v = (jnp.asarray(r.standard_normal((1, seqs[0], h, head_dim)) * 0.5, jnp.bfloat16)
+                   for h in (heads, kv_heads, kv_heads))
+        fn = step_fn(args.profile, n, True, backend)
+        measure(fn, (q, k, v), 1, args.warmup)
+        with jax.profiler.trace(args.out_dir, create_perfetto_trace=True):
+            jax.block_until_ready(fn(q, k, v))
+        rows = overlap(args.out_dir, n)
+        for row in rows:
+            print(f"GPU{row['gpu']}: NCCL {row['nccl_ms']:.2f} ms, attention kernels {row['attention_ms']:.2f} ms, "
+                  f"NCCL while an attention kernel runs {row['nccl_under_attention_ms']:.2f} ms")
+        print("  top kernels: " + "; ".join(f"{name} {ms:.2f}" for name, ms in rows[0]["top_kernels_ms"]))
+        return rows
     rows = []
     for seq in seqs:
         r = np.random.default_rng(0)

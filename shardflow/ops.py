@@ -243,18 +243,29 @@ def _local_ring(local, eqn, ins, axes):
   if config.static_offset_delta is None:
     q_base, kv_base = operands["q_offset"], operands["kv_offset"]
   else:
-    q_base, kv_base = jnp.int32(config.static_offset_delta), jnp.int32(0)
-  block = dataclasses.replace(config, static_offset_delta=None, has_segment_ids=False, layout=None)
+    q_base, kv_base = config.static_offset_delta, 0
+  block = dataclasses.replace(config, has_segment_ids=False, layout=None)
   where = dict(causal=config.causal, q_block=shard, q_base=q_base, kv_base=kv_base, layout=config.layout,
                axes=axes, sizes=local.sizes)
+
+  def masked(mask):
+    """A block's config and offset operands for a ring_attention mask."""
+    if mask == ring_attention.FULL:
+      return dataclasses.replace(block, causal=False, static_offset_delta=0), ()
+    if mask == ring_attention.DIAGONAL:
+      return dataclasses.replace(block, static_offset_delta=0), ()
+    return dataclasses.replace(block, static_offset_delta=None), mask
+
   if eqn.primitive is sf_attention_fwd_p:
-    def attend(q, k, v, q_off, kv_off):
-      return tuple(sf_attention_fwd_p.bind(q, k, v, q_off, kv_off, config=block))
+    def attend(q, k, v, mask):
+      block_config, offsets = masked(mask)
+      return tuple(sf_attention_fwd_p.bind(q, k, v, *offsets, config=block_config))
     return list(ring_attention.forward(attend, operands["q"], operands["k"], operands["v"], **where))
 
-  def attend_bwd(q, k, v, out, lse, dout, dlse, q_off, kv_off):
+  def attend_bwd(q, k, v, out, lse, dout, dlse, mask):
+    block_config, offsets = masked(mask)
     extra = (dlse,) if config.has_dlse else ()
-    return tuple(sf_attention_bwd_p.bind(q, k, v, out, lse, dout, q_off, kv_off, *extra, config=block))
+    return tuple(sf_attention_bwd_p.bind(q, k, v, out, lse, dout, *offsets, *extra, config=block_config))
   return list(ring_attention.backward(attend_bwd, *(operands[n] for n in ("q", "k", "v", "out", "lse", "dout")),
                                       operands.get("dlse"), **where))
 

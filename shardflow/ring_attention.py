@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -70,29 +71,57 @@ class Layout:
         return jnp.take(x, np.argsort(self.positions(x.shape[axis])), axis=axis)
 
 
-def parts(layout: Layout | None, block, length: int, base):
-    """(start, length, global offset) of the contiguous runs of positions in block ``block``
-    (traced) of ``length`` stored tokens; ``base``: the global position of the sequence's
-    first token. Striped blocks are not runs: their one part has an offset that shifts the
-    causal diagonal instead (0 for blocks at or before this one, 1 after), see ``_pairs``."""
+class Part(NamedTuple):
+    """A contiguous run of a block's stored tokens: ``[start, start + length)`` of the block,
+    chunk ``chunk`` (traced) of the sequence's chunks of ``length``, at global position
+    ``offset``."""
+    start: int
+    length: int
+    chunk: object
+    offset: object
+
+
+def parts(layout: Layout | None, block, length: int, base) -> list[Part]:
+    """The contiguous runs of positions in block ``block`` (traced) of ``length`` stored
+    tokens; ``base``: the global position of the sequence's first token. A striped block is
+    not a run: its one part's offset is its block index, which shifts the causal diagonal
+    instead (0 for blocks at or before this one, 1 after), see ``_masks``."""
     if layout is None:
-        return [(0, length, base + block * length)]
+        return [Part(0, length, block, base + block * length)]
     if layout.kind == "zigzag":
         c = length // 2
-        return [(0, c, base + block * c), (c, c, base + (2 * layout.blocks - 1 - block) * c)]
-    return [(0, length, block)]
+        mirror = 2 * layout.blocks - 1 - block
+        return [Part(0, c, block, base + block * c), Part(c, c, mirror, base + mirror * c)]
+    return [Part(0, length, block, block)]
 
 
-def _pairs(layout, q_parts, kv_parts, striped_q_block):
-    """(q part, kv part, q offset, kv offset) of every pair a step attends."""
-    for qp in q_parts:
-        for kp in kv_parts:
-            if layout is not None and layout.kind == "striped":
-                # q token i is at i n + r, key j of block s at j n + s: visible iff j <= i (s <= r)
-                # or j < i (s > r) — the causal diagonal of the local indices, shifted by one.
-                yield qp, kp, jnp.int32(0), (kp[2] > striped_q_block).astype(jnp.int32)
-            else:
-                yield qp, kp, qp[2], kp[2]
+# What a (query part, key part) pair attends: nothing, every key ("full"), the causal diagonal
+# of equal-length parts at equal offsets ("diagonal"), or causal at traced offsets (a tuple
+# (q_offset, kv_offset)). The first two kinds need no offsets, so a kernel that takes only
+# static masks (the Mosaic GPU one) runs them.
+SKIP, FULL, DIAGONAL = None, "full", "diagonal"
+
+
+def _masks(causal, layout, qp: Part, kp: Part, q_base, kv_base):
+    """(which, masks): the pair's mask is ``masks[which]``, ``which`` traced (a Python 0 when
+    there is one mask)."""
+    if not causal:
+        return 0, (FULL,)
+    if layout is not None and layout.kind == "striped":
+        # q token i is at i n + r, key j of block s at j n + s: visible iff j <= i (s <= r) or
+        # j < i (s > r) — the causal diagonal of the local indices, or that diagonal shifted.
+        return (kp.offset > qp.offset).astype(jnp.int32), (DIAGONAL, (jnp.int32(0), jnp.int32(1)))
+    if isinstance(q_base, int) and isinstance(kv_base, int) and q_base == kv_base and qp.length == kp.length:
+        # equal chunks at equal bases: a key chunk before the query chunk is wholly visible
+        return 1 + jnp.sign(qp.chunk - kp.chunk).astype(jnp.int32), (SKIP, DIAGONAL, FULL)
+    masked = kp.offset > qp.offset + qp.length - 1
+    return (~masked).astype(jnp.int32), (SKIP, (jnp.asarray(qp.offset, jnp.int32), jnp.asarray(kp.offset, jnp.int32)))
+
+
+def _switch(which, masks, run, skipped):
+    """``run(mask)`` for the pair's mask, ``skipped()`` where it is SKIP: one branch taken."""
+    branches = [skipped if m is SKIP else (lambda m=m: run(m)) for m in masks]
+    return branches[0]() if len(branches) == 1 else lax.switch(which, branches)
 
 
 def _ring(axes, sizes):
@@ -112,11 +141,6 @@ def _blocks(k, v, axes, sizes):
             k, v = following
 
 
-def _masked(causal, q_offset, sq, kv_offset):
-    """Whether keys from ``kv_offset`` on lie wholly after every query of [q_offset, q_offset + sq)."""
-    return jnp.asarray(causal) & (kv_offset > q_offset + sq - 1)
-
-
 def _merge(out, lse, out_j, lse_j):
     """Two partial attentions over disjoint keys, merged by their log-sum-exps (-inf: none)."""
     new = jnp.logaddexp(lse, lse_j)
@@ -129,56 +153,56 @@ def _merge(out, lse, out_j, lse_j):
     return out * weight(lse) + out_j.astype(jnp.float32) * weight(lse_j), new
 
 
-def _seq(x, part, axis=1):
-    start, length, _ = part
-    return lax.slice_in_dim(x, start, start + length, axis=axis)
+def _seq(x, part: Part, axis=1):
+    return lax.slice_in_dim(x, part.start, part.start + part.length, axis=axis)
 
 
 def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, sizes):
     """(out, lse) of this device's query block (block ``q_block``) against every K/V block of
-    the ring. ``attend(q, k, v, q_offset, kv_offset) -> (out, lse)`` is one contiguous pair's
-    attention; ``q_base`` / ``kv_base``: the global position of token 0 of q / of k."""
+    the ring. ``attend(q, k, v, mask) -> (out, lse)`` is one contiguous pair's attention
+    (``mask``: FULL, DIAGONAL or (q_offset, kv_offset)); ``q_base`` / ``kv_base``: the global
+    position of token 0 of q / of k (Python ints where static)."""
     b, _, h, _ = q.shape
     q_parts = parts(layout, q_block, q.shape[1], q_base)
-    acc = [(jnp.zeros(_seq(q, p).shape, jnp.float32), jnp.full((b, h, p[1]), -jnp.inf, jnp.float32))
+    acc = [(jnp.zeros(_seq(q, p).shape, jnp.float32), jnp.full((b, h, p.length), -jnp.inf, jnp.float32))
            for p in q_parts]
     for src, k, v in _blocks(k, v, axes, sizes):
-        kv_parts = parts(layout, src, k.shape[1], kv_base)
-        for qp, kp, q_off, kv_off in _pairs(layout, q_parts, kv_parts, q_block):
-            qi = q_parts.index(qp)
-            q_, k_, v_ = _seq(q, qp), _seq(k, kp), _seq(v, kp)
-            out_j, lse_j = lax.cond(
-                _masked(causal, q_off, qp[1], kv_off),
-                lambda: (jnp.zeros(q_.shape, q.dtype), jnp.full((b, h, qp[1]), -jnp.inf, jnp.float32)),
-                lambda: attend(q_, k_, v_, q_off, kv_off))
-            acc[qi] = _merge(*acc[qi], out_j, lse_j)
+        for kp in parts(layout, src, k.shape[1], kv_base):
+            for qi, qp in enumerate(q_parts):
+                q_, k_, v_ = _seq(q, qp), _seq(k, kp), _seq(v, kp)
+                out_j, lse_j = _switch(
+                    *_masks(causal, layout, qp, kp, q_base, kv_base),
+                    run=lambda mask: attend(q_, k_, v_, mask),
+                    skipped=lambda: (jnp.zeros(q_.shape, q.dtype), jnp.full((b, h, qp.length), -jnp.inf, jnp.float32)))
+                acc[qi] = _merge(*acc[qi], out_j, lse_j)
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     return out, jnp.concatenate([l for _, l in acc], axis=2)
 
 
 def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_base, kv_base, layout,
              axes, sizes):
-    """(dq, dk, dv) of this device's blocks. ``attend_bwd(q, k, v, out, lse, dout, dlse,
-    q_offset, kv_offset) -> (dq, dk, dv)`` is one contiguous pair's backward given the whole
-    rows' out and lse; dk / dv of a block are summed as it travels, then sent home."""
+    """(dq, dk, dv) of this device's blocks. ``attend_bwd(q, k, v, out, lse, dout, dlse, mask)
+    -> (dq, dk, dv)`` is one contiguous pair's backward given the whole rows' out and lse; dk /
+    dv of a block are summed as it travels, then sent home."""
     _, _, perm = _ring(axes, sizes)
     q_parts = parts(layout, q_block, q.shape[1], q_base)
     dq = jnp.zeros(q.shape, jnp.float32)
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     dtypes = k.dtype, v.dtype
     for src, k, v in _blocks(k, v, axes, sizes):
-        kv_parts = parts(layout, src, k.shape[1], kv_base)
-        for qp, kp, q_off, kv_off in _pairs(layout, q_parts, kv_parts, q_block):
-            rows = [_seq(x, qp) for x in (q, out, dout)] + [_seq(x, qp, axis=2) for x in (lse,)]
-            dl = None if dlse is None else _seq(dlse, qp, axis=2)
-            k_, v_ = _seq(k, kp), _seq(v, kp)
-            dq_j, dk_j, dv_j = lax.cond(
-                _masked(causal, q_off, qp[1], kv_off),
-                lambda: (jnp.zeros(rows[0].shape, q.dtype), jnp.zeros(k_.shape, k.dtype), jnp.zeros(v_.shape, v.dtype)),
-                lambda: attend_bwd(rows[0], k_, v_, rows[1], rows[3], rows[2], dl, q_off, kv_off))
-            dq = lax.dynamic_update_slice_in_dim(dq, _seq(dq, qp) + dq_j, qp[0], axis=1)
-            dk = lax.dynamic_update_slice_in_dim(dk, _seq(dk, kp) + dk_j, kp[0], axis=1)
-            dv = lax.dynamic_update_slice_in_dim(dv, _seq(dv, kp) + dv_j, kp[0], axis=1)
+        for kp in parts(layout, src, k.shape[1], kv_base):
+            for qp in q_parts:
+                q_, out_, dout_ = (_seq(x, qp) for x in (q, out, dout))
+                lse_, dlse_ = (None if x is None else _seq(x, qp, axis=2) for x in (lse, dlse))
+                k_, v_ = _seq(k, kp), _seq(v, kp)
+                dq_j, dk_j, dv_j = _switch(
+                    *_masks(causal, layout, qp, kp, q_base, kv_base),
+                    run=lambda mask: attend_bwd(q_, k_, v_, out_, lse_, dout_, dlse_, mask),
+                    skipped=lambda: (jnp.zeros(q_.shape, q.dtype), jnp.zeros(k_.shape, k.dtype),
+                                     jnp.zeros(v_.shape, v.dtype)))
+                dq = lax.dynamic_update_slice_in_dim(dq, _seq(dq, qp) + dq_j, qp.start, axis=1)
+                dk = lax.dynamic_update_slice_in_dim(dk, _seq(dk, kp) + dk_j, kp.start, axis=1)
+                dv = lax.dynamic_update_slice_in_dim(dv, _seq(dv, kp) + dv_j, kp.start, axis=1)
         # block src's sums move on with it; after the last step they go home (src + 1 -> ... -> src)
         dk, dv = lax.ppermute((dk, dv), axes, perm)
     return dq.astype(q.dtype), dk.astype(dtypes[0]), dv.astype(dtypes[1])

@@ -2,6 +2,7 @@
 passed around it. Forward and the three gradients equal one device; explain lists the ring's
 ppermutes with the bytes of the formula; nothing gathers K/V."""
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -169,6 +170,32 @@ def test_balanced_layouts_on_a_ring_equal_one_device(kind, causal, n, heads_kv):
     plain = attention(*natural, causal=causal, backend="xla")
     np.testing.assert_allclose(np.asarray(layout.unpermute(want[0][1])), np.asarray(plain), rtol=1e-5, atol=1e-6)
     assert not [c for c in step.explain(q, k, v).collectives if c.kind in ("all_gather", "all_to_all")]
+
+
+def block_configs(step, *args):
+    """The config of every attention kernel call in the lowered program, switch branches too."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name.startswith("sf_attention"):
+                yield eqn.params["config"]
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from walk(sub)
+    return list(walk(jax.make_jaxpr(step)(*args).jaxpr))
+
+
+@pytest.mark.parametrize("layout", [None, "zigzag", "striped"])
+def test_causal_self_attention_blocks_take_static_masks(layout):
+    """Contiguous and zigzag blocks of causal self-attention are wholly visible, diagonal or
+    skipped, known from the block indices: every kernel call gets a static mask (what the
+    Mosaic GPU kernel takes). Striped blocks at or before the query block get the diagonal,
+    the later ones the diagonal shifted by one (traced offsets)."""
+    n = 4
+    lay = None if layout is None else Layout(layout, n)
+    _, step = ring_step({"context": n}, "context", causal=True, layout=lay)
+    configs = block_configs(step, *inputs())
+    static = [c.static_offset_delta == 0 for c in configs]
+    assert len(configs) >= 2 * n and (all(static) if layout != "striped" else sum(static) == len(static) // 2)
+    assert {c.causal for c in configs if c.static_offset_delta == 0} == {True, False} if layout != "striped" else {True}
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
