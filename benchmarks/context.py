@@ -49,6 +49,8 @@ def measure(fn, args, steps: int, warmup: int) -> float:
 
 
 def step_fn(variant: str, n: int, causal: bool, backend: str):
+    """(value_and_grad of the attention under ``variant`` on {context: n}, the q / k / v
+    sharding it takes: inputs are placed before timing, as the one-device baseline's are)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -65,10 +67,11 @@ def step_fn(variant: str, n: int, causal: bool, backend: str):
 
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
     if n == 1:
-        return jax.jit(fn)
+        return jax.jit(fn), jax.devices()[0]
     seq = P(None, "context")
-    return sf.parallelize(fn, mesh=sf.make_mesh({"context": n}), in_specs=seq,
-                          out_specs=(P(), (seq, seq, seq)))
+    mesh = sf.make_mesh({"context": n})
+    return (sf.parallelize(fn, mesh=mesh, in_specs=seq, out_specs=(P(), (seq, seq, seq))),
+            jax.sharding.NamedSharding(mesh, seq))
 
 
 def train_rows(preset: str, seq: int, n: int, variants, remat: str, steps: int, warmup: int) -> list[dict]:
@@ -218,7 +221,8 @@ def main(argv=None) -> list[dict]:
         r = np.random.default_rng(0)
         q, k, v = (jnp.asarray(r.standard_normal((1, seqs[0], h, head_dim)) * 0.5, jnp.bfloat16)
                    for h in (heads, kv_heads, kv_heads))
-        fn = step_fn(args.profile, n, True, backend)
+        fn, sharding = step_fn(args.profile, n, True, backend)
+        q, k, v = jax.device_put((q, k, v), sharding)
         measure(fn, (q, k, v), 1, args.warmup)
         with jax.profiler.trace(args.out_dir, create_perfetto_trace=True):
             jax.block_until_ready(fn(q, k, v))
@@ -238,9 +242,9 @@ def main(argv=None) -> list[dict]:
         for variant in ["one device"] + variants:
             row = {"seq": seq, "variant": variant}
             try:
-                fn = step_fn("ring" if variant == "one device" else variant,
-                             1 if variant == "one device" else n, True, backend)
-                seconds = measure(fn, (q, k, v), args.steps, args.warmup)
+                fn, sharding = step_fn("ring" if variant == "one device" else variant,
+                                       1 if variant == "one device" else n, True, backend)
+                seconds = measure(fn, jax.device_put((q, k, v), sharding), args.steps, args.warmup)
                 per_gpu = work / seconds / 1e12 / (1 if variant == "one device" else n)
                 row.update(status="ok", ms=seconds * 1e3, tflops_per_gpu=per_gpu)
                 if variant == "one device":

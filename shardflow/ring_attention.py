@@ -129,16 +129,23 @@ def _ring(axes, sizes):
     return n, lax.axis_index(axes), [(j, (j + 1) % n) for j in range(n)]
 
 
-def _blocks(k, v, axes, sizes):
+def _blocks(k, v, axes, sizes, done):
     """(source block index, k, v) at each of the ring's n steps, starting with this device's
-    own; the next block's ppermute is issued before the current one is used, so the two may
-    overlap."""
+    own. K and V travel as one array (one collective a step) where their shapes agree. The
+    next block's ppermute is issued before the current block is used, but after ``done()``
+    (the sums of the steps before) is computed: without that order XLA's scheduler, which
+    prices the attention kernels as nearly free, hoists the ring's chained ppermutes to the
+    top of the program, where nothing overlaps them."""
     n, r, perm = _ring(axes, sizes)
+    stacked = k.shape == v.shape and k.dtype == v.dtype
+    kv = jnp.stack([k, v]) if stacked else (k, v)
     for j in range(n):
-        following = lax.ppermute((k, v), axes, perm) if j < n - 1 else None
-        yield (r - j) % n, k, v
-        if following is not None:
-            k, v = following
+        following = None
+        if j < n - 1:
+            after_previous, _ = lax.optimization_barrier((kv, done()))
+            following = lax.ppermute(after_previous, axes, perm)
+        yield (r - j) % n, kv[0], kv[1]
+        kv = following
 
 
 def _merge(out, lse, out_j, lse_j):
@@ -166,7 +173,7 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
     q_parts = parts(layout, q_block, q.shape[1], q_base)
     acc = [(jnp.zeros(_seq(q, p).shape, jnp.float32), jnp.full((b, h, p.length), -jnp.inf, jnp.float32))
            for p in q_parts]
-    for src, k, v in _blocks(k, v, axes, sizes):
+    for src, k, v in _blocks(k, v, axes, sizes, done=lambda: acc):
         for kp in parts(layout, src, k.shape[1], kv_base):
             for qi, qp in enumerate(q_parts):
                 q_, k_, v_ = _seq(q, qp), _seq(k, kp), _seq(v, kp)
@@ -187,9 +194,10 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
     _, _, perm = _ring(axes, sizes)
     q_parts = parts(layout, q_block, q.shape[1], q_base)
     dq = jnp.zeros(q.shape, jnp.float32)
-    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    dkv = jnp.zeros((2,) + k.shape, jnp.float32) if k.shape == v.shape else \
+        (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))   # one array: one ppermute
     dtypes = k.dtype, v.dtype
-    for src, k, v in _blocks(k, v, axes, sizes):
+    for src, k, v in _blocks(k, v, axes, sizes, done=lambda: dq):
         for kp in parts(layout, src, k.shape[1], kv_base):
             for qp in q_parts:
                 q_, out_, dout_ = (_seq(x, qp) for x in (q, out, dout))
@@ -200,12 +208,23 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
                     run=lambda mask: attend_bwd(q_, k_, v_, out_, lse_, dout_, dlse_, mask),
                     skipped=lambda: (jnp.zeros(q_.shape, q.dtype), jnp.zeros(k_.shape, k.dtype),
                                      jnp.zeros(v_.shape, v.dtype)))
-                dq = lax.dynamic_update_slice_in_dim(dq, _seq(dq, qp) + dq_j, qp.start, axis=1)
-                dk = lax.dynamic_update_slice_in_dim(dk, _seq(dk, kp) + dk_j, kp.start, axis=1)
-                dv = lax.dynamic_update_slice_in_dim(dv, _seq(dv, kp) + dv_j, kp.start, axis=1)
+                dq = _add_at(dq, dq_j, qp)
+                dkv = _add_kv(_add_kv(dkv, 0, dk_j, kp), 1, dv_j, kp)
         # block src's sums move on with it; after the last step they go home (src + 1 -> ... -> src)
-        dk, dv = lax.ppermute((dk, dv), axes, perm)
-    return dq.astype(q.dtype), dk.astype(dtypes[0]), dv.astype(dtypes[1])
+        dkv = lax.ppermute(dkv, axes, perm)
+    return dq.astype(q.dtype), dkv[0].astype(dtypes[0]), dkv[1].astype(dtypes[1])
+
+
+def _add_at(total, x, part: Part):
+    return lax.dynamic_update_slice_in_dim(total, _seq(total, part) + x, part.start, axis=1)
+
+
+def _add_kv(dkv, i: int, x, part: Part):
+    """dK (i = 0) or dV (i = 1) of ``part`` plus ``x``, in the stacked [2, ...] sums or a pair."""
+    if isinstance(dkv, tuple):
+        return tuple(_add_at(d, x, part) if j == i else d for j, d in enumerate(dkv))
+    start = (i, 0, part.start) + (0,) * (x.ndim - 2)
+    return lax.dynamic_update_slice(dkv, (_seq(dkv[i], part) + x)[None], start)
 
 
 def causal_work(layout: Layout | None, n: int, seq: int) -> np.ndarray:
