@@ -252,8 +252,8 @@ def _local_ring(local, eqn, ins, axes):
     """A block's config and offset operands for a ring_attention mask."""
     if mask == ring_attention.FULL:
       return dataclasses.replace(block, causal=False, static_offset_delta=0), ()
-    if mask == ring_attention.DIAGONAL:
-      return dataclasses.replace(block, static_offset_delta=0), ()
+    if isinstance(mask, int):
+      return dataclasses.replace(block, static_offset_delta=mask), ()
     return dataclasses.replace(block, static_offset_delta=None), mask
 
   if eqn.primitive is sf_attention_fwd_p:

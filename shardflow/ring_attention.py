@@ -73,55 +73,86 @@ class Layout:
 
 class Part(NamedTuple):
     """A contiguous run of a block's stored tokens: ``[start, start + length)`` of the block,
-    chunk ``chunk`` (traced) of the sequence's chunks of ``length``, at global position
-    ``offset``."""
+    at global position ``offset`` (traced, or a Python int for a Python block index)."""
     start: int
     length: int
-    chunk: object
     offset: object
 
 
 def parts(layout: Layout | None, block, length: int, base) -> list[Part]:
-    """The contiguous runs of positions in block ``block`` (traced) of ``length`` stored
-    tokens; ``base``: the global position of the sequence's first token. A striped block is
-    not a run: its one part's offset is its block index, which shifts the causal diagonal
-    instead (0 for blocks at or before this one, 1 after), see ``_masks``."""
+    """The contiguous runs of positions in block ``block`` of ``length`` stored tokens;
+    ``base``: the global position of the sequence's first token. A striped block is not a
+    run: its one part's offset is its block index, which shifts the causal diagonal instead
+    (0 for blocks at or before this one, 1 after), see ``_mask``."""
     if layout is None:
-        return [Part(0, length, block, base + block * length)]
+        return [Part(0, length, base + block * length)]
     if layout.kind == "zigzag":
         c = length // 2
-        mirror = 2 * layout.blocks - 1 - block
-        return [Part(0, c, block, base + block * c), Part(c, c, mirror, base + mirror * c)]
-    return [Part(0, length, block, block)]
+        return [Part(0, c, base + block * c), Part(c, c, base + (2 * layout.blocks - 1 - block) * c)]
+    return [Part(0, length, block)]
 
 
-# What a (query part, key part) pair attends: nothing, every key ("full"), the causal diagonal
-# of equal-length parts at equal offsets ("diagonal"), or causal at traced offsets (a tuple
-# (q_offset, kv_offset)). The first two kinds need no offsets, so a kernel that takes only
-# static masks (the Mosaic GPU one) runs them.
-SKIP, FULL, DIAGONAL = None, "full", "diagonal"
+# What a (query part, key part) pair attends: nothing (SKIP), every key (FULL), keys up to the
+# causal diagonal at a static offset difference (an int: q_offset - kv_offset), or at traced
+# offsets (a pair of int32 scalars). All but the last are static masks, which the Mosaic GPU
+# kernel takes (for the difference 0).
+SKIP, FULL = None, "full"
 
 
-def _masks(causal, layout, qp: Part, kp: Part, q_base, kv_base):
-    """(which, masks): the pair's mask is ``masks[which]``, ``which`` traced (a Python 0 when
-    there is one mask)."""
+def _mask(causal, layout, qp: Part, kp: Part):
+    """The static mask of a pair whose offsets are Python ints."""
     if not causal:
-        return 0, (FULL,)
+        return FULL
     if layout is not None and layout.kind == "striped":
         # q token i is at i n + r, key j of block s at j n + s: visible iff j <= i (s <= r) or
         # j < i (s > r) — the causal diagonal of the local indices, or that diagonal shifted.
-        return (kp.offset > qp.offset).astype(jnp.int32), (DIAGONAL, (jnp.int32(0), jnp.int32(1)))
-    if isinstance(q_base, int) and isinstance(kv_base, int) and q_base == kv_base and qp.length == kp.length:
-        # equal chunks at equal bases: a key chunk before the query chunk is wholly visible
-        return 1 + jnp.sign(qp.chunk - kp.chunk).astype(jnp.int32), (SKIP, DIAGONAL, FULL)
-    masked = kp.offset > qp.offset + qp.length - 1
-    return (~masked).astype(jnp.int32), (SKIP, (jnp.asarray(qp.offset, jnp.int32), jnp.asarray(kp.offset, jnp.int32)))
+        return 0 if kp.offset <= qp.offset else -1
+    if kp.offset > qp.offset + qp.length - 1:
+        return SKIP
+    if kp.offset + kp.length - 1 <= qp.offset:
+        return FULL
+    return qp.offset - kp.offset
 
 
-def _switch(which, masks, run, skipped):
-    """``run(mask)`` for the pair's mask, ``skipped()`` where it is SKIP: one branch taken."""
-    branches = [skipped if m is SKIP else (lambda m=m: run(m)) for m in masks]
-    return branches[0]() if len(branches) == 1 else lax.switch(which, branches)
+def _step_kinds(causal, layout, n, q_len, kv_len, q_base, kv_base):
+    """With static bases, (table, kinds): ``kinds[table[q block, kv block]]`` is the masks of
+    a ring step's pairs (kv parts outer, q parts inner), one tuple per distinct step. None
+    for causal attention at traced bases."""
+    if causal and not (isinstance(q_base, int) and isinstance(kv_base, int)):
+        return None
+    kinds, table = {}, np.zeros((n, n), np.int32)
+    for r in range(n):
+        for s in range(n):
+            masks = tuple(_mask(causal, layout, qp, kp) for kp in parts(layout, s, kv_len, kv_base)
+                          for qp in parts(layout, r, q_len, q_base))
+            table[r, s] = kinds.setdefault(masks, len(kinds))
+    return table, list(kinds)
+
+
+def _step(plan, pairs, q_block, j, causal, run, skipped):
+    """Every pair's result for ring step ``j`` (kv block q_block - j), ``run(i, mask)`` for
+    pair i or ``skipped(i)``. With a plan, the kinds this step can be on some device: one needs
+    no branch (step 0: every device's own block), several are one ``lax.switch``, so the step
+    is one conditional (XLA's scheduler then overlaps a collective with all of it). Without a
+    plan, a cond per pair on whether its traced offsets mask it wholly."""
+    def fixed(masks):
+        return [skipped(i) if m is SKIP else run(i, m) for i, m in enumerate(masks)]
+
+    if plan is not None:
+        table, kinds = plan
+        n = len(table)
+        step_kinds = table[np.arange(n), (np.arange(n) - j) % n]
+        present = sorted(set(step_kinds.tolist()))
+        if len(present) == 1:
+            return fixed(kinds[present[0]])
+        branch = jnp.asarray(np.searchsorted(present, step_kinds), jnp.int32)[q_block]
+        return lax.switch(branch, [lambda m=kinds[k]: fixed(m) for k in present])
+    results = []
+    for i, (qp, kp) in enumerate(pairs):
+        offsets = (jnp.asarray(qp.offset, jnp.int32), jnp.asarray(kp.offset, jnp.int32))
+        visible = offsets[1] <= offsets[0] + qp.length - 1
+        results.append(lax.cond(visible, lambda i=i, o=offsets: run(i, o), lambda i=i: skipped(i)))
+    return results
 
 
 def _ring(axes, sizes):
@@ -130,7 +161,7 @@ def _ring(axes, sizes):
 
 
 def _blocks(k, v, axes, sizes, done):
-    """(source block index, k, v) at each of the ring's n steps, starting with this device's
+    """(step, source block index, k, v) at each of the ring's n steps, starting with this device's
     own. K and V travel as one array (one collective a step) where their shapes agree. The
     next block's ppermute is issued before the current block is used, but after ``done()``
     (the sums of the steps before) is computed: without that order XLA's scheduler, which
@@ -144,7 +175,7 @@ def _blocks(k, v, axes, sizes, done):
         if j < n - 1:
             after_previous, _ = lax.optimization_barrier((kv, done()))
             following = lax.ppermute(after_previous, axes, perm)
-        yield (r - j) % n, kv[0], kv[1]
+        yield j, (r - j) % n, kv[0], kv[1]
         kv = following
 
 
@@ -167,21 +198,24 @@ def _seq(x, part: Part, axis=1):
 def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, sizes):
     """(out, lse) of this device's query block (block ``q_block``) against every K/V block of
     the ring. ``attend(q, k, v, mask) -> (out, lse)`` is one contiguous pair's attention
-    (``mask``: FULL, DIAGONAL or (q_offset, kv_offset)); ``q_base`` / ``kv_base``: the global
-    position of token 0 of q / of k (Python ints where static)."""
+    (``mask``: FULL, a static offset difference or traced (q_offset, kv_offset)); ``q_base`` /
+    ``kv_base``: the global position of token 0 of q / of k (Python ints where static)."""
     b, _, h, _ = q.shape
+    n = _ring(axes, sizes)[0]
     q_parts = parts(layout, q_block, q.shape[1], q_base)
+    plan = _step_kinds(causal, layout, n, q.shape[1], k.shape[1], q_base, kv_base)
     acc = [(jnp.zeros(_seq(q, p).shape, jnp.float32), jnp.full((b, h, p.length), -jnp.inf, jnp.float32))
            for p in q_parts]
-    for src, k, v in _blocks(k, v, axes, sizes, done=lambda: acc):
-        for kp in parts(layout, src, k.shape[1], kv_base):
-            for qi, qp in enumerate(q_parts):
-                q_, k_, v_ = _seq(q, qp), _seq(k, kp), _seq(v, kp)
-                out_j, lse_j = _switch(
-                    *_masks(causal, layout, qp, kp, q_base, kv_base),
-                    run=lambda mask: attend(q_, k_, v_, mask),
-                    skipped=lambda: (jnp.zeros(q_.shape, q.dtype), jnp.full((b, h, qp.length), -jnp.inf, jnp.float32)))
-                acc[qi] = _merge(*acc[qi], out_j, lse_j)
+    for j, src, k, v in _blocks(k, v, axes, sizes, done=lambda: acc):
+        pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
+        results = _step(plan, pairs, q_block, j, causal,
+                        run=lambda i, mask: attend(_seq(q, pairs[i][0]), _seq(k, pairs[i][1]),
+                                                   _seq(v, pairs[i][1]), mask),
+                        skipped=lambda i: (jnp.zeros(_seq(q, pairs[i][0]).shape, q.dtype),
+                                           jnp.full((b, h, pairs[i][0].length), -jnp.inf, jnp.float32)))
+        for (qp, _), (out_j, lse_j) in zip(pairs, results):
+            qi = q_parts.index(qp)
+            acc[qi] = _merge(*acc[qi], out_j, lse_j)
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     return out, jnp.concatenate([l for _, l in acc], axis=2)
 
@@ -191,25 +225,33 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
     """(dq, dk, dv) of this device's blocks. ``attend_bwd(q, k, v, out, lse, dout, dlse, mask)
     -> (dq, dk, dv)`` is one contiguous pair's backward given the whole rows' out and lse; dk /
     dv of a block are summed as it travels, then sent home."""
-    _, _, perm = _ring(axes, sizes)
+    n, _, perm = _ring(axes, sizes)
     q_parts = parts(layout, q_block, q.shape[1], q_base)
+    plan = _step_kinds(causal, layout, n, q.shape[1], k.shape[1], q_base, kv_base)
     dq = jnp.zeros(q.shape, jnp.float32)
     dkv = jnp.zeros((2,) + k.shape, jnp.float32) if k.shape == v.shape else \
         (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))   # one array: one ppermute
     dtypes = k.dtype, v.dtype
-    for src, k, v in _blocks(k, v, axes, sizes, done=lambda: dq):
-        for kp in parts(layout, src, k.shape[1], kv_base):
-            for qp in q_parts:
-                q_, out_, dout_ = (_seq(x, qp) for x in (q, out, dout))
-                lse_, dlse_ = (None if x is None else _seq(x, qp, axis=2) for x in (lse, dlse))
-                k_, v_ = _seq(k, kp), _seq(v, kp)
-                dq_j, dk_j, dv_j = _switch(
-                    *_masks(causal, layout, qp, kp, q_base, kv_base),
-                    run=lambda mask: attend_bwd(q_, k_, v_, out_, lse_, dout_, dlse_, mask),
-                    skipped=lambda: (jnp.zeros(q_.shape, q.dtype), jnp.zeros(k_.shape, k.dtype),
-                                     jnp.zeros(v_.shape, v.dtype)))
-                dq = _add_at(dq, dq_j, qp)
-                dkv = _add_kv(_add_kv(dkv, 0, dk_j, kp), 1, dv_j, kp)
+
+    def rows(qp):
+        return [_seq(x, qp) for x in (q, out, dout)] + [None if x is None else _seq(x, qp, axis=2)
+                                                         for x in (lse, dlse)]
+
+    for j, src, k, v in _blocks(k, v, axes, sizes, done=lambda: dq):
+        pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
+
+        def run(i, mask, k=k, v=v):
+            (q_, out_, dout_, lse_, dlse_), kp = rows(pairs[i][0]), pairs[i][1]
+            return attend_bwd(q_, _seq(k, kp), _seq(v, kp), out_, lse_, dout_, dlse_, mask)
+
+        def skipped(i, k=k, v=v):
+            qp, kp = pairs[i]
+            return (jnp.zeros(_seq(q, qp).shape, q.dtype), jnp.zeros(_seq(k, kp).shape, k.dtype),
+                    jnp.zeros(_seq(v, kp).shape, v.dtype))
+
+        for (qp, kp), (dq_j, dk_j, dv_j) in zip(pairs, _step(plan, pairs, q_block, j, causal, run, skipped)):
+            dq = _add_at(dq, dq_j, qp)
+            dkv = _add_kv(_add_kv(dkv, 0, dk_j, kp), 1, dv_j, kp)
         # block src's sums move on with it; after the last step they go home (src + 1 -> ... -> src)
         dkv = lax.ppermute(dkv, axes, perm)
     return dq.astype(q.dtype), dkv[0].astype(dtypes[0]), dkv[1].astype(dtypes[1])

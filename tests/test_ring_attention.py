@@ -172,30 +172,40 @@ def test_balanced_layouts_on_a_ring_equal_one_device(kind, causal, n, heads_kv):
     assert not [c for c in step.explain(q, k, v).collectives if c.kind in ("all_gather", "all_to_all")]
 
 
-def block_configs(step, *args):
-    """The config of every attention kernel call in the lowered program, switch branches too."""
+def lowered_eqns(step, *args):
+    """Every equation of the lowered program, inside switch branches and regions too."""
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name.startswith("sf_attention"):
-                yield eqn.params["config"]
+            yield eqn
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 yield from walk(sub)
     return list(walk(jax.make_jaxpr(step)(*args).jaxpr))
 
 
+def block_configs(step, *args):
+    return [e.params["config"] for e in lowered_eqns(step, *args) if e.primitive.name.startswith("sf_attention")]
+
+
+def switch_branches(step, *args):
+    """The branch count of each switch / cond, in program order."""
+    return [len(e.params["branches"]) for e in lowered_eqns(step, *args) if e.primitive.name == "cond"]
+
+
 @pytest.mark.parametrize("layout", [None, "zigzag", "striped"])
-def test_causal_self_attention_blocks_take_static_masks(layout):
-    """Contiguous and zigzag blocks of causal self-attention are wholly visible, diagonal or
-    skipped, known from the block indices: every kernel call gets a static mask (what the
-    Mosaic GPU kernel takes). Striped blocks at or before the query block get the diagonal,
-    the later ones the diagonal shifted by one (traced offsets)."""
+def test_causal_self_attention_runs_a_step_as_one_switch_of_static_masks(layout):
+    """Causal self-attention on a ring knows each step's pairs' masks from the two block
+    indices: every kernel call gets a static mask (the Mosaic GPU kernel's), and each step of
+    the forward and the backward is one switch over the step's kinds (contiguous and zigzag:
+    earlier, own, later block; striped: at or before, after), one conditional for XLA to
+    overlap with the next block's ppermute."""
     n = 4
     lay = None if layout is None else Layout(layout, n)
     _, step = ring_step({"context": n}, "context", causal=True, layout=lay)
     configs = block_configs(step, *inputs())
-    static = [c.static_offset_delta == 0 for c in configs]
-    assert len(configs) >= 2 * n and (all(static) if layout != "striped" else sum(static) == len(static) // 2)
-    assert {c.causal for c in configs if c.static_offset_delta == 0} == {True, False} if layout != "striped" else {True}
+    assert configs and all(c.static_offset_delta is not None for c in configs)
+    deltas = {(c.causal, c.static_offset_delta) for c in configs}
+    assert deltas == ({(True, 0), (True, -1)} if layout == "striped" else {(True, 0), (False, 0)})
+    assert switch_branches(step, *inputs()) == [2] * (2 * (n - 1))
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
