@@ -8,9 +8,11 @@ backward passes K/V around again, the dK/dV accumulated for a block travelling w
 sent home at the end; dQ stays. Each block's backward is exact on its own, as flash attention's
 is: it takes the whole row's output and log-sum-exp (Liu et al., Ring Attention, 2023).
 
-Causal masks follow the tokens' global positions (the kernels' ``q_offset`` / ``kv_offset``),
-and a (query part, key part) pair wholly in the future is skipped (``lax.cond``). Which
-positions a block holds is the sequence's :class:`Layout`:
+Causal masks follow the tokens' global positions (the kernels' ``q_offset`` / ``kv_offset``).
+With static offsets every (query part, key part) pair of a step is wholly visible, wholly
+masked (skipped) or on the diagonal, known from the two block indices: a step is one
+``lax.switch`` over the kinds it can be on some device, and every kernel call has a static
+mask. Which positions a block holds is the sequence's :class:`Layout`:
 
 - contiguous: block r holds positions [r L, (r+1) L). Causal work is unbalanced: device r has
   r + 1/2 blocks of it, the last device about twice the mean.
