@@ -107,5 +107,11 @@ def softmax_delta(out, dout, dlse=None):
   return delta if dlse is None else delta - dlse
 
 
+def segment_pair(segment_ids):
+  """(q ids, kv ids): ``segment_ids`` is one [B, S] array for both (self-attention) or that
+  pair (a ring's block of queries against another device's block of keys)."""
+  return segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+
+
 def round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple

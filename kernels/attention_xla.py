@@ -40,7 +40,7 @@ def _block_mask(kv_block_index, *, q_len, kv_len, block_k, causal, offset_delta,
                              offset_delta=offset_delta)
   mask = None if mask is None else mask[None]
   if segment_ids is not None:
-    same = segment_ids[:, :, None] == kv_segment_blocks[kv_block_index][:, None, :]
+    same = common.segment_pair(segment_ids)[0][:, :, None] == kv_segment_blocks[kv_block_index][:, None, :]
     mask = same if mask is None else jnp.logical_and(mask, same)
   return mask
 
@@ -52,7 +52,7 @@ def _setup(q, k, segment_ids, block_k):
   kv_segment_blocks = None
   if segment_ids is not None:
     padded = common.round_up(kv_len, block_k)
-    kv_segment_blocks = jnp.pad(segment_ids, ((0, 0), (0, padded - kv_len)),
+    kv_segment_blocks = jnp.pad(common.segment_pair(segment_ids)[1], ((0, 0), (0, padded - kv_len)),
                                 constant_values=-1)
     kv_segment_blocks = kv_segment_blocks.reshape(batch, -1, block_k).swapaxes(0, 1)
   group = heads_q // heads_kv

@@ -125,9 +125,11 @@ def _pad(x, seq_len, head_dim):
   return jnp.pad(x, ((0, 0), (0, seq_len - x.shape[1]), (0, 0), (0, head_dim - x.shape[3])))
 
 
-def _pad_segments(segment_ids, seq_len, fill):
-  return jnp.pad(segment_ids, ((0, 0), (0, seq_len - segment_ids.shape[1])),
-                 constant_values=fill)
+def _pad_segments(segment_ids, geo):
+  """(q ids, kv ids) padded to the tiles, with ids that match nothing."""
+  q_ids, kv_ids = common.segment_pair(segment_ids)
+  return (jnp.pad(q_ids, ((0, 0), (0, geo.q_len_padded - q_ids.shape[1])), constant_values=-1),
+          jnp.pad(kv_ids, ((0, 0), (0, geo.kv_len_padded - kv_ids.shape[1])), constant_values=-2))
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,8 +221,7 @@ def forward(q, k, v, segment_ids, offset_delta, *, causal: bool, scale: float,
   if segment_ids is not None:
     in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
                  pl.BlockSpec((None, geo.kv_len_padded), lambda i, b, h: (b, 0))]
-    operands += [_pad_segments(segment_ids, geo.q_len_padded, -1),
-                 _pad_segments(segment_ids, geo.kv_len_padded, -2)]
+    operands += list(_pad_segments(segment_ids, geo))
   kernel = functools.partial(
       _forward_kernel, causal=causal, has_segment_ids=segment_ids is not None, scale=scale,
       block_q=block_q, block_k=block_k, kv_len=geo.kv_len, precision=_precision(q.dtype))
@@ -392,8 +393,7 @@ def backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal: bool
   if has_segment_ids:
     in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                  pl.BlockSpec((None, geo.kv_len_padded), lambda i, b, h: (b, 0))]
-    operands += [_pad_segments(segment_ids, geo.q_len_padded, -1),
-                 _pad_segments(segment_ids, geo.kv_len_padded, -2)]
+    operands += list(_pad_segments(segment_ids, geo))
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, causal=causal, has_segment_ids=has_segment_ids,
                         scale=scale, block_q=bq, block_k=bk, kv_len=geo.kv_len,
@@ -423,8 +423,7 @@ def backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal: bool
   if has_segment_ids:
     in_specs += [pl.BlockSpec((None, geo.q_len_padded), lambda j, b, h: (b, 0)),
                  pl.BlockSpec((None, bk), lambda j, b, h: (b, j))]
-    operands += [_pad_segments(segment_ids, geo.q_len_padded, -1),
-                 _pad_segments(segment_ids, geo.kv_len_padded, -2)]
+    operands += list(_pad_segments(segment_ids, geo))
   kv_block_spec = pl.BlockSpec((None, bk, None, dim), lambda j, b, h: (b, j, h, 0))
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, causal=causal, has_segment_ids=has_segment_ids,

@@ -60,9 +60,9 @@ def _interpret(interpret: bool):
 
 def _segment_operands(segment_ids, seq_padded):
   """(q ids [B, S, 1], kv ids [B, 1, S]); padding gets ids that match nothing."""
-  pad = seq_padded - segment_ids.shape[1]
-  q_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)[:, :, None]
-  kv_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-2)[:, None, :]
+  q_ids, kv_ids = common.segment_pair(segment_ids)
+  q_ids = jnp.pad(q_ids, ((0, 0), (0, seq_padded - q_ids.shape[1])), constant_values=-1)[:, :, None]
+  kv_ids = jnp.pad(kv_ids, ((0, 0), (0, seq_padded - kv_ids.shape[1])), constant_values=-2)[:, None, :]
   return q_ids, kv_ids
 
 

@@ -29,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -53,6 +54,7 @@ class _AttentionConfig:
   static_offset_delta: int | None  # None when the offsets are operands
   has_segment_ids: bool
   has_dlse: bool
+  kv_segment_ids: bool = False   # a second ids operand for the keys (a block of another device's)
   context: str = "auto"   # a sequence split over a mesh axis: "ring", "all_gather", "ulysses" or any
   layout: ring_attention.Layout | None = None   # the tokens' order (zigzag / striped); None: natural
 
@@ -95,6 +97,8 @@ def _split_extras(config: _AttentionConfig, extras, *, backward: bool):
   """Trailing operands -> (segment_ids, offset_delta, dlse)."""
   extras = list(extras)
   segment_ids = extras.pop(0) if config.has_segment_ids else None
+  if config.kv_segment_ids:
+    segment_ids = (segment_ids, extras.pop(0))
   if config.static_offset_delta is None:
     q_offset, kv_offset = extras.pop(0), extras.pop(0)
     offset_delta = q_offset - kv_offset
@@ -113,6 +117,7 @@ def sf_attention_fwd(config: _AttentionConfig, q, k, v, *extras):
   lay = config.layout
   if lay is not None:
     q, k, v = (lay.unpermute(x) for x in (q, k, v))
+    segment_ids = None if segment_ids is None else lay.unpermute(segment_ids)
   out, lse = forward(q, k, v, segment_ids, offset_delta, causal=config.causal, scale=config.scale)
   return (out, lse) if lay is None else (lay.permute(out), lay.permute(lse, axis=2))
 
@@ -124,6 +129,7 @@ def sf_attention_bwd(config: _AttentionConfig, q, k, v, out, lse, dout, *extras)
   lay = config.layout
   if lay is not None:
     q, k, v, out, dout = (lay.unpermute(x) for x in (q, k, v, out, dout))
+    segment_ids = None if segment_ids is None else lay.unpermute(segment_ids)
     lse, dlse = (None if x is None else lay.unpermute(x, axis=2) for x in (lse, dlse))
   grads = backward(q, k, v, segment_ids, offset_delta, out, lse, dout, causal=config.causal,
                    scale=config.scale, dlse=dlse)
@@ -159,7 +165,8 @@ _Q = {"batch": 0, "seq": 1, "heads": 2}
 _KV = {"batch": 0, "heads": 2}
 _LSE = {"batch": 0, "heads": 1, "seq": 2}
 _DIMS = {"q": _Q, "out": _Q, "dout": _Q, "dq": _Q, "k": _KV, "v": _KV, "dk": _KV, "dv": _KV,
-         "lse": _LSE, "dlse": _LSE, "segment_ids": {"batch": 0, "seq": 1}, "q_offset": {}, "kv_offset": {}}
+         "lse": _LSE, "dlse": _LSE, "segment_ids": {"batch": 0, "seq": 1}, "kv_segment_ids": {"batch": 0, "seq": 1},
+         "q_offset": {}, "kv_offset": {}}
 
 
 def operand_names(eqn) -> tuple:
@@ -167,7 +174,7 @@ def operand_names(eqn) -> tuple:
   config = eqn.params["config"]
   backward = eqn.primitive is sf_attention_bwd_p
   names = ["q", "k", "v"] + (["out", "lse", "dout"] if backward else [])
-  names += ["segment_ids"] * config.has_segment_ids
+  names += ["segment_ids"] * config.has_segment_ids + ["kv_segment_ids"] * config.kv_segment_ids
   names += ["q_offset", "kv_offset"] * (config.static_offset_delta is None)
   names += ["dlse"] * (backward and config.has_dlse)
   return tuple(names)
@@ -182,29 +189,30 @@ def _split(names, dim):
 
 
 # The sequence dim of each array a ring splits (k and v too: each device holds one block).
-_RING = {"q": 1, "k": 1, "v": 1, "out": 1, "dout": 1, "dq": 1, "dk": 1, "dv": 1, "lse": 2, "dlse": 2}
+_RING = {"q": 1, "k": 1, "v": 1, "out": 1, "dout": 1, "dq": 1, "dk": 1, "dv": 1, "lse": 2, "dlse": 2,
+         "segment_ids": 1}
 
 
 def _attention_signatures(eqn):
   """Batch rows and heads are independent. Queries may also be split along the sequence with
   whole keys and values (all-gather context parallelism, "query_seq"): each shard attends its
   queries to every key, its causal mask shifted by the shard's offset (see the lowering); the
-  backward's dk and dv are then partial sums over the query shards. Not with segment ids,
-  which q and kv share. Or everything split along the sequence ("ring", shardflow.ring_attention):
+  backward's dk and dv are then partial sums over the query shards; segment ids stay whole
+  (the shard slices its queries'). Or everything split along the sequence ("ring",
+  shardflow.ring_attention), segment ids with the tokens:
   K/V blocks pass around the axis instead of being gathered; the attention's ``context``
   ("ring", "all_gather", "auto") says which of the two it may use."""
   ins, outs = operand_names(eqn), _result_names(eqn)
   context = eqn.params["config"].context
   sigs = [Sig(_split(ins, "batch"), _split(outs, "batch"), "batch"),
           Sig(_split(ins, "heads"), _split(outs, "heads"), "heads")]
-  if "segment_ids" not in ins:
-    if context in ("auto", "all_gather") and eqn.params["config"].layout is None:
-      query = tuple(S(_DIMS[n]["seq"]) if n in ("q", "out", "dout", "lse", "dlse") else B for n in ins)
-      result = {"out": S(1), "lse": S(2), "dq": S(1), "dk": P, "dv": P}
-      sigs.append(Sig(query, tuple(result[n] for n in outs), "query_seq"))
-    if context in ("auto", "ring", "hybrid"):
-      sigs.append(Sig(tuple(S(_RING[n]) if n in _RING else B for n in ins), tuple(S(_RING[n]) for n in outs),
-                      "ring"))
+  if context in ("auto", "all_gather") and eqn.params["config"].layout is None:
+    query = tuple(S(_DIMS[n]["seq"]) if n in ("q", "out", "dout", "lse", "dlse") else B for n in ins)
+    result = {"out": S(1), "lse": S(2), "dq": S(1), "dk": P, "dv": P}
+    sigs.append(Sig(query, tuple(result[n] for n in outs), "query_seq"))
+  if context in ("auto", "ring", "hybrid"):
+    sigs.append(Sig(tuple(S(_RING[n]) if n in _RING else B for n in ins), tuple(S(_RING[n]) for n in outs),
+                    "ring"))
   return sigs
 
 
@@ -226,8 +234,13 @@ def _local_attention(local, eqn, ins):
   else:
     operands["q_offset"], operands["kv_offset"] = jnp.int32(config.static_offset_delta) + shift, jnp.int32(0)
     config = dataclasses.replace(config, static_offset_delta=None)
-  eqn_names = [n for n in ("q", "k", "v", "out", "lse", "dout", "segment_ids", "q_offset", "kv_offset", "dlse")
-               if n in operands]
+  if config.has_segment_ids:      # whole: this shard's queries' ids, every key's
+    ids = operands["segment_ids"]
+    operands["segment_ids"] = lax.dynamic_slice_in_dim(ids, shift, ins[0].shape[1], axis=1)
+    operands["kv_segment_ids"] = ids
+    config = dataclasses.replace(config, kv_segment_ids=True)
+  eqn_names = [n for n in ("q", "k", "v", "out", "lse", "dout", "segment_ids", "kv_segment_ids", "q_offset",
+                           "kv_offset", "dlse") if n in operands]
   return eqn.primitive.bind(*(operands[n] for n in eqn_names), config=config)
 
 
@@ -244,9 +257,9 @@ def _local_ring(local, eqn, ins, axes):
     q_base, kv_base = operands["q_offset"], operands["kv_offset"]
   else:
     q_base, kv_base = config.static_offset_delta, 0
-  block = dataclasses.replace(config, has_segment_ids=False, layout=None)
+  block = dataclasses.replace(config, layout=None, kv_segment_ids=config.has_segment_ids)
   where = dict(causal=config.causal, q_block=shard, q_base=q_base, kv_base=kv_base, layout=config.layout,
-               axes=axes, sizes=local.sizes)
+               axes=axes, sizes=local.sizes, segment_ids=operands.get("segment_ids"))
 
   def masked(mask):
     """A block's config and offset operands for a ring_attention mask."""
@@ -257,21 +270,23 @@ def _local_ring(local, eqn, ins, axes):
     return dataclasses.replace(block, static_offset_delta=None), mask
 
   if eqn.primitive is sf_attention_fwd_p:
-    def attend(q, k, v, mask):
+    def attend(q, k, v, segments, mask):
       block_config, offsets = masked(mask)
-      return tuple(sf_attention_fwd_p.bind(q, k, v, *offsets, config=block_config))
+      return tuple(sf_attention_fwd_p.bind(q, k, v, *segments, *offsets, config=block_config))
     return list(ring_attention.forward(attend, operands["q"], operands["k"], operands["v"], **where))
 
-  def attend_bwd(q, k, v, out, lse, dout, dlse, mask):
+  def attend_bwd(q, k, v, out, lse, dout, dlse, segments, mask):
     block_config, offsets = masked(mask)
     extra = (dlse,) if config.has_dlse else ()
-    return tuple(sf_attention_bwd_p.bind(q, k, v, out, lse, dout, *offsets, *extra, config=block_config))
+    return tuple(sf_attention_bwd_p.bind(q, k, v, out, lse, dout, *segments, *offsets, *extra,
+                                         config=block_config))
   return list(ring_attention.backward(attend_bwd, *(operands[n] for n in ("q", "k", "v", "out", "lse", "dout")),
                                       operands.get("dlse"), **where))
 
 
 def _attention_comm(eqn, ins, sigs, mesh):
-  """A ring's ppermutes, per device: K and V n-1 times; in the backward also dK and dV
+  """A ring's ppermutes, per device: its K/V block n-1 times (K and V as one array where
+  their shapes agree), with its segment ids if any; in the backward also the block's dK/dV
   (float32 sums) n times. Nothing for the other signatures (their collectives are boxes)."""
   axes = tuple(a for a, s in zip(mesh.axis_names, sigs) if getattr(s, "name", None) == "ring")
   if not axes:
@@ -279,12 +294,22 @@ def _attention_comm(eqn, ins, sigs, mesh):
   sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
   n = math.prod(sizes[a] for a in axes)
   names = operand_names(eqn)
-  k, k_sbp = eqn.invars[names.index("k")].aval, ins[names.index("k")]
-  elements = math.prod(local_shape(k.shape, k_sbp, mesh))
-  steps = [Step("ppermute", axes, bytes=elements * k.dtype.itemsize, value=k)] * (2 * (n - 1))
+
+  def local(name, dtype=None, stacked=False):
+    aval, sbp = eqn.invars[names.index(name)].aval, ins[names.index(name)]
+    shape = ((2,) if stacked else ()) + tuple(local_shape(aval.shape, sbp, mesh))
+    value = jax.core.ShapedArray(shape, dtype or aval.dtype)
+    return Step("ppermute", axes, bytes=math.prod(shape) * value.dtype.itemsize, value=value)
+
+  k, v = (eqn.invars[names.index(x)].aval for x in ("k", "v"))
+  pair = (k.shape, k.dtype) == (v.shape, v.dtype)
+  block = [local("k", stacked=True)] if pair else [local("k"), local("v")]
+  block += [local("segment_ids")] if "segment_ids" in names else []
+  steps = block * (n - 1)
   if eqn.primitive is sf_attention_bwd_p:
-    sums = jax.core.ShapedArray(k.shape, jnp.float32)
-    steps += [Step("ppermute", axes, bytes=elements * 4, value=sums)] * (2 * n)
+    sums = [local("k", jnp.float32, stacked=True)] if k.shape == v.shape else \
+        [local("k", jnp.float32), local("v", jnp.float32)]
+    steps += sums * n
   return steps
 
 
@@ -305,7 +330,8 @@ def _propagate_attention(prop, eqn):
     found = [s for s in sigs if s.name == name]
     if not found:
       raise ShardingError(f"{source_line(eqn)}: attention(context={context!r}) with q's sequence split over "
-                          f"{[prop.names[j] for j in q_seq]}: a ring takes no segment_ids")
+                          f"{[prop.names[j] for j in q_seq]}: that variant takes no token layout "
+                          f"({eqn.params['config'].layout})")
     return found
 
   def candidates(i, whole):
@@ -428,10 +454,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
   if layout is not None:
     if not isinstance(layout, Layout):
       raise ValueError(f"attention: layout must be None or a shardflow.ops.Layout, got {layout!r}")
-    if segment_ids is not None or not (isinstance(q_offset, int) and isinstance(kv_offset, int)
-                                       and q_offset == kv_offset == 0) or jnp.shape(q)[1] != jnp.shape(k)[1]:
-      raise ValueError(f"attention: a {layout.kind} layout needs seq_q == seq_kv, no offsets and no "
-                       f"segment_ids (got q {jnp.shape(q)}, k {jnp.shape(k)}, offsets {q_offset}, {kv_offset})")
+    if not (isinstance(q_offset, int) and isinstance(kv_offset, int)
+            and q_offset == kv_offset == 0) or jnp.shape(q)[1] != jnp.shape(k)[1]:
+      raise ValueError(f"attention: a {layout.kind} layout needs seq_q == seq_kv and no offsets "
+                       f"(got q {jnp.shape(q)}, k {jnp.shape(k)}, offsets {q_offset}, {kv_offset})")
     layout.positions(jnp.shape(q)[1])     # the sequence splits into the layout's chunks
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)

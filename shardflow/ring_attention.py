@@ -24,7 +24,7 @@ mask. Which positions a block holds is the sequence's :class:`Layout`:
 
 The layout is applied to the tokens once (``Layout.permute``, e.g. by the data loader, with the
 RoPE positions permuted alike); attention on one device un-permutes, attends and permutes back,
-so a program means the same on any mesh. Segment ids are not supported on a ring.
+so a program means the same on any mesh. Segment ids travel with their K/V block.
 """
 from __future__ import annotations
 
@@ -162,23 +162,25 @@ def _ring(axes, sizes):
     return n, lax.axis_index(axes), [(j, (j + 1) % n) for j in range(n)]
 
 
-def _blocks(k, v, axes, sizes, done):
-    """(step, source block index, k, v) at each of the ring's n steps, starting with this device's
-    own. K and V travel as one array (one collective a step) where their shapes agree. The
+def _blocks(k, v, ids, axes, sizes, done):
+    """(step, source block index, k, v, segment ids) at each of the ring's n steps, starting
+    with this device's own; ``ids`` (the keys' segment ids, or None) travel with the block. K
+    and V travel as one array (one collective a step) where their shapes agree. The
     next block's ppermute is issued before the current block is used, but after ``done()``
     (the sums of the steps before) is computed: without that order XLA's scheduler, which
     prices the attention kernels as nearly free, hoists the ring's chained ppermutes to the
     top of the program, where nothing overlaps them."""
     n, r, perm = _ring(axes, sizes)
     stacked = k.shape == v.shape and k.dtype == v.dtype
-    kv = jnp.stack([k, v]) if stacked else (k, v)
+    block = (jnp.stack([k, v]) if stacked else (k, v)), ids
     for j in range(n):
         following = None
         if j < n - 1:
-            after_previous, _ = lax.optimization_barrier((kv, done()))
+            after_previous, _ = lax.optimization_barrier((block, done()))
             following = lax.ppermute(after_previous, axes, perm)
-        yield j, (r - j) % n, kv[0], kv[1]
-        kv = following
+        (kv, ids) = block
+        yield j, (r - j) % n, kv[0], kv[1], ids
+        block = following
 
 
 def _merge(out, lse, out_j, lse_j):
@@ -197,22 +199,24 @@ def _seq(x, part: Part, axis=1):
     return lax.slice_in_dim(x, part.start, part.start + part.length, axis=axis)
 
 
-def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, sizes):
+def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, sizes, segment_ids=None):
     """(out, lse) of this device's query block (block ``q_block``) against every K/V block of
-    the ring. ``attend(q, k, v, mask) -> (out, lse)`` is one contiguous pair's attention
-    (``mask``: FULL, a static offset difference or traced (q_offset, kv_offset)); ``q_base`` /
-    ``kv_base``: the global position of token 0 of q / of k (Python ints where static)."""
+    the ring. ``attend(q, k, v, segments, mask) -> (out, lse)`` is one contiguous pair's
+    attention (``segments``: () or the pair's (q ids, kv ids); ``mask``: FULL, a static offset
+    difference or traced (q_offset, kv_offset)); ``q_base`` / ``kv_base``: the global position
+    of token 0 of q / of k (Python ints where static); ``segment_ids``: this block's, or None."""
     b, _, h, _ = q.shape
     n = _ring(axes, sizes)[0]
     q_parts = parts(layout, q_block, q.shape[1], q_base)
     plan = _step_kinds(causal, layout, n, q.shape[1], k.shape[1], q_base, kv_base)
     acc = [(jnp.zeros(_seq(q, p).shape, jnp.float32), jnp.full((b, h, p.length), -jnp.inf, jnp.float32))
            for p in q_parts]
-    for j, src, k, v in _blocks(k, v, axes, sizes, done=lambda: acc):
+    for j, src, k, v, kv_ids in _blocks(k, v, segment_ids, axes, sizes, done=lambda: acc):
         pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
         results = _step(plan, pairs, q_block, j, causal,
                         run=lambda i, mask: attend(_seq(q, pairs[i][0]), _seq(k, pairs[i][1]),
-                                                   _seq(v, pairs[i][1]), mask),
+                                                   _seq(v, pairs[i][1]),
+                                                   _segments(segment_ids, kv_ids, *pairs[i]), mask),
                         skipped=lambda i: (jnp.zeros(_seq(q, pairs[i][0]).shape, q.dtype),
                                            jnp.full((b, h, pairs[i][0].length), -jnp.inf, jnp.float32)))
         for (qp, _), (out_j, lse_j) in zip(pairs, results):
@@ -223,10 +227,10 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
 
 
 def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_base, kv_base, layout,
-             axes, sizes):
-    """(dq, dk, dv) of this device's blocks. ``attend_bwd(q, k, v, out, lse, dout, dlse, mask)
-    -> (dq, dk, dv)`` is one contiguous pair's backward given the whole rows' out and lse; dk /
-    dv of a block are summed as it travels, then sent home."""
+             axes, sizes, segment_ids=None):
+    """(dq, dk, dv) of this device's blocks. ``attend_bwd(q, k, v, out, lse, dout, dlse,
+    segments, mask) -> (dq, dk, dv)`` is one contiguous pair's backward given the whole rows'
+    out and lse; dk / dv of a block are summed as it travels, then sent home."""
     n, _, perm = _ring(axes, sizes)
     q_parts = parts(layout, q_block, q.shape[1], q_base)
     plan = _step_kinds(causal, layout, n, q.shape[1], k.shape[1], q_base, kv_base)
@@ -239,12 +243,13 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
         return [_seq(x, qp) for x in (q, out, dout)] + [None if x is None else _seq(x, qp, axis=2)
                                                          for x in (lse, dlse)]
 
-    for j, src, k, v in _blocks(k, v, axes, sizes, done=lambda: dq):
+    for j, src, k, v, kv_ids in _blocks(k, v, segment_ids, axes, sizes, done=lambda: dq):
         pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
 
-        def run(i, mask, k=k, v=v):
+        def run(i, mask, k=k, v=v, kv_ids=kv_ids):
             (q_, out_, dout_, lse_, dlse_), kp = rows(pairs[i][0]), pairs[i][1]
-            return attend_bwd(q_, _seq(k, kp), _seq(v, kp), out_, lse_, dout_, dlse_, mask)
+            return attend_bwd(q_, _seq(k, kp), _seq(v, kp), out_, lse_, dout_, dlse_,
+                              _segments(segment_ids, kv_ids, *pairs[i]), mask)
 
         def skipped(i, k=k, v=v):
             qp, kp = pairs[i]
@@ -257,6 +262,11 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
         # block src's sums move on with it; after the last step they go home (src + 1 -> ... -> src)
         dkv = lax.ppermute(dkv, axes, perm)
     return dq.astype(q.dtype), dkv[0].astype(dtypes[0]), dkv[1].astype(dtypes[1])
+
+
+def _segments(q_ids, kv_ids, qp: Part, kp: Part):
+    """() without segment ids, else the pair's (q ids, kv ids)."""
+    return () if q_ids is None else (_seq(q_ids, qp), _seq(kv_ids, kp))
 
 
 def _add_at(total, x, part: Part):

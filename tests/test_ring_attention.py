@@ -89,17 +89,66 @@ def test_ring_bytes_are_the_formula():
                                                + 2 * n * block * 4)             # dk, dv
 
 
-def test_a_ring_with_segment_ids_is_refused_at_the_users_line():
+def packed_segments(b, s, seed=0):
+    """Document ids of packed sequences: runs of random length, ids increasing."""
+    r = np.random.default_rng(seed)
+    return np.cumsum(r.random((b, s)) < 0.15, axis=1).astype(np.int32)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("variant,mesh,axes", [
+    ("ring", {"context": 4}, "context"), ("zigzag", {"context": 4}, "context"),
+    ("striped", {"context": 2}, "context"), ("all_gather", {"context": 8}, "context"),
+    ("ulysses", {"context": 4}, "context"), ("hybrid", {"data": 2, "model": 4}, ("data", "model")),
+    ("ring", {"context": 8}, "context")])
+def test_segment_ids_on_every_variant(variant, mesh, axes, causal):
+    """Packed documents (segment ids split with the tokens): a ring passes the keys' ids with
+    their K/V block, all_gather keeps them whole, Ulysses gathers them; forward and gradients
+    equal one device."""
+    n = int(np.prod(list(mesh.values())))
+    layout = Layout(variant, n) if variant in ("zigzag", "striped") else None
+    context = "ring" if layout is not None else variant
+
+    def loss(q, k, v, ids):
+        out = attention(q, k, v, causal=causal, segment_ids=ids, backend="xla", context=context, layout=layout)
+        return jnp.sum(jnp.tanh(out)), out
+
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    seq = PS(None, axes)
+    step = sf.parallelize(fn, mesh=sf.make_mesh(mesh), in_specs=(seq, seq, seq, seq),
+                          out_specs=((PS(), seq), (seq, seq, seq)))
+    q, k, v = inputs(s=64)
+    ids = packed_segments(2, 64)
+    if layout is not None:
+        q, k, v, ids = (np.asarray(layout.permute(x)) for x in (q, k, v, ids))
+    want, got = jax.jit(fn)(q, k, v, ids), step(q, k, v, ids)
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_l2(a, e) <= 1e-5
+    if layout is not None:        # and the layout means the natural-order attention
+        plain = attention(*(np.asarray(layout.unpermute(x)) for x in (q, k, v)), causal=causal,
+                          segment_ids=np.asarray(layout.unpermute(ids)), backend="xla")
+        np.testing.assert_allclose(np.asarray(layout.unpermute(want[0][1])), np.asarray(plain), rtol=1e-5, atol=1e-6)
+
+
+def test_segment_ids_on_a_ring_through_the_pallas_kernels():
+    """The interpret-mode Pallas GPU kernels take a block's query ids and another block's key
+    ids as a pair."""
+    def loss(q, k, v, ids):
+        return jnp.sum(jnp.tanh(attention(q, k, v, causal=True, segment_ids=ids, backend="interpret",
+                                          context="ring")))
+
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    seq = PS(None, "context")
+    step = sf.parallelize(fn, mesh=sf.make_mesh({"context": 2}), in_specs=(seq,) * 4,
+                          out_specs=(PS(), (seq, seq, seq)))
+    q, k, v = inputs(s=64, d=32)
+    ids = packed_segments(2, 64, seed=1)
+    for a, e in zip(jax.tree.leaves(step(q, k, v, ids)), jax.tree.leaves(jax.jit(fn)(q, k, v, ids))):
+        assert rel_l2(a, e) <= 1e-4
+
+
+def test_unknown_context_is_refused():
     q, k, v = inputs()
-    segment_ids = np.zeros((2, 32), np.int32)
-
-    def f(q, k, v):
-        return attention(q, k, v, causal=True, segment_ids=segment_ids, backend="xla", context="ring")
-
-    step = sf.parallelize(f, mesh=sf.make_mesh({"context": 4}), in_specs=PS(None, "context"),
-                          out_specs=PS(None, "context"))
-    with pytest.raises(sf.ShardingError, match=r"test_ring_attention.py:\d+: attention\(context='ring'\).*segment_ids"):
-        step(q, k, v)
     with pytest.raises(ValueError, match="context must be one of"):
         attention(q, k, v, context="zigzag")
 
