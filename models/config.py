@@ -46,9 +46,6 @@ class ModelConfig:
             raise ValueError(f"model.family must be 'llama' or 'gpt2', got {self.family!r}")
         if self.context not in CONTEXTS + LAYOUTS:
             raise ValueError(f"model.context must be one of {list(CONTEXTS + LAYOUTS)}, got {self.context!r}")
-        if self.context in LAYOUTS and self.family != "llama":
-            raise ValueError(f"model.context={self.context!r}: token layouts are built for llama only "
-                             f"(gpt2's learned positions do not follow them yet)")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
         if self.n_heads % self.n_kv_heads:

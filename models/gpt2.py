@@ -48,7 +48,8 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, std = cfg.d_model, cfg.init_std
         out_std = std / (2 * cfg.n_layers) ** 0.5
-        self.n_heads, self.impl, self.context = cfg.n_heads, cfg.attention_impl, cfg.context
+        self.n_heads, self.impl = cfg.n_heads, cfg.attention_impl
+        self.context, self.layout = cfg.attention_context, cfg.layout
         self.ln_1 = _layer_norm(d, cfg.norm_eps, rngs)
         # "heads" here is the merged heads*head_dim dimension; splitting it splits whole heads.
         self.q = _linear(d, d, ("embed", "heads"), std, rngs)
@@ -64,7 +65,8 @@ class Block(nnx.Module):
         h = self.ln_1(x)
         q, k, v = (f(h).reshape(b, s, self.n_heads, d // self.n_heads)
                    for f in (self.q, self.k, self.v))
-        x = x + self.proj(attention(q, k, v, causal=True, impl=self.impl, context=self.context).reshape(b, s, d))
+        x = x + self.proj(attention(q, k, v, causal=True, impl=self.impl, context=self.context,
+                                    layout=self.layout).reshape(b, s, d))
         return x + self.fc_proj(jax.nn.gelu(self.fc(self.ln_2(x))))
 
 
@@ -94,7 +96,10 @@ class GPT2(nnx.Module):
                               head_params=head_params)
 
     def _embed(self, tokens):
-        return self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
+        """Token plus position embeddings; the positions are the tokens' (in the layout's order)."""
+        seq, layout = tokens.shape[1], self.cfg.layout
+        positions = jnp.arange(seq) if layout is None else jnp.asarray(layout.positions(seq))
+        return self.wte(tokens) + self.wpe(positions)[None]
 
     def _head(self):
         """(head(head_params, x) -> logits, head_params): final LayerNorm and the tied

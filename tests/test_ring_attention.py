@@ -153,17 +153,20 @@ def test_unknown_context_is_refused():
         attention(q, k, v, context="zigzag")
 
 
-@pytest.mark.parametrize("context", ["ring", "all_gather", "zigzag", "striped"])
-def test_the_model_trains_with_its_sequence_over_a_context_axis(context, data_dir, tmp_path):
+@pytest.mark.parametrize("family,context", [("llama", "ring"), ("llama", "all_gather"), ("llama", "zigzag"),
+                                            ("llama", "striped"), ("gpt2", "zigzag")])
+def test_the_model_trains_with_its_sequence_over_a_context_axis(family, context, data_dir, tmp_path):
     """`shardflow train` on {data: 2, context: 4} (strategy cp: the sequence split over
     `context` everywhere) follows the one-device loss curve, under each variant; zigzag and
-    striped with the data and the RoPE positions in their token order."""
+    striped with the data and the positions (Llama's RoPE, GPT-2's learned embeddings) in
+    their token order."""
     import json
 
     from shardflow.train import cli
-    from test_models import SMALL_LLAMA, single_device_losses, small_config
+    from test_models import SMALL_GPT2, SMALL_LLAMA, single_device_losses, small_config
 
-    model = ", ".join(f"{k}: {v}" for k, v in {**SMALL_LLAMA, "context": context}.items())
+    fields = SMALL_LLAMA if family == "llama" else SMALL_GPT2
+    model = ", ".join(f"{k}: {v}" for k, v in {**fields, "context": context}.items())
     out = tmp_path / "run"
     assert cli.main(["train", "--steps", "3", "--out", str(out), "--no-progress",
                      "--set", f"data.path={data_dir}", "--set", "data.seq_len=32",
@@ -172,13 +175,13 @@ def test_the_model_trains_with_its_sequence_over_a_context_axis(context, data_di
                      "--set", "mesh={data: 2, context: 4}", "--set", "strategy=cp"]) == 0
     got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     cfg = small_config(data_dir, tmp_path)
-    cfg.model = dict(SMALL_LLAMA)
+    cfg.model = dict(fields)
     want = single_device_losses(cfg)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     if context in ("zigzag", "striped"):      # the layout is in effect: a ring of 4 blocks
         from shardflow import train
         run_cfg = small_config(data_dir, tmp_path, mesh={"data": 2, "context": 4}, strategy="cp")
-        run_cfg.model = {**SMALL_LLAMA, "context": context}
+        run_cfg.model = {**fields, "context": context}
         assert train.setup(run_cfg).model_cfg.layout == Layout(context, 4)
 
 
