@@ -287,7 +287,8 @@ def _local_ring(local, eqn, ins, axes):
 def _attention_comm(eqn, ins, sigs, mesh):
   """A ring's ppermutes, per device: its K/V block n-1 times (K and V as one array where
   their shapes agree), with its segment ids if any; in the backward also the block's dK/dV
-  (float32 sums) n times. Nothing for the other signatures (their collectives are boxes)."""
+  sums n times (float32, the last hop home in K's and V's dtype). Nothing for the other
+  signatures (their collectives are boxes)."""
   axes = tuple(a for a, s in zip(mesh.axis_names, sigs) if getattr(s, "name", None) == "ring")
   if not axes:
     return []
@@ -306,10 +307,11 @@ def _attention_comm(eqn, ins, sigs, mesh):
   block = [local("k", stacked=True)] if pair else [local("k"), local("v")]
   block += [local("segment_ids")] if "segment_ids" in names else []
   steps = block * (n - 1)
-  if eqn.primitive is sf_attention_bwd_p:
-    sums = [local("k", jnp.float32, stacked=True)] if k.shape == v.shape else \
-        [local("k", jnp.float32), local("v", jnp.float32)]
-    steps += sums * n
+  if eqn.primitive is sf_attention_bwd_p:     # the block's dK/dV sums, float32; home in K's dtype
+    def sums(dtype):
+      return [local("k", dtype, stacked=True)] if k.shape == v.shape and dtype is not None else \
+          [local("k", dtype or k.dtype), local("v", dtype or v.dtype)]
+    steps += sums(jnp.float32) * (n - 1) + sums(k.dtype if k.dtype == v.dtype else None)
   return steps
 
 

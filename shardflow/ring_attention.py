@@ -167,16 +167,17 @@ def _blocks(k, v, ids, axes, sizes, done):
     with this device's own; ``ids`` (the keys' segment ids, or None) travel with the block. K
     and V travel as one array (one collective a step) where their shapes agree. The
     next block's ppermute is issued before the current block is used, but after ``done()``
-    (the sums of the steps before) is computed: without that order XLA's scheduler, which
-    prices the attention kernels as nearly free, hoists the ring's chained ppermutes to the
-    top of the program, where nothing overlaps them."""
+    (the previous step's kernel results) is computed: without that order XLA's scheduler,
+    which prices the attention kernels as nearly free, hoists the ring's chained ppermutes to
+    the top of the program, where nothing overlaps them. (Tied to the merged sums instead, the
+    send waited for merges XLA had placed after the next step's kernels.)"""
     n, r, perm = _ring(axes, sizes)
     stacked = k.shape == v.shape and k.dtype == v.dtype
     block = (jnp.stack([k, v]) if stacked else (k, v)), ids
     for j in range(n):
         following = None
         if j < n - 1:
-            after_previous, _ = lax.optimization_barrier((block, done()))
+            after_previous = lax.optimization_barrier((block, done()))[0] if j else block
             following = lax.ppermute(after_previous, axes, perm)
         (kv, ids) = block
         yield j, (r - j) % n, kv[0], kv[1], ids
@@ -211,7 +212,8 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
     plan = _step_kinds(causal, layout, n, q.shape[1], k.shape[1], q_base, kv_base)
     acc = [(jnp.zeros(_seq(q, p).shape, jnp.float32), jnp.full((b, h, p.length), -jnp.inf, jnp.float32))
            for p in q_parts]
-    for j, src, k, v, kv_ids in _blocks(k, v, segment_ids, axes, sizes, done=lambda: acc):
+    previous = []
+    for j, src, k, v, kv_ids in _blocks(k, v, segment_ids, axes, sizes, done=lambda: previous):
         pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
         results = _step(plan, pairs, q_block, j, causal,
                         run=lambda i, mask: attend(_seq(q, pairs[i][0]), _seq(k, pairs[i][1]),
@@ -219,6 +221,7 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
                                                    _segments(segment_ids, kv_ids, *pairs[i]), mask),
                         skipped=lambda i: (jnp.zeros(_seq(q, pairs[i][0]).shape, q.dtype),
                                            jnp.full((b, h, pairs[i][0].length), -jnp.inf, jnp.float32)))
+        previous = results
         for (qp, _), (out_j, lse_j) in zip(pairs, results):
             qi = q_parts.index(qp)
             acc[qi] = _merge(*acc[qi], out_j, lse_j)
@@ -243,7 +246,8 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
         return [_seq(x, qp) for x in (q, out, dout)] + [None if x is None else _seq(x, qp, axis=2)
                                                          for x in (lse, dlse)]
 
-    for j, src, k, v, kv_ids in _blocks(k, v, segment_ids, axes, sizes, done=lambda: dq):
+    previous = []
+    for j, src, k, v, kv_ids in _blocks(k, v, segment_ids, axes, sizes, done=lambda: previous):
         pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
 
         def run(i, mask, k=k, v=v, kv_ids=kv_ids):
@@ -256,10 +260,15 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
             return (jnp.zeros(_seq(q, qp).shape, q.dtype), jnp.zeros(_seq(k, kp).shape, k.dtype),
                     jnp.zeros(_seq(v, kp).shape, v.dtype))
 
-        for (qp, kp), (dq_j, dk_j, dv_j) in zip(pairs, _step(plan, pairs, q_block, j, causal, run, skipped)):
+        previous = _step(plan, pairs, q_block, j, causal, run, skipped)
+        for (qp, kp), (dq_j, dk_j, dv_j) in zip(pairs, previous):
             dq = _add_at(dq, dq_j, qp)
             dkv = _add_kv(_add_kv(dkv, 0, dk_j, kp), 1, dv_j, kp)
-        # block src's sums move on with it; after the last step they go home (src + 1 -> ... -> src)
+        # block src's sums move on with it; after the last step they go home (src + 1 -> ... -> src),
+        # summed whole by then: that hop in K's and V's own dtype
+        if j == n - 1:
+            dkv = dkv.astype(dtypes[0]) if not isinstance(dkv, tuple) and dtypes[0] == dtypes[1] else \
+                (dkv[0].astype(dtypes[0]), dkv[1].astype(dtypes[1]))
         dkv = lax.ppermute(dkv, axes, perm)
     return dq.astype(q.dtype), dkv[0].astype(dtypes[0]), dkv[1].astype(dtypes[1])
 

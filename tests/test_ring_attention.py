@@ -77,16 +77,17 @@ def test_ring_over_two_axes_bf16():
         assert rel_l2(a, e) <= 1e-2
 
 
-def test_ring_bytes_are_the_formula():
-    """Per device: forward K and V n-1 times; backward K and V n-1 times and dK, dV (float32)
-    n times."""
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_ring_bytes_are_the_formula(dtype):
+    """Per device: forward K and V n-1 times; backward K and V n-1 times and dK, dV n times,
+    float32 but for the last hop home (in K's dtype)."""
     n, b, s, hkv, d = 4, 2, 32, 4, 16
     fn, step = ring_step({"context": n}, "context", causal=True)
-    q, k, v = inputs(b=b, s=s, hkv=hkv, d=d)
-    block = b * (s // n) * hkv * d
+    q, k, v = (jnp.asarray(x, dtype) for x in inputs(b=b, s=s, hkv=hkv, d=d))
+    block, size = b * (s // n) * hkv * d, jnp.dtype(dtype).itemsize
     ppermutes = [c for c in step.explain(q, k, v).collectives if c.kind == "ppermute"]
-    assert sum(c.bytes * c.count for c in ppermutes) == (2 * 2 * (n - 1) * block * 4      # k, v: fwd + bwd
-                                               + 2 * n * block * 4)             # dk, dv
+    assert sum(c.bytes * c.count for c in ppermutes) == (2 * 2 * (n - 1) * block * size   # k, v: fwd + bwd
+                                               + 2 * (n - 1) * block * 4 + 2 * block * size)   # dk, dv
 
 
 def packed_segments(b, s, seed=0):
