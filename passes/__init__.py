@@ -158,9 +158,19 @@ def _passes():
     from shardflow.passes.boxing import boxing
     from shardflow.passes.inline import inline
     from shardflow.passes.propagate import propagate
+
+    def solve(program):          # scipy loads only when a program is solved
+        from shardflow.passes.solve import solve
+        return solve(program)
+
     return (Pass("inline", inline, ensures=(INLINED,)),
             Pass("propagate", propagate, requires=(INLINED,), ensures=(SHARDED,)),
+            Pass("solve", solve, requires=(INLINED,), ensures=(SHARDED,)),
             Pass("boxing", boxing, requires=(SHARDED,), ensures=(BOXED,)))
 
 
-DEFAULT = _passes()
+_INLINE, _PROPAGATE, _SOLVE, _BOXING = _passes()
+DEFAULT = (_INLINE, _PROPAGATE, _BOXING)
+# The whole-program integer program instead of greedy propagation (passes/solve.py): straight-
+# line programs only so far; anything else falls back to greedy, and explain says so.
+SOLVER = (_INLINE, _SOLVE, _BOXING)

@@ -34,6 +34,7 @@ class Plan:
     outputs: list      # (index, shape, NdSbp)
     values: list       # (primitive, source, shape, NdSbp) of every intermediate
     fallbacks: list    # (primitive, source) run whole for want of a rule
+    planner: str = "greedy"   # which pass chose the shardings (passes.propagate or passes.solve)
 
     @property
     def total_bytes(self) -> int:
@@ -52,7 +53,7 @@ class Plan:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(f"total: {self.total_bytes:,} bytes sent per device in {len(self.collectives)} collectives, "
-                     f"{self.total_seconds * 1e6:.1f} µs modelled")
+                     f"{self.total_seconds * 1e6:.1f} µs modelled; planner: {self.planner}")
         if self.fallbacks:
             lines.append("run whole for want of a rule (operands gathered to B): "
                          + ", ".join(f"{p} at {s}" for p, s in self.fallbacks))
@@ -98,4 +99,4 @@ def make_plan(program: Program) -> Plan:
     outputs = [(i, tuple(v.aval.shape), s) for i, (v, s) in enumerate(zip(jaxpr.outvars, program.out_sbp))]
     values = [(e.primitive.name, source_line(e), describe(v.aval), program.sbp.get(v))
               for e in all_eqns(jaxpr) for v in e.outvars if v in program.sbp]
-    return Plan(collectives, inputs, outputs, values, list(program.fallbacks))
+    return Plan(collectives, inputs, outputs, values, list(program.fallbacks), program.planner)

@@ -33,6 +33,7 @@ class Program:
     sbp: dict = dataclasses.field(default_factory=dict)          # Var -> NdSbp
     links: LinkModel = dataclasses.field(default_factory=LinkModel)
     fallbacks: list = dataclasses.field(default_factory=list)    # (primitive name, source) run whole
+    planner: str = "greedy"            # which pass chose the shardings, and how it went
     facts: frozenset = frozenset()     # invariants ensured by the passes run so far
     arg_names: tuple = ()              # names of the flat inputs, for explain and errors
     in_orders: tuple = ()              # per input: ((dim, axes), ...) split against mesh order (specs.split_orders)

@@ -1,0 +1,220 @@
+"""solve: every equation's signature and every value's NdSbp chosen together, by an integer
+program (scipy's HiGHS), to minimise the modelled seconds of the collectives.
+
+Requires "inlined"; ensures "sharded", as ``passes.propagate`` does, so ``passes.boxing`` runs
+after either. Partial, and said so: the program must be straight-line — an equation whose rule
+chooses for itself (control flow, a pipeline, attention with an explicit ``context``) makes
+``solve`` hand the whole program to greedy ``propagate``, as does the time limit; the Program
+records which ran (``program.planner``), and explain prints it.
+
+The model (Alpa's intra-operator ILP, with conversions shared as boxing shares them):
+
+- ``x[e, s]`` (binary): equation ``e`` runs strategy ``s`` — one 1-D signature per mesh axis
+  (or running whole there) — among the combinations under which every operand and result
+  divides; sum_s x[e, s] = 1. A pin (``sf.constrain``) has one strategy.
+- ``z[v, a]``: value ``v`` comes out at NdSbp ``a`` (its producer's strategies that give ``a``);
+  a program input is fixed at its in_spec.
+- ``e[use, a, r]``: per use of ``v``, a transportation edge from where ``v`` is (sum_r e =
+  z[v, a]) to what the use's strategy requires (sum_a e = the use's x columns requiring r):
+  exact at integral x, and tight for one edge in the LP (Alpa's edge variables, over NdSbps
+  rather than strategy pairs).
+- ``q[v, a, r]`` >= every use's e[use, a, r]: ``v`` is converted from ``a`` to ``r`` once,
+  however many users want ``r`` (boxing converts once), at ``conversion.seconds`` (the plan
+  boxing will run).
+
+Minimised: sum q * seconds(a -> r) + sum x * (the strategy's own collectives, e.g. a pad's halo)
++ the outputs' conversions to out_specs (or of partial outputs to B). Only ``x`` is integral;
+at an integral ``x`` the edges are the products z * (use's choice) and ``q`` their OR, so the
+optimum is exact.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import numpy as np
+from scipy import optimize, sparse
+
+from shardflow import conversion, registry
+from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, propagate, reduced
+from shardflow.program import Program, is_literal, source_line
+from shardflow.registry import DECISION, Decision, Sig
+from shardflow.specs import B, Split
+
+TIME_LIMIT = 10.0      # seconds HiGHS may take before greedy runs instead
+DEBUG = False
+
+
+class Unsolvable(Exception):
+    """The program has something the integer program does not model (said in the message)."""
+
+
+def strategies(prop: Propagation, eqn) -> list:
+    """(Decision, own seconds) of every strategy of ``eqn``, duplicates (same NdSbps) dropped."""
+    rule = registry.rule_of(eqn.primitive)
+    if rule is not None and rule.pin is not None:
+        sbp = prop.pinned(eqn)
+        return [(Decision((sbp,), (sbp,)), 0.0)]
+    if rule is not None and rule.propagate is not None:
+        raise Unsolvable(f"{eqn.primitive.name} at {source_line(eqn)} chooses its own sharding")
+    sigs = registry.signatures(eqn)
+    n_in, n_out = len(eqn.invars), len(eqn.outvars)
+    whole = Sig((B,) * n_in, (B,) * n_out, "whole")
+    if sigs is None:
+        if eqn.primitive.name not in _QUIET_FALLBACKS:
+            prop.fallbacks.append((eqn.primitive.name, source_line(eqn)))
+        return [(Decision((prop.whole,) * n_in, (prop.whole,) * n_out, fallback=True), 0.0)]
+    out, seen = [], set()
+    for chosen in itertools.product(list(sigs) + [whole], repeat=len(prop.names)):
+        ins = tuple(tuple(sig.ins[k] for sig in chosen) for k in range(n_in))
+        outs = tuple(tuple(sig.outs[j] for sig in chosen) for j in range(n_out))
+        if (ins, outs) in seen:
+            continue
+        if not all(prop.valid(x.aval, s) for x, s in zip(eqn.invars, ins)) or \
+                not all(prop.valid(v.aval, s) for v, s in zip(eqn.outvars, outs)):
+            continue
+        if any(is_literal(x) and any(isinstance(t, Split) for t in s) for x, s in zip(eqn.invars, ins)):
+            continue
+        seen.add((ins, outs))
+        own = 0.0
+        if rule is not None and rule.comm is not None:
+            own = conversion.steps_seconds(rule.comm(eqn, ins, chosen, prop.mesh), prop.program.links)
+        own += sum(prop.seconds(x.aval, prop.whole, s) for x, s in zip(eqn.invars, ins) if is_literal(x))
+        out.append((Decision(ins, outs, tuple(chosen)), own))
+    if not out:
+        raise Unsolvable(f"no strategy of {eqn.primitive.name} at {source_line(eqn)} divides its operands")
+    return out
+
+
+class _Model:
+    """Columns and rows of the integer program, built incrementally."""
+
+    def __init__(self):
+        self.cost, self.integral, self.upper = [], [], []
+        self.rows, self.cols, self.vals, self.lb, self.ub = [], [], [], [], []
+
+    def var(self, cost=0.0, integral=False) -> int:
+        self.cost.append(cost)
+        self.integral.append(1 if integral else 0)
+        self.upper.append(1.0)
+        return len(self.cost) - 1
+
+    def row(self, terms, lb, ub):
+        r = len(self.lb)
+        for col, val in terms:
+            self.rows.append(r)
+            self.cols.append(col)
+            self.vals.append(val)
+        self.lb.append(lb)
+        self.ub.append(ub)
+
+    def solve(self, time_limit):
+        a = sparse.csr_array((self.vals, (self.rows, self.cols)), shape=(len(self.lb), len(self.cost)))
+        # in microseconds: seconds-sized costs sit below HiGHS's tolerances
+        return optimize.milp(np.asarray(self.cost) * 1e6, integrality=np.asarray(self.integral),
+                             bounds=optimize.Bounds(0.0, np.asarray(self.upper)),
+                             constraints=optimize.LinearConstraint(a, self.lb, self.ub),
+                             options={"time_limit": time_limit, "presolve": True, "disp": DEBUG})
+
+
+def build(prop: Propagation, jaxpr, out_sbp):
+    """(model, per equation (its strategies, their x columns)), or raise Unsolvable."""
+    m = _Model()
+    choices = []
+    produced = {v: {s: None} for v, s in prop.sbp.items()}   # var -> {NdSbp: x columns}; None: fixed
+    uses = {}                            # var -> [{NdSbp required: x columns}] one per use; None: always
+    for eqn in jaxpr.eqns:
+        options = strategies(prop, eqn)
+        cols = [m.var(own, integral=True) for _, own in options]
+        m.row([(c, 1.0) for c in cols], 1.0, 1.0)
+        choices.append((eqn, options, cols))
+        for k, x in enumerate(eqn.invars):
+            if not is_literal(x):
+                use = {}
+                for (decision, _), c in zip(options, cols):
+                    use.setdefault(decision.ins[k], []).append(c)
+                uses.setdefault(x, []).append(use)
+        for j, v in enumerate(eqn.outvars):
+            for (decision, _), c in zip(options, cols):
+                produced.setdefault(v, {}).setdefault(decision.outs[j], []).append(c)
+    unspecified = set()
+    for v, want in zip(jaxpr.outvars, out_sbp):
+        if is_literal(v):
+            continue
+        if want is None:
+            unspecified.add(v)
+        else:
+            uses.setdefault(v, []).append({want: None})
+    for v, at in produced.items():
+        z = {}
+        for a, cols in at.items():
+            z[a] = None if cols is None else m.var()
+            if cols is not None:
+                m.row([(z[a], 1.0)] + [(c, -1.0) for c in cols], 0.0, 0.0)
+        if v in unspecified:      # no out_spec: a partial output is reduced (inputs never are partial)
+            for a, za in z.items():
+                if za is not None:
+                    m.cost[za] += prop.seconds(v.aval, a, reduced(a))
+        _conversions(m, prop, v, z, uses.get(v, ()))
+    return m, choices
+
+
+def _conversions(m: _Model, prop, v, z, uses):
+    """Columns and rows pricing ``v``'s conversions: per use, a transportation edge e[a, r]
+    (sum_r e = z[a], sum_a e = the use's choice of r: tight for one edge); per conversion
+    a -> r, q >= every use's e[a, r], paid once (boxing converts once for all users)."""
+    def side(cols):          # a fixed side (None) is the constant 1
+        return [] if cols is None else [(c, -1.0) for c in cols]
+
+    shared = {}
+    for use in uses:
+        if all(a == r for a in z for r in use):
+            continue
+        edges = {(a, r): m.var() for a in z for r in use}
+        for a, za in z.items():
+            m.row([(edges[a, r], 1.0) for r in use] + ([(za, -1.0)] if za is not None else []),
+                  0.0 if za is not None else 1.0, 0.0 if za is not None else 1.0)
+        for r, cols in use.items():
+            m.row([(edges[a, r], 1.0) for a in z] + side(cols),
+                  0.0 if cols is not None else 1.0, 0.0 if cols is not None else 1.0)
+        for (a, r), e in edges.items():
+            if a != r:
+                if (a, r) not in shared:
+                    shared[a, r] = m.var(prop.seconds(v.aval, a, r))
+                m.row([(shared[a, r], 1.0), (e, -1.0)], 0.0, math.inf)
+
+
+def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None):
+    """([(eqn, its Decision)], the modelled seconds) of the optimum; raises Unsolvable."""
+    model, choices = build(prop, jaxpr, out_sbp)
+    result = model.solve(TIME_LIMIT if time_limit is None else time_limit)
+    if result.status != 0 or result.x is None:
+        raise Unsolvable(result.message.strip())
+    return [(eqn, options[max(range(len(cols)), key=lambda i: result.x[cols[i]])][0])
+            for eqn, options, cols in choices], result.fun / 1e6
+
+
+def solve(program: Program, time_limit: float | None = None) -> Program:
+    prop = Propagation(program)
+    closed = program.jaxpr
+    for v in closed.jaxpr.constvars:
+        prop.set(v, prop.whole)
+    for v, s in zip(closed.jaxpr.invars, program.in_sbp):
+        prop.set(v, s, "in_specs")
+    start = time.perf_counter()
+    try:
+        chosen, seconds = choose(prop, closed.jaxpr, program.out_sbp, time_limit)
+    except Unsolvable as e:
+        return propagate(program).replace(planner=f"greedy (the solver did not run: {e})")
+    eqns = []
+    for eqn, decision in chosen:
+        for v, s in zip(eqn.outvars, decision.outs):
+            prop.set(v, s, source_line(eqn))
+        eqns.append(eqn.replace(params={**eqn.params, DECISION: decision}))
+    jaxpr = closed.jaxpr.replace(eqns=eqns)
+    out_sbp = tuple(s if s is not None else reduced(prop.of(v)) for v, s in zip(jaxpr.outvars, program.out_sbp))
+    took = time.perf_counter() - start
+    return program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=prop.sbp, out_sbp=out_sbp,
+                           fallbacks=prop.fallbacks,
+                           planner=f"solver (optimal: {seconds * 1e6:.1f} us modelled, solved in {took:.2f} s)")
