@@ -78,9 +78,8 @@ def train_rows(preset: str, seq: int, n: int, variants, remat: str, steps: int, 
     """The preset's training step on {data: devices / n, context: n}, a sequence of ``seq``
     tokens per data replica, per variant."""
     import jax
-    import numpy as np
 
-    from shardflow import train
+    import train_mfu
     from shardflow.train import config, metrics
 
     replicas = jax.device_count() // n    # the trainer takes every device: the rest on `data`
@@ -93,21 +92,7 @@ def train_rows(preset: str, seq: int, n: int, variants, remat: str, steps: int, 
                                 eval_every=0, compute_dtype="bfloat16")
             cfg.model = {"preset": preset, "remat": remat, "attention_impl": "ops", "context": variant}
             cfg.data.seq_len = seq
-            run = train.setup(cfg)
-            params, opt_state = train.init_state(run)
-            step = run.train_step()
-            tokens = np.random.default_rng(0).integers(0, run.model_cfg.vocab_size, (1, replicas, seq + 1))
-            sharding = run.shardings(run.batch_spec)
-            data = {"inputs": jax.device_put(tokens[..., :-1].astype(np.int32), sharding),
-                    "targets": jax.device_put(tokens[..., 1:].astype(np.int32), sharding)}
-            for _ in range(warmup):
-                params, opt_state, out = step(params, opt_state, data)
-            jax.block_until_ready(out)
-            start = time.perf_counter()
-            for _ in range(steps):
-                params, opt_state, out = step(params, opt_state, data)
-            jax.block_until_ready(out)
-            seconds = (time.perf_counter() - start) / steps
+            run, seconds, out = train_mfu.time_steps(cfg, replicas, seq, steps, warmup)
             peak = metrics.peak_flops(jax.devices()[0])
             tok_s = replicas * seq / seconds
             mfu = (tok_s * metrics.flops_per_token(run.model_cfg, run.n_params, seq) / (peak * jax.device_count())

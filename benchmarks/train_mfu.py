@@ -34,9 +34,7 @@ CASES = {  # preset -> (batch, seq, remat), the ../shared/ANCHORS.md rows
 def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: int,
             warmup: int, peak: float | None):
     import jax
-    import numpy as np
 
-    from shardflow import train
     from shardflow.train import config, metrics
 
     on_gpu = jax.default_backend() == "gpu"
@@ -47,6 +45,23 @@ def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: i
     cfg.engine = "jit" if engine == "reference" else "shardflow"
     cfg.batch_size, cfg.data.seq_len, cfg.steps = batch, seq, warmup + steps
     cfg.strategy, cfg.compute_dtype = "dp", "bfloat16"
+    run, step_s, out = time_steps(cfg, batch, seq, steps, warmup)
+    tok_s = batch * seq / step_s
+    flops = metrics.flops_per_token(run.model_cfg, run.n_params, seq)
+    peak = metrics.peak_flops(jax.devices()[0], peak)
+    mfu = tok_s * flops / (peak * jax.device_count()) if peak else None
+    return {"tokens_per_s": tok_s, "mfu": mfu, "loss": float(out["loss"]),
+            "params": run.n_params, "step_s": step_s}
+
+
+def time_steps(cfg, batch: int, seq: int, steps: int, warmup: int):
+    """(the set-up run, seconds per step, the last step's metrics) of ``cfg``'s training step
+    on one random token batch resident on the devices, after ``warmup`` untimed steps."""
+    import jax
+    import numpy as np
+
+    from shardflow import train
+
     run = train.setup(cfg)
     params, opt_state = train.init_state(run)
     step_fn = run.train_step()
@@ -61,13 +76,7 @@ def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: i
     for _ in range(steps):
         params, opt_state, out = step_fn(params, opt_state, data)
     jax.block_until_ready(out)
-    elapsed = time.perf_counter() - start
-    tok_s = steps * batch * seq / elapsed
-    flops = metrics.flops_per_token(run.model_cfg, run.n_params, seq)
-    peak = metrics.peak_flops(jax.devices()[0], peak)
-    mfu = tok_s * flops / (peak * jax.device_count()) if peak else None
-    return {"tokens_per_s": tok_s, "mfu": mfu, "loss": float(out["loss"]),
-            "params": run.n_params, "step_s": elapsed / steps}
+    return run, (time.perf_counter() - start) / steps, out
 
 
 def main(argv=None):
