@@ -78,7 +78,7 @@ def _failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:160]
 
 
-def measure(case, references: dict) -> Row:
+def measure(case, references: dict, planner: str = "greedy") -> Row:
     """One row: shardflow's result vs one device, its plan and HLO bytes, GSPMD's HLO bytes."""
     import jax
 
@@ -94,7 +94,7 @@ def measure(case, references: dict) -> Row:
     text = gp.gspmd(fn, in_specs, out_specs).lower(*args).compile().as_text()
     row.gspmd_bytes, row.gspmd_kinds = hlo.total_bytes(text, weighted=True), hlo.summary(text)
     try:
-        row.plan, text, got = gp.run_shardflow(fn, args, in_specs, out_specs)
+        row.plan, text, got = gp.run_shardflow(fn, args, in_specs, out_specs, planner)
         row.fallbacks = tuple(p for p, _ in row.plan.fallbacks)
         row.sf_bytes, row.sf_kinds = hlo.total_bytes(text, weighted=True), hlo.summary(text)
         row.error = gp.max_rel_error(got, want)
@@ -182,7 +182,7 @@ def train_row(strategy, preset="tiny", batch=16, seq=128) -> Row:
 
 # ------------------------------------------------------------------------------ the table
 
-COLUMNS = ("program", "strategy", "error", "fallbacks", "shardflow B", "GSPMD B", "ratio")
+COLUMNS = ("program", "strategy", "error", "fallbacks", "shardflow B", "GSPMD B", "ratio", "planner")
 
 
 def _fallbacks(row: Row) -> str:
@@ -201,7 +201,9 @@ def cells(row: Row) -> tuple:
     else:
         error = f"{row.error:.1e}"
     ratio = "—" if row.ratio is None else f"{row.ratio:.2f}"
-    return (row.program, row.strategy, error, _fallbacks(row), fmt(row.sf_bytes), fmt(row.gspmd_bytes), ratio)
+    planner = "—" if row.plan is None else row.plan.planner.split()[0]
+    return (row.program, row.strategy, error, _fallbacks(row), fmt(row.sf_bytes), fmt(row.gspmd_bytes), ratio,
+            planner)
 
 
 def text_table(rows) -> str:
@@ -215,7 +217,7 @@ def text_table(rows) -> str:
 
 
 def markdown_table(rows) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] * 4 + ["---:"] * 3) + "|"]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] * 4 + ["---:"] * 3 + ["---"]) + "|"]
     for r in rows:
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |")
     return "\n".join(lines)
@@ -264,6 +266,9 @@ def main(argv=None):
     parser.add_argument("--full-opt", action="store_true",
                         help="compile with XLA:CPU's default LLVM optimization (same bytes, slower)")
     parser.add_argument("--out", default=None, help="write the table (and the worst rows' collectives) as markdown")
+    parser.add_argument("--planner", choices=("greedy", "solver", "solver-bytes"), default="greedy",
+                        help="shardflow's planner: passes.propagate, or the integer program (passes.solve) "
+                             "minimising modelled time (solver) or bytes (solver-bytes: no per-collective latency)")
     args = parser.parse_args(argv)
 
     import jax
@@ -277,7 +282,7 @@ def main(argv=None):
     rows, references = [], {}
     selected = [c for c in gp.CASES if not args.only or re.search(args.only, c.name)]
     for case in selected:
-        rows.append(measure(case, references))
+        rows.append(measure(case, references, args.planner))
         print("  " + " | ".join(cells(rows[-1])) + f"   [{rows[-1].seconds:.1f} s]", flush=True)
     if not args.no_train:
         for strategy in TRAIN_STRATEGIES:

@@ -619,9 +619,14 @@ def reference(fn, args):
     return jax.device_get(jax.jit(fn)(*args))
 
 
-def parallelized(fn, in_specs, out_specs):
+def parallelized(fn, in_specs, out_specs, planner="greedy"):
+    """sf.parallelize on the suite's mesh; ``planner``: "greedy" (passes.propagate), "solver"
+    (passes.solve, modelled time) or "solver-bytes" (passes.solve, bytes)."""
     import shardflow as sf
-    return sf.parallelize(fn, mesh=mesh(), in_specs=in_specs, out_specs=out_specs)
+    passes = sf.passes.DEFAULT if planner == "greedy" else sf.passes.SOLVER
+    # without the link model's latency the modelled time is bytes / bandwidth: the table's measure
+    links = sf.LinkModel(alpha=0.0) if planner == "solver-bytes" else None
+    return sf.parallelize(fn, mesh=mesh(), in_specs=in_specs, out_specs=out_specs, passes=passes, links=links)
 
 
 def gspmd(fn, in_specs, out_specs):
@@ -630,10 +635,10 @@ def gspmd(fn, in_specs, out_specs):
     return jax.jit(fn, in_shardings=shardings(tuple(in_specs)), **kwargs)
 
 
-def run_shardflow(fn, args, in_specs, out_specs):
+def run_shardflow(fn, args, in_specs, out_specs, planner="greedy"):
     """(plan, compiled HLO text, the outputs' leaves) of fn under shardflow, compiled once: the
     executable of ``lower(...).compile()`` runs the step."""
-    step = parallelized(fn, in_specs, out_specs)
+    step = parallelized(fn, in_specs, out_specs, planner)
     plan = step.explain(*args)
     compiled = step.lower(*args).compile()
     try:  # the lowered program takes the arguments' leaves and returns the outputs' leaves

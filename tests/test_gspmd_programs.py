@@ -65,3 +65,16 @@ def test_table_script(tmp_path, monkeypatch, capsys):
     assert "program" in printed and "GSPMD B" in printed and "ratio" in printed
     text = out.read_text()
     assert "| scatter_add | 2d |" in text and "jax " in text
+
+
+def test_the_solver_brings_every_moe_and_pad_row_under_gspmd(monkeypatch):
+    """The rows greedy propagation left above 1.5x GSPMD's bytes (an MoE layer under dp / ep /
+    2d: its dispatch's partial sums; pad under dp): the integer program minimising bytes
+    (bytes_vs_gspmd.py --planner solver-bytes) moves no more than GSPMD, equal to one device."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = _load("bytes_vs_gspmd")
+    rows = bench.main(["--only", "^(moe-(dp|ep|2d)|pad-dp)$", "--no-train", "--planner", "solver-bytes"])
+    assert len(rows) == 4
+    for r in rows:
+        assert r.failure is None and r.error <= RTOL and not r.fallbacks, r
+        assert r.plan.planner.startswith("solver") and r.ratio <= 1.0, (r.program, r.strategy, r.ratio)
