@@ -45,7 +45,6 @@ from shardflow.registry import DECISION, Decision, Sig
 from shardflow.specs import B, Split
 
 TIME_LIMIT = 10.0      # seconds HiGHS may take before greedy runs instead
-DEBUG = False
 
 
 class Unsolvable(Exception):
@@ -117,7 +116,7 @@ class _Model:
         return optimize.milp(np.asarray(self.cost) * 1e6, integrality=np.asarray(self.integral),
                              bounds=optimize.Bounds(0.0, np.asarray(self.upper)),
                              constraints=optimize.LinearConstraint(a, self.lb, self.ub),
-                             options={"time_limit": time_limit, "presolve": True, "disp": DEBUG})
+                             options={"time_limit": time_limit, "presolve": True})
 
 
 def build(prop: Propagation, jaxpr, out_sbp):

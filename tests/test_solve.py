@@ -17,7 +17,7 @@ import shardflow as sf
 from shardflow.passes import inline, solve
 from shardflow.passes.propagate import Propagation, reduced
 from shardflow.program import Program, is_literal
-from shardflow.specs import B, P, S
+from shardflow.specs import B, S
 from test_random_programs import BINARY, UNARY, build, nd_sbp
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
