@@ -48,6 +48,15 @@ def measure(fn, args, steps: int, warmup: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def qkv(seq: int, heads: int, kv_heads: int, head_dim: int):
+    """Random bf16 q, k, v of batch 1."""
+    import jax.numpy as jnp
+    import numpy as np
+    r = np.random.default_rng(0)
+    return tuple(jnp.asarray(r.standard_normal((1, seq, h, head_dim)) * 0.5, jnp.bfloat16)
+                 for h in (heads, kv_heads, kv_heads))
+
+
 def step_fn(variant: str, n: int, causal: bool, backend: str):
     """(value_and_grad of the attention under ``variant`` on {context: n}, the q / k / v
     sharding it takes: inputs are placed before timing, as the one-device baseline's are)."""
@@ -178,8 +187,6 @@ def main(argv=None) -> list[dict]:
     from shardflow.train import configure_host_platform
     configure_host_platform()          # on a CPU-only machine: simulated devices for --cpu-check
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     from shardflow import models
 
@@ -198,16 +205,10 @@ def main(argv=None) -> list[dict]:
         preset = "tiny" if args.cpu_check else args.preset
         rows = [row for seq in seqs for row in train_rows(preset, seq, n, variants, args.remat, args.steps,
                                                           args.warmup)]
-        if args.out:
-            import scaling
-            scaling.write_json(args.out, rows, args)
-        return rows
+        return _written(rows, args)
     if args.profile:
-        r = np.random.default_rng(0)
-        q, k, v = (jnp.asarray(r.standard_normal((1, seqs[0], h, head_dim)) * 0.5, jnp.bfloat16)
-                   for h in (heads, kv_heads, kv_heads))
         fn, sharding = step_fn(args.profile, n, True, backend)
-        q, k, v = jax.device_put((q, k, v), sharding)
+        q, k, v = jax.device_put(qkv(seqs[0], heads, kv_heads, head_dim), sharding)
         measure(fn, (q, k, v), 1, args.warmup)
         with jax.profiler.trace(args.out_dir, create_perfetto_trace=True):
             jax.block_until_ready(fn(q, k, v))
@@ -219,9 +220,7 @@ def main(argv=None) -> list[dict]:
         return rows
     rows = []
     for seq in seqs:
-        r = np.random.default_rng(0)
-        q, k, v = (jnp.asarray(r.standard_normal((1, seq, h, head_dim)) * 0.5, jnp.bfloat16)
-                   for h in (heads, kv_heads, kv_heads))
+        q, k, v = qkv(seq, heads, kv_heads, head_dim)
         work = flops(seq, heads, head_dim)
         base = None
         for variant in ["one device"] + variants:
@@ -241,6 +240,10 @@ def main(argv=None) -> list[dict]:
             print(f"{seq:7d} {variant:11s} " + (f"{row['ms']:9.2f} ms {row['tflops_per_gpu']:7.1f} TFLOP/s/GPU"
                                                  f"  x{row['ratio']:.3f}" if row["status"] == "ok" else row["status"]),
                   flush=True)
+    return _written(rows, args)
+
+
+def _written(rows, args):
     if args.out:
         import scaling
         scaling.write_json(args.out, rows, args)

@@ -51,6 +51,14 @@ class Propagation:
         self.graph = None               # (users, producer) for the lookahead
         self.held: set = set()          # axes bodies may not split (a pipeline's stages)
 
+    def seeded(self) -> "Propagation":
+        """Itself, with the program's constants B and its inputs at their in_specs."""
+        for v in self.program.jaxpr.jaxpr.constvars:
+            self.set(v, self.whole)
+        for v, s in zip(self.program.jaxpr.jaxpr.invars, self.program.in_sbp):
+            self.set(v, s, "in_specs")
+        return self
+
     # ---------------------------------------------------------------- values
 
     def of(self, atom):
@@ -366,13 +374,9 @@ def reduced(sbp):
 
 
 def propagate(program: Program) -> Program:
-    prop = Propagation(program)
+    prop = Propagation(program).seeded()
     closed = program.jaxpr
     prop.spread_demands(closed.jaxpr, program.out_sbp)
-    for v in closed.jaxpr.constvars:
-        prop.set(v, prop.whole)
-    for v, s in zip(closed.jaxpr.invars, program.in_sbp):
-        prop.set(v, s, "in_specs")
     jaxpr = prop.run(closed.jaxpr)
     out_sbp = tuple(s if s is not None else reduced(prop.of(v)) for v, s in zip(jaxpr.outvars, program.out_sbp))
     return program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=prop.sbp, out_sbp=out_sbp,

@@ -92,13 +92,12 @@ class _Model:
     """Columns and rows of the integer program, built incrementally."""
 
     def __init__(self):
-        self.cost, self.integral, self.upper = [], [], []
+        self.cost, self.integral = [], []
         self.rows, self.cols, self.vals, self.lb, self.ub = [], [], [], [], []
 
     def var(self, cost=0.0, integral=False) -> int:
         self.cost.append(cost)
         self.integral.append(1 if integral else 0)
-        self.upper.append(1.0)
         return len(self.cost) - 1
 
     def row(self, terms, lb, ub):
@@ -114,7 +113,7 @@ class _Model:
         a = sparse.csr_array((self.vals, (self.rows, self.cols)), shape=(len(self.lb), len(self.cost)))
         # in microseconds: seconds-sized costs sit below HiGHS's tolerances
         return optimize.milp(np.asarray(self.cost) * 1e6, integrality=np.asarray(self.integral),
-                             bounds=optimize.Bounds(0.0, np.asarray(self.upper)),
+                             bounds=optimize.Bounds(0.0, 1.0),
                              constraints=optimize.LinearConstraint(a, self.lb, self.ub),
                              options={"time_limit": time_limit, "presolve": True})
 
@@ -165,8 +164,11 @@ def _conversions(m: _Model, prop, v, z, uses):
     """Columns and rows pricing ``v``'s conversions: per use, a transportation edge e[a, r]
     (sum_r e = z[a], sum_a e = the use's choice of r: tight for one edge); per conversion
     a -> r, q >= every use's e[a, r], paid once (boxing converts once for all users)."""
-    def side(cols):          # a fixed side (None) is the constant 1
-        return [] if cols is None else [(c, -1.0) for c in cols]
+    def equal(edges, cols):    # sum of edges = sum of cols; cols None: a fixed side, the constant 1
+        if cols is None:
+            m.row([(e, 1.0) for e in edges], 1.0, 1.0)
+        else:
+            m.row([(e, 1.0) for e in edges] + [(c, -1.0) for c in cols], 0.0, 0.0)
 
     shared = {}
     for use in uses:
@@ -174,11 +176,9 @@ def _conversions(m: _Model, prop, v, z, uses):
             continue
         edges = {(a, r): m.var() for a in z for r in use}
         for a, za in z.items():
-            m.row([(edges[a, r], 1.0) for r in use] + ([(za, -1.0)] if za is not None else []),
-                  0.0 if za is not None else 1.0, 0.0 if za is not None else 1.0)
+            equal([edges[a, r] for r in use], None if za is None else [za])
         for r, cols in use.items():
-            m.row([(edges[a, r], 1.0) for a in z] + side(cols),
-                  0.0 if cols is not None else 1.0, 0.0 if cols is not None else 1.0)
+            equal([edges[a, r] for a in z], cols)
         for (a, r), e in edges.items():
             if a != r:
                 if (a, r) not in shared:
@@ -197,12 +197,8 @@ def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None):
 
 
 def solve(program: Program, time_limit: float | None = None) -> Program:
-    prop = Propagation(program)
+    prop = Propagation(program).seeded()
     closed = program.jaxpr
-    for v in closed.jaxpr.constvars:
-        prop.set(v, prop.whole)
-    for v, s in zip(closed.jaxpr.invars, program.in_sbp):
-        prop.set(v, s, "in_specs")
     start = time.perf_counter()
     try:
         chosen, seconds = choose(prop, closed.jaxpr, program.out_sbp, time_limit)

@@ -303,15 +303,14 @@ def _attention_comm(eqn, ins, sigs, mesh):
     return Step("ppermute", axes, bytes=math.prod(shape) * value.dtype.itemsize, value=value)
 
   k, v = (eqn.invars[names.index(x)].aval for x in ("k", "v"))
-  pair = (k.shape, k.dtype) == (v.shape, v.dtype)
-  block = [local("k", stacked=True)] if pair else [local("k"), local("v")]
+  same_shape, same_dtype = k.shape == v.shape, k.dtype == v.dtype
+  block = [local("k", stacked=True)] if same_shape and same_dtype else [local("k"), local("v")]
   block += [local("segment_ids")] if "segment_ids" in names else []
   steps = block * (n - 1)
-  if eqn.primitive is sf_attention_bwd_p:     # the block's dK/dV sums, float32; home in K's dtype
-    def sums(dtype):
-      return [local("k", dtype, stacked=True)] if k.shape == v.shape and dtype is not None else \
-          [local("k", dtype or k.dtype), local("v", dtype or v.dtype)]
-    steps += sums(jnp.float32) * (n - 1) + sums(k.dtype if k.dtype == v.dtype else None)
+  if eqn.primitive is sf_attention_bwd_p:     # the block's dK/dV sums: float32, the hop home in K's dtype
+    sums = [local("k", jnp.float32, stacked=True)] if same_shape else \
+        [local("k", jnp.float32), local("v", jnp.float32)]
+    steps += sums * (n - 1) + block[:len(block) - ("segment_ids" in names)]
   return steps
 
 
@@ -445,8 +444,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     layout: None (tokens in order) or a ``Layout`` (``Layout("zigzag", n)``, ``Layout("striped",
       n)``): the sequence of q, k and v is stored in that order (``Layout.permute``, applied
       once to the tokens), which balances a causal ring of n devices; the mask follows the
-      tokens' positions, out and lse come in the same order. Needs seq_q == seq_kv, no offsets
-      and no segment ids.
+      tokens' positions, out, lse and segment ids come in the same order. Needs seq_q ==
+      seq_kv and no offsets.
 
   A row that sees no key gives zeros and lse = -inf. Returns out [batch, seq_q, heads_q,
   head_dim] in q's dtype, and lse if return_lse.

@@ -131,7 +131,7 @@ def _step_kinds(causal, layout, n, q_len, kv_len, q_base, kv_base):
     return table, list(kinds)
 
 
-def _step(plan, pairs, q_block, j, causal, run, skipped):
+def _step(plan, pairs, q_block, j, run, skipped):
     """Every pair's result for ring step ``j`` (kv block q_block - j), ``run(i, mask)`` for
     pair i or ``skipped(i)``. With a plan, the kinds this step can be on some device: one needs
     no branch (step 0: every device's own block), several are one ``lax.switch``, so the step
@@ -215,7 +215,7 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
     previous = []
     for j, src, k, v, kv_ids in _blocks(k, v, segment_ids, axes, sizes, done=lambda: previous):
         pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
-        results = _step(plan, pairs, q_block, j, causal,
+        results = _step(plan, pairs, q_block, j,
                         run=lambda i, mask: attend(_seq(q, pairs[i][0]), _seq(k, pairs[i][1]),
                                                    _seq(v, pairs[i][1]),
                                                    _segments(segment_ids, kv_ids, *pairs[i]), mask),
@@ -260,17 +260,17 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
             return (jnp.zeros(_seq(q, qp).shape, q.dtype), jnp.zeros(_seq(k, kp).shape, k.dtype),
                     jnp.zeros(_seq(v, kp).shape, v.dtype))
 
-        previous = _step(plan, pairs, q_block, j, causal, run, skipped)
+        previous = _step(plan, pairs, q_block, j, run, skipped)
         for (qp, kp), (dq_j, dk_j, dv_j) in zip(pairs, previous):
             dq = _add_at(dq, dq_j, qp)
             dkv = _add_kv(_add_kv(dkv, 0, dk_j, kp), 1, dv_j, kp)
         # block src's sums move on with it; after the last step they go home (src + 1 -> ... -> src),
-        # summed whole by then: that hop in K's and V's own dtype
+        # summed whole by then: that hop in K's and V's own dtypes (stacked where they share one)
         if j == n - 1:
-            dkv = dkv.astype(dtypes[0]) if not isinstance(dkv, tuple) and dtypes[0] == dtypes[1] else \
-                (dkv[0].astype(dtypes[0]), dkv[1].astype(dtypes[1]))
+            dk, dv = dkv[0].astype(dtypes[0]), dkv[1].astype(dtypes[1])
+            dkv = jnp.stack([dk, dv]) if dk.shape == dv.shape and dk.dtype == dv.dtype else (dk, dv)
         dkv = lax.ppermute(dkv, axes, perm)
-    return dq.astype(q.dtype), dkv[0].astype(dtypes[0]), dkv[1].astype(dtypes[1])
+    return dq.astype(q.dtype), dkv[0], dkv[1]
 
 
 def _segments(q_ids, kv_ids, qp: Part, kp: Part):

@@ -58,13 +58,6 @@ def model_cost(prop, jaxpr, out_sbp, assignment, memo) -> float:
     return cost + sum(seconds(v, at[v], r) for v, rs in wants.items() for r in rs if r != at[v])
 
 
-def propagation(program):
-    prop = Propagation(program)
-    for v, s in zip(program.jaxpr.jaxpr.invars, program.in_sbp):
-        prop.set(v, s)
-    return prop
-
-
 CHAIN_OPS = ("add", "mul", "tanh", "matmul", "T", "sum0", "sum1")
 
 
@@ -107,12 +100,12 @@ def test_the_optimum_is_the_brute_force_minimum(ops, specs, out):
         out = None
     program = inlined(fn, args, mesh("2x4"), specs, (out,))
     jaxpr = program.jaxpr.jaxpr
-    prop = propagation(program)
+    prop = Propagation(program).seeded()
     options = [solve.strategies(prop, eqn) for eqn in jaxpr.eqns]
     assume(np.prod([len(o) for o in options]) <= 20_000)
     memo = {}
     best = min(model_cost(prop, jaxpr, program.out_sbp, a, memo) for a in itertools.product(*options))
-    _, optimum = solve.choose(propagation(program), jaxpr, program.out_sbp)
+    _, optimum = solve.choose(Propagation(program).seeded(), jaxpr, program.out_sbp)
     assert optimum == pytest.approx(best, rel=1e-6, abs=1e-12)
 
 
