@@ -285,10 +285,11 @@ def _local_ring(local, eqn, ins, axes):
 
 
 def _attention_comm(eqn, ins, sigs, mesh):
-  """A ring's ppermutes, per device: its K/V block n-1 times (K and V as one array where
-  their shapes agree), with its segment ids if any; in the backward also the block's dK/dV
-  sums n times (float32, the last hop home in K's and V's dtype). Nothing for the other
-  signatures (their collectives are boxes)."""
+  """A ring's ppermutes, per device, as ring_attention sends them (one collective a step):
+  its K/V block n-1 times (K and V as one array where their shapes agree) with its segment ids
+  if any; in the backward also the block's dK/dV sums (float32), one step behind the K/V in the
+  same collective, then home in K's and V's dtype. Nothing for the other signatures (their
+  collectives are boxes)."""
   axes = tuple(a for a, s in zip(mesh.axis_names, sigs) if getattr(s, "name", None) == "ring")
   if not axes:
     return []
@@ -299,19 +300,25 @@ def _attention_comm(eqn, ins, sigs, mesh):
   def local(name, dtype=None, stacked=False):
     aval, sbp = eqn.invars[names.index(name)].aval, ins[names.index(name)]
     shape = ((2,) if stacked else ()) + tuple(local_shape(aval.shape, sbp, mesh))
-    value = jax.core.ShapedArray(shape, dtype or aval.dtype)
-    return Step("ppermute", axes, bytes=math.prod(shape) * value.dtype.itemsize, value=value)
+    return jax.core.ShapedArray(shape, dtype or aval.dtype)
+
+  def send(values):     # ring_attention._send: several arrays travel as their bytes, concatenated
+    size = sum(math.prod(x.shape) * x.dtype.itemsize for x in values)
+    value = values[0] if len(values) == 1 else jax.core.ShapedArray((size,), jnp.uint8)
+    return Step("ppermute", axes, bytes=size, value=value)
 
   k, v = (eqn.invars[names.index(x)].aval for x in ("k", "v"))
-  same_shape, same_dtype = k.shape == v.shape, k.dtype == v.dtype
-  block = [local("k", stacked=True)] if same_shape and same_dtype else [local("k"), local("v")]
+  same_shape = k.shape == v.shape
+  block = [local("k", stacked=True)] if same_shape and k.dtype == v.dtype else [local("k"), local("v")]
   block += [local("segment_ids")] if "segment_ids" in names else []
-  steps = block * (n - 1)
-  if eqn.primitive is sf_attention_bwd_p:     # the block's dK/dV sums: float32, the hop home in K's dtype
-    sums = [local("k", jnp.float32, stacked=True)] if same_shape else \
-        [local("k", jnp.float32), local("v", jnp.float32)]
-    steps += sums * (n - 1) + block[:len(block) - ("segment_ids" in names)]
-  return steps
+  if eqn.primitive is not sf_attention_bwd_p:
+    return [send(block)] * (n - 1)
+  sums = [local("k", jnp.float32, stacked=True)] if same_shape else \
+      [local("k", jnp.float32), local("v", jnp.float32)]
+  home = [local("k", stacked=True)] if same_shape and k.dtype == v.dtype else [local("k"), local("v")]
+  if n == 1:
+    return [send(home)]
+  return [send(block)] + [send(block + sums)] * (n - 2) + [send(sums), send(home)]
 
 
 def _propagate_attention(prop, eqn):

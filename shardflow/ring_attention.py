@@ -32,6 +32,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -164,24 +165,46 @@ def _ring(axes, sizes):
 
 def _blocks(k, v, ids, axes, sizes, done):
     """(step, source block index, k, v, segment ids) at each of the ring's n steps, starting
-    with this device's own; ``ids`` (the keys' segment ids, or None) travel with the block. K
-    and V travel as one array (one collective a step) where their shapes agree. The
-    next block's ppermute is issued before the current block is used, but after ``done()``
-    (the previous step's kernel results) is computed: without that order XLA's scheduler,
-    which prices the attention kernels as nearly free, hoists the ring's chained ppermutes to
-    the top of the program, where nothing overlaps them. (Tied to the merged sums instead, the
-    send waited for merges XLA had placed after the next step's kernels.)"""
+    with this device's own; ``ids`` (the keys' segment ids, or None) travel with the block, in
+    the same collective. The next block's ppermute is issued before the current block is used,
+    but after ``done()`` (the previous step's kernel results) is computed: without that order
+    XLA's scheduler, which prices the attention kernels as nearly free, hoists the ring's
+    chained ppermutes to the top of the program, where nothing overlaps them. (Tied to the
+    merged sums instead, the send waited for merges XLA had placed after the next step's
+    kernels.)"""
     n, r, perm = _ring(axes, sizes)
-    stacked = k.shape == v.shape and k.dtype == v.dtype
-    block = (jnp.stack([k, v]) if stacked else (k, v)), ids
+    block = _kv(k, v), ids
     for j in range(n):
         following = None
         if j < n - 1:
             after_previous = lax.optimization_barrier((block, done()))[0] if j else block
-            following = lax.ppermute(after_previous, axes, perm)
+            following = _send(after_previous, axes, perm)
         (kv, ids) = block
         yield j, (r - j) % n, kv[0], kv[1], ids
         block = following
+
+
+def _kv(k, v):
+    """K and V as one array where their shapes and dtypes agree, else the pair."""
+    return jnp.stack([k, v]) if k.shape == v.shape and k.dtype == v.dtype else (k, v)
+
+
+def _send(tree, axes, perm):
+    """``lax.ppermute`` of a pytree as one collective: its leaves' bytes concatenated. XLA runs
+    one collective at a time, so two sends in a ring step run one after the other, and the
+    second is not overlapped with the step's kernels."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if len(leaves) <= 1:
+        return jax.tree.unflatten(treedef, [lax.ppermute(x, axes, perm) for x in leaves])
+    raw = lax.ppermute(jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in leaves]),
+                       axes, perm)
+    out, start = [], 0
+    for x in leaves:
+        width = x.dtype.itemsize
+        piece = lax.slice_in_dim(raw, start, start + x.size * width)
+        out.append(lax.bitcast_convert_type(piece.reshape(x.shape + ((width,) if width > 1 else ())), x.dtype))
+        start += x.size * width
+    return jax.tree.unflatten(treedef, out)
 
 
 def _merge(out, lse, out_j, lse_j):
@@ -233,21 +256,29 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
              axes, sizes, segment_ids=None):
     """(dq, dk, dv) of this device's blocks. ``attend_bwd(q, k, v, out, lse, dout, dlse,
     segments, mask) -> (dq, dk, dv)`` is one contiguous pair's backward given the whole rows'
-    out and lse; dk / dv of a block are summed as it travels, then sent home."""
-    n, _, perm = _ring(axes, sizes)
+    out and lse. A block's dK/dV sums (f32) follow it around the ring one step behind, in the
+    same collective as the next K/V block: each step sends this block on and the previous
+    block's sums, both ready once the previous step's kernels are. After the last step the
+    sums go home, in K's and V's own dtypes."""
+    n, r, perm = _ring(axes, sizes)
     q_parts = parts(layout, q_block, q.shape[1], q_base)
     plan = _step_kinds(causal, layout, n, q.shape[1], k.shape[1], q_base, kv_base)
     dq = jnp.zeros(q.shape, jnp.float32)
-    dkv = jnp.zeros((2,) + k.shape, jnp.float32) if k.shape == v.shape else \
-        (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))   # one array: one ppermute
+    zeros = jnp.zeros((2,) + k.shape, jnp.float32) if k.shape == v.shape else \
+        (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dtypes = k.dtype, v.dtype
 
     def rows(qp):
         return [_seq(x, qp) for x in (q, out, dout)] + [None if x is None else _seq(x, qp, axis=2)
                                                          for x in (lse, dlse)]
 
-    previous = []
-    for j, src, k, v, kv_ids in _blocks(k, v, segment_ids, axes, sizes, done=lambda: previous):
+    block, sums = (_kv(k, v), segment_ids), None
+    for j in range(n):
+        (kv, kv_ids), src = block, (r - j) % n
+        # out: this block for the next device's next step, the previous block's sums for its this one
+        following, received = _send((block if j < n - 1 else None, sums), axes, perm)
+        dkv = zeros if j == 0 else received
+        k, v = kv[0], kv[1]
         pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
 
         def run(i, mask, k=k, v=v, kv_ids=kv_ids):
@@ -260,17 +291,14 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
             return (jnp.zeros(_seq(q, qp).shape, q.dtype), jnp.zeros(_seq(k, kp).shape, k.dtype),
                     jnp.zeros(_seq(v, kp).shape, v.dtype))
 
-        previous = _step(plan, pairs, q_block, j, run, skipped)
-        for (qp, kp), (dq_j, dk_j, dv_j) in zip(pairs, previous):
+        for (qp, kp), (dq_j, dk_j, dv_j) in zip(pairs, _step(plan, pairs, q_block, j, run, skipped)):
             dq = _add_at(dq, dq_j, qp)
             dkv = _add_kv(_add_kv(dkv, 0, dk_j, kp), 1, dv_j, kp)
-        # block src's sums move on with it; after the last step they go home (src + 1 -> ... -> src),
-        # summed whole by then: that hop in K's and V's own dtypes (stacked where they share one)
-        if j == n - 1:
-            dk, dv = dkv[0].astype(dtypes[0]), dkv[1].astype(dtypes[1])
-            dkv = jnp.stack([dk, dv]) if dk.shape == dv.shape and dk.dtype == dv.dtype else (dk, dv)
-        dkv = lax.ppermute(dkv, axes, perm)
-    return dq.astype(q.dtype), dkv[0], dkv[1]
+        block, sums = following, dkv
+    # the last block's sums (block r + 1's, summed whole) go home
+    dk, dv = sums[0].astype(dtypes[0]), sums[1].astype(dtypes[1])
+    dk, dv = _send(_kv(dk, dv), axes, perm)
+    return dq.astype(q.dtype), dk, dv
 
 
 def _segments(q_ids, kv_ids, qp: Part, kp: Part):
