@@ -1,5 +1,5 @@
 """solve: every equation's signature and every value's NdSbp chosen together, by an integer
-program (scipy's HiGHS), to minimise the modelled seconds of the collectives.
+program (scipy's HiGHS), to minimise the modelled seconds of the collectives and the local work.
 
 Requires "inlined"; ensures "sharded", as ``passes.propagate`` does, so ``passes.boxing`` runs
 after either. Partial, and said so: the program must be straight-line — an equation whose rule
@@ -24,7 +24,8 @@ The model (Alpa's intra-operator ILP, with conversions shared as boxing shares t
   however many users want ``r`` (boxing converts once), at ``conversion.seconds`` (the plan
   boxing will run).
 
-Minimised: sum q * seconds(a -> r) + sum x * (the strategy's own collectives, e.g. a pad's halo)
+Minimised: sum q * seconds(a -> r) + sum x * (the strategy's local work — bytes and flops on the
+local blocks, ``conversion.local_work`` — and its own collectives, e.g. a pad's halo)
 + the outputs' conversions to out_specs (or of partial outputs to B). Only ``x`` is integral;
 at an integral ``x`` the edges are the products z * (use's choice) and ``q`` their OR, so the
 optimum is exact.
@@ -52,7 +53,10 @@ class Unsolvable(Exception):
 
 
 def strategies(prop: Propagation, eqn) -> list:
-    """(Decision, own seconds) of every strategy of ``eqn``, duplicates (same NdSbps) dropped."""
+    """(Decision, own seconds) of every strategy of ``eqn``, duplicates (same NdSbps) dropped.
+    An equation with flops (a matmul) keeps only the strategies that divide them most, as
+    Alpa does: by the model a small program would rather run its matmuls whole than reduce
+    their results, but nobody splits a batch over devices to have each compute all of it."""
     rule = registry.rule_of(eqn.primitive)
     if rule is not None and rule.pin is not None:
         sbp = prop.pinned(eqn)
@@ -65,7 +69,8 @@ def strategies(prop: Propagation, eqn) -> list:
     if sigs is None:
         if eqn.primitive.name not in _QUIET_FALLBACKS:
             prop.fallbacks.append((eqn.primitive.name, source_line(eqn)))
-        return [(Decision((prop.whole,) * n_in, (prop.whole,) * n_out, fallback=True), 0.0)]
+        whole = Decision((prop.whole,) * n_in, (prop.whole,) * n_out, fallback=True)
+        return [(whole, conversion.local_seconds(eqn, whole.ins, whole.outs, prop.mesh, prop.program.links))]
     out, seen = [], set()
     for chosen in itertools.product(list(sigs) + [whole], repeat=len(prop.names)):
         ins = tuple(tuple(sig.ins[k] for sig in chosen) for k in range(n_in))
@@ -78,14 +83,16 @@ def strategies(prop: Propagation, eqn) -> list:
         if any(is_literal(x) and any(isinstance(t, Split) for t in s) for x, s in zip(eqn.invars, ins)):
             continue
         seen.add((ins, outs))
-        own = 0.0
+        flops, nbytes = conversion.local_work(eqn, ins, outs, prop.mesh)
+        own = prop.program.links.compute_seconds(flops, nbytes)
         if rule is not None and rule.comm is not None:
             own = conversion.steps_seconds(rule.comm(eqn, ins, chosen, prop.mesh), prop.program.links)
         own += sum(prop.seconds(x.aval, prop.whole, s) for x, s in zip(eqn.invars, ins) if is_literal(x))
-        out.append((Decision(ins, outs, tuple(chosen)), own))
+        out.append((Decision(ins, outs, tuple(chosen)), own, flops))
     if not out:
         raise Unsolvable(f"no strategy of {eqn.primitive.name} at {source_line(eqn)} divides its operands")
-    return out
+    least = min(flops for _, _, flops in out)
+    return [(decision, own) for decision, own, flops in out if flops <= least]
 
 
 class _Model:
@@ -222,11 +229,13 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     if theirs < ours:
         return greedy.replace(planner=f"greedy (its plan, {theirs * 1e6:.1f} us, is cheaper as boxed than the "
                                       f"solver's model optimum, {ours * 1e6:.1f} us)")
-    return solved.replace(planner=f"solver (optimal: {seconds * 1e6:.1f} us modelled, {ours * 1e6:.1f} us as boxed; "
+    return solved.replace(planner=f"solver (optimal: {seconds * 1e6:.1f} us of collectives and local work "
+                                  f"modelled, {ours * 1e6:.1f} us as boxed; "
                                   f"solved in {took:.2f} s)")
 
 
 def _plan_seconds(program: Program) -> float:
+    """The plan's collectives as boxing runs them, and every equation's local work."""
     from shardflow.explain import make_plan
     from shardflow.passes.boxing import boxing
-    return make_plan(boxing(program)).total_seconds
+    return make_plan(boxing(program)).modelled_seconds

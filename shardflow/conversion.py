@@ -27,6 +27,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from shardflow import registry
 from shardflow.specs import B, Broadcast, NdSbp, Partial, Split, as_dtype, axis_sizes, local_shape
 
 EPSILON = 1e-12  # seconds charged for a local step (slice, mask, pad): free, but not for nothing
@@ -163,6 +164,23 @@ def steps_seconds(steps, links) -> float:
 def seconds(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links) -> float:
     """The one pricer: modelled seconds of the plan that converts ``src`` to ``dst``."""
     return steps_seconds(plan(shape, dtype, src, dst, mesh), links)
+
+
+def local_work(eqn, ins, outs, mesh) -> tuple[float, int]:
+    """(flops, bytes) of ``eqn``'s local work with its operands at NdSbps ``ins`` and results
+    at ``outs``: its rule's flops (a matmul's, a convolution's; 0 where a rule declares none) on
+    the local blocks, and the bytes of those blocks, read and written."""
+    shapes = [[local_shape(x.aval.shape, s, mesh) for x, s in zip(xs, sbps)]
+              for xs, sbps in ((eqn.invars, ins), (eqn.outvars, outs))]
+    nbytes = sum(math.prod(shape) * x.aval.dtype.itemsize
+                 for xs, group in zip((eqn.invars, eqn.outvars), shapes) for x, shape in zip(xs, group))
+    rule = registry.rule_of(eqn.primitive)
+    return (rule.flops(eqn, *shapes) if rule is not None and rule.flops is not None else 0.0), nbytes
+
+
+def local_seconds(eqn, ins, outs, mesh, links) -> float:
+    """Modelled seconds of ``eqn``'s local work (``local_work``)."""
+    return links.compute_seconds(*local_work(eqn, ins, outs, mesh))
 
 
 def reorder(shape, dtype, sbp: NdSbp, dim: int, order: tuple, mesh, *, to_mesh_order: bool) -> tuple:

@@ -5,7 +5,7 @@ import dataclasses
 
 from jax import lax
 
-from shardflow import registry
+from shardflow import conversion, registry
 from shardflow.primitives import box_p
 from shardflow.program import Program, all_eqns, nested, source_line
 from shardflow.specs import as_dtype, describe, format_sbp
@@ -35,6 +35,7 @@ class Plan:
     values: list       # (primitive, source, shape, NdSbp) of every intermediate
     fallbacks: list    # (primitive, source) run whole for want of a rule
     planner: str = "greedy"   # which pass chose the shardings (passes.propagate or passes.solve)
+    work_seconds: float = 0.0  # modelled local work of every equation (conversion.local_seconds)
 
     @property
     def total_bytes(self) -> int:
@@ -43,6 +44,11 @@ class Plan:
     @property
     def total_seconds(self) -> float:
         return sum(c.seconds * c.count for c in self.collectives)
+
+    @property
+    def modelled_seconds(self) -> float:
+        """What the solver minimises: the collectives and the local work."""
+        return self.total_seconds + self.work_seconds
 
     def __str__(self):
         rows = [("kind", "axes", "value", "bytes", "µs", "×", "source", "reason")]
@@ -62,8 +68,10 @@ class Plan:
         return "\n".join(lines)
 
 
-def _collectives(program: Program, jaxpr, count: int, out: list):
-    """The collectives of ``jaxpr``: each box's plan, and those a rule's own lowering runs."""
+def _collectives(program: Program, jaxpr, count: int, out: list) -> float:
+    """The collectives of ``jaxpr`` (into ``out``): each box's plan, and those a rule's own
+    lowering runs. Returns the modelled local work of its equations."""
+    work = 0.0
     for eqn in jaxpr.eqns:
         x, d = eqn.invars[0] if eqn.invars else None, registry.decision_of(eqn)
         rule = registry.rule_of(eqn.primitive)
@@ -87,16 +95,20 @@ def _collectives(program: Program, jaxpr, count: int, out: list):
                                   st.bytes, count * times, source, used_at, reason, format_sbp(src), format_sbp(dst),
                                   program.links.seconds(st.axes, st.bytes)))
         trips = rule.trips(eqn) if rule is not None and rule.trips is not None else 1
-        for body in nested(eqn):
-            _collectives(program, body, count * trips, out)
+        bodies = list(nested(eqn))
+        for body in bodies:
+            work += _collectives(program, body, count * trips, out)
+        if not bodies and eqn.primitive is not box_p and d is not None:
+            work += count * conversion.local_seconds(eqn, d.ins, d.outs, program.mesh, program.links)
+    return work
 
 
 def make_plan(program: Program) -> Plan:
     jaxpr, arg_names = program.jaxpr.jaxpr, program.arg_names
     collectives = []
-    _collectives(program, jaxpr, 1, collectives)
+    work = _collectives(program, jaxpr, 1, collectives)
     inputs = [(n, tuple(v.aval.shape), program.sbp[v]) for n, v in zip(arg_names, jaxpr.invars)]
     outputs = [(i, tuple(v.aval.shape), s) for i, (v, s) in enumerate(zip(jaxpr.outvars, program.out_sbp))]
     values = [(e.primitive.name, source_line(e), describe(v.aval), program.sbp.get(v))
               for e in all_eqns(jaxpr) for v in e.outvars if v in program.sbp]
-    return Plan(collectives, inputs, outputs, values, list(program.fallbacks), program.planner)
+    return Plan(collectives, inputs, outputs, values, list(program.fallbacks), program.planner, work)

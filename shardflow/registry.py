@@ -18,6 +18,9 @@ and batching rules by primitive:
   ``comm_reason`` says why, after the primitive's name, in explain.
 * ``trips(eqn) -> int``: how many times each nested body runs per execution on a device (a
   scan's length; a pipeline's micro-batches times chunks), for explain's counts.
+* ``flops(eqn, in_shapes, out_shapes) -> float``: the equation's floating-point work on
+  operands and results of those (local) shapes, where it is more than one per element (a
+  matmul, a convolution); the solver prices local work with it.
 * ``pin(eqn) -> spec``: a user's pin on its operand (``sf.constrain``,
   ``with_sharding_constraint``), which propagation spreads backward as a demand.
 
@@ -77,20 +80,22 @@ class Rule:
     comm: Callable | None = None
     comm_reason: str = ""
     trips: Callable | None = None
+    flops: Callable | None = None
 
 
 RULES: dict = {}
 
 
 def defrule(*prims, signatures=None, lower=None, propagate=None, pin=None, comm=None, comm_reason=None,
-            trips=None):
+            trips=None, flops=None):
     """Register (or extend) the rule of each primitive in ``prims`` (None entries — primitives
     this JAX version lacks — are skipped). Returns a decorator that sets the signatures."""
     prims = [p for p in prims if p is not None]
     for p in prims:
         rule = RULES.setdefault(p, Rule())
         for field, value in (("signatures", signatures), ("lower", lower), ("propagate", propagate), ("pin", pin),
-                             ("comm", comm), ("comm_reason", comm_reason), ("trips", trips)):
+                             ("comm", comm), ("comm_reason", comm_reason), ("trips", trips),
+                             ("flops", flops)):
             if value is not None:
                 setattr(rule, field, value)
 

@@ -1,6 +1,8 @@
 """dot_general, reductions and cumulative ops."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from jax import lax
 
@@ -9,7 +11,12 @@ from shardflow.rules.elementwise import rank
 from shardflow.specs import B, P, Partial, S
 
 
-@defrule(lax.dot_general_p)
+def _dot_flops(eqn, in_shapes, out_shapes):
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    return 2.0 * math.prod(out_shapes[0]) * math.prod(in_shapes[0][d] for d in lc)
+
+
+@defrule(lax.dot_general_p, flops=_dot_flops)
 def _dot_general(eqn):
     lhs, rhs = eqn.invars
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]

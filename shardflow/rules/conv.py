@@ -160,7 +160,15 @@ def _lower_conv(local, eqn, ins):
     return lax.conv_general_dilated_p.bind(lhs, rhs, **params)
 
 
-defrule(lax.conv_general_dilated_p, propagate=_propagate_conv, lower=_lower_conv)(_conv_signatures)
+def _conv_flops(eqn, in_shapes, out_shapes):
+    """Each output element: a multiply-add per kernel element of its output feature."""
+    rhs = in_shapes[1]
+    features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+    return 2.0 * math.prod(out_shapes[0]) * math.prod(rhs) / features
+
+
+defrule(lax.conv_general_dilated_p, propagate=_propagate_conv, lower=_lower_conv,
+        flops=_conv_flops)(_conv_signatures)
 
 
 # ------------------------------------------------------------------------------ windowed reductions
