@@ -624,8 +624,9 @@ def parallelized(fn, in_specs, out_specs, planner="greedy"):
     (passes.solve, modelled time) or "solver-bytes" (passes.solve, bytes)."""
     import shardflow as sf
     passes = sf.passes.DEFAULT if planner == "greedy" else sf.passes.SOLVER
-    # without the link model's latency the modelled time is bytes / bandwidth: the table's measure
-    links = sf.LinkModel(alpha=0.0) if planner == "solver-bytes" else None
+    # without the link model's latency and the local work's price, the modelled time is bytes /
+    # bandwidth: the table's measure (matmuls still divide their flops: passes.solve.strategies)
+    links = sf.LinkModel(alpha=0.0, flops=math.inf, memory_bandwidth=math.inf) if planner == "solver-bytes" else None
     return sf.parallelize(fn, mesh=mesh(), in_specs=in_specs, out_specs=out_specs, passes=passes, links=links)
 
 
