@@ -154,6 +154,27 @@ def test_an_mlp_gradient_under_tensor_parallelism_beats_greedy():
     assert s.modelled_seconds < g.modelled_seconds and "planner: solver" in str(s)
 
 
+def test_a_data_parallel_gradient_is_all_reduced_not_computed_whole_on_every_device():
+    """By the α-β model alone, a small data-parallel step is cheapest gathering its batch and
+    running every matmul whole (one small all-gather instead of an all-reduce per gradient).
+    The solver divides every matmul's flops as far as its operands allow, as GSPMD would."""
+    def loss(w1, w2, x):
+        return jnp.mean((jnp.tanh(x @ w1) @ w2) ** 2)
+
+    r = np.random.default_rng(0)
+    args = (r.standard_normal((16, 32)).astype(np.float32) / 4, r.standard_normal((32, 16)).astype(np.float32) / 4,
+            r.standard_normal((16, 16)).astype(np.float32))
+    grad = jax.grad(loss, argnums=(0, 1))
+    step = sf.parallelize(grad, mesh=sf.make_mesh({"data": 8}), in_specs=(jax.P(), jax.P(), jax.P("data")),
+                          out_specs=(jax.P(), jax.P()), passes=sf.passes.SOLVER)
+    plan = step.explain(*args)
+    assert plan.planner.startswith("solver"), plan.planner
+    assert {c.kind for c in plan.collectives} == {"all_reduce"}, str(plan)       # no batch gathered
+    assert {c.shape for c in plan.collectives} >= {(16, 32), (32, 16)}, str(plan)
+    for a, e in zip(step(*args), jax.jit(grad)(*args)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-6)
+
+
 def test_what_the_solver_does_not_model_goes_to_greedy_and_explain_says_so():
     def f(x):
         return jax.lax.scan(lambda c, xi: (jnp.tanh(c + xi), None), x[0], x)[0]
@@ -178,13 +199,14 @@ def test_pins_hold():
     assert [c.kind for c in step.explain(x).collectives] == ["all_to_all", "all_to_all"]
 
 
-@pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp", "sp", "2d"])
-@pytest.mark.parametrize("case", ["mlp", "vocab_ce"])
+@pytest.mark.parametrize("case,strategy", [
+    (case, strategy) for case in ("mlp", "vocab_ce", "attention") for strategy in ("dp", "fsdp", "tp", "sp", "2d")
+    if (case, strategy) != ("attention", "fsdp")])
 def test_the_equivalence_programs_solved(case, strategy):
     """The oracle suite's straight-line programs (tests/programs.py) under each strategy: the
-    solver runs, equals one device, and its plan costs no more than greedy's. (Its attention
-    block's gradient, ~150 equations of 4-D values, does not solve within the time limit yet:
-    the model has ~145k columns before coarsening.)"""
+    solver runs, equals one device, and its plan costs no more than greedy's. The attention
+    block's gradient (~110 equations of 4-D values, ~120k columns) solves in ~2 s here; under
+    fsdp HiGHS does not prove the optimum within a minute (no coarsening yet), and greedy runs."""
     from programs import CASES
     from test_equivalence import assert_trees_close
 
