@@ -13,6 +13,8 @@ the `shardflow train` step (Llama tiny) under the trainer's five strategies. Per
   sf B       collective bytes per device of shardflow's compiled HLO
   GSPMD B    the same for jax.jit(fn, in_shardings=..., out_shardings=...) of the same specs
   ratio      sf B / GSPMD B
+  flops      shardflow's per-device flops / GSPMD's, by XLA's cost analysis of each compiled
+             program (a loop body counted once in both)
 
 Both byte counts come from the compiled HLO, read by the same parser (shardflow.hlo): per
 device, ring-priced, and collectives inside while loops weighted by XLA's known_trip_count
@@ -57,6 +59,8 @@ class Row:
     fallbacks: tuple = ()               # primitive names, one per fallback
     sf_bytes: int | None = None
     gspmd_bytes: int | None = None
+    sf_flops: float | None = None
+    gspmd_flops: float | None = None
     failure: str | None = None
     expected_failure: str | None = None
     sf_kinds: dict = dataclasses.field(default_factory=dict)     # {kind: (occurrences, bytes)}
@@ -71,6 +75,12 @@ class Row:
         if self.gspmd_bytes == 0:
             return 1.0 if self.sf_bytes == 0 else float("inf")
         return self.sf_bytes / self.gspmd_bytes
+
+    @property
+    def flops_ratio(self):
+        if self.sf_flops is None or not self.gspmd_flops:
+            return None
+        return self.sf_flops / self.gspmd_flops
 
 
 def _failure(e: BaseException) -> str:
@@ -91,10 +101,12 @@ def measure(case, references: dict, planner: str = "greedy") -> Row:
     if case.program not in references:  # the same function and arguments under every strategy
         references[case.program] = gp.reference(fn, args)
     want = references[case.program]
-    text = gp.gspmd(fn, in_specs, out_specs).lower(*args).compile().as_text()
+    compiled = gp.gspmd(fn, in_specs, out_specs).lower(*args).compile()
+    text, row.gspmd_flops = compiled.as_text(), gp.flops(compiled)
     row.gspmd_bytes, row.gspmd_kinds = hlo.total_bytes(text, weighted=True), hlo.summary(text)
     try:
-        row.plan, text, got = gp.run_shardflow(fn, args, in_specs, out_specs, planner)
+        row.plan, compiled, got = gp.run_shardflow(fn, args, in_specs, out_specs, planner)
+        text, row.sf_flops = compiled.as_text(), gp.flops(compiled)
         row.fallbacks = tuple(p for p, _ in row.plan.fallbacks)
         row.sf_bytes, row.sf_kinds = hlo.total_bytes(text, weighted=True), hlo.summary(text)
         row.error = gp.max_rel_error(got, want)
@@ -161,11 +173,11 @@ def train_row(strategy, preset="tiny", batch=16, seq=128) -> Row:
             text = compiled.as_text()
             kinds, total = hlo.summary(text), hlo.total_bytes(text, weighted=True)
             if engine == "shardflow":
-                row.sf_bytes, row.sf_kinds = total, kinds
+                row.sf_bytes, row.sf_kinds, row.sf_flops = total, kinds, gp.flops(compiled)
                 row.plan = step.explain(*args)
                 row.fallbacks = tuple(p for p, _ in row.plan.fallbacks)
             else:
-                row.gspmd_bytes, row.gspmd_kinds = total, kinds
+                row.gspmd_bytes, row.gspmd_kinds, row.gspmd_flops = total, kinds, gp.flops(compiled)
             outputs[engine] = _call(compiled, args)
         except Exception as e:  # noqa: BLE001
             if engine == "shardflow":
@@ -182,7 +194,7 @@ def train_row(strategy, preset="tiny", batch=16, seq=128) -> Row:
 
 # ------------------------------------------------------------------------------ the table
 
-COLUMNS = ("program", "strategy", "error", "fallbacks", "shardflow B", "GSPMD B", "ratio", "planner")
+COLUMNS = ("program", "strategy", "error", "fallbacks", "shardflow B", "GSPMD B", "ratio", "flops", "planner")
 
 
 def _fallbacks(row: Row) -> str:
@@ -201,15 +213,16 @@ def cells(row: Row) -> tuple:
     else:
         error = f"{row.error:.1e}"
     ratio = "—" if row.ratio is None else f"{row.ratio:.2f}"
+    flops = "—" if row.flops_ratio is None else f"{row.flops_ratio:.2f}"
     planner = "—" if row.plan is None else row.plan.planner.split()[0]
     return (row.program, row.strategy, error, _fallbacks(row), fmt(row.sf_bytes), fmt(row.gspmd_bytes), ratio,
-            planner)
+            flops, planner)
 
 
 def text_table(rows) -> str:
     table = [COLUMNS] + [cells(r) for r in rows]
     widths = [max(len(t[i]) for t in table) for i in range(len(COLUMNS))]
-    right = {4, 5, 6}
+    right = {4, 5, 6, 7}
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(t, widths))).rstrip()
              for t in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -217,7 +230,7 @@ def text_table(rows) -> str:
 
 
 def markdown_table(rows) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] * 4 + ["---:"] * 3 + ["---"]) + "|"]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] * 4 + ["---:"] * 4 + ["---"]) + "|"]
     for r in rows:
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |")
     return "\n".join(lines)

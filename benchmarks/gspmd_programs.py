@@ -636,9 +636,18 @@ def gspmd(fn, in_specs, out_specs):
     return jax.jit(fn, in_shardings=shardings(tuple(in_specs)), **kwargs)
 
 
+def flops(compiled) -> float | None:
+    """Per-device flops of a compiled program by XLA's cost analysis (a while loop's body
+    counted once, whatever its trip count), or None where the backend gives none."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    return float(cost["flops"]) if cost and "flops" in cost else None
+
+
 def run_shardflow(fn, args, in_specs, out_specs, planner="greedy"):
-    """(plan, compiled HLO text, the outputs' leaves) of fn under shardflow, compiled once: the
-    executable of ``lower(...).compile()`` runs the step."""
+    """(plan, the compiled executable, the outputs' leaves) of fn under shardflow, compiled
+    once: the executable of ``lower(...).compile()`` runs the step."""
     step = parallelized(fn, in_specs, out_specs, planner)
     plan = step.explain(*args)
     compiled = step.lower(*args).compile()
@@ -646,7 +655,7 @@ def run_shardflow(fn, args, in_specs, out_specs, planner="greedy"):
         out = compiled(*jax.tree.leaves(args))
     except (TypeError, ValueError):
         out = step(*args)
-    return plan, compiled.as_text(), jax.tree.leaves(jax.device_get(out))
+    return plan, compiled, jax.tree.leaves(jax.device_get(out))
 
 
 def max_rel_error(got, want, floor=1e-6) -> float:
