@@ -48,12 +48,14 @@ from jax import lax
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import mlir
 
+from shardflow import slots
 from shardflow.conversion import Step
 from shardflow.program import open_jaxpr, source_line
 from shardflow.registry import Decision, defrule
 from shardflow.specs import B, Partial, ShardingError, Split, local_shape
 
 from shardflow.schedules import Schedule, by_name, with_split_backward
+from shardflow.slots import at, put
 from shardflow.split_vjp import split_vjp
 
 IDLE, FORWARD, BACKWARD, WEIGHTS = 0, 1, 2, 3
@@ -305,6 +307,11 @@ def sequential(bodies: Bodies, table: Schedule, stage, head_params, xs, args):
     return loss / m, [d / m for d in d_stage], [d / m for d in d_head], jnp.stack(d_xs) / m
 
 
+def _flat(out) -> list:
+    first, rest = out
+    return [first, *rest]
+
+
 def _gradient_shapes(bodies: Bodies, chunk, x, head_params, args):
     """(a chunk's gradient, the head params' gradient) as the bodies make them: sharded bodies
     may make them in other blocks than the parameters' (a replicated bias's gradient split with
@@ -337,6 +344,16 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         return [jnp.zeros((max(n, 1) + spare,) + tuple(a.shape), a.dtype) for a in like]
 
     stash0 = jax.eval_shape(bodies.backward_x, chunk(0), stored0, x0)[1]
+    n, n_stored, n_stash = len(mine), len(stored0), len(stash0)
+    like = lambda xs: [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in xs]
+    # The actions as local jaxprs, which slots.run evaluates with the residuals and the stash
+    # written into and read from their slots by the layers' scans themselves.
+    f_jaxpr = jax.make_jaxpr(lambda *a: _flat(bodies.forward(list(a[:n]), a[n])))(*like(chunk(0)), x0)
+    bx_jaxpr = jax.make_jaxpr(lambda *a: _flat(bodies.backward_x(list(a[:n]), list(a[n:-1]), a[-1])))(
+        *like(chunk(0)), *like(stored0), x0)
+    bw_jaxpr = jax.make_jaxpr(lambda *a: bodies.backward_w(list(a[:n]), list(a[n:n + n_stored]),
+                                                           list(a[n + n_stored:])))(
+        *like(chunk(0)), *like(stored0), *like(stash0))
     carry = dict(
         stored=buffers(pl.n_resid, stored0),
         stash=buffers(pl.n_stash, stash0),
@@ -352,14 +369,6 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
               ("kind", "microbatch", "chunk", "resid_slot", "stash_slot", "in_slot",
                "recv_f", "recv_b", "self_f", "self_b")}
 
-    def at(buf, i):
-        return lax.dynamic_index_in_dim(buf, jnp.maximum(i, 0), keepdims=False)
-
-    def put(buf, i, value):
-        """``buf`` with ``value`` at ``i``; at its spare last slot where ``i`` is -1."""
-        i = jnp.where(i >= 0, i, buf.shape[0] - 1)
-        return lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
-
     def when(pred, fn, c, keys):
         """``c`` with its entries ``keys`` replaced by ``fn`` of them where ``pred``. A loop of 0
         or 1 trips, not a conditional: XLA updates a loop's state in place, where a conditional
@@ -373,8 +382,9 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         i, k = row["microbatch"], row["chunk"]
         is_first = (me == first_stage) & (k == first_chunk)
         x = jnp.where(is_first, at(xs, i), at(c["in_f"], row["in_slot"]))
-        y, stored = bodies.forward(chunk(k), x)
-        return dict(stored=[put(b, row["resid_slot"], r) for b, r in zip(c["stored"], stored)], out=y)
+        y, *stored = slots.run(f_jaxpr, chunk(k) + [x],
+                               writes={1 + r: (b, row["resid_slot"]) for r, b in enumerate(c["stored"])})
+        return dict(stored=stored, out=y)
 
     def head(row, c):       # on every device: y from the last stage; dy to it
         y = lax.psum(jnp.where(me == last_stage, c["out"], jnp.zeros_like(c["out"])), axis)
@@ -386,16 +396,17 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     def backward(row, c):
         i, k = row["microbatch"], row["chunk"]
         dy = at(c["in_b"], row["in_slot"])
-        stored = [at(b, row["resid_slot"]) for b in c["stored"]]
-        dx, stash = bodies.backward_x(chunk(k), stored, dy)
+        dx, *stash = slots.run(bx_jaxpr, chunk(k) + [None] * n_stored + [dy],
+                               reads={n + r: (b, row["resid_slot"]) for r, b in enumerate(c["stored"])},
+                               writes={1 + s: (b, row["stash_slot"]) for s, b in enumerate(c["stash"])})
         is_first = (me == first_stage) & (k == first_chunk)
-        return dict(stash=[put(b, row["stash_slot"], v) for b, v in zip(c["stash"], stash)],
-                    d_xs=put(c["d_xs"], jnp.where(is_first, i, -1), dx), out=dx)
+        return dict(stash=stash, d_xs=put(c["d_xs"], jnp.where(is_first, i, -1), dx), out=dx)
 
     def weights(row, c):
         k = row["chunk"]
-        stored = [at(b, row["resid_slot"]) for b in c["stored"]]
-        d_chunk = bodies.backward_w(chunk(k), stored, [at(b, row["stash_slot"]) for b in c["stash"]])
+        reads = {n + r: (b, row["resid_slot"]) for r, b in enumerate(c["stored"])}
+        reads.update({n + n_stored + s: (b, row["stash_slot"]) for s, b in enumerate(c["stash"])})
+        d_chunk = slots.run(bw_jaxpr, chunk(k) + [None] * (n_stored + n_stash), reads=reads)
         return dict(d_stage=[put(d, k, at(d, k) + g) for d, g in zip(c["d_stage"], d_chunk)])
 
     # the ticks whose last virtual stage's forward ends in the head (the same on every device)
