@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun, primitives
 
+from shardflow.program import scan_arity
+
 scan_p = primitives.scan_p
 
 Slot = tuple     # (buffer [slots, ...], slot index: an int32 scalar)
@@ -80,16 +82,16 @@ def run(jaxpr: ClosedJaxpr, args, reads: Mapping[int, Slot] = {}, writes: Mappin
 
 
 def _touches(eqn, slotted, targets) -> bool:
-    n = eqn.params["num_consts"] + eqn.params["num_carry"]
-    return (any(not isinstance(x, Literal) and x in slotted for x in eqn.invars[n:])
-            or any(v in targets for v in eqn.outvars[eqn.params["num_carry"]:]))
+    n_consts, n_carry = scan_arity(eqn.params)
+    return (any(not isinstance(x, Literal) and x in slotted for x in eqn.invars[n_consts + n_carry:])
+            or any(v in targets for v in eqn.outvars[n_carry:]))
 
 
 def _scan(eqn, read, slotted, targets, written) -> list:
     """The scan ``eqn`` with its slotted xs read from, and its target ys written into, their
     buffers at row (slot, iteration)."""
     p = eqn.params
-    n_consts, n_carry, length, reverse = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
+    (n_consts, n_carry), length, reverse = scan_arity(p), p["length"], p["reverse"]
     body = jaxpr_as_fun(p["jaxpr"])
     consts = [read(x) for x in eqn.invars[:n_consts]]
     carry = [read(x) for x in eqn.invars[n_consts:n_consts + n_carry]]
