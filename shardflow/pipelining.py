@@ -26,14 +26,16 @@ between two hand-offs.
 
 Memory. What a schedule keeps is explicit: F stores its stage's residuals (the saved
 activations, less the layer weights) in a slot that W frees, B the stash in one that W frees;
-slots are assigned per stage by
+the layers' scans write and read them there row by row (``shardflow.slots``); slots are
+assigned per stage by
 interval colouring of the table, so a stage holds as many as its schedule keeps alive at once
 (GPipe m, 1F1B p - s on stage s). Inputs received from a neighbour wait in slots the same way.
 
 Partial: interleaved / V layouts that keep the layers in device order between steps (today
 the stacked layers are reordered each step, a collective explain shows) are not built yet; an
-undifferentiated call still runs the backward. Slow on GPUs so far (benchmarks/results/
-pipeline.md): residual slots are copied in and out by every action.
+undifferentiated call still runs the backward. On one 4-GPU host 0.67-0.77x FSDP so far
+(benchmarks/results/pipeline.md): a tick's actions are unequal and every device waits for the
+slowest at each hand-off.
 """
 from __future__ import annotations
 
