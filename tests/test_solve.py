@@ -199,13 +199,16 @@ def test_pins_hold():
     assert [c.kind for c in step.explain(x).collectives] == ["all_to_all", "all_to_all"]
 
 
-@pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp", "sp", "2d"])
-@pytest.mark.parametrize("case", ["mlp", "vocab_ce", "attention"])
-def test_the_equivalence_programs_solved(case, strategy):
+@pytest.mark.parametrize("case,strategy", [(case, strategy) for case in ("mlp", "vocab_ce")
+                                           for strategy in ("dp", "fsdp", "tp", "sp", "2d")]
+                         + [("attention", "fsdp"), ("attention", "2d")])
+def test_the_equivalence_programs_solved(case, strategy, monkeypatch):
     """The oracle suite's straight-line programs (tests/programs.py) under each strategy: the
-    solver runs, equals one device, and its plan costs no more than greedy's. (The attention
-    block's gradient is ~110 equations of 4-D values, ~120k columns: its LP relaxation comes out
-    integral, where branch and bound alone did not finish within a minute under fsdp.)"""
+    solver runs, equals one device, and its plan costs no more than greedy's. The attention
+    block's gradient (~110 equations of 4-D values, ~120k columns; its LP relaxation comes out
+    integral, where branch and bound alone did not finish within a minute under fsdp) takes
+    3-4 s of HiGHS alone: the time limit is raised so that a loaded CI machine still solves it."""
+    monkeypatch.setattr(solve, "TIME_LIMIT", 120.0)
     from programs import CASES
     from test_equivalence import assert_trees_close
 
