@@ -113,6 +113,8 @@ def _check_sharded(program: Program):
                 _fail(f"sharded: {v} of {eqn.primitive.name} has NdSbp {program.sbp.get(v)}, its Decision says {s}")
     if any(s is None for s in program.out_sbp):
         _fail("sharded: an output has no NdSbp")
+    if any(s is None for s in program.in_sbp):
+        _fail("sharded: an sf.AUTO input has no NdSbp")
 
 
 def _check_boxed(program: Program):

@@ -52,11 +52,13 @@ class Propagation:
         self.held: set = set()          # axes bodies may not split (a pipeline's stages)
 
     def seeded(self) -> "Propagation":
-        """Itself, with the program's constants B and its inputs at their in_specs."""
+        """Itself, with the program's constants B and its inputs at their in_specs (but those
+        the solver chooses, sf.AUTO)."""
         for v in self.program.jaxpr.jaxpr.constvars:
             self.set(v, self.whole)
         for v, s in zip(self.program.jaxpr.jaxpr.invars, self.program.in_sbp):
-            self.set(v, s, "in_specs")
+            if s is not None:
+                self.set(v, s, "in_specs")
         return self
 
     # ---------------------------------------------------------------- values
@@ -374,6 +376,11 @@ def reduced(sbp):
 
 
 def propagate(program: Program) -> Program:
+    auto = [n for n, s in zip(program.arg_names or range(len(program.in_sbp)), program.in_sbp) if s is None]
+    if auto:
+        raise ShardingError(f"in_specs sf.AUTO for {', '.join(map(str, auto))}: the greedy planner takes "
+                            "every input's layout as given; sf.AUTO needs the solver "
+                            "(sf.parallelize(..., passes=sf.passes.SOLVER))")
     prop = Propagation(program).seeded()
     closed = program.jaxpr
     prop.spread_demands(closed.jaxpr, program.out_sbp)

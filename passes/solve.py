@@ -43,7 +43,7 @@ from shardflow import conversion, registry
 from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, propagate, reduced
 from shardflow.program import Program, is_literal, source_line
 from shardflow.registry import DECISION, Decision, Sig
-from shardflow.specs import B, Split
+from shardflow.specs import B, ShardingError, Split
 
 TIME_LIMIT = 10.0      # seconds HiGHS may take before greedy runs instead
 
@@ -133,11 +133,26 @@ class _Model:
         return optimize.milp(cost, integrality=integral, options={"time_limit": left, "presolve": True}, **kwargs)
 
 
+def layouts(prop: Propagation, aval) -> list:
+    """Every NdSbp of B or S(d) on each mesh axis under which ``aval`` divides: the choices
+    for an sf.AUTO input."""
+    per_axis = [B] + [Split(d) for d in range(len(aval.shape))]
+    return [sbp for sbp in itertools.product(per_axis, repeat=len(prop.names)) if prop.valid(aval, sbp)]
+
+
 def build(prop: Propagation, jaxpr, out_sbp):
-    """(model, per equation (its strategies, their x columns)), or raise Unsolvable."""
+    """(model, per equation (eqn, its strategies, their x columns), per sf.AUTO input (var, its
+    layouts, their columns)), or raise Unsolvable."""
     m = _Model()
-    choices = []
+    choices, auto = [], []
     produced = {v: {s: None} for v, s in prop.sbp.items()}   # var -> {NdSbp: x columns}; None: fixed
+    for v, s in zip(jaxpr.invars, prop.program.in_sbp):
+        if s is None:           # sf.AUTO: one of its layouts, free of cost itself
+            options = layouts(prop, v.aval)
+            cols = [m.var(integral=True) for _ in options]
+            m.row([(c, 1.0) for c in cols], 1.0, 1.0)
+            produced[v] = {a: [c] for a, c in zip(options, cols)}
+            auto.append((v, options, cols))
     uses = {}                            # var -> [{NdSbp required: x columns}] one per use; None: always
     for eqn in jaxpr.eqns:
         options = strategies(prop, eqn)
@@ -172,7 +187,7 @@ def build(prop: Propagation, jaxpr, out_sbp):
                 if za is not None:
                     m.cost[za] += prop.seconds(v.aval, a, reduced(a))
         _conversions(m, prop, v, z, uses.get(v, ()))
-    return m, choices
+    return m, choices, auto
 
 
 def _conversions(m: _Model, prop, v, z, uses):
@@ -202,13 +217,15 @@ def _conversions(m: _Model, prop, v, z, uses):
 
 
 def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None):
-    """([(eqn, its Decision)], the modelled seconds) of the optimum; raises Unsolvable."""
-    model, choices = build(prop, jaxpr, out_sbp)
+    """([(eqn, its Decision)], {sf.AUTO input: its NdSbp}, the modelled seconds) of the
+    optimum; raises Unsolvable."""
+    model, choices, auto = build(prop, jaxpr, out_sbp)
     result = model.solve(TIME_LIMIT if time_limit is None else time_limit)
     if result.status != 0 or result.x is None:
         raise Unsolvable(result.message.strip())
-    return [(eqn, options[max(range(len(cols)), key=lambda i: result.x[cols[i]])][0])
-            for eqn, options, cols in choices], result.fun / 1e6
+    pick = lambda options, cols: options[max(range(len(cols)), key=lambda i: result.x[cols[i]])]
+    return ([(eqn, pick(options, cols)[0]) for eqn, options, cols in choices],
+            {v: pick(options, cols) for v, options, cols in auto}, result.fun / 1e6)
 
 
 def solve(program: Program, time_limit: float | None = None) -> Program:
@@ -216,9 +233,17 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     closed = program.jaxpr
     start = time.perf_counter()
     try:
-        chosen, seconds = choose(prop, closed.jaxpr, program.out_sbp, time_limit)
+        chosen, auto, seconds = choose(prop, closed.jaxpr, program.out_sbp, time_limit)
     except Unsolvable as e:
+        if None in program.in_sbp:
+            names = [n for n, s in zip(program.arg_names or range(len(program.in_sbp)), program.in_sbp) if s is None]
+            raise ShardingError(f"in_specs sf.AUTO for {', '.join(map(str, names))}: the solver did not run "
+                                f"({e}); give these arguments specs") from None
         return propagate(program).replace(planner=f"greedy (the solver did not run: {e})")
+    for v, s in auto.items():
+        prop.set(v, s, "sf.AUTO")
+    in_sbp = tuple(auto.get(v, s) for v, s in zip(closed.jaxpr.invars, program.in_sbp))
+    program = program.replace(in_sbp=in_sbp)
     eqns = []
     for eqn, decision in chosen:
         for v, s in zip(eqn.outvars, decision.outs):
@@ -237,9 +262,10 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     if theirs < ours * (1 - 1e-9):     # a tie keeps the solved plan
         return greedy.replace(planner=f"greedy (its plan, {theirs * 1e6:.1f} us, is cheaper as boxed than the "
                                       f"solver's model optimum, {ours * 1e6:.1f} us)")
+    chose = f"; sf.AUTO chose {len(auto)} input layout{'s' * (len(auto) != 1)}" if auto else ""
     return solved.replace(planner=f"solver (optimal: {seconds * 1e6:.1f} us of collectives and local work "
                                   f"modelled, {ours * 1e6:.1f} us as boxed; "
-                                  f"solved in {took:.2f} s)")
+                                  f"solved in {took:.2f} s{chose})")
 
 
 def _plan_seconds(program: Program) -> float:

@@ -5,7 +5,7 @@
     print(step.explain(params, batch))      # every collective, its bytes and your source line
     params, loss = step(params, batch)
 """
-from shardflow.specs import B, P, S, Broadcast, Partial, ShardingError, Split, to_partition_spec, to_sbp
+from shardflow.specs import AUTO, B, P, S, Broadcast, Partial, ShardingError, Split, to_partition_spec, to_sbp
 from shardflow.mesh import LinkModel, make_mesh
 from shardflow.primitives import constrain
 from shardflow import passes
@@ -14,6 +14,6 @@ from shardflow.pipelining import pipeline
 from shardflow.api import parallelize, Parallelized
 from shardflow.explain import Plan, Collective
 
-__all__ = ["B", "P", "S", "Broadcast", "Partial", "Split", "ShardingError", "to_partition_spec", "to_sbp",
+__all__ = ["AUTO", "B", "P", "S", "Broadcast", "Partial", "Split", "ShardingError", "to_partition_spec", "to_sbp",
            "LinkModel", "make_mesh", "constrain", "pipeline", "schedules", "passes", "parallelize", "Parallelized", "Plan", "Collective"]
 __version__ = "0.1.0"

@@ -16,7 +16,7 @@ from shardflow.passes.lower import lower
 from shardflow.explain import Plan, make_plan
 from shardflow.mesh import LinkModel, check_mesh
 from shardflow.program import Program, trace
-from shardflow.specs import (Partial, ShardingError, check_divisible, describe, format_sbp, is_spec_leaf,
+from shardflow.specs import (AUTO, Partial, ShardingError, check_divisible, describe, format_sbp, is_spec_leaf,
                              split_orders, to_sbp)
 
 
@@ -152,6 +152,11 @@ class Parallelized:
         which spec of which value (``in_specs[0] for argument args[0]['w1']``)."""
         where = _definition(self.fn)
         what = f"{name} {describe(aval)} of {where}"
+        if spec is AUTO:
+            if name.startswith("out_specs"):
+                raise ShardingError(f"{what}: sf.AUTO is an in_specs leaf; leave an output's spec None "
+                                    "for the planner to choose it")
+            return None, ()               # the solver chooses it (passes.solve)
         sbp = to_sbp(spec, self.mesh, len(aval.shape), what=what, any_order=True)
         if any(isinstance(s, Partial) for s in sbp):
             raise ShardingError(f"{what}: {format_sbp(sbp)} has P; inputs and outputs are whole values "

@@ -132,10 +132,23 @@ def is_sbp_atom(x) -> bool:
     return isinstance(x, (Split, Broadcast, Partial))
 
 
+class _Auto:
+    """``sf.AUTO``, an in_specs leaf: the whole-program solver (``passes.solve``) chooses that
+    argument's layout along with every other sharding."""
+
+    def __repr__(self):
+        return "sf.AUTO"
+
+
+AUTO = _Auto()
+
+
 def is_spec_leaf(x) -> bool:
-    """A leaf of an in_specs/out_specs tree: a PartitionSpec, an SBP string, an SBP tuple, None."""
+    """A leaf of an in_specs/out_specs tree: a PartitionSpec, an SBP string, an SBP tuple, None,
+    sf.AUTO."""
     return (
         x is None
+        or x is AUTO
         or isinstance(x, (PartitionSpec, str))
         or is_sbp_atom(x)
         or (isinstance(x, tuple) and len(x) > 0 and all(is_sbp_atom(a) for a in x))

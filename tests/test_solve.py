@@ -17,7 +17,7 @@ import shardflow as sf
 from shardflow.passes import inline, solve
 from shardflow.passes.propagate import Propagation, reduced
 from shardflow.program import Program, is_literal
-from shardflow.specs import B, S
+from shardflow.specs import B, S, Split
 from test_random_programs import BINARY, UNARY, build, nd_sbp
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -105,7 +105,7 @@ def test_the_optimum_is_the_brute_force_minimum(ops, specs, out):
     assume(np.prod([len(o) for o in options]) <= 20_000)
     memo = {}
     best = min(model_cost(prop, jaxpr, program.out_sbp, a, memo) for a in itertools.product(*options))
-    _, optimum = solve.choose(Propagation(program).seeded(), jaxpr, program.out_sbp)
+    _, _, optimum = solve.choose(Propagation(program).seeded(), jaxpr, program.out_sbp)
     assert optimum == pytest.approx(best, rel=1e-6, abs=1e-12)
 
 
@@ -173,6 +173,45 @@ def test_a_data_parallel_gradient_is_all_reduced_not_computed_whole_on_every_dev
     assert {c.shape for c in plan.collectives} >= {(16, 32), (32, 16)}, str(plan)
     for a, e in zip(step(*args), jax.jit(grad)(*args)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-6)
+
+
+def mlp_grad(w1, w2, x):
+    return jax.grad(lambda w1, w2: jnp.sum(jnp.tanh(x @ w1) @ w2) ** 2, argnums=(0, 1))(w1, w2)
+
+
+MLP_ARGS = tuple(np.random.default_rng(0).standard_normal(s).astype(np.float32) / 4
+                 for s in ((16, 32), (32, 16), (16, 16)))
+
+
+@pytest.mark.parametrize("mesh_name", ["2x4", "4x2"])
+def test_auto_finds_the_exhaustive_optimum_over_parameter_layouts(mesh_name):
+    """sf.AUTO weights of an MLP's gradient, the batch split: the solver's optimum equals the
+    best of solving once per assignment of layouts to the weights."""
+    m = mesh(mesh_name)
+    batch = (Split(0), B)
+    program = inlined(mlp_grad, MLP_ARGS, m, (None, None, batch), (None, None))
+    prop = Propagation(program).seeded()
+    _, chosen, optimum = solve.choose(prop, program.jaxpr.jaxpr, program.out_sbp)
+    w1, w2 = program.jaxpr.jaxpr.invars[:2]
+    best = min(solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2]
+               for a in solve.layouts(prop, w1.aval) for b in solve.layouts(prop, w2.aval)
+               for p in [inlined(mlp_grad, MLP_ARGS, m, (a, b, batch), (None, None))])
+    assert optimum == pytest.approx(best, rel=1e-6, abs=1e-12)
+    assert set(chosen) == {w1, w2}
+
+
+def test_auto_runs_and_equals_one_device_and_greedy_refuses_it():
+    kw = dict(mesh=mesh("2x4"), in_specs=(sf.AUTO, sf.AUTO, jax.P("data")))
+    step = sf.parallelize(mlp_grad, passes=sf.passes.SOLVER, **kw)
+    for a, e in zip(step(*MLP_ARGS), jax.jit(mlp_grad)(*MLP_ARGS)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5)
+    plan = step.explain(*MLP_ARGS)
+    assert "sf.AUTO chose 2 input layouts" in plan.planner, plan.planner
+    assert all(s is not None for _, _, s in plan.inputs)
+    with pytest.raises(sf.ShardingError, match=r"sf.AUTO for args\[0\], args\[1\].*passes=sf.passes.SOLVER"):
+        sf.parallelize(mlp_grad, **kw).explain(*MLP_ARGS)
+    with pytest.raises(sf.ShardingError, match="sf.AUTO is an in_specs leaf"):
+        sf.parallelize(mlp_grad, out_specs=(sf.AUTO, None), passes=sf.passes.SOLVER, **kw).explain(*MLP_ARGS)
 
 
 def test_what_the_solver_does_not_model_goes_to_greedy_and_explain_says_so():
