@@ -214,6 +214,25 @@ def test_auto_runs_and_equals_one_device_and_greedy_refuses_it():
         sf.parallelize(mlp_grad, out_specs=(sf.AUTO, None), passes=sf.passes.SOLVER, **kw).explain(*MLP_ARGS)
 
 
+def test_plan_solves_every_factoring_of_the_devices_and_ranks_them():
+    """sf.plan over {data, model} on 8 devices with sf.AUTO weights: each of the four meshes
+    solved, ranked by modelled time, each rank its program's own explain; the best runs and
+    equals one device."""
+    ranked = sf.plan(mlp_grad, *MLP_ARGS, in_specs=(sf.AUTO, sf.AUTO, jax.P("data")))
+    assert sorted(tuple(c.mesh_shape.values()) for c in ranked) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert [c.seconds for c in ranked] == sorted(c.seconds for c in ranked)
+    for c in ranked:
+        assert not c.refused and c.seconds == c.step.explain(*MLP_ARGS).modelled_seconds
+        assert "sf.AUTO chose 2 input layouts" in c.explain.planner
+    for a, e in zip(ranked[0].step(*MLP_ARGS), jax.jit(mlp_grad)(*MLP_ARGS)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5)
+    # a mesh whose data axis does not divide the batch is refused, ranked last, and says why
+    ranked = sf.plan(mlp_grad, *MLP_ARGS[:2], MLP_ARGS[2][:12], in_specs=(sf.AUTO, sf.AUTO, jax.P("data")))
+    assert ranked[-1].mesh_shape == {"data": 8, "model": 1} and ranked[-1].step is None
+    assert ranked[-1].seconds == float("inf") and "12" in ranked[-1].refused, ranked[-1].refused
+    assert all(c.step is not None for c in ranked[:-1])
+
+
 def test_what_the_solver_does_not_model_goes_to_greedy_and_explain_says_so():
     def f(x):
         return jax.lax.scan(lambda c, xi: (jnp.tanh(c + xi), None), x[0], x)[0]
