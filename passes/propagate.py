@@ -381,6 +381,9 @@ def propagate(program: Program) -> Program:
         raise ShardingError(f"in_specs sf.AUTO for {', '.join(map(str, auto))}: the greedy planner takes "
                             "every input's layout as given; sf.AUTO needs the solver "
                             "(sf.parallelize(..., passes=sf.passes.SOLVER))")
+    if program.memory_budget is not None:
+        raise ShardingError(f"memory_budget={program.memory_budget:,}: the greedy planner does not keep to a "
+                            "memory budget; use the solver (sf.parallelize(..., passes=sf.passes.SOLVER))")
     prop = Propagation(program).seeded()
     closed = program.jaxpr
     prop.spread_demands(closed.jaxpr, program.out_sbp)

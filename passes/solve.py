@@ -43,7 +43,7 @@ from shardflow import conversion, registry
 from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, propagate, reduced
 from shardflow.program import Program, is_literal, source_line
 from shardflow.registry import DECISION, Decision, Sig
-from shardflow.specs import B, ShardingError, Split
+from shardflow.specs import B, ShardingError, Split, local_shape
 
 TIME_LIMIT = 10.0      # seconds HiGHS may take before greedy runs instead
 
@@ -140,6 +140,10 @@ def layouts(prop: Propagation, aval) -> list:
     return [sbp for sbp in itertools.product(per_axis, repeat=len(prop.names)) if prop.valid(aval, sbp)]
 
 
+def local_bytes(prop: Propagation, aval, sbp) -> int:
+    return math.prod(local_shape(aval.shape, sbp, prop.mesh)) * aval.dtype.itemsize
+
+
 def build(prop: Propagation, jaxpr, out_sbp):
     """(model, per equation (eqn, its strategies, their x columns), per sf.AUTO input (var, its
     layouts, their columns)), or raise Unsolvable."""
@@ -153,6 +157,11 @@ def build(prop: Propagation, jaxpr, out_sbp):
             m.row([(c, 1.0) for c in cols], 1.0, 1.0)
             produced[v] = {a: [c] for a, c in zip(options, cols)}
             auto.append((v, options, cols))
+    budget = prop.program.memory_budget
+    if budget is not None:      # the inputs' bytes per device (partial: intermediates not counted)
+        fixed = sum(local_bytes(prop, v.aval, s) for v, s in zip(jaxpr.invars, prop.program.in_sbp) if s is not None)
+        m.row([(c, float(local_bytes(prop, v.aval, a))) for v, options, cols in auto for a, c in zip(options, cols)],
+              -math.inf, float(budget - fixed))
     uses = {}                            # var -> [{NdSbp required: x columns}] one per use; None: always
     for eqn in jaxpr.eqns:
         options = strategies(prop, eqn)
@@ -238,7 +247,10 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
         if None in program.in_sbp:
             names = [n for n, s in zip(program.arg_names or range(len(program.in_sbp)), program.in_sbp) if s is None]
             raise ShardingError(f"in_specs sf.AUTO for {', '.join(map(str, names))}: the solver did not run "
-                                f"({e}); give these arguments specs") from None
+                                f"({e}){_budget_note(program)}; give these arguments specs") from None
+        if program.memory_budget is not None:
+            raise ShardingError(f"memory_budget={program.memory_budget:,} bytes: the solver did not run ({e})"
+                                f"{_budget_note(program)}") from None
         return propagate(program).replace(planner=f"greedy (the solver did not run: {e})")
     for v, s in auto.items():
         prop.set(v, s, "sf.AUTO")
@@ -257,7 +269,7 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     # The model prices each of a value's conversions from where it is made; boxing may chain
     # them (gather once, then slice for free), which greedy's choices sometimes exploit. The
     # plans are compared as boxing will run them, and the cheaper kept.
-    greedy = propagate(program)
+    greedy = propagate(program.replace(memory_budget=None))     # the same inputs: within the budget
     ours, theirs = _plan_seconds(solved), _plan_seconds(greedy)
     if theirs < ours * (1 - 1e-9):     # a tie keeps the solved plan
         return greedy.replace(planner=f"greedy (its plan, {theirs * 1e6:.1f} us, is cheaper as boxed than the "
@@ -266,6 +278,16 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     return solved.replace(planner=f"solver (optimal: {seconds * 1e6:.1f} us of collectives and local work "
                                   f"modelled, {ours * 1e6:.1f} us as boxed; "
                                   f"solved in {took:.2f} s{chose})")
+
+
+def _budget_note(program: Program) -> str:
+    if program.memory_budget is None:
+        return ""
+    prop = Propagation(program)
+    need = sum(local_bytes(prop, v.aval, s) for v, s in zip(program.jaxpr.jaxpr.invars, program.in_sbp)
+               if s is not None)
+    return (f"; memory_budget={program.memory_budget:,} bytes per device, of which the inputs with "
+            f"specs take {need:,}")
 
 
 def _plan_seconds(program: Program) -> float:

@@ -85,8 +85,9 @@ class Compiled:
 
 class Parallelized:
     def __init__(self, fn, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,
-                 donate_argnums=(), passes=None):
+                 donate_argnums=(), passes=None, memory_budget: int | None = None):
         self.fn = fn
+        self.memory_budget = memory_budget
         self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self.mesh = check_mesh(mesh, _definition(fn))
         self.in_specs = in_specs
@@ -129,7 +130,7 @@ class Parallelized:
         (out_tree,) = out_trees
         out_sbp, out_orders = self._out_sbp(closed, out_tree)
         program = Program(closed, self.mesh, tuple(in_sbp), out_sbp, links=self.links, arg_names=names,
-                          in_orders=tuple(in_orders), out_orders=out_orders)
+                          in_orders=tuple(in_orders), out_orders=out_orders, memory_budget=self.memory_budget)
         program = run_passes(program, self.passes)
         donated = tuple(i for i, (path, _) in enumerate(tree_flatten_with_path(args)[0])
                         if path[0].idx in self.donate_argnums)
@@ -200,18 +201,20 @@ def _dtype(x):
 
 
 def parallelize(fn=None, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,
-                donate_argnums=(), passes=None):
+                donate_argnums=(), passes=None, memory_budget: int | None = None):
     """Run single-device ``fn`` as one SPMD program on ``mesh``.
 
     ``in_specs`` / ``out_specs`` are pytree prefixes of the arguments / outputs; leaves are SBP
     (``(sf.S(0), sf.B)``, ``"S(0), B"``) or ``PartitionSpec``. ``out_specs=None``: as propagated.
     ``donate_argnums``: as in ``jax.jit`` — a training step donates its parameters and optimizer
     state so their buffers hold the new ones. ``passes``: the pass list (default
-    ``sf.passes.DEFAULT``; see ``shardflow.passes`` to insert one). Usable as a decorator:
+    ``sf.passes.DEFAULT``; see ``shardflow.passes`` to insert one). ``memory_budget``: bytes per
+    device the inputs may take, for the solver (``sf.passes.SOLVER``) choosing ``sf.AUTO``
+    layouts; partial: intermediate values are not counted yet. Usable as a decorator:
     ``@sf.parallelize(mesh=..., in_specs=...)``.
     """
     kwargs = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, links=links, donate_argnums=donate_argnums,
-                  passes=passes)
+                  passes=passes, memory_budget=memory_budget)
     if fn is None:
         return lambda f: Parallelized(f, **kwargs)
     return Parallelized(fn, **kwargs)

@@ -39,11 +39,11 @@ def factorings(n: int, axes: Sequence[str]) -> list[dict]:
 
 def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "model"),
          mesh_shapes: Sequence[Mapping[str, int]] | None = None, devices=None,
-         links: LinkModel | None = None, passes=None) -> list[Candidate]:
+         links: LinkModel | None = None, passes=None, memory_budget: int | None = None) -> list[Candidate]:
     """``fn`` on ``args`` (arrays or ShapeDtypeStructs) solved on each mesh shape — by default
     every factoring of the device count into ``axes`` — best first. ``in_specs`` and
     ``out_specs`` as for ``parallelize`` (``sf.AUTO`` leaves: the solver chooses); ``passes``
-    defaults to the solver's."""
+    defaults to the solver's; ``memory_budget`` as for ``parallelize``."""
     from shardflow import passes as passes_lib
     devices = list(jax.devices() if devices is None else devices)
     shapes = [dict(s) for s in mesh_shapes] if mesh_shapes is not None else factorings(len(devices), tuple(axes))
@@ -51,7 +51,7 @@ def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "mo
     for shape in shapes:
         try:
             step = parallelize(fn, mesh=make_mesh(shape, devices=devices), in_specs=in_specs,
-                               out_specs=out_specs, links=links,
+                               out_specs=out_specs, links=links, memory_budget=memory_budget,
                                passes=passes_lib.SOLVER if passes is None else passes)
             explained = step.explain(*args)
         except ShardingError as e:

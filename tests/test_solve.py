@@ -214,6 +214,40 @@ def test_auto_runs_and_equals_one_device_and_greedy_refuses_it():
         sf.parallelize(mlp_grad, out_specs=(sf.AUTO, None), passes=sf.passes.SOLVER, **kw).explain(*MLP_ARGS)
 
 
+def test_a_memory_budget_on_the_inputs_is_kept_at_the_least_cost():
+    """sf.AUTO weights whose gradients are wanted replicated: unconstrained, the solver keeps
+    them split over one axis (1,536 input bytes per device); under a budget of 1,500 bytes the
+    optimum is the best of the fixed-layout solves that fit, and an impossible budget, or the
+    greedy planner, is refused."""
+    m = mesh("2x4")
+    batch, outs = (Split(0), B), ((B, B), (B, B))
+    base = inlined(mlp_grad, MLP_ARGS, m, (None, None, batch), outs)
+    prop = Propagation(base).seeded()
+    w1, w2, x = base.jaxpr.jaxpr.invars
+    free = solve.choose(prop, base.jaxpr.jaxpr, base.out_sbp)
+    assert sum(solve.local_bytes(prop, v.aval, s) for v, s in free[1].items()) + 512 == 1536
+
+    budget = 1500
+    program = base.replace(memory_budget=budget)
+    _, chosen, optimum = solve.choose(Propagation(program).seeded(), program.jaxpr.jaxpr, program.out_sbp)
+    assert sum(solve.local_bytes(prop, v.aval, s) for v, s in chosen.items()) + 512 <= budget
+    fits = [p for a in solve.layouts(prop, w1.aval) for b in solve.layouts(prop, w2.aval)
+            if solve.local_bytes(prop, w1.aval, a) + solve.local_bytes(prop, w2.aval, b) + 512 <= budget
+            for p in [inlined(mlp_grad, MLP_ARGS, m, (a, b, batch), outs)]]
+    best = min(solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2] for p in fits)
+    assert optimum == pytest.approx(best, rel=1e-6) and optimum > free[2]
+
+    kw = dict(mesh=m, in_specs=(sf.AUTO, sf.AUTO, jax.P("data")), out_specs=(jax.P(), jax.P()))
+    step = sf.parallelize(mlp_grad, passes=sf.passes.SOLVER, memory_budget=budget, **kw)
+    for a, e in zip(step(*MLP_ARGS), jax.jit(mlp_grad)(*MLP_ARGS)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5)
+    with pytest.raises(sf.ShardingError, match=r"infeasible.*memory_budget=900 bytes per device.*take 512"):
+        sf.parallelize(mlp_grad, passes=sf.passes.SOLVER, memory_budget=900, **kw).explain(*MLP_ARGS)
+    with pytest.raises(sf.ShardingError, match="greedy planner does not keep to a memory budget"):
+        sf.parallelize(mlp_grad, memory_budget=budget, mesh=m, in_specs=(jax.P(), jax.P(), jax.P("data"))
+                       ).explain(*MLP_ARGS)
+
+
 def test_plan_solves_every_factoring_of_the_devices_and_ranks_them():
     """sf.plan over {data, model} on 8 devices with sf.AUTO weights: each of the four meshes
     solved, ranked by modelled time, each rank its program's own explain; the best runs and
