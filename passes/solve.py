@@ -52,16 +52,20 @@ class Unsolvable(Exception):
     """The program has something the integer program does not model (said in the message)."""
 
 
-def strategies(prop: Propagation, eqn) -> list:
+def strategies(prop: Propagation, eqn, given: dict | None = None) -> list:
     """(Decision, own seconds) of every strategy of ``eqn``, duplicates (same NdSbps) dropped.
     An equation with flops (a matmul) keeps only the strategies that divide them most, as
     Alpa does: by the model a small program would rather run its matmuls whole than reduce
-    their results, but nobody splits a batch over devices to have each compute all of it."""
+    their results, but nobody splits a batch over devices to have each compute all of it.
+    Control flow (a rule that chooses for itself) has one strategy, its Decision in ``given``
+    (greedy's), else the program is Unsolvable."""
     rule = registry.rule_of(eqn.primitive)
     if rule is not None and rule.pin is not None:
         sbp = prop.pinned(eqn)
         return [(Decision((sbp,), (sbp,)), 0.0)]
     if rule is not None and rule.propagate is not None:
+        if given is not None and eqn in given:
+            return [(registry.decision_of(given[eqn]), 0.0)]
         raise Unsolvable(f"{eqn.primitive.name} at {source_line(eqn)} chooses its own sharding")
     sigs = registry.signatures(eqn)
     n_in, n_out = len(eqn.invars), len(eqn.outvars)
@@ -144,9 +148,10 @@ def local_bytes(prop: Propagation, aval, sbp) -> int:
     return math.prod(local_shape(aval.shape, sbp, prop.mesh)) * aval.dtype.itemsize
 
 
-def build(prop: Propagation, jaxpr, out_sbp):
+def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
     """(model, per equation (eqn, its strategies, their x columns), per sf.AUTO input (var, its
-    layouts, their columns)), or raise Unsolvable."""
+    layouts, their columns)), or raise Unsolvable. ``given``: control flow equations -> the
+    equation as greedy laid it out."""
     m = _Model()
     choices, auto = [], []
     produced = {v: {s: None} for v, s in prop.sbp.items()}   # var -> {NdSbp: x columns}; None: fixed
@@ -164,7 +169,7 @@ def build(prop: Propagation, jaxpr, out_sbp):
               -math.inf, float(budget - fixed))
     uses = {}                            # var -> [{NdSbp required: x columns}] one per use; None: always
     for eqn in jaxpr.eqns:
-        options = strategies(prop, eqn)
+        options = strategies(prop, eqn, given)
         cols = [m.var(own, integral=True) for _, own in options]
         m.row([(c, 1.0) for c in cols], 1.0, 1.0)
         choices.append((eqn, options, cols))
@@ -225,10 +230,10 @@ def _conversions(m: _Model, prop, v, z, uses):
                 m.row([(shared[a, r], 1.0), (e, -1.0)], 0.0, math.inf)
 
 
-def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None):
+def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, given: dict | None = None):
     """([(eqn, its Decision)], {sf.AUTO input: its NdSbp}, the modelled seconds) of the
     optimum; raises Unsolvable."""
-    model, choices, auto = build(prop, jaxpr, out_sbp)
+    model, choices, auto = build(prop, jaxpr, out_sbp, given)
     result = model.solve(TIME_LIMIT if time_limit is None else time_limit)
     if result.status != 0 or result.x is None:
         raise Unsolvable(result.message.strip())
@@ -238,11 +243,18 @@ def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None):
 
 
 def solve(program: Program, time_limit: float | None = None) -> Program:
-    prop = Propagation(program).seeded()
     closed = program.jaxpr
     start = time.perf_counter()
+    # Control flow (scan, while, cond, remat, a pipeline) is laid out as greedy lays it out —
+    # its bodies propagated from the operands greedy gave it — and the solver chooses every
+    # other equation around it (boxing converts whatever it delivers to what the loop needs).
+    greedy = None if None in program.in_sbp else propagate(program.replace(memory_budget=None))
+    given = None if greedy is None else {
+        eqn: laid for eqn, laid in zip(closed.jaxpr.eqns, greedy.jaxpr.jaxpr.eqns)
+        if (rule := registry.rule_of(eqn.primitive)) is not None and rule.propagate is not None}
+    prop = Propagation(program).seeded()
     try:
-        chosen, auto, seconds = choose(prop, closed.jaxpr, program.out_sbp, time_limit)
+        chosen, auto, seconds = choose(prop, closed.jaxpr, program.out_sbp, time_limit, given)
     except Unsolvable as e:
         if None in program.in_sbp:
             names = [n for n, s in zip(program.arg_names or range(len(program.in_sbp)), program.in_sbp) if s is None]
@@ -251,33 +263,38 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
         if program.memory_budget is not None:
             raise ShardingError(f"memory_budget={program.memory_budget:,} bytes: the solver did not run ({e})"
                                 f"{_budget_note(program)}") from None
-        return propagate(program).replace(planner=f"greedy (the solver did not run: {e})")
+        return greedy.replace(planner=f"greedy (the solver did not run: {e})")
     for v, s in auto.items():
         prop.set(v, s, "sf.AUTO")
     in_sbp = tuple(auto.get(v, s) for v, s in zip(closed.jaxpr.invars, program.in_sbp))
     program = program.replace(in_sbp=in_sbp)
-    eqns = []
+    eqns, fallbacks = [], list(prop.fallbacks)
     for eqn, decision in chosen:
         for v, s in zip(eqn.outvars, decision.outs):
             prop.set(v, s, source_line(eqn))
-        eqns.append(eqn.replace(params={**eqn.params, DECISION: decision}))
+        eqns.append(given[eqn] if given and eqn in given else eqn.replace(params={**eqn.params, DECISION: decision}))
+    sbp = prop.sbp
+    if given:          # the loops' bodies as greedy laid them out
+        sbp = {**{v: s for v, s in greedy.sbp.items() if v not in set(closed.jaxpr.invars)}, **prop.sbp}
+        fallbacks += [f for f in greedy.fallbacks if f not in fallbacks]
     jaxpr = closed.jaxpr.replace(eqns=eqns)
     out_sbp = tuple(s if s is not None else reduced(prop.of(v)) for v, s in zip(jaxpr.outvars, program.out_sbp))
     took = time.perf_counter() - start
-    solved = program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=prop.sbp, out_sbp=out_sbp,
-                             fallbacks=prop.fallbacks)
+    solved = program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=sbp, out_sbp=out_sbp, fallbacks=fallbacks)
     # The model prices each of a value's conversions from where it is made; boxing may chain
     # them (gather once, then slice for free), which greedy's choices sometimes exploit. The
     # plans are compared as boxing will run them, and the cheaper kept.
-    greedy = propagate(program.replace(memory_budget=None))     # the same inputs: within the budget
+    if greedy is None or auto:
+        greedy = propagate(program.replace(memory_budget=None))     # the same inputs: within the budget
     ours, theirs = _plan_seconds(solved), _plan_seconds(greedy)
     if theirs < ours * (1 - 1e-9):     # a tie keeps the solved plan
         return greedy.replace(planner=f"greedy (its plan, {theirs * 1e6:.1f} us, is cheaper as boxed than the "
                                       f"solver's model optimum, {ours * 1e6:.1f} us)")
     chose = f"; sf.AUTO chose {len(auto)} input layout{'s' * (len(auto) != 1)}" if auto else ""
+    loops = f"; {len(given)} control-flow equation{'s' * (len(given) != 1)} laid out by greedy" if given else ""
     return solved.replace(planner=f"solver (optimal: {seconds * 1e6:.1f} us of collectives and local work "
                                   f"modelled, {ours * 1e6:.1f} us as boxed; "
-                                  f"solved in {took:.2f} s{chose})")
+                                  f"solved in {took:.2f} s{chose}{loops})")
 
 
 def _budget_note(program: Program) -> str:
