@@ -1,0 +1,66 @@
+"""Planning time of the presets' train steps: the greedy planner against the whole-program solver.
+
+    python benchmarks/solve_time.py [--presets 1b,7b] [--strategies fsdp,tp,2d]
+
+8 simulated CPU devices, mesh {data: 2, model: 4}, the `shardflow train` step (AdamW, 8 x 2048
+tokens per step), explain only (trace, plan, boxing; no XLA compile). Per row: each planner's
+wall time and its plan's modelled seconds (collectives and local work, explain's
+`modelled_seconds`), and the solver's own line (what it solved, how long HiGHS took).
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _checkout  # noqa: E402,F401
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import shardflow as sf  # noqa: E402
+from shardflow import train  # noqa: E402
+from shardflow.train import config, data  # noqa: E402
+
+
+def measure(preset, strategy, data_dir, batch=8, seq=2048):
+    cfg = config.Config()
+    cfg.model = {"preset": preset}
+    cfg.data.path, cfg.data.seq_len = data_dir, seq
+    cfg.batch_size, cfg.strategy, cfg.mesh, cfg.eval_every = batch, strategy, {"data": 2, "model": 4}, 0
+    run = train.setup(cfg)
+    state = jax.eval_shape(lambda: train.init_state(run))
+    tokens = jax.ShapeDtypeStruct((1, batch, seq), np.int32)
+    out = []
+    for passes in (sf.passes.DEFAULT, sf.passes.SOLVER):
+        step = run.train_step()
+        step.passes = passes
+        t = time.perf_counter()
+        plan = step.explain(*state, {"inputs": tokens, "targets": tokens})
+        out.append((time.perf_counter() - t, plan.modelled_seconds, plan.planner))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", default="1b,7b")
+    parser.add_argument("--strategies", default="fsdp,tp,2d")
+    args = parser.parse_args()
+    data_dir = data.prepare(data.stdlib_sources(max_bytes=200_000)[:5], tempfile.mkdtemp())
+    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, mesh data=2 x model=4")
+    print("| preset | strategy | greedy s | greedy ms modelled | solver s | solver ms modelled | solver |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for preset in args.presets.split(","):
+        for strategy in args.strategies.split(","):
+            (tg, mg, _), (ts, ms, planner) = measure(preset, strategy, data_dir)
+            print(f"| {preset} | {strategy} | {tg:.1f} | {mg * 1e3:.2f} | {ts:.1f} | {ms * 1e3:.2f} | {planner} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
