@@ -50,6 +50,7 @@ class Propagation:
         self.constrained: dict = {}     # var -> (NdSbp, source) of sf.constrain on it
         self.graph = None               # (users, producer) for the lookahead
         self.held: set = set()          # axes bodies may not split (a pipeline's stages)
+        self._prices: dict = {}
 
     def seeded(self) -> "Propagation":
         """Itself, with the program's constants B and its inputs at their in_specs (but those
@@ -75,7 +76,10 @@ class Propagation:
     # ---------------------------------------------------------------- pricing
 
     def seconds(self, aval, src, dst) -> float:
-        return conversion.seconds(aval.shape, aval.dtype, tuple(src), tuple(dst), self.mesh, self.program.links)
+        key = (aval.shape, aval.dtype, tuple(src), tuple(dst))
+        if key not in self._prices:     # the same conversion of same-shaped values, priced once
+            self._prices[key] = conversion.seconds(*key, self.mesh, self.program.links)
+        return self._prices[key]
 
     def use_seconds(self, x, src, dst) -> float:
         """Converting ``x`` to ``dst``, from ``src`` or from a conversion of it already made."""
