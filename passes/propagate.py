@@ -380,9 +380,8 @@ def reduced(sbp):
 
 
 def propagate(program: Program) -> Program:
-    auto = [n for n, s in zip(program.arg_names or range(len(program.in_sbp)), program.in_sbp) if s is None]
-    if auto:
-        raise ShardingError(f"in_specs sf.AUTO for {', '.join(map(str, auto))}: the greedy planner takes "
+    if program.auto_inputs:
+        raise ShardingError(f"in_specs sf.AUTO for {', '.join(program.auto_inputs)}: the greedy planner takes "
                             "every input's layout as given; sf.AUTO needs the solver "
                             "(sf.parallelize(..., passes=sf.passes.SOLVER))")
     if program.memory_budget is not None:

@@ -2,12 +2,13 @@
 program (scipy's HiGHS), to minimise the modelled seconds of the collectives and the local work.
 
 Requires "inlined"; ensures "sharded", as ``passes.propagate`` does, so ``passes.boxing`` runs
-after either. Partial, and said so: the program must be straight-line — an equation whose rule
-chooses for itself (control flow, a pipeline, attention with an explicit ``context``) makes
-``solve`` hand the whole program to greedy ``propagate``, as does the time limit. The solved
-plan and greedy's are then priced as boxed, and the cheaper kept (the model prices a value's
-conversions each from where it is made; boxing chains them). The Program records which ran
-(``program.planner``), and explain prints it.
+after either. Partial, and said so: an equation whose rule chooses for itself (control flow, a
+pipeline, attention with an explicit ``context``) is laid out as greedy ``propagate`` lays it
+out — one fixed strategy, priced 0 — and the rest solved around it; the time limit hands the
+whole program to greedy. The solved plan and greedy's are then priced as boxed, and the cheaper
+kept (the model prices a value's conversions each from where it is made; boxing chains them).
+The Program records which ran (``program.planner``), and explain prints it. ``sf.AUTO`` inputs
+are one more choice each; ``memory_budget`` bounds the inputs' bytes per device.
 
 The model (Alpa's intra-operator ILP, with conversions shared as boxing shares them):
 
@@ -43,7 +44,7 @@ from shardflow import conversion, registry
 from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, propagate, reduced
 from shardflow.program import Program, is_literal, source_line
 from shardflow.registry import DECISION, Decision, Sig
-from shardflow.specs import B, ShardingError, Split, local_shape
+from shardflow.specs import B, ShardingError, Split
 
 TIME_LIMIT = 10.0      # seconds HiGHS may take before greedy runs instead
 
@@ -90,7 +91,7 @@ def strategies(prop: Propagation, eqn, given: dict | None = None) -> list:
         flops, nbytes = conversion.local_work(eqn, ins, outs, prop.mesh)
         own = prop.program.links.compute_seconds(flops, nbytes)
         if rule is not None and rule.comm is not None:
-            own = conversion.steps_seconds(rule.comm(eqn, ins, chosen, prop.mesh), prop.program.links)
+            own += conversion.steps_seconds(rule.comm(eqn, ins, chosen, prop.mesh), prop.program.links)
         own += sum(prop.seconds(x.aval, prop.whole, s) for x, s in zip(eqn.invars, ins) if is_literal(x))
         out.append((Decision(ins, outs, tuple(chosen)), own, flops))
     if not out:
@@ -144,8 +145,10 @@ def layouts(prop: Propagation, aval) -> list:
     return [sbp for sbp in itertools.product(per_axis, repeat=len(prop.names)) if prop.valid(aval, sbp)]
 
 
-def local_bytes(prop: Propagation, aval, sbp) -> int:
-    return math.prod(local_shape(aval.shape, sbp, prop.mesh)) * aval.dtype.itemsize
+def _fixed_input_bytes(prop: Propagation) -> int:
+    """Bytes per device of the inputs whose layout is given (not sf.AUTO)."""
+    return sum(conversion.local_bytes(v.aval, s, prop.mesh)
+               for v, s in zip(prop.program.jaxpr.jaxpr.invars, prop.program.in_sbp) if s is not None)
 
 
 def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
@@ -164,9 +167,9 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
             auto.append((v, options, cols))
     budget = prop.program.memory_budget
     if budget is not None:      # the inputs' bytes per device (partial: intermediates not counted)
-        fixed = sum(local_bytes(prop, v.aval, s) for v, s in zip(jaxpr.invars, prop.program.in_sbp) if s is not None)
-        m.row([(c, float(local_bytes(prop, v.aval, a))) for v, options, cols in auto for a, c in zip(options, cols)],
-              -math.inf, float(budget - fixed))
+        m.row([(c, float(conversion.local_bytes(v.aval, a, prop.mesh)))
+               for v, options, cols in auto for a, c in zip(options, cols)],
+              -math.inf, float(budget - _fixed_input_bytes(prop)))
     uses = {}                            # var -> [{NdSbp required: x columns}] one per use; None: always
     for eqn in jaxpr.eqns:
         options = strategies(prop, eqn, given)
@@ -248,7 +251,7 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     # Control flow (scan, while, cond, remat, a pipeline) is laid out as greedy lays it out —
     # its bodies propagated from the operands greedy gave it — and the solver chooses every
     # other equation around it (boxing converts whatever it delivers to what the loop needs).
-    greedy = None if None in program.in_sbp else propagate(program.replace(memory_budget=None))
+    greedy = None if program.auto_inputs else propagate(program.replace(memory_budget=None))
     given = None if greedy is None else {
         eqn: laid for eqn, laid in zip(closed.jaxpr.eqns, greedy.jaxpr.jaxpr.eqns)
         if (rule := registry.rule_of(eqn.primitive)) is not None and rule.propagate is not None}
@@ -256,9 +259,8 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     try:
         chosen, auto, seconds = choose(prop, closed.jaxpr, program.out_sbp, time_limit, given)
     except Unsolvable as e:
-        if None in program.in_sbp:
-            names = [n for n, s in zip(program.arg_names or range(len(program.in_sbp)), program.in_sbp) if s is None]
-            raise ShardingError(f"in_specs sf.AUTO for {', '.join(map(str, names))}: the solver did not run "
+        if program.auto_inputs:
+            raise ShardingError(f"in_specs sf.AUTO for {', '.join(program.auto_inputs)}: the solver did not run "
                                 f"({e}){_budget_note(program)}; give these arguments specs") from None
         if program.memory_budget is not None:
             raise ShardingError(f"memory_budget={program.memory_budget:,} bytes: the solver did not run ({e})"
@@ -274,8 +276,8 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
             prop.set(v, s, source_line(eqn))
         eqns.append(given[eqn] if given and eqn in given else eqn.replace(params={**eqn.params, DECISION: decision}))
     sbp = prop.sbp
-    if given:          # the loops' bodies as greedy laid them out
-        sbp = {**{v: s for v, s in greedy.sbp.items() if v not in set(closed.jaxpr.invars)}, **prop.sbp}
+    if given:          # the loops' bodies as greedy laid them out; every other value as solved
+        sbp = {**greedy.sbp, **prop.sbp}
         fallbacks += [f for f in greedy.fallbacks if f not in fallbacks]
     jaxpr = closed.jaxpr.replace(eqns=eqns)
     out_sbp = tuple(s if s is not None else reduced(prop.of(v)) for v, s in zip(jaxpr.outvars, program.out_sbp))
@@ -284,8 +286,8 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     # The model prices each of a value's conversions from where it is made; boxing may chain
     # them (gather once, then slice for free), which greedy's choices sometimes exploit. The
     # plans are compared as boxing will run them, and the cheaper kept.
-    if greedy is None or auto:
-        greedy = propagate(program.replace(memory_budget=None))     # the same inputs: within the budget
+    if greedy is None:     # sf.AUTO: greedy on the layouts the solver chose
+        greedy = propagate(program.replace(memory_budget=None))
     ours, theirs = _plan_seconds(solved), _plan_seconds(greedy)
     if theirs < ours * (1 - 1e-9):     # a tie keeps the solved plan
         return greedy.replace(planner=f"greedy (its plan, {theirs * 1e6:.1f} us, is cheaper as boxed than the "
@@ -300,11 +302,8 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
 def _budget_note(program: Program) -> str:
     if program.memory_budget is None:
         return ""
-    prop = Propagation(program)
-    need = sum(local_bytes(prop, v.aval, s) for v, s in zip(program.jaxpr.jaxpr.invars, program.in_sbp)
-               if s is not None)
     return (f"; memory_budget={program.memory_budget:,} bytes per device, of which the inputs with "
-            f"specs take {need:,}")
+            f"specs take {_fixed_input_bytes(Propagation(program)):,}")
 
 
 def _plan_seconds(program: Program) -> float:

@@ -166,14 +166,19 @@ def seconds(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links) -> float:
     return steps_seconds(plan(shape, dtype, src, dst, mesh), links)
 
 
+def local_bytes(aval, sbp: NdSbp, mesh) -> int:
+    """Bytes of one device's block of ``aval`` at ``sbp``."""
+    return math.prod(local_shape(aval.shape, sbp, mesh)) * aval.dtype.itemsize
+
+
 def local_work(eqn, ins, outs, mesh) -> tuple[float, int]:
     """(flops, bytes) of ``eqn``'s local work with its operands at NdSbps ``ins`` and results
     at ``outs``: its rule's flops (a matmul's, a convolution's; 0 where a rule declares none) on
     the local blocks, and the bytes of those blocks, read and written."""
+    pairs = list(zip(eqn.invars, ins)) + list(zip(eqn.outvars, outs))
+    nbytes = sum(local_bytes(x.aval, s, mesh) for x, s in pairs)
     shapes = [[local_shape(x.aval.shape, s, mesh) for x, s in zip(xs, sbps)]
               for xs, sbps in ((eqn.invars, ins), (eqn.outvars, outs))]
-    nbytes = sum(math.prod(shape) * x.aval.dtype.itemsize
-                 for xs, group in zip((eqn.invars, eqn.outvars), shapes) for x, shape in zip(xs, group))
     rule = registry.rule_of(eqn.primitive)
     return (rule.flops(eqn, *shapes) if rule is not None and rule.flops is not None else 0.0), nbytes
 

@@ -339,23 +339,23 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         return [lax.dynamic_index_in_dim(x, k, keepdims=False) for x in mine]
 
     x0 = xs[0]
-    stored0 = jax.eval_shape(bodies.forward, chunk(0), x0)[1]
     d_chunk, d_hp = _gradient_shapes(bodies, chunk(0), x0, head_params, [a[0] for a in args])
 
     def buffers(n, like, spare=0):
         return [jnp.zeros((max(n, 1) + spare,) + tuple(a.shape), a.dtype) for a in like]
 
-    stash0 = jax.eval_shape(bodies.backward_x, chunk(0), stored0, x0)[1]
-    n, n_stored, n_stash = len(mine), len(stored0), len(stash0)
-    like = lambda xs: [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in xs]
     # The actions as local jaxprs, which slots.run evaluates with the residuals and the stash
     # written into and read from their slots by the layers' scans themselves.
-    f_jaxpr = jax.make_jaxpr(lambda *a: _flat(bodies.forward(list(a[:n]), a[n])))(*like(chunk(0)), x0)
+    like = lambda avals: [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    chunk0, n = like(chunk(0)), len(mine)
+    f_jaxpr = jax.make_jaxpr(lambda *a: _flat(bodies.forward(list(a[:n]), a[n])))(*chunk0, x0)
+    stored0 = like(f_jaxpr.out_avals[1:])
     bx_jaxpr = jax.make_jaxpr(lambda *a: _flat(bodies.backward_x(list(a[:n]), list(a[n:-1]), a[-1])))(
-        *like(chunk(0)), *like(stored0), x0)
+        *chunk0, *stored0, x0)
+    stash0 = like(bx_jaxpr.out_avals[1:])
+    n_stored, n_stash = len(stored0), len(stash0)
     bw_jaxpr = jax.make_jaxpr(lambda *a: bodies.backward_w(list(a[:n]), list(a[n:n + n_stored]),
-                                                           list(a[n + n_stored:])))(
-        *like(chunk(0)), *like(stored0), *like(stash0))
+                                                           list(a[n + n_stored:])))(*chunk0, *stored0, *stash0)
     carry = dict(
         stored=buffers(pl.n_resid, stored0),
         stash=buffers(pl.n_stash, stash0),

@@ -44,6 +44,11 @@ class Program:
         return dataclasses.replace(self, **kw)
 
     @property
+    def auto_inputs(self) -> tuple:
+        """The names of the inputs whose layout the solver is to choose (in_specs sf.AUTO)."""
+        return tuple(str(n) for n, s in zip(self.arg_names or range(len(self.in_sbp)), self.in_sbp) if s is None)
+
+    @property
     def axis_names(self) -> tuple:
         return tuple(self.mesh.axis_names)
 

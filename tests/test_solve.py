@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import shardflow as sf
+from shardflow.conversion import local_bytes
 from shardflow.passes import inline, solve
 from shardflow.passes.propagate import Propagation, reduced
 from shardflow.program import Program, is_literal
@@ -225,14 +226,14 @@ def test_a_memory_budget_on_the_inputs_is_kept_at_the_least_cost():
     prop = Propagation(base).seeded()
     w1, w2, x = base.jaxpr.jaxpr.invars
     free = solve.choose(prop, base.jaxpr.jaxpr, base.out_sbp)
-    assert sum(solve.local_bytes(prop, v.aval, s) for v, s in free[1].items()) + 512 == 1536
+    assert sum(local_bytes(v.aval, s, m) for v, s in free[1].items()) + 512 == 1536
 
     budget = 1500
     program = base.replace(memory_budget=budget)
     _, chosen, optimum = solve.choose(Propagation(program).seeded(), program.jaxpr.jaxpr, program.out_sbp)
-    assert sum(solve.local_bytes(prop, v.aval, s) for v, s in chosen.items()) + 512 <= budget
+    assert sum(local_bytes(v.aval, s, m) for v, s in chosen.items()) + 512 <= budget
     fits = [p for a in solve.layouts(prop, w1.aval) for b in solve.layouts(prop, w2.aval)
-            if solve.local_bytes(prop, w1.aval, a) + solve.local_bytes(prop, w2.aval, b) + 512 <= budget
+            if local_bytes(w1.aval, a, m) + local_bytes(w2.aval, b, m) + 512 <= budget
             for p in [inlined(mlp_grad, MLP_ARGS, m, (a, b, batch), outs)]]
     best = min(solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2] for p in fits)
     assert optimum == pytest.approx(best, rel=1e-6) and optimum > free[2]
