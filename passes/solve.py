@@ -36,15 +36,18 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from typing import NamedTuple
 
 import numpy as np
+from jax import lax
 from scipy import optimize, sparse
 
 from shardflow import conversion, registry
 from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, propagate, reduced
-from shardflow.program import Program, is_literal, source_line
+from shardflow.program import REMAT_PRIMITIVES, Program, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import DECISION, Decision, Sig
-from shardflow.specs import B, ShardingError, Split
+from shardflow.rules.control import _rebody, _stacked, _unstacked
+from shardflow.specs import B, Partial, ShardingError, Split
 
 TIME_LIMIT = 10.0      # seconds HiGHS may take before greedy runs instead
 
@@ -151,40 +154,139 @@ def _fixed_input_bytes(prop: Propagation) -> int:
                for v, s in zip(prop.program.jaxpr.jaxpr.invars, prop.program.in_sbp) if s is not None)
 
 
+class _Region(NamedTuple):
+    """A scan or remat solved with its body: per body input and per stacked output, the layouts
+    it may take and their columns (one chosen); ``body`` the body's entries."""
+    eqn: object
+    body: list
+    ins: list          # per body invar: (layouts, columns), or None (a remat's: the operand's own)
+    ys: list           # per stacked output of a scan: (layouts, columns)
+
+
+def _solvable_region(eqn) -> bool:
+    return eqn.primitive is lax.scan_p or eqn.primitive in REMAT_PRIMITIVES
+
+
+class _Builder:
+    """The integer program of a jaxpr, scans and remats included: a scan's body is one copy
+    of its equations whose costs count ``length`` times, its consts, carries and sliced inputs
+    one chosen layout each (converted outside the loop; a carry's the same at the start and
+    end of every iteration), its stacked outputs one layout each (never partial: a per-step
+    slice is reduced inside the loop, as a layer's gradient is). A remat's body sees its
+    operands as they are. Any other control flow is laid out as greedy laid it out."""
+
+    def __init__(self, prop: Propagation, given: dict | None):
+        self.prop, self.given, self.m = prop, given or {}, _Model()
+        self.produced = {v: {s: None} for v, s in prop.sbp.items()}  # var -> {NdSbp: x columns}; None: fixed
+        self.uses = {}        # var -> [{NdSbp required: x columns}], one per use; None: always
+        self.scale = {}       # var -> how many times its jaxpr runs per step
+
+    def choice(self, options) -> list:
+        cols = [self.m.var(integral=True) for _ in options]
+        self.m.row([(c, 1.0) for c in cols], 1.0, 1.0)
+        return cols
+
+    def jaxpr(self, jaxpr, scale: float) -> list:
+        for v in jaxpr.constvars:
+            self.produced[v], self.scale[v] = {self.prop.whole: None}, scale
+        for v in jaxpr.invars:
+            self.scale[v] = scale
+        return [self.region(eqn, scale) if _solvable_region(eqn) and eqn not in self.given else self.plain(eqn, scale)
+                for eqn in jaxpr.eqns]
+
+    def plain(self, eqn, scale):
+        options = strategies(self.prop, eqn, self.given)
+        cols = [self.m.var(own * scale, integral=True) for _, own in options]
+        self.m.row([(c, 1.0) for c in cols], 1.0, 1.0)
+        for k, x in enumerate(eqn.invars):
+            if not is_literal(x):
+                use = {}
+                for (decision, _), c in zip(options, cols):
+                    use.setdefault(decision.ins[k], []).append(c)
+                self.uses.setdefault(x, []).append(use)
+        for j, v in enumerate(eqn.outvars):
+            self.scale[v] = scale
+            for (decision, _), c in zip(options, cols):
+                self.produced.setdefault(v, {}).setdefault(decision.outs[j], []).append(c)
+        return eqn, options, cols
+
+    def wants(self, v) -> set:
+        return {r for use in self.uses.get(v, ()) for r in use}
+
+    def at(self, x) -> set:
+        return {self.prop.whole} if is_literal(x) else set(self.produced.get(x, ()))
+
+    def layout_choice(self, aval, candidates):
+        options = sorted({a for a in candidates if a is not None and self.prop.valid(aval, a) and _sum_only(a)}, key=str)
+        return options, self.choice(options)
+
+    def region(self, eqn, scale):
+        body = open_jaxpr(eqn.params["jaxpr"])
+        if eqn.primitive in REMAT_PRIMITIVES:       # the body sees its operands as they are
+            for x, v in zip(eqn.invars, body.invars):
+                self.produced[v] = {self.prop.whole: None} if is_literal(x) else self.produced[x]
+            entries = self.jaxpr(body, scale)
+            for v, o in zip(body.outvars, eqn.outvars):
+                self.produced[o], self.scale[o] = ({self.prop.whole: None} if is_literal(v) else self.produced[v]), scale
+            return _Region(eqn, entries, [None] * len(body.invars), [])
+        nc, nk = scan_arity(eqn.params)
+        inner = scale * eqn.params["length"]
+        entries = self.jaxpr(body, inner)
+        ins = []
+        for k, (x, v) in enumerate(zip(eqn.invars, body.invars)):
+            if k < nc:                                   # a const: converted once, before the loop
+                options, cols = self.layout_choice(v.aval, self.wants(v) | self.at(x))
+                outer = options
+            elif k < nc + nk:                            # a carry: the same layout in and out
+                out = body.outvars[k - nc]
+                options, cols = self.layout_choice(v.aval, self.wants(v) | self.at(x) | self.at(out))
+                outer = options
+                if not is_literal(out):
+                    self.uses.setdefault(out, []).append(dict(zip(options, ([c] for c in cols))))
+                self.produced[eqn.outvars[k - nc]] = dict(zip(options, ([c] for c in cols)))
+                self.scale[eqn.outvars[k - nc]] = scale
+            else:                                        # a slice of a stacked input
+                options, cols = self.layout_choice(v.aval, self.wants(v) | {_unstacked(a) for a in self.at(x)})
+                outer = [_stacked(a) for a in options]
+            if not is_literal(x):
+                self.uses.setdefault(x, []).append(dict(zip(outer, ([c] for c in cols))))
+            self.produced[v] = dict(zip(options, ([c] for c in cols)))
+            ins.append((options, cols))
+        ys = []
+        for v, o in zip(body.outvars[nk:], eqn.outvars[nk:]):
+            options = [self.prop.whole] if is_literal(v) else layouts(self.prop, v.aval)
+            options = [a for a in options if self.prop.valid(o.aval, _stacked(a))]
+            cols = self.choice(options)
+            if not is_literal(v):
+                self.uses.setdefault(v, []).append(dict(zip(options, ([c] for c in cols))))
+            self.produced[o], self.scale[o] = {_stacked(a): [c] for a, c in zip(options, cols)}, scale
+            ys.append((options, cols))
+        return _Region(eqn, entries, ins, ys)
+
+
+def _sum_only(sbp) -> bool:
+    return all(not isinstance(s, Partial) or s.op == "sum" for s in sbp)
+
+
 def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
-    """(model, per equation (eqn, its strategies, their x columns), per sf.AUTO input (var, its
-    layouts, their columns)), or raise Unsolvable. ``given``: control flow equations -> the
-    equation as greedy laid it out."""
-    m = _Model()
-    choices, auto = [], []
-    produced = {v: {s: None} for v, s in prop.sbp.items()}   # var -> {NdSbp: x columns}; None: fixed
+    """(model, per equation of ``jaxpr`` its entry — (eqn, its strategies, their x columns), or
+    a ``_Region`` — and per sf.AUTO input (var, its layouts, their columns)), or raise
+    Unsolvable. ``given``: control flow equations -> the equation as greedy laid it out."""
+    b = _Builder(prop, given)
+    m, auto = b.m, []
     for v, s in zip(jaxpr.invars, prop.program.in_sbp):
+        b.scale[v] = 1
         if s is None:           # sf.AUTO: one of its layouts, free of cost itself
             options = layouts(prop, v.aval)
-            cols = [m.var(integral=True) for _ in options]
-            m.row([(c, 1.0) for c in cols], 1.0, 1.0)
-            produced[v] = {a: [c] for a, c in zip(options, cols)}
+            cols = b.choice(options)
+            b.produced[v] = {a: [c] for a, c in zip(options, cols)}
             auto.append((v, options, cols))
     budget = prop.program.memory_budget
     if budget is not None:      # the inputs' bytes per device (partial: intermediates not counted)
         m.row([(c, float(conversion.local_bytes(v.aval, a, prop.mesh)))
                for v, options, cols in auto for a, c in zip(options, cols)],
               -math.inf, float(budget - _fixed_input_bytes(prop)))
-    uses = {}                            # var -> [{NdSbp required: x columns}] one per use; None: always
-    for eqn in jaxpr.eqns:
-        options = strategies(prop, eqn, given)
-        cols = [m.var(own, integral=True) for _, own in options]
-        m.row([(c, 1.0) for c in cols], 1.0, 1.0)
-        choices.append((eqn, options, cols))
-        for k, x in enumerate(eqn.invars):
-            if not is_literal(x):
-                use = {}
-                for (decision, _), c in zip(options, cols):
-                    use.setdefault(decision.ins[k], []).append(c)
-                uses.setdefault(x, []).append(use)
-        for j, v in enumerate(eqn.outvars):
-            for (decision, _), c in zip(options, cols):
-                produced.setdefault(v, {}).setdefault(decision.outs[j], []).append(c)
+    entries = b.jaxpr(jaxpr, 1)
     unspecified = set()
     for v, want in zip(jaxpr.outvars, out_sbp):
         if is_literal(v):
@@ -192,8 +294,8 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
         if want is None:
             unspecified.add(v)
         else:
-            uses.setdefault(v, []).append({want: None})
-    for v, at in produced.items():
+            b.uses.setdefault(v, []).append({want: None})
+    for v, at in b.produced.items():
         z = {}
         for a, cols in at.items():
             z[a] = None if cols is None else m.var()
@@ -203,11 +305,11 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
             for a, za in z.items():
                 if za is not None:
                     m.cost[za] += prop.seconds(v.aval, a, reduced(a))
-        _conversions(m, prop, v, z, uses.get(v, ()))
-    return m, choices, auto
+        _conversions(m, prop, v, z, b.uses.get(v, ()), b.scale.get(v, 1))
+    return m, entries, auto
 
 
-def _conversions(m: _Model, prop, v, z, uses):
+def _conversions(m: _Model, prop, v, z, uses, scale=1):
     """Columns and rows pricing ``v``'s conversions: per use, a transportation edge e[a, r]
     (sum_r e = z[a], sum_a e = the use's choice of r: tight for one edge); per conversion
     a -> r, q >= every use's e[a, r], paid once (boxing converts once for all users)."""
@@ -229,35 +331,109 @@ def _conversions(m: _Model, prop, v, z, uses):
         for (a, r), e in edges.items():
             if a != r:
                 if (a, r) not in shared:
-                    shared[a, r] = m.var(prop.seconds(v.aval, a, r))
+                    shared[a, r] = m.var(prop.seconds(v.aval, a, r) * scale)
                 m.row([(shared[a, r], 1.0), (e, -1.0)], 0.0, math.inf)
 
 
 def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, given: dict | None = None):
-    """([(eqn, its Decision)], {sf.AUTO input: its NdSbp}, the modelled seconds) of the
-    optimum; raises Unsolvable."""
-    model, choices, auto = build(prop, jaxpr, out_sbp, given)
+    """(the equations of ``jaxpr`` with their Decisions — bodies of solved scans and remats
+    annotated too, every value's NdSbp set on ``prop`` —, {sf.AUTO input: its NdSbp}, the
+    modelled seconds) of the optimum; raises Unsolvable."""
+    model, entries, auto = build(prop, jaxpr, out_sbp, given)
     result = model.solve(TIME_LIMIT if time_limit is None else time_limit)
     if result.status != 0 or result.x is None:
         raise Unsolvable(result.message.strip())
-    pick = lambda options, cols: options[max(range(len(cols)), key=lambda i: result.x[cols[i]])]
-    return ([(eqn, pick(options, cols)[0]) for eqn, options, cols in choices],
-            {v: pick(options, cols) for v, options, cols in auto}, result.fun / 1e6)
+
+    def pick(options, cols):
+        return options[max(range(len(cols)), key=lambda i: result.x[cols[i]])]
+
+    chosen_auto = {v: pick(options, cols) for v, options, cols in auto}
+    for v, s in chosen_auto.items():
+        prop.set(v, s, "sf.AUTO")
+    return _assemble(prop, entries, pick, given or {}), chosen_auto, result.fun / 1e6
+
+
+def _assemble(prop: Propagation, entries, pick, given) -> list:
+    """The equations of ``entries`` with their chosen Decisions; their results' NdSbps set."""
+    eqns = []
+    for entry in entries:
+        if isinstance(entry, _Region):
+            eqn = _assemble_region(prop, entry, pick, given)
+        else:
+            eqn, options, cols = entry
+            decision = pick(options, cols)[0]
+            eqn = given[eqn] if eqn in given else eqn.replace(params={**eqn.params, DECISION: decision})
+        for v, s in zip(eqn.outvars, registry.decision_of(eqn).outs):
+            prop.set(v, s, source_line(eqn))
+        eqns.append(eqn)
+    return eqns
+
+
+def _assemble_region(prop: Propagation, region: _Region, pick, given):
+    eqn = region.eqn
+    body = open_jaxpr(eqn.params["jaxpr"])
+    for v in body.constvars:
+        prop.set(v, prop.whole)
+    if eqn.primitive in REMAT_PRIMITIVES:
+        ins = tuple(prop.of(x) for x in eqn.invars)
+        for v, s in zip(body.invars, ins):
+            prop.set(v, s)
+        body = body.replace(eqns=_assemble(prop, region.body, pick, given))
+        decision = Decision(ins, tuple(prop.of(v) for v in body.outvars), bodies=(("jaxpr", None),))
+    else:
+        nc, nk = scan_arity(eqn.params)
+        ins = [pick(*choice) for choice in region.ins]
+        for v, s in zip(body.invars, ins):
+            prop.set(v, s)
+        body = body.replace(eqns=_assemble(prop, region.body, pick, given))
+        ys = [pick(*choice) for choice in region.ys]
+        carry = ins[nc:nc + nk]
+        decision = Decision(tuple(ins[:nc + nk]) + tuple(_stacked(s) for s in ins[nc + nk:]),
+                            tuple(carry) + tuple(_stacked(s) for s in ys),
+                            bodies=(("jaxpr", tuple(carry) + tuple(ys)),))
+    return eqn.replace(params={**eqn.params, "jaxpr": _rebody(eqn.params["jaxpr"], body), DECISION: decision})
+
+
+def _laid_out(jaxpr, laid, loops: bool, out: dict) -> dict:
+    """Control flow the solver leaves to greedy, anywhere in ``jaxpr`` outside the bodies of
+    those it solves -> the equation as greedy laid it out (``laid``: greedy's annotation of
+    ``jaxpr``): while, cond, a pipeline, attention choosing its own layout; scans and remats
+    too unless ``loops``."""
+    for eqn, mine in zip(jaxpr.eqns, laid.eqns):
+        rule = registry.rule_of(eqn.primitive)
+        if loops and _solvable_region(eqn):
+            _laid_out(open_jaxpr(eqn.params["jaxpr"]), open_jaxpr(mine.params["jaxpr"]), loops, out)
+        elif rule is not None and rule.propagate is not None and rule.pin is None:
+            out[eqn] = mine
+    return out
+
+
+def _solved(program: Program, greedy: Program | None, time_limit: float):
+    """(the Propagation, the control flow laid out by greedy, ``choose``'s result). A loop's
+    carries make the LP relaxation fractional at times and branch and bound slow: with half
+    the time limit gone, the loops are laid out as greedy laid them out and the rest solved
+    (where greedy ran: not with sf.AUTO inputs)."""
+    attempts = (True,) if greedy is None else (True, False)
+    for loops in attempts:
+        given = None if greedy is None else _laid_out(program.jaxpr.jaxpr, greedy.jaxpr.jaxpr, loops, {})
+        prop = Propagation(program).seeded()
+        try:
+            return prop, given, choose(prop, program.jaxpr.jaxpr, program.out_sbp, time_limit / len(attempts), given)
+        except Unsolvable:
+            if loops == attempts[-1]:
+                raise
 
 
 def solve(program: Program, time_limit: float | None = None) -> Program:
     closed = program.jaxpr
     start = time.perf_counter()
-    # Control flow (scan, while, cond, remat, a pipeline) is laid out as greedy lays it out —
-    # its bodies propagated from the operands greedy gave it — and the solver chooses every
-    # other equation around it (boxing converts whatever it delivers to what the loop needs).
+    # Scans and remats are solved with their bodies. Other control flow (while, cond, a
+    # pipeline, attention with its own context) is laid out as greedy lays it out — its bodies
+    # propagated from the operands greedy gave it — and the solver chooses every other
+    # equation around it (boxing converts whatever it delivers to what the loop needs).
     greedy = None if program.auto_inputs else propagate(program.replace(memory_budget=None))
-    given = None if greedy is None else {
-        eqn: laid for eqn, laid in zip(closed.jaxpr.eqns, greedy.jaxpr.jaxpr.eqns)
-        if (rule := registry.rule_of(eqn.primitive)) is not None and rule.propagate is not None}
-    prop = Propagation(program).seeded()
     try:
-        chosen, auto, seconds = choose(prop, closed.jaxpr, program.out_sbp, time_limit, given)
+        prop, given, (eqns, auto, seconds) = _solved(program, greedy, TIME_LIMIT if time_limit is None else time_limit)
     except Unsolvable as e:
         if program.auto_inputs:
             raise ShardingError(f"in_specs sf.AUTO for {', '.join(program.auto_inputs)}: the solver did not run "
@@ -266,15 +442,9 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
             raise ShardingError(f"memory_budget={program.memory_budget:,} bytes: the solver did not run ({e})"
                                 f"{_budget_note(program)}") from None
         return greedy.replace(planner=f"greedy (the solver did not run: {e})")
-    for v, s in auto.items():
-        prop.set(v, s, "sf.AUTO")
     in_sbp = tuple(auto.get(v, s) for v, s in zip(closed.jaxpr.invars, program.in_sbp))
     program = program.replace(in_sbp=in_sbp)
-    eqns, fallbacks = [], list(prop.fallbacks)
-    for eqn, decision in chosen:
-        for v, s in zip(eqn.outvars, decision.outs):
-            prop.set(v, s, source_line(eqn))
-        eqns.append(given[eqn] if given and eqn in given else eqn.replace(params={**eqn.params, DECISION: decision}))
+    fallbacks = list(prop.fallbacks)
     sbp = prop.sbp
     if given:          # the loops' bodies as greedy laid them out; every other value as solved
         sbp = {**greedy.sbp, **prop.sbp}
