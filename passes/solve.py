@@ -49,7 +49,7 @@ from shardflow.registry import DECISION, Decision, Sig
 from shardflow.rules.control import _rebody, _stacked, _unstacked
 from shardflow.specs import B, Partial, ShardingError, Split
 
-TIME_LIMIT = 10.0      # seconds HiGHS may take before greedy runs instead
+TIME_LIMIT = 30.0      # seconds HiGHS may take, per attempt, before greedy runs instead
 
 
 class Unsolvable(Exception):
@@ -410,15 +410,15 @@ def _laid_out(jaxpr, laid, loops: bool, out: dict) -> dict:
 
 def _solved(program: Program, greedy: Program | None, time_limit: float):
     """(the Propagation, the control flow laid out by greedy, ``choose``'s result). A loop's
-    carries make the LP relaxation fractional at times and branch and bound slow: with half
-    the time limit gone, the loops are laid out as greedy laid them out and the rest solved
-    (where greedy ran: not with sf.AUTO inputs)."""
+    carries make the LP relaxation fractional at times and branch and bound slow: where the
+    time limit runs out, the loops are laid out as greedy laid them out and the rest solved, in
+    a second time limit (where greedy ran: not with sf.AUTO inputs)."""
     attempts = (True,) if greedy is None else (True, False)
     for loops in attempts:
         given = None if greedy is None else _laid_out(program.jaxpr.jaxpr, greedy.jaxpr.jaxpr, loops, {})
         prop = Propagation(program).seeded()
         try:
-            return prop, given, choose(prop, program.jaxpr.jaxpr, program.out_sbp, time_limit / len(attempts), given)
+            return prop, given, choose(prop, program.jaxpr.jaxpr, program.out_sbp, time_limit, given)
         except Unsolvable:
             if loops == attempts[-1]:
                 raise
