@@ -7,7 +7,8 @@
 For each preset, on N = jax.device_count() devices, the `shardflow train` step (fp32 master
 weights, bf16 compute, AdamW + clipping) runs under each strategy of docs/models.md with two
 engines: "shardflow" (sf.parallelize) and "jit" (jax.jit with the same specs as
-NamedShardings). Meshes: dp, fsdp {data: N}; tp, tp_sp {data: 1, model: N}; 2d
+NamedShardings); `--engines shardflow-solver` adds shardflow with the whole-program solver
+(`sf.passes.SOLVER`, no one-device row of its own). Meshes: dp, fsdp {data: N}; tp, tp_sp {data: 1, model: N}; 2d
 {data: N/M, model: M} (M = --model-2d, default 2). When the model's dimensions do not divide by
 the model axis (tiny's 4 kv heads on 8 devices), the model axis shrinks to the largest divisor
 of N that fits and the rest goes to data; the printed mesh says so.
@@ -59,6 +60,8 @@ CASES = {  # preset -> (batch per data-parallel replica, seq, remat)
 }
 STRATEGIES = ("dp", "fsdp", "tp", "tp_sp", "2d")
 ENGINES = ("shardflow", "jit")
+# An engine name beside the defaults: shardflow with the whole-program solver (passes.solve).
+PLANNED = {"shardflow-solver": ("shardflow", "solver")}
 
 
 def candidate_meshes(strategy: str, n: int, model_2d: int) -> list[dict]:
@@ -101,11 +104,12 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
            "batch_per_replica": batch, "seq": seq, "remat": remat}
     error = "no mesh of this shape fits the device count"
     for mesh in meshes:  # train.setup checks that the model's split dimensions divide
-        cfg = config.Config(mesh=mesh, strategy=strategy, engine=engine,
+        base, planner = PLANNED.get(engine, (engine, "greedy"))
+        cfg = config.Config(mesh=mesh, strategy=strategy, engine=base, planner=planner,
                             batch_size=batch * mesh["data"], steps=args.warmup + args.steps,
                             eval_every=0, peak_flops=args.peak_flops)
         cfg.model = {"preset": preset, "remat": remat,
-                     "attention_impl": "ops" if engine == "shardflow" else jit_attention}
+                     "attention_impl": "ops" if base == "shardflow" else jit_attention}
         cfg.data.seq_len = seq
         try:
             run = train.setup(cfg)
@@ -240,7 +244,7 @@ def main(argv=None) -> list[dict]:
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be >= 1 (the first step compiles)")
     strategies, engines = args.strategies.split(","), args.engines.split(",")
-    for name, allowed in ((strategies, STRATEGIES), (engines, ENGINES)):
+    for name, allowed in ((strategies, STRATEGIES), (engines, ENGINES + tuple(PLANNED))):
         if set(name) - set(allowed):
             parser.error(f"unknown {sorted(set(name) - set(allowed))}; choose from {allowed}")
     n = devices()
@@ -250,7 +254,7 @@ def main(argv=None) -> list[dict]:
     for preset in args.preset or ["1b", "7b"]:
         batch, seq, remat = CASES[preset]
         batch, seq = args.batch or batch, args.seq or seq
-        configs = [("1-device", [{"data": n}], engine, True) for engine in engines]
+        configs = [("1-device", [{"data": n}], engine, True) for engine in engines if engine not in PLANNED]
         configs += [(s, candidate_meshes(s, n, args.model_2d), e, False)
                     for s in strategies for e in engines]
         for strategy, meshes, engine, one in configs:
@@ -267,11 +271,11 @@ def main(argv=None) -> list[dict]:
 
     ok = {(r["preset"], r["strategy"], r["engine"]): r for r in rows if r["status"] == "ok"}
     for r in rows:
-        base = ok.get((r["preset"], "1-device", r["engine"]))
+        base = ok.get((r["preset"], "1-device", PLANNED.get(r["engine"], (r["engine"],))[0]))
         if r["status"] == "ok" and base and r["strategy"] != "1-device":
             r["weak_scaling_eff"] = r["tokens_per_s"] / (r["devices"] * base["tokens_per_s"])
         jit = ok.get((r["preset"], r["strategy"], "jit"))
-        if r["status"] == "ok" and r["engine"] == "shardflow" and jit:
+        if r["status"] == "ok" and r["engine"] != "jit" and jit:
             r["shardflow_over_jit"] = r["tokens_per_s"] / jit["tokens_per_s"]
     print()
     print_table(rows)

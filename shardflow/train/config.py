@@ -71,6 +71,7 @@ class Config:
     # mesh axis} table. With a pipeline, the stacked layers go on its axis whatever the table.
     strategy: Any = "dp"
     engine: str = "shardflow"      # "shardflow" (sf.parallelize) or "jit" (the jax.jit baseline)
+    planner: str = "greedy"        # shardflow's: "greedy" (passes.propagate) or "solver" (passes.solve)
     batch_size: int = 16           # sequences per optimizer step, all devices together
     grad_accum: int = 1            # micro-batches per optimizer step
     compute_dtype: str = "bfloat16"  # parameters stay float32; this is the forward/backward dtype
@@ -307,6 +308,8 @@ def validate(cfg: Config, n_devices: int) -> dict:
     """Check what can be checked without compiling; returns the mesh shape to build."""
     if cfg.engine not in ("shardflow", "jit"):
         raise ConfigError(f"engine must be 'shardflow' or 'jit', got {cfg.engine!r}")
+    if cfg.planner not in ("greedy", "solver"):
+        raise ConfigError(f"planner must be 'greedy' or 'solver', got {cfg.planner!r}")
     if cfg.compute_dtype not in ("bfloat16", "float32"):
         raise ConfigError(f"compute_dtype must be 'bfloat16' or 'float32', got {cfg.compute_dtype!r}")
     _check_values(cfg)

@@ -139,8 +139,9 @@ def make_eval_step(graphdef, compute_dtype, pipeline=None):
 
 
 def parallelize_step(step_fn, engine: str, mesh, rules, in_specs, out_specs,
-                     donate: tuple = (0, 1)):
-    """Run step_fn as one SPMD program on mesh with the engine the config names."""
+                     donate: tuple = (0, 1), planner: str = "greedy"):
+    """Run step_fn as one SPMD program on mesh with the engine (and shardflow's planner) the
+    config names."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -158,7 +159,8 @@ def parallelize_step(step_fn, engine: str, mesh, rules, in_specs, out_specs,
 
     if engine == "shardflow":
         return sf.parallelize(step_with_activation_rules, mesh=mesh, in_specs=in_specs,
-                              out_specs=out_specs, donate_argnums=donate)
+                              out_specs=out_specs, donate_argnums=donate,
+                              passes=sf.passes.SOLVER if planner == "solver" else None)
     to_sharding = lambda tree: jax.tree.map(  # noqa: E731
         lambda s: NamedSharding(mesh, s if s is not None else PartitionSpec()), tree,
         is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
@@ -197,7 +199,7 @@ class Run:
                                self.cfg.grad_accum, self.pipeline)
         return parallelize_step(step, engine or self.cfg.engine, self.mesh, self.rules,
                                 in_specs=(self.param_specs, self.opt_specs, self.batch_spec),
-                                out_specs=(self.param_specs, self.opt_specs, None))
+                                out_specs=(self.param_specs, self.opt_specs, None), planner=self.cfg.planner)
 
 
 def setup(cfg) -> Run:
@@ -329,7 +331,7 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
         eval_fn = parallelize_step(make_eval_step(run.graphdef, cfg.compute_dtype, run.pipeline),
                                    cfg.engine, run.mesh, run.rules,
                                    in_specs=(run.param_specs, run.batch_spec), out_specs=None,
-                                   donate=())
+                                   donate=(), planner=cfg.planner)
 
     def val_loss():
         """Mean loss over cfg.eval_batches fixed batches of val.bin (the same at every eval)."""
