@@ -49,7 +49,7 @@ from shardflow.registry import DECISION, Decision, Sig
 from shardflow.rules.control import _rebody, _stacked, _unstacked
 from shardflow.specs import B, Partial, ShardingError, Split
 
-TIME_LIMIT = 30.0      # seconds HiGHS may take, per attempt, before greedy runs instead
+TIME_LIMIT = 60.0      # seconds HiGHS may take, per attempt, before greedy runs instead
 
 
 class Unsolvable(Exception):
@@ -175,11 +175,13 @@ class _Builder:
     slice is reduced inside the loop, as a layer's gradient is). A remat's body sees its
     operands as they are. Any other control flow is laid out as greedy laid it out."""
 
-    def __init__(self, prop: Propagation, given: dict | None):
+    def __init__(self, prop: Propagation, given: dict | None, exposed: dict | None = None):
         self.prop, self.given, self.m = prop, given or {}, _Model()
         self.produced = {v: {s: None} for v, s in prop.sbp.items()}  # var -> {NdSbp: x columns}; None: fixed
         self.uses = {}        # var -> [{NdSbp required: x columns}], one per use; None: always
         self.scale = {}       # var -> how many times its jaxpr runs per step
+        self.exposed = exposed or {}   # scan eqn -> the share of its hideable conversions left exposed
+        self.hideable = {}    # var, or id of a use -> that share, for the conversions a loop may overlap
 
     def choice(self, options) -> list:
         cols = [self.m.var(integral=True) for _ in options]
@@ -232,6 +234,7 @@ class _Builder:
         nc, nk = scan_arity(eqn.params)
         inner = scale * eqn.params["length"]
         entries = self.jaxpr(body, inner)
+        exposed = self.exposed.get(eqn, 1.0)
         ins = []
         for k, (x, v) in enumerate(zip(eqn.invars, body.invars)):
             if k < nc:                                   # a const: converted once, before the loop
@@ -248,6 +251,7 @@ class _Builder:
             else:                                        # a slice of a stacked input
                 options, cols = self.layout_choice(v.aval, self.wants(v) | {_unstacked(a) for a in self.at(x)})
                 outer = [_stacked(a) for a in options]
+                self.hideable[v] = exposed               # a layer's weight, gathered ahead
             if not is_literal(x):
                 self.uses.setdefault(x, []).append(dict(zip(outer, ([c] for c in cols))))
             self.produced[v] = dict(zip(options, ([c] for c in cols)))
@@ -258,7 +262,9 @@ class _Builder:
             options = [a for a in options if self.prop.valid(o.aval, _stacked(a))]
             cols = self.choice(options)
             if not is_literal(v):
-                self.uses.setdefault(v, []).append(dict(zip(options, ([c] for c in cols))))
+                use = dict(zip(options, ([c] for c in cols)))
+                self.uses.setdefault(v, []).append(use)
+                self.hideable[id(use)] = exposed         # a layer's gradient, reduced behind the next
             self.produced[o], self.scale[o] = {_stacked(a): [c] for a, c in zip(options, cols)}, scale
             ys.append((options, cols))
         return _Region(eqn, entries, ins, ys)
@@ -268,11 +274,12 @@ def _sum_only(sbp) -> bool:
     return all(not isinstance(s, Partial) or s.op == "sum" for s in sbp)
 
 
-def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
+def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None, exposed: dict | None = None):
     """(model, per equation of ``jaxpr`` its entry — (eqn, its strategies, their x columns), or
     a ``_Region`` — and per sf.AUTO input (var, its layouts, their columns)), or raise
-    Unsolvable. ``given``: control flow equations -> the equation as greedy laid it out."""
-    b = _Builder(prop, given)
+    Unsolvable. ``given``: control flow equations -> the equation as greedy laid it out;
+    ``exposed``: scan equations -> the share of their hideable conversions priced (``_exposed``)."""
+    b = _Builder(prop, given, exposed)
     m, auto = b.m, []
     for v, s in zip(jaxpr.invars, prop.program.in_sbp):
         b.scale[v] = 1
@@ -305,14 +312,16 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
             for a, za in z.items():
                 if za is not None:
                     m.cost[za] += prop.seconds(v.aval, a, reduced(a))
-        _conversions(m, prop, v, z, b.uses.get(v, ()), b.scale.get(v, 1))
+        _conversions(m, prop, v, z, b.uses.get(v, ()), b.scale.get(v, 1), b.hideable)
     return m, entries, auto
 
 
-def _conversions(m: _Model, prop, v, z, uses, scale=1):
+def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
     """Columns and rows pricing ``v``'s conversions: per use, a transportation edge e[a, r]
     (sum_r e = z[a], sum_a e = the use's choice of r: tight for one edge); per conversion
-    a -> r, q >= every use's e[a, r], paid once (boxing converts once for all users)."""
+    a -> r, q >= every use's e[a, r], paid once (boxing converts once for all users). A
+    conversion a loop may overlap with its compute (``hideable``: by var, or by id of a use)
+    is priced at the share of it the loop leaves exposed."""
     def equal(edges, cols):    # sum of edges = sum of cols; cols None: a fixed side, the constant 1
         if cols is None:
             m.row([(e, 1.0) for e in edges], 1.0, 1.0)
@@ -328,18 +337,20 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1):
             equal([edges[a, r] for r in use], None if za is None else [za])
         for r, cols in use.items():
             equal([edges[a, r] for a in z], cols)
+        share = 1.0 if hideable is None else hideable.get(v, hideable.get(id(use), 1.0))
         for (a, r), e in edges.items():
             if a != r:
                 if (a, r) not in shared:
-                    shared[a, r] = m.var(prop.seconds(v.aval, a, r) * scale)
+                    shared[a, r] = m.var(prop.seconds(v.aval, a, r) * scale * share)
                 m.row([(shared[a, r], 1.0), (e, -1.0)], 0.0, math.inf)
 
 
-def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, given: dict | None = None):
+def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, given: dict | None = None,
+           exposed: dict | None = None):
     """(the equations of ``jaxpr`` with their Decisions — bodies of solved scans and remats
     annotated too, every value's NdSbp set on ``prop`` —, {sf.AUTO input: its NdSbp}, the
     modelled seconds) of the optimum; raises Unsolvable."""
-    model, entries, auto = build(prop, jaxpr, out_sbp, given)
+    model, entries, auto = build(prop, jaxpr, out_sbp, given, exposed)
     result = model.solve(TIME_LIMIT if time_limit is None else time_limit)
     if result.status != 0 or result.x is None:
         raise Unsolvable(result.message.strip())
@@ -408,17 +419,43 @@ def _laid_out(jaxpr, laid, loops: bool, out: dict) -> dict:
     return out
 
 
+def _exposed(boxed: Program, jaxpr, laid_jaxpr, out: dict) -> dict:
+    """Scan equations of ``jaxpr`` -> the share of their hideable conversions (a layer's weights
+    gathered ahead, its gradient reduced behind the next layer: ``explain.hideable``) that
+    their matmuls leave exposed in ``laid_jaxpr``, its annotation in ``boxed`` (greedy's boxed
+    plan): the solver's
+    price of such a conversion, as a share of its collectives' time (at least 1/20: a
+    conversion is never free). Explain takes the min of the two; the integer program keeps
+    its prices linear, with the share greedy's plan gives (a row bounding the hidden time by
+    the compute made the LP relaxation fractional)."""
+    from shardflow.explain import hideable
+    from shardflow.primitives import box_p
+    mine = [e for e in laid_jaxpr.eqns if e.primitive is not box_p]
+    for eqn, laid in zip(jaxpr.eqns, mine):
+        if eqn.primitive is lax.scan_p:
+            comm, compute = hideable(boxed, laid)
+            out[eqn] = max(1 / 20, 1 - compute / comm) if comm > 0 else 1 / 20
+        if _solvable_region(eqn):
+            _exposed(boxed, open_jaxpr(eqn.params["jaxpr"]), open_jaxpr(laid.params["jaxpr"]), out)
+    return out
+
+
 def _solved(program: Program, greedy: Program | None, time_limit: float):
     """(the Propagation, the control flow laid out by greedy, ``choose``'s result). A loop's
     carries make the LP relaxation fractional at times and branch and bound slow: where the
     time limit runs out, the loops are laid out as greedy laid them out and the rest solved, in
     a second time limit (where greedy ran: not with sf.AUTO inputs)."""
     attempts = (True,) if greedy is None else (True, False)
+    exposed = None
+    if greedy is not None:
+        from shardflow.passes.boxing import boxing
+        boxed = boxing(greedy)
+        exposed = _exposed(boxed, program.jaxpr.jaxpr, boxed.jaxpr.jaxpr, {})
     for loops in attempts:
         given = None if greedy is None else _laid_out(program.jaxpr.jaxpr, greedy.jaxpr.jaxpr, loops, {})
         prop = Propagation(program).seeded()
         try:
-            return prop, given, choose(prop, program.jaxpr.jaxpr, program.out_sbp, time_limit, given)
+            return prop, given, choose(prop, program.jaxpr.jaxpr, program.out_sbp, time_limit, given, exposed)
         except Unsolvable:
             if loops == attempts[-1]:
                 raise

@@ -7,7 +7,8 @@ from jax import lax
 
 from shardflow import conversion, registry
 from shardflow.primitives import box_p
-from shardflow.program import Program, all_eqns, nested, source_line
+from shardflow.program import (REMAT_PRIMITIVES, Program, all_eqns, is_literal, nested, open_jaxpr, scan_arity,
+                               source_line)
 from shardflow.specs import as_dtype, describe, format_sbp
 
 
@@ -36,6 +37,7 @@ class Plan:
     fallbacks: list    # (primitive, source) run whole for want of a rule
     planner: str = "greedy"   # which pass chose the shardings (passes.propagate or passes.solve)
     work_seconds: float = 0.0  # modelled local work of every equation (conversion.local_seconds)
+    hidden_seconds: float = 0.0  # collectives a loop overlaps with its matmuls (``overlap``)
 
     @property
     def total_bytes(self) -> int:
@@ -47,8 +49,8 @@ class Plan:
 
     @property
     def modelled_seconds(self) -> float:
-        """What the solver minimises: the collectives and the local work."""
-        return self.total_seconds + self.work_seconds
+        """What the solver minimises: the collectives and the local work, less what loops hide."""
+        return self.total_seconds + self.work_seconds - self.hidden_seconds
 
     def __str__(self):
         rows = [("kind", "axes", "value", "bytes", "µs", "×", "source", "reason")]
@@ -68,10 +70,43 @@ class Plan:
         return "\n".join(lines)
 
 
-def _collectives(program: Program, jaxpr, count: int, out: list) -> float:
+def overlap(program: Program, eqn) -> float:
+    """Seconds per execution of a scan's body that its collectives hide behind its matmuls."""
+    return min(*hideable(program, eqn))
+
+
+def hideable(program: Program, eqn) -> tuple[float, float]:
+    """(seconds of the conversions XLA may run ahead of or behind a boxed scan body's compute —
+    of its sliced inputs (a layer's weights, gathered ahead) and to its stacked outputs (a
+    layer's gradient, reduced behind the next layer) —, seconds of its matmuls' flops, remat
+    regions included), per execution. Collectives on the layer's own critical path (a
+    tensor-parallel all-reduce) hide nothing."""
+    body = open_jaxpr(eqn.params["jaxpr"])
+    nc, nk = scan_arity(eqn.params)
+    ahead, behind = set(body.invars[nc + nk:]), {v for v in body.outvars[nk:] if not is_literal(v)}
+    comm = sum(conversion.steps_seconds([s for s in e.params["steps"] if s.is_collective], program.links)
+               for e in body.eqns if e.primitive is box_p
+               and (not is_literal(e.invars[0]) and e.invars[0] in ahead or e.outvars[0] in behind))
+    return comm, _matmul_seconds(program, body)
+
+
+def _matmul_seconds(program: Program, jaxpr) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in REMAT_PRIMITIVES:
+            total += _matmul_seconds(program, open_jaxpr(eqn.params["jaxpr"]))
+        elif (rule := registry.rule_of(eqn.primitive)) is not None and rule.flops is not None:
+            d = registry.decision_of(eqn)
+            flops, _ = conversion.local_work(eqn, d.ins, d.outs, program.mesh)
+            total += program.links.compute_seconds(flops, 0)
+    return total
+
+
+def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float, float]:
     """The collectives of ``jaxpr`` (into ``out``): each box's plan, and those a rule's own
-    lowering runs. Returns the modelled local work of its equations."""
-    work = 0.0
+    lowering runs. Returns the modelled local work of its equations and the seconds its
+    loops hide (``overlap``)."""
+    work = hidden = 0.0
     for eqn in jaxpr.eqns:
         x, d = eqn.invars[0] if eqn.invars else None, registry.decision_of(eqn)
         rule = registry.rule_of(eqn.primitive)
@@ -97,18 +132,21 @@ def _collectives(program: Program, jaxpr, count: int, out: list) -> float:
         trips = rule.trips(eqn) if rule is not None and rule.trips is not None else 1
         bodies = list(nested(eqn))
         for body in bodies:
-            work += _collectives(program, body, count * trips, out)
+            w, h = _collectives(program, body, count * trips, out)
+            work, hidden = work + w, hidden + h
+        if eqn.primitive is lax.scan_p:
+            hidden += count * trips * overlap(program, eqn)
         if not bodies and eqn.primitive is not box_p and d is not None:
             work += count * conversion.local_seconds(eqn, d.ins, d.outs, program.mesh, program.links)
-    return work
+    return work, hidden
 
 
 def make_plan(program: Program) -> Plan:
     jaxpr, arg_names = program.jaxpr.jaxpr, program.arg_names
     collectives = []
-    work = _collectives(program, jaxpr, 1, collectives)
+    work, hidden = _collectives(program, jaxpr, 1, collectives)
     inputs = [(n, tuple(v.aval.shape), program.sbp[v]) for n, v in zip(arg_names, jaxpr.invars)]
     outputs = [(i, tuple(v.aval.shape), s) for i, (v, s) in enumerate(zip(jaxpr.outvars, program.out_sbp))]
     values = [(e.primitive.name, source_line(e), describe(v.aval), program.sbp.get(v))
               for e in all_eqns(jaxpr) for v in e.outvars if v in program.sbp]
-    return Plan(collectives, inputs, outputs, values, list(program.fallbacks), program.planner, work)
+    return Plan(collectives, inputs, outputs, values, list(program.fallbacks), program.planner, work, hidden)

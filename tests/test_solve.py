@@ -2,6 +2,7 @@
 its model on small random programs; what it chooses runs equal to one device and costs, as
 explain prices the plan, no more than greedy propagation; what it does not model goes to
 greedy, and explain says which planner ran."""
+import math
 import functools
 import itertools
 import os
@@ -359,3 +360,30 @@ def test_the_time_limit_hands_the_program_to_greedy(monkeypatch):
     from test_equivalence import assert_trees_close
     assert_trees_close(step(*args), jax.jit(fn)(*args))
     assert step.explain(*args).planner.startswith("greedy (the solver did not run: Time limit reached")
+
+
+def _layers_grad(ws, x):
+    def loss(ws):
+        h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+        return jnp.sum(h * h)
+    return jax.grad(loss)(ws)
+
+
+def test_a_loop_hides_its_gradient_reductions_behind_its_matmuls():
+    """The overlap model: under data parallelism a layer loop's per-layer weight gradients are
+    all-reduced inside the backward loop, behind the other layers' matmuls; explain counts
+    what hides (at most the collectives, at most the matmuls' time) and the solver's optimum
+    is the plan's modelled time with it. With free matmuls nothing hides."""
+    r = np.random.default_rng(0)
+    ws, x = r.standard_normal((4, 64, 64)).astype(np.float32) / 8, r.standard_normal((64, 64)).astype(np.float32)
+    kw = dict(mesh=mesh("2x4"), in_specs=(jax.P(), jax.P(("data", "model"))), out_specs=jax.P())
+    slow = sf.LinkModel(flops=1e9)               # matmuls slow enough to hide every reduction
+    step = sf.parallelize(_layers_grad, passes=sf.passes.SOLVER, links=slow, **kw)
+    np.testing.assert_allclose(np.asarray(step(ws, x)), np.asarray(jax.jit(_layers_grad)(ws, x)), rtol=1e-5, atol=1e-6)
+    plan = step.explain(ws, x)
+    in_loop = sum(c.seconds * c.count for c in plan.collectives if c.count == 4)
+    assert in_loop > 0 and plan.hidden_seconds == pytest.approx(in_loop)
+    assert plan.modelled_seconds == pytest.approx(plan.total_seconds + plan.work_seconds - plan.hidden_seconds)
+    assert "solver (optimal" in plan.planner
+    free = sf.parallelize(_layers_grad, passes=sf.passes.SOLVER, links=sf.LinkModel(flops=math.inf), **kw)
+    assert free.explain(ws, x).hidden_seconds == 0.0
