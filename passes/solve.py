@@ -23,7 +23,7 @@ The model (Alpa's intra-operator ILP, with conversions shared as boxing shares t
   rather than strategy pairs).
 - ``q[v, a, r]`` >= every use's e[use, a, r]: ``v`` is converted from ``a`` to ``r`` once,
   however many users want ``r`` (boxing converts once), at ``conversion.seconds`` (the plan
-  boxing will run).
+  boxing will run). A value of one use prices its edges directly (q = e).
 
 Minimised: sum q * seconds(a -> r) + sum x * (the strategy's local work — bytes and flops on the
 local blocks, ``conversion.local_work`` — and its own collectives, e.g. a pad's halo)
@@ -329,19 +329,22 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
             m.row([(e, 1.0) for e in edges] + [(c, -1.0) for c in cols], 0.0, 0.0)
 
     shared = {}
+    uses = [use for use in uses if not all(a == r for a in z for r in use)]
     for use in uses:
-        if all(a == r for a in z for r in use):
-            continue
-        edges = {(a, r): m.var() for a in z for r in use}
+        share = 1.0 if hideable is None else hideable.get(v, hideable.get(id(use), 1.0))
+        price = lambda a, r: 0.0 if a == r else prop.seconds(v.aval, a, r) * scale * share  # noqa: E731
+        # one use: its edges carry the price themselves (q = e)
+        edges = {(a, r): m.var(price(a, r) if len(uses) == 1 else 0.0) for a in z for r in use}
         for a, za in z.items():
             equal([edges[a, r] for r in use], None if za is None else [za])
         for r, cols in use.items():
             equal([edges[a, r] for a in z], cols)
-        share = 1.0 if hideable is None else hideable.get(v, hideable.get(id(use), 1.0))
+        if len(uses) == 1:
+            continue
         for (a, r), e in edges.items():
             if a != r:
                 if (a, r) not in shared:
-                    shared[a, r] = m.var(prop.seconds(v.aval, a, r) * scale * share)
+                    shared[a, r] = m.var(price(a, r))
                 m.row([(shared[a, r], 1.0), (e, -1.0)], 0.0, math.inf)
 
 
