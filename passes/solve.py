@@ -49,7 +49,7 @@ from shardflow import conversion, registry
 from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, propagate, reduced
 from shardflow.program import REMAT_PRIMITIVES, Program, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import DECISION, Decision, Sig
-from shardflow.rules.control import _rebody, _stacked, _unstacked
+from shardflow.rules.control import rebody, stacked, unstacked
 from shardflow.specs import B, Partial, ShardingError, Split
 
 TIME_LIMIT = 60.0      # seconds HiGHS may take, per attempt, before greedy runs instead
@@ -290,8 +290,8 @@ class _Builder:
                 self.produced[eqn.outvars[k - nc]] = dict(zip(options, ([c] for c in cols)))
                 self.scale[eqn.outvars[k - nc]] = scale
             else:                                        # a slice of a stacked input
-                options, cols = self.layout_choice(v.aval, self.wants(v) | {_unstacked(a) for a in self.at(x)})
-                outer = [_stacked(a) for a in options]
+                options, cols = self.layout_choice(v.aval, self.wants(v) | {unstacked(a) for a in self.at(x)})
+                outer = [stacked(a) for a in options]
                 self.hideable[v] = exposed               # a layer's weight, gathered ahead
             if not is_literal(x):
                 self.uses.setdefault(x, []).append(dict(zip(outer, ([c] for c in cols))))
@@ -300,13 +300,13 @@ class _Builder:
         ys = []
         for v, o in zip(body.outvars[nk:], eqn.outvars[nk:]):
             options = [self.prop.whole] if is_literal(v) else layouts(self.prop, v.aval)
-            options = [a for a in options if self.prop.valid(o.aval, _stacked(a))]
+            options = [a for a in options if self.prop.valid(o.aval, stacked(a))]
             cols = self.choice(options)
             if not is_literal(v):
                 use = dict(zip(options, ([c] for c in cols)))
                 self.uses.setdefault(v, []).append(use)
                 self.hideable[id(use)] = exposed         # a layer's gradient, reduced behind the next
-            self.produced[o], self.scale[o] = {_stacked(a): [c] for a, c in zip(options, cols)}, scale
+            self.produced[o], self.scale[o] = {stacked(a): [c] for a, c in zip(options, cols)}, scale
             ys.append((options, cols))
         return _Region(eqn, entries, ins, ys)
 
@@ -443,10 +443,10 @@ def _assemble_region(prop: Propagation, region: _Region, pick, given):
         body = body.replace(eqns=_assemble(prop, region.body, pick, given))
         ys = [pick(*choice) for choice in region.ys]
         carry = ins[nc:nc + nk]
-        decision = Decision(tuple(ins[:nc + nk]) + tuple(_stacked(s) for s in ins[nc + nk:]),
-                            tuple(carry) + tuple(_stacked(s) for s in ys),
+        decision = Decision(tuple(ins[:nc + nk]) + tuple(stacked(s) for s in ins[nc + nk:]),
+                            tuple(carry) + tuple(stacked(s) for s in ys),
                             bodies=(("jaxpr", tuple(carry) + tuple(ys)),))
-    return eqn.replace(params={**eqn.params, "jaxpr": _rebody(eqn.params["jaxpr"], body), DECISION: decision})
+    return eqn.replace(params={**eqn.params, "jaxpr": rebody(eqn.params["jaxpr"], body), DECISION: decision})
 
 
 def _laid_out(jaxpr, laid, loops: bool, out: dict) -> dict:

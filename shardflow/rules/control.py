@@ -15,7 +15,7 @@ from shardflow.registry import Decision, defrule
 from shardflow.specs import B, ShardingError, Split, describe, format_sbp, to_sbp
 
 
-def _rebody(old, new_jaxpr):
+def rebody(old, new_jaxpr):
     """``new_jaxpr`` in the form (closed or open) of the param it replaces."""
     return old.replace(jaxpr=new_jaxpr) if isinstance(old, ClosedJaxpr) else new_jaxpr
 
@@ -62,14 +62,14 @@ defrule(box_p, lower=_lower_box)
 
 # ------------------------------------------------------------------------------ scan
 
-def _unstacked(sbp):
+def unstacked(sbp):
     """The NdSbp of one slice of a value stacked on a new leading dim, or None."""
     if sbp is None or Split(0) in sbp:
         return None
     return tuple(Split(s.dim - 1) if isinstance(s, Split) else s for s in sbp)
 
 
-def _stacked(sbp):
+def stacked(sbp):
     return tuple(Split(s.dim + 1) if isinstance(s, Split) else s for s in sbp)
 
 
@@ -80,11 +80,11 @@ def _propagate_scan(prop, eqn):
     cur = [prop.of(a) for a in eqn.invars]
     consts, init, xs = cur[:nc], cur[nc:nc + nk], cur[nc + nk:]
     xs_outer = [tuple(B if s == Split(0) else s for s in x) for x in xs]
-    xs_inner = [_unstacked(x) for x in xs_outer]
+    xs_inner = [unstacked(x) for x in xs_outer]
     src = source_line(eqn)
     # What the scan's stacked outputs are wanted as, per iteration: a per-layer gradient that
     # must end up split is reduce-scattered inside the loop, not stacked whole and scattered after.
-    ys_wanted = [_unstacked(prop.demand.get(v)) for v in eqn.outvars[nk:]]
+    ys_wanted = [unstacked(prop.demand.get(v)) for v in eqn.outvars[nk:]]
     prop.spread_demands(body, [None] * nk + ys_wanted)
     annotated = []
 
@@ -95,9 +95,9 @@ def _propagate_scan(prop, eqn):
 
     carry = prop.loop(run, init)
     ys = [want or prop.of(v) for v, want in zip(body.outvars[nk:], ys_wanted)]
-    decision = Decision(tuple(consts + carry + xs_outer), tuple(carry) + tuple(_stacked(s) for s in ys),
+    decision = Decision(tuple(consts + carry + xs_outer), tuple(carry) + tuple(stacked(s) for s in ys),
                         bodies=(("jaxpr", tuple(carry) + tuple(ys_wanted)),))
-    return prop.decide(eqn, decision, src, jaxpr=_rebody(closed, annotated[-1]))
+    return prop.decide(eqn, decision, src, jaxpr=rebody(closed, annotated[-1]))
 
 
 def _lower_scan(local, eqn, ins):
@@ -139,8 +139,8 @@ def _propagate_while(prop, eqn):
     new_cond, new_body = annotated[-1]
     decision = Decision(tuple(cconsts + bconsts + carry), tuple(carry),
                         bodies=(("cond_jaxpr", (prop.whole,)), ("body_jaxpr", tuple(carry))))
-    return prop.decide(eqn, decision, src, cond_jaxpr=_rebody(cond_closed, new_cond),
-                       body_jaxpr=_rebody(body_closed, new_body))
+    return prop.decide(eqn, decision, src, cond_jaxpr=rebody(cond_closed, new_cond),
+                       body_jaxpr=rebody(body_closed, new_body))
 
 
 def _lower_while(local, eqn, ins):
@@ -163,7 +163,7 @@ def _propagate_cond(prop, eqn):
     for closed in eqn.params["branches"]:
         new, produced = prop.run_body(open_jaxpr(closed), cur[1:], src)
         outs = outs or produced
-        branches.append(_rebody(closed, new))
+        branches.append(rebody(closed, new))
     decision = Decision((prop.whole,) + tuple(cur[1:]), tuple(outs), bodies=(("branches", tuple(outs)),))
     return prop.decide(eqn, decision, src, branches=tuple(branches))
 
