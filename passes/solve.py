@@ -46,11 +46,12 @@ from jax import lax
 from scipy import optimize, sparse
 
 from shardflow import conversion, registry
-from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, propagate, reduced
+from shardflow.passes.boxing import boxing
+from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, _adoptable, propagate, reduced
 from shardflow.program import REMAT_PRIMITIVES, Program, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import DECISION, Decision, Sig
 from shardflow.rules.control import rebody, stacked, unstacked
-from shardflow.specs import B, Partial, ShardingError, Split
+from shardflow.specs import B, ShardingError, Split
 
 TIME_LIMIT = 60.0      # seconds HiGHS may take, per attempt, before greedy runs instead
 
@@ -224,8 +225,9 @@ class _Builder:
         self.exposed = exposed or {}   # scan eqn -> the share of its hideable conversions left exposed
         self.hideable = {}    # var, or id of a use -> that share, for the conversions a loop may overlap
 
-    def choice(self, options) -> list:
-        cols = [self.m.var(integral=True) for _ in options]
+    def choice(self, costs) -> list:
+        """Columns of one choice among ``len(costs)`` options, each at its cost."""
+        cols = [self.m.var(cost, integral=True) for cost in costs]
         self.m.row([(c, 1.0) for c in cols], 1.0, 1.0)
         return cols
 
@@ -239,8 +241,7 @@ class _Builder:
 
     def plain(self, eqn, scale):
         options = strategies(self.prop, eqn, self.given)
-        cols = [self.m.var(own * scale, integral=True) for _, own in options]
-        self.m.row([(c, 1.0) for c in cols], 1.0, 1.0)
+        cols = self.choice([own * scale for _, own in options])
         for k, x in enumerate(eqn.invars):
             if not is_literal(x):
                 use = {}
@@ -260,8 +261,9 @@ class _Builder:
         return {self.prop.whole} if is_literal(x) else set(self.produced.get(x, ()))
 
     def layout_choice(self, aval, candidates):
-        options = sorted({a for a in candidates if a is not None and self.prop.valid(aval, a) and _sum_only(a)}, key=str)
-        return options, self.choice(options)
+        options = sorted({a for a in candidates if a is not None and self.prop.valid(aval, a) and _adoptable(a)},
+                         key=str)
+        return options, self.choice([0.0] * len(options))
 
     def region(self, eqn, scale):
         body = open_jaxpr(eqn.params["jaxpr"])
@@ -286,33 +288,34 @@ class _Builder:
                 options, cols = self.layout_choice(v.aval, self.wants(v) | self.at(x) | self.at(out))
                 outer = options
                 if not is_literal(out):
-                    self.uses.setdefault(out, []).append(dict(zip(options, ([c] for c in cols))))
-                self.produced[eqn.outvars[k - nc]] = dict(zip(options, ([c] for c in cols)))
+                    self.uses.setdefault(out, []).append(_by_layout(options, cols))
+                self.produced[eqn.outvars[k - nc]] = _by_layout(options, cols)
                 self.scale[eqn.outvars[k - nc]] = scale
             else:                                        # a slice of a stacked input
                 options, cols = self.layout_choice(v.aval, self.wants(v) | {unstacked(a) for a in self.at(x)})
                 outer = [stacked(a) for a in options]
                 self.hideable[v] = exposed               # a layer's weight, gathered ahead
             if not is_literal(x):
-                self.uses.setdefault(x, []).append(dict(zip(outer, ([c] for c in cols))))
-            self.produced[v] = dict(zip(options, ([c] for c in cols)))
+                self.uses.setdefault(x, []).append(_by_layout(outer, cols))
+            self.produced[v] = _by_layout(options, cols)
             ins.append((options, cols))
         ys = []
         for v, o in zip(body.outvars[nk:], eqn.outvars[nk:]):
             options = [self.prop.whole] if is_literal(v) else layouts(self.prop, v.aval)
             options = [a for a in options if self.prop.valid(o.aval, stacked(a))]
-            cols = self.choice(options)
+            cols = self.choice([0.0] * len(options))
             if not is_literal(v):
-                use = dict(zip(options, ([c] for c in cols)))
+                use = _by_layout(options, cols)
                 self.uses.setdefault(v, []).append(use)
                 self.hideable[id(use)] = exposed         # a layer's gradient, reduced behind the next
-            self.produced[o], self.scale[o] = {stacked(a): [c] for a, c in zip(options, cols)}, scale
+            self.produced[o], self.scale[o] = _by_layout([stacked(a) for a in options], cols), scale
             ys.append((options, cols))
         return _Region(eqn, entries, ins, ys)
 
 
-def _sum_only(sbp) -> bool:
-    return all(not isinstance(s, Partial) or s.op == "sum" for s in sbp)
+def _by_layout(options, cols) -> dict:
+    """{layout: [its column]}: where a value is, or what a use requires, as one choice."""
+    return {a: [c] for a, c in zip(options, cols)}
 
 
 def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None, exposed: dict | None = None):
@@ -326,8 +329,8 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None, exposed:
         b.scale[v] = 1
         if s is None:           # sf.AUTO: one of its layouts, free of cost itself
             options = layouts(prop, v.aval)
-            cols = b.choice(options)
-            b.produced[v] = {a: [c] for a, c in zip(options, cols)}
+            cols = b.choice([0.0] * len(options))
+            b.produced[v] = _by_layout(options, cols)
             auto.append((v, options, cols))
     budget = prop.program.memory_budget
     if budget is not None:      # the inputs' bytes per device (partial: intermediates not counted)
@@ -467,9 +470,8 @@ def _exposed(boxed: Program, jaxpr, laid_jaxpr, out: dict) -> dict:
     """Scan equations of ``jaxpr`` -> the share of their hideable conversions (a layer's weights
     gathered ahead, its gradient reduced behind the next layer: ``explain.hideable``) that
     their matmuls leave exposed in ``laid_jaxpr``, its annotation in ``boxed`` (greedy's boxed
-    plan): the solver's
-    price of such a conversion, as a share of its collectives' time (at least 1/20: a
-    conversion is never free). Explain takes the min of the two; the integer program keeps
+    plan): the solver's price of such a conversion, as a share of its collectives' time (at
+    least 1/20: a conversion is never free). Explain takes the min of the two; the integer program keeps
     its prices linear, with the share greedy's plan gives (a row bounding the hidden time by
     the compute made the LP relaxation fractional)."""
     from shardflow.explain import hideable
@@ -484,17 +486,14 @@ def _exposed(boxed: Program, jaxpr, laid_jaxpr, out: dict) -> dict:
     return out
 
 
-def _solved(program: Program, greedy: Program | None, time_limit: float):
-    """(the Propagation, the control flow laid out by greedy, ``choose``'s result). A loop's
-    carries make the LP relaxation fractional at times and branch and bound slow: where the
-    time limit runs out, the loops are laid out as greedy laid them out and the rest solved, in
-    a second time limit (where greedy ran: not with sf.AUTO inputs)."""
+def _solved(program: Program, greedy: Program | None, boxed: Program | None, time_limit: float):
+    """(the Propagation, the control flow laid out by greedy, ``choose``'s result); ``boxed``:
+    greedy's plan boxed. A loop's carries make the LP relaxation fractional at times and
+    branch and bound slow: where the time limit runs out, the loops are laid out as greedy
+    laid them out and the rest solved, in a second time limit (where greedy ran: not with
+    sf.AUTO inputs)."""
     attempts = (True,) if greedy is None else (True, False)
-    exposed = None
-    if greedy is not None:
-        from shardflow.passes.boxing import boxing
-        boxed = boxing(greedy)
-        exposed = _exposed(boxed, program.jaxpr.jaxpr, boxed.jaxpr.jaxpr, {})
+    exposed = None if boxed is None else _exposed(boxed, program.jaxpr.jaxpr, boxed.jaxpr.jaxpr, {})
     for loops in attempts:
         given = None if greedy is None else _laid_out(program.jaxpr.jaxpr, greedy.jaxpr.jaxpr, loops, {})
         prop = Propagation(program).seeded()
@@ -513,8 +512,10 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     # propagated from the operands greedy gave it — and the solver chooses every other
     # equation around it (boxing converts whatever it delivers to what the loop needs).
     greedy = None if program.auto_inputs else propagate(program.replace(memory_budget=None))
+    boxed = None if greedy is None else boxing(greedy)
     try:
-        prop, given, (eqns, auto, seconds) = _solved(program, greedy, TIME_LIMIT if time_limit is None else time_limit)
+        prop, given, (eqns, auto, seconds) = _solved(program, greedy, boxed,
+                                                     TIME_LIMIT if time_limit is None else time_limit)
     except Unsolvable as e:
         if program.auto_inputs:
             raise ShardingError(f"in_specs sf.AUTO for {', '.join(program.auto_inputs)}: the solver did not run "
@@ -539,7 +540,8 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     # plans are compared as boxing will run them, and the cheaper kept.
     if greedy is None:     # sf.AUTO: greedy on the layouts the solver chose
         greedy = propagate(program.replace(memory_budget=None))
-    ours, theirs = _plan_seconds(solved), _plan_seconds(greedy)
+        boxed = boxing(greedy)
+    ours, theirs = _plan_seconds(boxing(solved)), _plan_seconds(boxed)
     if theirs < ours * (1 - 1e-9):     # a tie keeps the solved plan
         return greedy.replace(planner=f"greedy (its plan, {theirs * 1e6:.1f} us, is cheaper as boxed than the "
                                       f"solver's model optimum, {ours * 1e6:.1f} us)")
@@ -557,8 +559,8 @@ def _budget_note(program: Program) -> str:
             f"specs take {_fixed_input_bytes(Propagation(program)):,}")
 
 
-def _plan_seconds(program: Program) -> float:
-    """The plan's collectives as boxing runs them, and every equation's local work."""
+def _plan_seconds(boxed: Program) -> float:
+    """A boxed plan's modelled time: its collectives as boxing runs them, every equation's
+    local work, less what its loops hide."""
     from shardflow.explain import make_plan
-    from shardflow.passes.boxing import boxing
-    return make_plan(boxing(program)).modelled_seconds
+    return make_plan(boxed).modelled_seconds
