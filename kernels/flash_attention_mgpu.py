@@ -350,21 +350,23 @@ def backward_grid(batch, kv_len, heads_q, heads_kv, head_dim, *, causal: bool, s
   dk, dv into float32 sums shared by the group. Per q head where per kv head would leave fewer
   than two CTAs per SM — group-times longer CTAs, and causal ones of unequal length, leave SMs
   idle (4,2048,16/2 causal: 0.73 -> 0.49 ms at head_dim 128, 0.37 -> 0.26 at 64) — and for
-  causal GQA at head_dim 128, whose group-long CTAs stream group-times the q, dout and dq rows
-  and miss L2 (2,4096,32/8 causal 1.70 -> 1.54 ms); at head_dim 64 there per kv head measured
-  faster (0.72 vs 0.79 ms).
+  causal GQA of groups above 2 at head_dim 128, whose group-long CTAs stream group-times the q,
+  dout and dq rows and miss L2 (2,4096,32/8 causal 1.70 -> 1.54 ms); at head_dim 64 there per
+  kv head measured faster (0.72 vs 0.79 ms), and for groups of 2 at head_dim 128 too (the 1b
+  model's 4,4096,16/8 causal: 1.42 -> 1.33 ms, 8,4096: 2.83 -> 2.60, heads outermost).
 
   Pallas launches the last grid axis fastest. CTAs of one head run together, so that the q, dout
   and dq rows they stream stay in L2 (kv blocks outermost measured 14-27 % slower on the
-  non-GQA rows); but causal per-kv-head CTAs are long and unequal, so there the kv blocks go
-  outermost: the longest start first instead of the last head's ending the kernel (3-6 % on
-  2,4096,32/8,128 causal when that ran per kv head)."""
+  non-GQA rows); but causal per-kv-head CTAs of groups above 2 are long and unequal, so there
+  the kv blocks go outermost: the longest start first instead of the last head's ending the
+  kernel (3-6 % on 2,4096,32/8,128 causal when that ran per kv head). Groups of 2 keep heads
+  outermost (8,4096,16/8,128 causal: 2.60 ms against 2.79 with kv blocks outermost)."""
   group = heads_q // heads_kv
   kv_blocks = kv_len // (2 * BWD_BLOCK_KV)
   few_ctas = batch * heads_kv * kv_blocks < 2 * sm_count
-  per_q_head = group > 1 and (few_ctas or (causal and head_dim == 128))
+  per_q_head = group > 1 and (few_ctas or (causal and head_dim == 128 and group > 2))
   heads = heads_q if per_q_head else heads_kv
-  if causal and group > 1 and not per_q_head:  # longest first
+  if causal and group > 2 and not per_q_head:  # longest first
     return per_q_head, dict(grid=(kv_blocks, heads, batch),
                             grid_names=("kv_seq", "heads", "batch"))
   return per_q_head, dict(grid=(heads, kv_blocks, batch), grid_names=("heads", "kv_seq", "batch"))

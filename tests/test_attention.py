@@ -403,6 +403,8 @@ BACKWARD_PER_Q_HEAD = {
                        (True, 128): True},  # the anchor: L2 at head_dim 128 only (measured)
     (8, 4096, 32, 8): {(False, 64): False, (False, 128): False, (True, 64): False,
                        (True, 128): True},
+    (4, 4096, 16, 8): dict.fromkeys([(False, 64), (False, 128), (True, 64), (True, 128)],
+                                    False),  # the 1b model: groups of 2 per kv head (measured)
     (4, 2048, 16, 2): dict.fromkeys([(False, 64), (False, 128), (True, 64), (True, 128)],
                                     True),  # 128 CTAs per kv head: SMs idle
     (1, 4096, 24, 6): dict.fromkeys([(False, 64), (False, 128), (True, 64), (True, 128)],
@@ -416,8 +418,9 @@ BACKWARD_PER_Q_HEAD = {
 @pytest.mark.parametrize("shape", list(BACKWARD_PER_Q_HEAD))
 def test_backward_grid(shape, head_dim, causal):
   """The Mosaic backward's grid: one CTA per (head, kv block, batch), a head being a q head for
-  causal GQA at head_dim 128 and wherever per kv head would leave SMs idle (< 2 CTAs per SM);
-  causal per-kv-head GQA launches its long CTAs first, everything else keeps a head together."""
+  causal GQA of groups above 2 at head_dim 128 and wherever per kv head would leave SMs idle
+  (< 2 CTAs per SM); causal per-kv-head GQA of groups above 2 launches its long CTAs first,
+  everything else keeps a head together."""
   from shardflow.kernels.flash_attention_mgpu import BWD_BLOCK_KV, backward_grid
   batch, seq, heads_q, heads_kv = shape
   per_q_head, grid = backward_grid(batch, seq, heads_q, heads_kv, head_dim, causal=causal,
@@ -426,7 +429,7 @@ def test_backward_grid(shape, head_dim, causal):
   sizes = dict(zip(grid["grid_names"], grid["grid"]))
   assert sizes == dict(heads=heads_q if per_q_head else heads_kv,
                        kv_seq=seq // (2 * BWD_BLOCK_KV), batch=batch)
-  long_first = causal and heads_q > heads_kv and not per_q_head
+  long_first = causal and heads_q > 2 * heads_kv and not per_q_head
   assert grid["grid_names"][0] == ("kv_seq" if long_first else "heads")
 
 
