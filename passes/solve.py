@@ -224,6 +224,10 @@ class _Builder:
         self.scale = {}       # var -> how many times its jaxpr runs per step
         self.exposed = exposed or {}   # scan eqn -> the share of its hideable conversions left exposed
         self.hideable = {}    # var, or id of a use -> that share, for the conversions a loop may overlap
+        self.alias = {}       # a remat body's input (or passed-through output) -> the value it is
+
+    def resolve(self, v):
+        return self.alias.get(v, v)
 
     def choice(self, costs) -> list:
         """Columns of one choice among ``len(costs)`` options, each at its cost."""
@@ -247,7 +251,7 @@ class _Builder:
                 use = {}
                 for (decision, _), c in zip(options, cols):
                     use.setdefault(decision.ins[k], []).append(c)
-                self.uses.setdefault(x, []).append(use)
+                self.uses.setdefault(self.resolve(x), []).append(use)
         for j, v in enumerate(eqn.outvars):
             self.scale[v] = scale
             for (decision, _), c in zip(options, cols):
@@ -258,7 +262,7 @@ class _Builder:
         return {r for use in self.uses.get(v, ()) for r in use}
 
     def at(self, x) -> set:
-        return {self.prop.whole} if is_literal(x) else set(self.produced.get(x, ()))
+        return {self.prop.whole} if is_literal(x) else set(self.produced.get(self.resolve(x), ()))
 
     def layout_choice(self, aval, candidates):
         options = sorted({a for a in candidates if a is not None and self.prop.valid(aval, a) and _adoptable(a)},
@@ -268,11 +272,19 @@ class _Builder:
     def region(self, eqn, scale):
         body = open_jaxpr(eqn.params["jaxpr"])
         if eqn.primitive in REMAT_PRIMITIVES:       # the body sees its operands as they are
+            # (aliased: an operand may be a scan body's input, whose layouts come after its body)
             for x, v in zip(eqn.invars, body.invars):
-                self.produced[v] = {self.prop.whole: None} if is_literal(x) else self.produced[x]
+                if is_literal(x):
+                    self.produced[v] = {self.prop.whole: None}
+                else:
+                    self.alias[v] = self.resolve(x)
             entries = self.jaxpr(body, scale)
             for v, o in zip(body.outvars, eqn.outvars):
-                self.produced[o], self.scale[o] = ({self.prop.whole: None} if is_literal(v) else self.produced[v]), scale
+                self.scale[o] = scale
+                if is_literal(v):
+                    self.produced[o] = {self.prop.whole: None}
+                else:
+                    self.alias[o] = self.resolve(v)
             return _Region(eqn, entries, [None] * len(body.invars), [])
         nc, nk = scan_arity(eqn.params)
         inner = scale * eqn.params["length"]
@@ -288,7 +300,7 @@ class _Builder:
                 options, cols = self.layout_choice(v.aval, self.wants(v) | self.at(x) | self.at(out))
                 outer = options
                 if not is_literal(out):
-                    self.uses.setdefault(out, []).append(_by_layout(options, cols))
+                    self.uses.setdefault(self.resolve(out), []).append(_by_layout(options, cols))
                 self.produced[eqn.outvars[k - nc]] = _by_layout(options, cols)
                 self.scale[eqn.outvars[k - nc]] = scale
             else:                                        # a slice of a stacked input
@@ -296,7 +308,7 @@ class _Builder:
                 outer = [stacked(a) for a in options]
                 self.hideable[v] = exposed               # a layer's weight, gathered ahead
             if not is_literal(x):
-                self.uses.setdefault(x, []).append(_by_layout(outer, cols))
+                self.uses.setdefault(self.resolve(x), []).append(_by_layout(outer, cols))
             self.produced[v] = _by_layout(options, cols)
             ins.append((options, cols))
         ys = []
@@ -306,7 +318,7 @@ class _Builder:
             cols = self.choice([0.0] * len(options))
             if not is_literal(v):
                 use = _by_layout(options, cols)
-                self.uses.setdefault(v, []).append(use)
+                self.uses.setdefault(self.resolve(v), []).append(use)
                 self.hideable[id(use)] = exposed         # a layer's gradient, reduced behind the next
             self.produced[o], self.scale[o] = _by_layout([stacked(a) for a in options], cols), scale
             ys.append((options, cols))
@@ -342,6 +354,7 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None, exposed:
     for v, want in zip(jaxpr.outvars, out_sbp):
         if is_literal(v):
             continue
+        v = b.resolve(v)
         if want is None:
             unspecified.add(v)
         else:

@@ -291,6 +291,25 @@ def test_a_scan_is_solved_with_its_body():
     assert "sf.AUTO chose 1 input layout" in auto.explain(w, x).planner
 
 
+def test_a_checkpointed_scan_body_is_solved_with_the_scan():
+    """A layer loop whose body is rematerialised (jax.checkpoint inside lax.scan, as the presets
+    run with remat): the remat's operands are the scan body's inputs, whose layouts the solver
+    chooses with the loop; one solve, equal to one device."""
+    def f(ws, x):
+        layer = jax.checkpoint(lambda h, w: (jnp.tanh(h @ w) + h, None))
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
+
+    r = np.random.default_rng(1)
+    ws, x = r.standard_normal((3, 16, 16)).astype(np.float32) / 4, r.standard_normal((8, 16)).astype(np.float32)
+    specs = (jax.P(None, None, "model"), jax.P("data", None))
+    step = sf.parallelize(jax.value_and_grad(f), mesh=mesh("2x4"), in_specs=specs, passes=sf.passes.SOLVER)
+    want = jax.jit(jax.value_and_grad(f))(ws, x)
+    for got, ref in zip(jax.tree.leaves(step(ws, x)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    plan = step.explain(ws, x)
+    assert plan.planner.startswith("solver (optimal") and "greedy" not in plan.planner, plan.planner
+
+
 def test_other_control_flow_is_laid_out_by_greedy_and_the_rest_solved_around_it():
     """A while loop's layout is greedy's (its body propagated from its operands); the equations
     around it are solved, and explain says so. With sf.AUTO inputs greedy cannot lay the loop
