@@ -8,7 +8,11 @@ out — one fixed strategy, priced 0 — and the rest solved around it; the time
 whole program to greedy. The solved plan and greedy's are then priced as boxed, and the cheaper
 kept (the model prices a value's conversions each from where it is made; boxing chains them).
 The Program records which ran (``program.planner``), and explain prints it. ``sf.AUTO`` inputs
-are one more choice each; ``memory_budget`` bounds the inputs' bytes per device.
+are one more choice each. A memory budget (``memory_budget``, else a GPU's memory) bounds
+explain's ``memory_bytes`` per device: the inputs and the stacked outputs of the loops not in a
+loop (a layer loop's residuals and gradients); partial, and said so: other intermediates and
+temporaries are not counted, nor the loops laid out by greedy (a plan over a given budget is
+refused after the solve).
 
 The model (Alpa's intra-operator ILP, with conversions shared as boxing shares them):
 
@@ -46,6 +50,7 @@ from jax import lax
 from scipy import optimize, sparse
 
 from shardflow import conversion, registry
+from shardflow.explain import hideable, make_plan
 from shardflow.passes.boxing import boxing
 from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, _adoptable, propagate, reduced
 from shardflow.program import REMAT_PRIMITIVES, Program, is_literal, open_jaxpr, scan_arity, source_line
@@ -58,6 +63,10 @@ TIME_LIMIT = 60.0      # seconds HiGHS may take, per attempt, before greedy runs
 
 class Unsolvable(Exception):
     """The program has something the integer program does not model (said in the message)."""
+
+
+class Infeasible(Unsolvable):
+    """No plan meets the constraints (a memory budget): laying the loops out by greedy will not help."""
 
 
 def strategies(prop: Propagation, eqn, given: dict | None = None) -> list:
@@ -225,6 +234,8 @@ class _Builder:
         self.exposed = exposed or {}   # scan eqn -> the share of its hideable conversions left exposed
         self.hideable = {}    # var, or id of a use -> that share, for the conversions a loop may overlap
         self.alias = {}       # a remat body's input (or passed-through output) -> the value it is
+        self.held = []        # (column, bytes per device) of the stacked outputs of loops not in a loop
+        self.loop_depth = 0
 
     def resolve(self, v):
         return self.alias.get(v, v)
@@ -288,7 +299,9 @@ class _Builder:
             return _Region(eqn, entries, [None] * len(body.invars), [])
         nc, nk = scan_arity(eqn.params)
         inner = scale * eqn.params["length"]
+        self.loop_depth += 1
         entries = self.jaxpr(body, inner)
+        self.loop_depth -= 1
         exposed = self.exposed.get(eqn, 1.0)
         ins = []
         for k, (x, v) in enumerate(zip(eqn.invars, body.invars)):
@@ -316,6 +329,9 @@ class _Builder:
             options = [self.prop.whole] if is_literal(v) else layouts(self.prop, v.aval)
             options = [a for a in options if self.prop.valid(o.aval, stacked(a))]
             cols = self.choice([0.0] * len(options))
+            if not self.loop_depth:   # held across the step (explain.held_bytes)
+                self.held += [(c, float(conversion.local_bytes(o.aval, stacked(a), self.prop.mesh)))
+                              for a, c in zip(options, cols)]
             if not is_literal(v):
                 use = _by_layout(options, cols)
                 self.uses.setdefault(self.resolve(v), []).append(use)
@@ -344,12 +360,12 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None, exposed:
             cols = b.choice([0.0] * len(options))
             b.produced[v] = _by_layout(options, cols)
             auto.append((v, options, cols))
-    budget = prop.program.memory_budget
-    if budget is not None:      # the inputs' bytes per device (partial: intermediates not counted)
-        m.row([(c, float(conversion.local_bytes(v.aval, a, prop.mesh)))
-               for v, options, cols in auto for a, c in zip(options, cols)],
-              -math.inf, float(budget - _fixed_input_bytes(prop)))
     entries = b.jaxpr(jaxpr, 1)
+    budget = _budget(prop.program)
+    if budget is not None:      # explain's memory_bytes: the inputs and what the loops stack
+        m.row([(c, float(conversion.local_bytes(v.aval, a, prop.mesh)))
+               for v, options, cols in auto for a, c in zip(options, cols)] + b.held,
+              -math.inf, float(budget - _fixed_input_bytes(prop)))
     unspecified = set()
     for v, want in zip(jaxpr.outvars, out_sbp):
         if is_literal(v):
@@ -412,6 +428,8 @@ def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, g
     modelled seconds) of the optimum; raises Unsolvable."""
     model, entries, auto = build(prop, jaxpr, out_sbp, given, exposed)
     result = model.solve(TIME_LIMIT if time_limit is None else time_limit)
+    if result.status == 2:     # scipy's milp: infeasible
+        raise Infeasible(result.message.strip())
     if result.status != 0 or result.x is None:
         raise Unsolvable(result.message.strip())
 
@@ -487,7 +505,6 @@ def _exposed(boxed: Program, jaxpr, laid_jaxpr, out: dict) -> dict:
     least 1/20: a conversion is never free). Explain takes the min of the two; the integer program keeps
     its prices linear, with the share greedy's plan gives (a row bounding the hidden time by
     the compute made the LP relaxation fractional)."""
-    from shardflow.explain import hideable
     from shardflow.primitives import box_p
     mine = [e for e in laid_jaxpr.eqns if e.primitive is not box_p]
     for eqn, laid in zip(jaxpr.eqns, mine):
@@ -512,8 +529,8 @@ def _solved(program: Program, greedy: Program | None, boxed: Program | None, tim
         prop = Propagation(program).seeded()
         try:
             return prop, given, choose(prop, program.jaxpr.jaxpr, program.out_sbp, time_limit, given, exposed)
-        except Unsolvable:
-            if loops == attempts[-1]:
+        except Unsolvable as e:
+            if loops == attempts[-1] or isinstance(e, Infeasible):
                 raise
 
 
@@ -554,10 +571,16 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     if greedy is None:     # sf.AUTO: greedy on the layouts the solver chose
         greedy = propagate(program.replace(memory_budget=None))
         boxed = boxing(greedy)
-    ours, theirs = _plan_seconds(boxing(solved)), _plan_seconds(boxed)
-    if theirs < ours * (1 - 1e-9):     # a tie keeps the solved plan
+    mine, its = make_plan(boxing(solved)), make_plan(boxed)
+    ours, theirs = mine.modelled_seconds, its.modelled_seconds
+    budget = _budget(program)
+    if theirs < ours * (1 - 1e-9) and (budget is None or its.memory_bytes <= budget):  # a tie keeps the solved plan
         return greedy.replace(planner=f"greedy (its plan, {theirs * 1e6:.1f} us, is cheaper as boxed than the "
                                       f"solver's model optimum, {ours * 1e6:.1f} us)")
+    if program.memory_budget is not None and mine.memory_bytes > program.memory_budget:
+        raise ShardingError(f"memory_budget={program.memory_budget:,} bytes per device: the plan takes "
+                            f"{mine.memory_bytes:,} ({mine.input_bytes:,} of inputs, {mine.loop_bytes:,} stacked by "
+                            f"loops; the loops laid out by greedy were not bounded){_budget_note(program)}")
     chose = f"; sf.AUTO chose {len(auto)} input layout{'s' * (len(auto) != 1)}" if auto else ""
     loops = f"; {len(given)} control-flow equation{'s' * (len(given) != 1)} laid out by greedy" if given else ""
     return solved.replace(planner=f"solver (optimal: {seconds * 1e6:.1f} us of collectives and local work "
@@ -572,8 +595,12 @@ def _budget_note(program: Program) -> str:
             f"specs take {_fixed_input_bytes(Propagation(program)):,}")
 
 
-def _plan_seconds(boxed: Program) -> float:
-    """A boxed plan's modelled time: its collectives as boxing runs them, every equation's
-    local work, less what its loops hide."""
-    from shardflow.explain import make_plan
-    return make_plan(boxed).modelled_seconds
+def _budget(program: Program) -> int | None:
+    """Bytes per device the plan may hold (explain's ``memory_bytes``): ``memory_budget``, else
+    a GPU's memory, else no bound."""
+    if program.memory_budget is not None:
+        return program.memory_budget
+    device = program.mesh.devices.flat[0]
+    if device.platform != "gpu":
+        return None
+    return (device.memory_stats() or {}).get("bytes_limit")

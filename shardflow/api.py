@@ -209,8 +209,9 @@ def parallelize(fn=None, *, mesh: Mesh, in_specs, out_specs=None, links: LinkMod
     ``donate_argnums``: as in ``jax.jit`` — a training step donates its parameters and optimizer
     state so their buffers hold the new ones. ``passes``: the pass list (default
     ``sf.passes.DEFAULT``; see ``shardflow.passes`` to insert one). ``memory_budget``: bytes per
-    device the inputs may take, for the solver (``sf.passes.SOLVER``) choosing ``sf.AUTO``
-    layouts; partial: intermediate values are not counted yet. Usable as a decorator:
+    device the plan may hold, for the solver (``sf.passes.SOLVER``; default: a GPU's memory):
+    the inputs and the stacked outputs of the layer loops, explain's ``memory_bytes``; partial:
+    other intermediates and temporaries are not counted yet. Usable as a decorator:
     ``@sf.parallelize(mesh=..., in_specs=...)``.
     """
     kwargs = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, links=links, donate_argnums=donate_argnums,

@@ -38,6 +38,8 @@ class Plan:
     planner: str = "greedy"   # which pass chose the shardings (passes.propagate or passes.solve)
     work_seconds: float = 0.0  # modelled local work of every equation (conversion.local_seconds)
     hidden_seconds: float = 0.0  # collectives a loop overlaps with its matmuls (``overlap``)
+    input_bytes: int = 0       # per device: the arguments' blocks
+    loop_bytes: int = 0        # per device: the stacked outputs of the loops (``held_bytes``)
 
     @property
     def total_bytes(self) -> int:
@@ -46,6 +48,12 @@ class Plan:
     @property
     def total_seconds(self) -> float:
         return sum(c.seconds * c.count for c in self.collectives)
+
+    @property
+    def memory_bytes(self) -> int:
+        """What a memory budget bounds: the inputs and what the loops stack (partial: the
+        other intermediates and temporaries are not counted)."""
+        return self.input_bytes + self.loop_bytes
 
     @property
     def modelled_seconds(self) -> float:
@@ -65,6 +73,8 @@ class Plan:
         if self.fallbacks:
             lines.append("run whole for want of a rule (operands gathered to B): "
                          + ", ".join(f"{p} at {s}" for p, s in self.fallbacks))
+        lines.append(f"memory per device, modelled: {self.input_bytes:,} bytes of inputs + {self.loop_bytes:,} "
+                     f"stacked by loops = {self.memory_bytes:,}")
         lines.append("inputs:  " + "; ".join(f"{n} {format_sbp(s)}" for n, _, s in self.inputs))
         lines.append("outputs: " + "; ".join(f"{i} {format_sbp(s)}" for i, _, s in self.outputs))
         return "\n".join(lines)
@@ -141,6 +151,21 @@ def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float,
     return work, hidden
 
 
+def held_bytes(program: Program, jaxpr) -> int:
+    """Per device, the stacked outputs of the scans of ``jaxpr`` (remat bodies included, not
+    the bodies of loops): what a layer loop keeps for the backward, and its stacked gradients —
+    held across the step, where a loop's per-iteration values come and go."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is lax.scan_p:
+            _, nk = scan_arity(eqn.params)
+            total += sum(conversion.local_bytes(o.aval, program.sbp[o], program.mesh)
+                         for o in eqn.outvars[nk:] if o in program.sbp)
+        elif eqn.primitive in REMAT_PRIMITIVES:
+            total += held_bytes(program, open_jaxpr(eqn.params["jaxpr"]))
+    return total
+
+
 def make_plan(program: Program) -> Plan:
     jaxpr, arg_names = program.jaxpr.jaxpr, program.arg_names
     collectives = []
@@ -149,4 +174,6 @@ def make_plan(program: Program) -> Plan:
     outputs = [(i, tuple(v.aval.shape), s) for i, (v, s) in enumerate(zip(jaxpr.outvars, program.out_sbp))]
     values = [(e.primitive.name, source_line(e), describe(v.aval), program.sbp.get(v))
               for e in all_eqns(jaxpr) for v in e.outvars if v in program.sbp]
-    return Plan(collectives, inputs, outputs, values, list(program.fallbacks), program.planner, work, hidden)
+    input_bytes = sum(conversion.local_bytes(v.aval, program.sbp[v], program.mesh) for v in jaxpr.invars)
+    return Plan(collectives, inputs, outputs, values, list(program.fallbacks), program.planner, work, hidden,
+                input_bytes, held_bytes(program, jaxpr))

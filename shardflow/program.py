@@ -38,7 +38,7 @@ class Program:
     arg_names: tuple = ()              # names of the flat inputs, for explain and errors
     in_orders: tuple = ()              # per input: ((dim, axes), ...) split against mesh order (specs.split_orders)
     out_orders: tuple = ()             # per output, the same
-    memory_budget: int | None = None   # bytes per device the inputs may take (passes.solve); None: no limit
+    memory_budget: int | None = None   # bytes per device a plan may hold (passes.solve); None: a GPU's memory
 
     def replace(self, **kw) -> "Program":
         return dataclasses.replace(self, **kw)

@@ -388,6 +388,32 @@ def _layers_grad(ws, x):
     return jax.grad(loss)(ws)
 
 
+def test_a_memory_budget_bounds_what_the_layer_loops_hold():
+    """explain's memory_bytes (the inputs, and what the loops not in a loop stack: the layer
+    loop's residuals and its per-layer gradients) is what a budget bounds. Data parallel, the
+    optimum holds each layer's gradient all-reduced (whole); a budget one byte below that
+    plan's makes the solver hold them split and gather after the loop — slower by the model,
+    equal to one device — and a budget below every plan is refused as infeasible, without
+    falling back to a plan that breaks it."""
+    r = np.random.default_rng(0)
+    ws, x = r.standard_normal((4, 64, 64)).astype(np.float32) / 8, r.standard_normal((64, 64)).astype(np.float32)
+    kw = dict(mesh=mesh("2x4"), in_specs=(jax.P(), jax.P(("data", "model"))), out_specs=jax.P(),
+              passes=sf.passes.SOLVER)
+    free = sf.parallelize(_layers_grad, **kw).explain(ws, x)
+    assert free.input_bytes == ws.nbytes + x.nbytes // 8
+    assert free.loop_bytes >= ws.nbytes                    # the stacked gradients, whole
+    assert "stacked by loops" in str(free)
+    step = sf.parallelize(_layers_grad, memory_budget=free.memory_bytes - 1, **kw)
+    tight = step.explain(ws, x)
+    assert tight.planner.startswith("solver (optimal")
+    assert tight.memory_bytes < free.memory_bytes and tight.loop_bytes < ws.nbytes
+    assert tight.modelled_seconds > free.modelled_seconds
+    np.testing.assert_allclose(np.asarray(step(ws, x)), np.asarray(jax.jit(_layers_grad)(ws, x)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(sf.ShardingError, match=r"memory_budget=70,000 bytes: the solver did not run \(The problem "
+                                               r"is infeasible.*of which the inputs with specs take 67,584"):
+        sf.parallelize(_layers_grad, memory_budget=70_000, **kw).explain(ws, x)
+
+
 def test_a_loop_hides_its_gradient_reductions_behind_its_matmuls():
     """The overlap model: under data parallelism a layer loop's per-layer weight gradients are
     all-reduced inside the backward loop, behind the other layers' matmuls; explain counts
