@@ -9,7 +9,7 @@ from shardflow import conversion, registry
 from shardflow.primitives import box_p
 from shardflow.program import (REMAT_PRIMITIVES, Program, all_eqns, is_literal, nested, open_jaxpr, scan_arity,
                                source_line)
-from shardflow.specs import as_dtype, describe, format_sbp
+from shardflow.specs import B, Split, as_dtype, describe, format_sbp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +40,7 @@ class Plan:
     hidden_seconds: float = 0.0  # collectives a loop overlaps with its matmuls (``overlap``)
     input_bytes: int = 0       # per device: the arguments' blocks
     loop_bytes: int = 0        # per device: the stacked outputs of the loops (``held_bytes``)
+    gathered: list = dataclasses.field(default_factory=list)  # (argument, NdSbp, to, where, bytes): ``gathered_inputs``
 
     @property
     def total_bytes(self) -> int:
@@ -75,6 +76,9 @@ class Plan:
                          + ", ".join(f"{p} at {s}" for p, s in self.fallbacks))
         lines.append(f"memory per device, modelled: {self.input_bytes:,} bytes of inputs + {self.loop_bytes:,} "
                      f"stacked by loops = {self.memory_bytes:,}")
+        for name, src, dst, where, nbytes in self.gathered:
+            lines.append(f"gathered whole over an axis its spec splits: {name} {src} -> {dst} at {where}, "
+                         f"{nbytes:,} bytes sent per device (the {self.planner.split()[0]} planner's choice)")
         lines.append("inputs:  " + "; ".join(f"{n} {format_sbp(s)}" for n, _, s in self.inputs))
         lines.append("outputs: " + "; ".join(f"{i} {format_sbp(s)}" for i, _, s in self.outputs))
         return "\n".join(lines)
@@ -166,6 +170,39 @@ def held_bytes(program: Program, jaxpr) -> int:
     return total
 
 
+_SAME_VALUE = ("convert_element_type", "copy", "copy_p")   # a weight's cast is still the weight
+
+
+def gathered_inputs(program: Program) -> list:
+    """(argument, its NdSbp, the NdSbp converted to, where, bytes sent per device per step) of
+    every conversion that gathers an argument — or its cast, or a layer's slice of it inside a
+    scan — over a mesh axis its spec splits: a weight pinned split, materialised whole there."""
+    jaxpr, out = program.jaxpr.jaxpr, []
+    origin = dict(zip(jaxpr.invars, program.arg_names))
+
+    def walk(jaxpr, count):
+        for eqn in jaxpr.eqns:
+            x = eqn.invars[0] if eqn.invars and not is_literal(eqn.invars[0]) else None
+            if eqn.primitive is box_p and x in origin:
+                p = eqn.params
+                if any(isinstance(a, Split) and b == B for a, b in zip(p["src"], p["dst"])):
+                    sent = sum(st.bytes for st in p["steps"] if st.is_collective) * count
+                    out.append((origin[x], format_sbp(p["src"]), format_sbp(p["dst"]), p["used_at"], sent))
+                origin[eqn.outvars[0]] = origin[x]
+            elif eqn.primitive.name in _SAME_VALUE and x in origin:
+                origin[eqn.outvars[0]] = origin[x]
+            elif eqn.primitive is lax.scan_p or eqn.primitive in REMAT_PRIMITIVES:
+                body = open_jaxpr(eqn.params["jaxpr"])
+                nc, nk = scan_arity(eqn.params) if eqn.primitive is lax.scan_p else (len(body.invars), 0)
+                for k, (y, v) in enumerate(zip(eqn.invars, body.invars)):
+                    if not (nc <= k < nc + nk) and not is_literal(y) and y in origin:
+                        origin[v] = origin[y] + ("[layer]" if k >= nc + nk else "")
+                walk(body, count * eqn.params.get("length", 1))
+
+    walk(jaxpr, 1)
+    return out
+
+
 def make_plan(program: Program) -> Plan:
     jaxpr, arg_names = program.jaxpr.jaxpr, program.arg_names
     collectives = []
@@ -176,4 +213,4 @@ def make_plan(program: Program) -> Plan:
               for e in all_eqns(jaxpr) for v in e.outvars if v in program.sbp]
     input_bytes = sum(conversion.local_bytes(v.aval, program.sbp[v], program.mesh) for v in jaxpr.invars)
     return Plan(collectives, inputs, outputs, values, list(program.fallbacks), program.planner, work, hidden,
-                input_bytes, held_bytes(program, jaxpr))
+                input_bytes, held_bytes(program, jaxpr), gathered_inputs(program))

@@ -85,3 +85,23 @@ def test_which_files_are_the_users():
     # the trainer is code its user reads and edits, as in the tiny_model notebook's explain
     import shardflow.train.loop
     assert is_user_file(shardflow.train.loop.__file__)
+
+
+def test_explain_says_when_a_weight_pinned_split_is_gathered_whole():
+    """A weight split over 'model' by its spec, used by a matmul whose result is wanted whole
+    over 'model': with many rows the plan gathers the weight (768 bytes) rather than the result,
+    and explain names the argument, the layouts, the line and the bytes; with few rows it
+    gathers the result and names nothing."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    m = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    w = np.ones((16, 16), np.float32)
+    def f(w, x):
+        return jnp.tanh(x @ w)
+    kw = dict(mesh=m, in_specs=(jax.P(None, "model"), jax.P("data")), out_specs=jax.P("data"))
+    plan = sf.parallelize(f, **kw).explain(w, np.ones((512, 16), np.float32))
+    ((name, src, dst, where, sent),) = plan.gathered
+    assert (name, src, dst, sent) == ("args[0]", "(B, S(1))", "(B, B)", 768) and where.startswith("test_explain_source.py:")
+    assert "gathered whole over an axis its spec splits: args[0] (B, S(1)) -> (B, B)" in str(plan)
+    assert sf.parallelize(f, **kw).explain(w, np.ones((8, 16), np.float32)).gathered == []
