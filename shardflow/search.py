@@ -3,8 +3,9 @@ modelled time — the intra-operator level of an auto-parallel search (Alpa's), 
 in_specs letting the solver lay the parameters out on each mesh.
 
 Partial, and said so: the ranking is the solver's model (collectives by the α-β link model,
-local work by flops and memory bandwidth), not a measurement; there is no memory budget yet,
-so a plan may hold more per device than fits.
+local work by flops and memory bandwidth), not a measurement. A memory budget (``memory_budget``,
+else a GPU's memory) bounds each mesh's plan by explain's ``memory_bytes`` — the inputs and what
+the layer loops hold, not the temporaries — and a mesh with no plan within it is refused.
 """
 from __future__ import annotations
 

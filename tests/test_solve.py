@@ -253,7 +253,7 @@ def test_a_memory_budget_on_the_inputs_is_kept_at_the_least_cost():
 def test_plan_solves_every_factoring_of_the_devices_and_ranks_them():
     """sf.plan over {data, model} on 8 devices with sf.AUTO weights: each of the four meshes
     solved, ranked by modelled time, each rank its program's own explain; the best runs and
-    equals one device."""
+    equals one device; under a memory budget only the meshes whose plans keep to it rank."""
     ranked = sf.plan(mlp_grad, *MLP_ARGS, in_specs=(sf.AUTO, sf.AUTO, jax.P("data")))
     assert sorted(tuple(c.mesh_shape.values()) for c in ranked) == [(1, 8), (2, 4), (4, 2), (8, 1)]
     assert [c.seconds for c in ranked] == sorted(c.seconds for c in ranked)
@@ -267,6 +267,12 @@ def test_plan_solves_every_factoring_of_the_devices_and_ranks_them():
     assert ranked[-1].mesh_shape == {"data": 8, "model": 1} and ranked[-1].step is None
     assert ranked[-1].seconds == float("inf") and "12" in ranked[-1].refused, ranked[-1].refused
     assert all(c.step is not None for c in ranked[:-1])
+    # a memory budget bounds each mesh's plan (explain's memory_bytes); a mesh with none that
+    # keeps to it is refused as infeasible
+    fits = sf.plan(mlp_grad, *MLP_ARGS, in_specs=(sf.AUTO, sf.AUTO, jax.P("data")), memory_budget=800)
+    assert [c.mesh_shape for c in fits[:2]] == [{"data": 4, "model": 2}, {"data": 8, "model": 1}]
+    assert all(c.explain.memory_bytes <= 800 for c in fits[:2])
+    assert all(c.step is None and "infeasible" in c.refused for c in fits[2:])
 
 
 def test_a_scan_is_solved_with_its_body():
