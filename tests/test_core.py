@@ -280,3 +280,16 @@ def test_min_over_a_split_dim_reduces_a_partial_min(mesh):
     plan = f.explain(x)
     assert [c.kind for c in plan.collectives] == ["all_reduce", "all_reduce"], str(plan)
     assert plan.total_bytes == round(2 * 3 / 4 * 4) + round(2 * 3 / 4 * 16 * 4)
+
+
+def test_the_lowered_program_asks_gpus_for_no_dynamic_slice_fusion(mesh):
+    """XLA's dynamic-slice fusion cloned the Pallas attention forward whose results a layer scan
+    stacks (two forwards per layer on GPUs: benchmarks/results/scaling.md, session 14): the
+    lowered program turns it off on GPU meshes and passes nothing elsewhere (an option XLA:CPU
+    does not know would be an error)."""
+    import types
+
+    from shardflow.passes.lower import compiler_options
+    assert compiler_options(mesh) == {}
+    gpu = types.SimpleNamespace(devices=np.asarray([types.SimpleNamespace(platform="gpu")]))
+    assert compiler_options(gpu) == {"xla_gpu_enable_dynamic_slice_fusion": False}
