@@ -101,22 +101,20 @@ def train_rows(preset: str, seq: int, n: int, variants, remat: str, steps: int, 
                                 eval_every=0, compute_dtype="bfloat16")
             cfg.model = {"preset": preset, "remat": remat, "attention_impl": "ops", "context": variant}
             cfg.data.seq_len = seq
-            run, seconds, out = train_mfu.time_steps(cfg, replicas, seq, steps, warmup)
+            run, seconds, out, compiled = train_mfu.time_steps(cfg, replicas, seq, steps, warmup)
             peak = metrics.peak_flops(jax.devices()[0])
             tok_s = replicas * seq / seconds
             mfu = (tok_s * metrics.flops_per_token(run.model_cfg, run.n_params, seq) / (peak * jax.device_count())
                    if peak else None)
-            memory = max(d.memory_stats().get("peak_bytes_in_use", 0) for d in jax.devices()) \
-                if jax.devices()[0].memory_stats() else None
             row.update(status="ok", ms=seconds * 1e3, tokens_per_s=tok_s, mfu=mfu, loss=float(out["loss"]),
-                       peak_gb=memory / 2**30 if memory else None)
+                       compiled_gb=compiled / 1e9)
         except Exception as e:  # noqa: BLE001 - report and go on (e.g. out of memory)
             row.update(status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         rows.append(row)
         print(f"{seq:7d} {variant:11s} train " + (
             f"{row['ms']:9.1f} ms {row['tokens_per_s']:9,.0f} tok/s  MFU "
             + (f"{100 * row['mfu']:.1f} %" if row["mfu"] else "n/a")
-            + (f"  peak {row['peak_gb']:.1f} GB" if row["peak_gb"] else "")
+            + f"  compiled {row['compiled_gb']:.2f} GB per device"
             if row["status"] == "ok" else row["status"]), flush=True)
         jax.clear_caches()
     return rows

@@ -47,6 +47,7 @@ import time
 import traceback
 
 import _checkout  # noqa: F401
+import train_mfu
 from shardflow.train import configure_host_platform
 
 # NVLink multicast off (the device machines' KINDS.md); NCCL reads it when JAX creates its
@@ -162,11 +163,7 @@ def time_steps(run, row, global_batch, seq, args):
         jax.block_until_ready((params, opt_state, out))
         elapsed = time.perf_counter() - start
         loss = float(out["loss"])
-        # XLA's own account of the compiled step (the allocator's peak is process-wide and JAX
-        # preallocates): arguments + outputs not aliased to them + temporaries, per device.
-        memory = step_fn.lower(params, opt_state, data).compile().memory_analysis()
-        row["compiled_gb_per_device"] = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                                         - memory.alias_size_in_bytes + memory.temp_size_in_bytes) / 1e9
+        row["compiled_gb_per_device"] = train_mfu.compiled_bytes(step_fn, params, opt_state, data) / 1e9
     except Exception as e:  # noqa: BLE001 - report the config and go on with the others
         return {**row, "status": failure(e)}
     tok_s = args.steps * global_batch * seq / elapsed

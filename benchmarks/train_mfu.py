@@ -45,7 +45,7 @@ def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: i
     cfg.engine = "jit" if engine == "reference" else "shardflow"
     cfg.batch_size, cfg.data.seq_len, cfg.steps = batch, seq, warmup + steps
     cfg.strategy, cfg.compute_dtype = "dp", "bfloat16"
-    run, step_s, out = time_steps(cfg, batch, seq, steps, warmup)
+    run, step_s, out, _ = time_steps(cfg, batch, seq, steps, warmup)
     tok_s = batch * seq / step_s
     flops = metrics.flops_per_token(run.model_cfg, run.n_params, seq)
     peak = metrics.peak_flops(jax.devices()[0], peak)
@@ -54,9 +54,18 @@ def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: i
             "params": run.n_params, "step_s": step_s}
 
 
+def compiled_bytes(step_fn, *args) -> int:
+    """Per device, XLA's own account of a compiled step (the allocator's peak is process-wide,
+    and JAX preallocates): arguments + outputs not aliased to them + temporaries."""
+    memory = step_fn.lower(*args).compile().memory_analysis()
+    return (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes)
+
+
 def time_steps(cfg, batch: int, seq: int, steps: int, warmup: int):
-    """(the set-up run, seconds per step, the last step's metrics) of ``cfg``'s training step
-    on one random token batch resident on the devices, after ``warmup`` untimed steps."""
+    """(the set-up run, seconds per step, the last step's metrics, the compiled step's bytes per
+    device) of ``cfg``'s training step on one random token batch resident on the devices, after
+    ``warmup`` untimed steps."""
     import jax
     import numpy as np
 
@@ -76,7 +85,8 @@ def time_steps(cfg, batch: int, seq: int, steps: int, warmup: int):
     for _ in range(steps):
         params, opt_state, out = step_fn(params, opt_state, data)
     jax.block_until_ready(out)
-    return run, (time.perf_counter() - start) / steps, out
+    seconds = (time.perf_counter() - start) / steps
+    return run, seconds, out, compiled_bytes(step_fn, params, opt_state, data)
 
 
 def main(argv=None):
