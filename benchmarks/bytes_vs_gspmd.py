@@ -140,11 +140,13 @@ def _call(compiled, args):
     return jax.tree.leaves(jax.device_get(out))
 
 
-def train_row(strategy, preset="tiny", batch=16, seq=128) -> Row:
+def train_row(strategy, preset="tiny", batch=16, seq=128, planner="greedy") -> Row:
     """The `shardflow train` step built twice — engine "shardflow" (sf.parallelize) and engine
     "jit" (GSPMD) — with the same specs and the same initial state, each compiled once; bytes
     from both HLOs. The error column compares shardflow's new parameters and metrics with
-    GSPMD's: the step computes in bf16, so a one-device fp32 run is no yardstick."""
+    GSPMD's: the step computes in bf16, so a one-device fp32 run is no yardstick. ``planner``
+    other than "greedy": the trainer's `planner: solver` (its objective is the modelled time
+    with the default link model; the trainer has no bytes objective)."""
     import jax
     import numpy as np
 
@@ -160,6 +162,7 @@ def train_row(strategy, preset="tiny", batch=16, seq=128) -> Row:
             cfg = config_lib.Config()
             cfg.model = {"preset": preset}
             cfg.engine, cfg.strategy, cfg.mesh = engine, strategy, dict(gp.MESH_SHAPE)
+            cfg.planner = "greedy" if planner == "greedy" else "solver"
             cfg.batch_size, cfg.data.seq_len = batch, seq
             run = train_lib.setup(cfg)
             if state is None:  # one initial state for both (the steps donate theirs)
@@ -301,7 +304,7 @@ def main(argv=None):
         for strategy in TRAIN_STRATEGIES:
             if args.only and not re.search(args.only, f"llama_train-{strategy}"):
                 continue
-            rows.append(train_row(strategy, args.preset, args.batch, args.seq))
+            rows.append(train_row(strategy, args.preset, args.batch, args.seq, args.planner))
             print("  " + " | ".join(cells(rows[-1])) + f"   [{rows[-1].seconds:.1f} s]", flush=True)
     elapsed = time.perf_counter() - started
     print()
