@@ -1,21 +1,13 @@
 """benchmarks/context.py end to end on tiny shapes (simulated CPU devices): every variant runs
 and reports its time and ratio to one device."""
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "context.py"
+from benchmark_scripts import load
 
 
 def load_script():
-    if str(SCRIPT.parent) not in sys.path:
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("context_benchmark", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load("context")
 
 
 def test_every_variant_runs_on_the_cpu_check(tmp_path):

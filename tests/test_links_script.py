@@ -1,23 +1,15 @@
 """benchmarks/links.py: the link model's calibration, run on 8 simulated CPU devices (the
 numbers are the CPU's; what is checked is that every kind runs with the shapes it claims and
 the fit recovers a line)."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "links.py"
+from benchmark_scripts import load
 
 
 def load_script():
-    if str(SCRIPT.parent) not in sys.path:
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("links_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("links")
 
 
 def test_the_fit_recovers_alpha_and_beta():

@@ -1,21 +1,12 @@
 """benchmarks/scaling.py end to end on the tiny preset (8 simulated CPU devices, conftest.py)."""
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scaling.py"
+from benchmark_scripts import load
 
 
 def load_script():
-    # As when run as a script: its folder first on sys.path (for benchmarks/_checkout.py).
-    if str(SCRIPT.parent) not in sys.path:
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("scaling_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("scaling")
 
 
 def test_scaling_tiny_tp_both_engines(tmp_path):
