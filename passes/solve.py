@@ -575,14 +575,14 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     # The loops' hideable conversions were priced at the share greedy's plan leaves exposed; the
     # solved plan may lean on them more than its matmuls can hide. Priced at the share the
     # solved plan itself leaves exposed, the program is solved once more, and the cheaper of
-    # the two as boxed kept.
+    # the two as boxed kept (on a tie the second: its optimum is priced at its own shares).
     if shares:
         again = _loop_shares(boxing(solved), program.jaxpr.jaxpr)
         if any(again[k] > shares[k] + 1e-3 for k in shares):
             try:
                 second = _solved(program, greedy, {k: max(shares[k], again[k]) for k in shares}, limit)
                 plan = make_plan(boxing(second))
-                if plan.modelled_seconds < mine.modelled_seconds:
+                if plan.modelled_seconds <= mine.modelled_seconds * (1 + 1e-9):   # a tie: its model is the truer
                     solved, mine = second, plan
             except Unsolvable:
                 pass
