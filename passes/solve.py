@@ -501,7 +501,7 @@ def _exposed(boxed: Program, jaxpr, laid_jaxpr, out: dict) -> dict:
     """Scan equations of ``jaxpr`` -> the share of their hideable conversions (a layer's weights
     gathered ahead, its gradient reduced behind the next layer: ``explain.hideable``) that
     their matmuls leave exposed in ``laid_jaxpr``, its annotation in ``boxed`` (greedy's boxed
-    plan): the solver's price of such a conversion, as a share of its collectives' time (at
+    plan, or a solved one): the solver's price of such a conversion, as a share of its collectives' time (at
     least 1/20: a conversion is never free). Explain takes the min of the two; the integer program keeps
     its prices linear, with the share greedy's plan gives (a row bounding the hidden time by
     the compute made the LP relaxation fractional)."""
@@ -516,12 +516,21 @@ def _exposed(boxed: Program, jaxpr, laid_jaxpr, out: dict) -> dict:
     return out
 
 
-def _solved(program: Program, greedy: Program | None, exposed: dict | None, time_limit: float) -> Program:
-    """The program with ``choose``'s optimum (its planner line says what was solved), or raise
-    Unsolvable. ``exposed``: the overlap shares the loops' hideable conversions are priced at.
-    A loop's carries make the LP relaxation fractional at times and branch and bound slow:
-    where the time limit runs out, the loops are laid out as greedy laid them out and the rest
-    solved, in a second time limit (where greedy ran: not with sf.AUTO inputs)."""
+class _Solution(NamedTuple):
+    program: Program      # the solved program (propagate's ensures; boxing runs after)
+    boxed: Program        # it boxed, for pricing
+    seconds: float        # the integer program's optimum (modelled)
+    took: float           # seconds the solve took
+    note: str             # what else the planner line says (sf.AUTO choices, loops laid out by greedy)
+    plan: object          # explain's Plan of ``program``
+
+
+def _solved(program: Program, greedy: Program | None, exposed: dict | None, time_limit: float) -> _Solution:
+    """``choose``'s optimum, or raise Unsolvable. ``exposed``: the overlap
+    shares the loops' hideable conversions are priced at. A loop's carries make the LP
+    relaxation fractional at times and branch and bound slow: where the time limit runs out,
+    the loops are laid out as greedy laid them out and the rest solved, in a second time limit
+    (where greedy ran: not with sf.AUTO inputs)."""
     start = time.perf_counter()
     attempts = (True,) if greedy is None else (True, False)
     for loops in attempts:
@@ -533,6 +542,7 @@ def _solved(program: Program, greedy: Program | None, exposed: dict | None, time
         except Unsolvable as e:
             if loops == attempts[-1] or isinstance(e, Infeasible):
                 raise
+    took = time.perf_counter() - start
     closed = program.jaxpr
     program = program.replace(in_sbp=tuple(auto.get(v, s) for v, s in zip(closed.jaxpr.invars, program.in_sbp)))
     fallbacks, sbp = list(prop.fallbacks), prop.sbp
@@ -543,9 +553,9 @@ def _solved(program: Program, greedy: Program | None, exposed: dict | None, time
     out_sbp = tuple(s if s is not None else reduced(prop.of(v)) for v, s in zip(jaxpr.outvars, program.out_sbp))
     chose = f"; sf.AUTO chose {len(auto)} input layout{'s' * (len(auto) != 1)}" if auto else ""
     laid = f"; {len(given)} control-flow equation{'s' * (len(given) != 1)} laid out by greedy" if given else ""
-    return program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=sbp, out_sbp=out_sbp, fallbacks=fallbacks,
-                           planner=f"solver (optimal: {seconds * 1e6:.1f} us of collectives and local work "
-                                   f"modelled, AS_BOXED; solved in {time.perf_counter() - start:.2f} s{chose}{laid})")
+    solved = program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=sbp, out_sbp=out_sbp, fallbacks=fallbacks)
+    boxed = boxing(solved)
+    return _Solution(solved, boxed, seconds, took, chose + laid, make_plan(boxed))
 
 
 def _loop_shares(boxed: Program, jaxpr) -> dict:
@@ -562,7 +572,7 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     boxed = None if greedy is None else boxing(greedy)
     shares = None if boxed is None else _loop_shares(boxed, program.jaxpr.jaxpr)
     try:
-        solved = _solved(program, greedy, shares, limit)
+        solution = _solved(program, greedy, shares, limit)
     except Unsolvable as e:
         if program.auto_inputs:
             raise ShardingError(f"in_specs sf.AUTO for {', '.join(program.auto_inputs)}: the solver did not run "
@@ -571,21 +581,20 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
             raise ShardingError(f"memory_budget={program.memory_budget:,} bytes: the solver did not run ({e})"
                                 f"{_budget_note(program)}") from None
         return greedy.replace(planner=f"greedy (the solver did not run: {e})")
-    mine = make_plan(boxing(solved))
     # The loops' hideable conversions were priced at the share greedy's plan leaves exposed; the
     # solved plan may lean on them more than its matmuls can hide. Priced at the share the
     # solved plan itself leaves exposed, the program is solved once more, and the cheaper of
     # the two as boxed kept (on a tie the second: its optimum is priced at its own shares).
     if shares:
-        again = _loop_shares(boxing(solved), program.jaxpr.jaxpr)
+        again = _loop_shares(solution.boxed, program.jaxpr.jaxpr)
         if any(again[k] > shares[k] + 1e-3 for k in shares):
             try:
                 second = _solved(program, greedy, {k: max(shares[k], again[k]) for k in shares}, limit)
-                plan = make_plan(boxing(second))
-                if plan.modelled_seconds <= mine.modelled_seconds * (1 + 1e-9):   # a tie: its model is the truer
-                    solved, mine = second, plan
+                if second.plan.modelled_seconds <= solution.plan.modelled_seconds * (1 + 1e-9):
+                    solution = second
             except Unsolvable:
                 pass
+    solved, mine = solution.program, solution.plan
     # The model prices each of a value's conversions from where it is made; boxing may chain
     # them (gather once, then slice for free), which greedy's choices sometimes exploit. The
     # plans are compared as boxing will run them, and the cheaper kept.
@@ -602,7 +611,9 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
         raise ShardingError(f"memory_budget={program.memory_budget:,} bytes per device: the plan takes "
                             f"{mine.memory_bytes:,} ({mine.input_bytes:,} of inputs, {mine.loop_bytes:,} stacked by "
                             f"loops; the loops laid out by greedy were not bounded){_budget_note(program)}")
-    return solved.replace(planner=solved.planner.replace("AS_BOXED", f"{ours * 1e6:.1f} us as boxed"))
+    return solved.replace(planner=f"solver (optimal: {solution.seconds * 1e6:.1f} us of collectives and local work "
+                                  f"modelled, {ours * 1e6:.1f} us as boxed; solved in {solution.took:.2f} s"
+                                  f"{solution.note})")
 
 
 def _budget_note(program: Program) -> str:

@@ -170,7 +170,7 @@ def held_bytes(program: Program, jaxpr) -> int:
     return total
 
 
-_SAME_VALUE = ("convert_element_type", "copy", "copy_p")   # a weight's cast is still the weight
+_SAME_VALUE = ("convert_element_type", "copy")   # a weight's cast is still the weight
 
 
 def gathered_inputs(program: Program) -> list:
