@@ -56,13 +56,9 @@ from shardflow.program import open_jaxpr, source_line
 from shardflow.registry import Decision, defrule
 from shardflow.specs import B, Partial, ShardingError, Split, local_shape
 
-from shardflow.schedules import Schedule, by_name, with_split_backward
+from shardflow.schedules import Schedule, by_name, steps, with_split_backward
 from shardflow.slots import at, put
 from shardflow.split_vjp import split_vjp
-
-IDLE, FORWARD, BACKWARD, WEIGHTS = 0, 1, 2, 3
-KINDS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHTS}
-
 
 def _place(table: Schedule) -> dict:
     """(stage, chunk) of every virtual stage."""
@@ -70,7 +66,7 @@ def _place(table: Schedule) -> dict:
 
 
 def _colour(intervals):
-    """Slot per interval [start, end] (inclusive ticks), reusing a slot once its interval ended:
+    """Slot per interval [start, end] (inclusive times), reusing a slot once its interval ended:
     the fewest slots any assignment can use (interval graphs are perfect)."""
     slots, free, busy = {}, [], []          # busy: (end, slot)
     count = 0
@@ -89,49 +85,59 @@ def _colour(intervals):
 
 
 class Plan(NamedTuple):
-    """Per (tick, stage) int32 arrays the scan indexes by tick and device; -1 where unused."""
-    kind: np.ndarray          # IDLE / F / B / W
-    microbatch: np.ndarray
-    chunk: np.ndarray
-    resid_slot: np.ndarray    # F stores the stage's residuals here, B and W read them
-    stash_slot: np.ndarray    # B stores what W reads of its values (split_vjp's stash) here
-    in_slot: np.ndarray       # F reads its input / B its output gradient from this inbox slot
-    recv_f: np.ndarray        # [T + 1, s, 2] inbox-F slot for what arrives from (previous, next) stage
-    recv_b: np.ndarray        # [T + 1, s, 2] inbox-B slot likewise
-    self_f: np.ndarray        # [T, s] inbox-F slot for this stage's own forward output (V turn)
-    self_b: np.ndarray
+    """The executor's tables for a schedule run step by step (``schedules.steps``): a stage runs in
+    a step at most one F, one B and one W, so each kind has its own columns.
+
+    ``tables``: name -> int32 [steps, stages], -1 where unused — ``f_mb`` / ``f_chunk`` (-1: no F),
+    ``f_in`` (the inbox-F slot F reads), ``f_resid`` (where F stores the residuals), ``f_self``
+    (the inbox-F slot for its own output: the turn of a V), ``f_head`` (the inbox-B slot for the
+    head's dy, on the last virtual stage); ``b_mb`` / ``b_chunk``, ``b_in``, ``b_resid``, ``b_stash``
+    (where B stores what W reads), ``b_self``; ``w_chunk``, ``w_resid``, ``w_stash``; and
+    ``recv_f`` / ``recv_b`` [steps + 1, stages, 2]: the inbox slot for what arrives from the
+    (previous, next) stage. ``heads`` [steps]: the last virtual stage's forward runs in the step."""
+    tables: dict
+    heads: np.ndarray
     n_resid: int
     n_stash: int
     n_in_f: int
     n_in_b: int
-    directions: frozenset     # which of "f_next", "f_prev", "b_next", "b_prev" the schedule uses
+    directions: frozenset     # which of "f_next", "f_prev", "b_next", "b_prev" the schedule sends
+
+    @property
+    def steps(self) -> int:
+        return len(self.heads)
 
 
 @functools.lru_cache(maxsize=64)   # per Schedule: the executor and explain's pricing both ask
 def plan(table: Schedule) -> Plan:
     """The executor's tables for ``table`` run with a split backward (``with_split_backward``)."""
     table = with_split_backward(table)
-    p, m, v = table.stages, table.microbatches, table.chunks
+    p, v = table.stages, table.chunks
     where = _place(table)
     last = p * v - 1
-    T = len(table.actions)
-    shape = (T, p)
-    kind, mb, ch, in_slot = (np.full(shape, -1, np.int32) for _ in range(4))
-    kind[:] = IDLE
+    groups = steps(table)
+    step_of = {t: j for j, group in enumerate(groups) for t in group}
+    S = len(groups)
+    shape = (S, p)
+    tab = {name: np.full(shape, -1, np.int32) for name in
+           ("f_mb", "f_chunk", "f_in", "f_resid", "f_self", "f_head", "b_mb", "b_chunk", "b_in",
+            "b_resid", "b_stash", "b_self", "w_chunk", "w_resid", "w_stash")}
+    tab["recv_f"], tab["recv_b"] = (np.full((S + 1, p, 2), -1, np.int32) for _ in range(2))
     ran = {}                                   # (kind, mb, virtual stage) -> tick
     for t, row in enumerate(table.actions):
         for s, a in enumerate(row):
-            if a is None:
-                continue
-            k = table.virtual_stage(s, a.chunk)
-            ran[(a.kind, a.microbatch, k)] = t
-            kind[t, s], mb[t, s], ch[t, s] = KINDS[a.kind], a.microbatch, a.chunk
+            if a is not None:
+                ran[(a.kind, a.microbatch, table.virtual_stage(s, a.chunk))] = t
 
     def direction(src_stage, dst_stage):       # 1 next stage, 2 previous, 3 itself
         return 3 if dst_stage == src_stage else 1 if dst_stage == (src_stage + 1) % p else 2
 
-    # Lifetimes per stage: residuals F -> B (or W), output gradients B -> W, inbox entries
-    # arrival -> use. Arrival is the tick after the send (self hand-offs: the same tick's end).
+    def delivered(t):                          # the end of tick t's step, after its actions
+        return groups[step_of[t]][-1] + 0.5
+
+    # Lifetimes per stage, in ticks (a stage runs a step's actions in the table's order):
+    # residuals F -> W, stash B -> W, inbox entries from the end of the sending step (hand-offs,
+    # the head's dy) to their use.
     resid, stashes = [dict() for _ in range(p)], [dict() for _ in range(p)]
     inbox_f, inbox_b = [dict() for _ in range(p)], [dict() for _ in range(p)]
     sends = []                                 # (tick, stage, kind, mb, target virtual stage)
@@ -141,54 +147,48 @@ def plan(table: Schedule) -> Plan:
             resid[s][(i, k)] = (t, ran[("W", i, k)])
             if k < last:
                 ds, _ = where[k + 1]
-                inbox_f[ds][(i, k + 1)] = (t + (ds != s), ran[("F", i, k + 1)])
+                inbox_f[ds][(i, k + 1)] = (delivered(t), ran[("F", i, k + 1)])
                 sends.append((t, s, "F", i, k + 1))
             else:                              # the head's gradient waits for this stage's B
-                inbox_b[s][(i, k)] = (t, ran[("B", i, k)])
+                inbox_b[s][(i, k)] = (delivered(t), ran[("B", i, k)])
         elif kd == "B":
             stashes[s][(i, k)] = (t, ran[("W", i, k)])
             if k > 0:
                 ds, _ = where[k - 1]
-                inbox_b[ds][(i, k - 1)] = (t + (ds != s), ran[("B", i, k - 1)])
+                inbox_b[ds][(i, k - 1)] = (delivered(t), ran[("B", i, k - 1)])
                 sends.append((t, s, "B", i, k - 1))
     resid_slots = [_colour(r) for r in resid]
     stash_slots = [_colour(x) for x in stashes]
     in_f_slots = [_colour(x) for x in inbox_f]
     in_b_slots = [_colour(x) for x in inbox_b]
 
-    resid_slot, stash_slot = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
-    recv_f, recv_b = np.full((T + 1, p, 2), -1, np.int32), np.full((T + 1, p, 2), -1, np.int32)
-    self_f, self_b = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
-    directions = set()
-    for (kd, i, k), t in ran.items():
-        s, _ = where[k]
-        key = (i, k)
+    heads = np.zeros(S, bool)
+    for (kd, i, k), tick in ran.items():
+        s, c, t = *where[k], step_of[tick]
+        key, r = (i, k), resid_slots[s][0][(i, k)]
         if kd == "F":
-            resid_slot[t, s] = resid_slots[s][0][key]
+            tab["f_mb"][t, s], tab["f_chunk"][t, s], tab["f_resid"][t, s] = i, c, r
             if k > 0:
-                in_slot[t, s] = in_f_slots[s][0][key]
+                tab["f_in"][t, s] = in_f_slots[s][0][key]
             if k == last:
-                self_b[t, s] = in_b_slots[s][0][key]
+                tab["f_head"][t, s], heads[t] = in_b_slots[s][0][key], True
         elif kd == "B":
-            in_slot[t, s] = in_b_slots[s][0][key]
-            resid_slot[t, s] = resid_slots[s][0][key]
-            stash_slot[t, s] = stash_slots[s][0][key]
+            tab["b_mb"][t, s], tab["b_chunk"][t, s], tab["b_resid"][t, s] = i, c, r
+            tab["b_in"][t, s], tab["b_stash"][t, s] = in_b_slots[s][0][key], stash_slots[s][0][key]
         else:
-            resid_slot[t, s] = resid_slots[s][0][key]
-            stash_slot[t, s] = stash_slots[s][0][key]
-    for t, s, kd, i, k in sends:
-        ds, _ = where[k]
+            tab["w_chunk"][t, s], tab["w_resid"][t, s], tab["w_stash"][t, s] = c, r, stash_slots[s][0][key]
+    directions = set()
+    for tick, s, kd, i, k in sends:
+        ds, t = where[k][0], step_of[tick]
         d = direction(s, ds)
-        inbox = in_f_slots if kd == "F" else in_b_slots
-        slot = inbox[ds][0][(i, k)]
+        slot = (in_f_slots if kd == "F" else in_b_slots)[ds][0][(i, k)]
         if d == 3:
-            (self_f if kd == "F" else self_b)[t, s] = slot
+            tab[f"{kd.lower()}_self"][t, s] = slot
             continue
         directions.add(f"{kd.lower()}_{'next' if d == 1 else 'prev'}")
         # arriving from the previous stage (sent "next") lands in column 0, from the next in 1
-        (recv_f if kd == "F" else recv_b)[t + 1, ds, 0 if d == 1 else 1] = slot
-    return Plan(kind, mb, ch, resid_slot, stash_slot, in_slot, recv_f, recv_b, self_f, self_b,
-                max(n for _, n in resid_slots), max((n for _, n in stash_slots), default=0),
+        tab[f"recv_{kd.lower()}"][t + 1, ds, 0 if d == 1 else 1] = slot
+    return Plan(tab, heads, max(n for _, n in resid_slots), max((n for _, n in stash_slots), default=0),
                 max((n for _, n in in_f_slots), default=0), max((n for _, n in in_b_slots), default=0),
                 frozenset(directions))
 
@@ -329,7 +329,6 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     and of their gradients, the rest whole on every device."""
     pl = plan(table)
     p, m, v = table.stages, table.microbatches, table.chunks
-    T = pl.kind.shape[0]
     me = lax.axis_index(axis)
     last_stage, last_chunk = _place(table)[p * v - 1]
     first_stage, first_chunk = _place(table)[0]
@@ -365,86 +364,80 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         d_head=[jnp.zeros(g.shape, g.dtype) for g in d_hp],
         d_xs=buffers(m, [x0], spare=1)[0],
         loss=jnp.zeros((), jnp.float32),
-        out=jnp.zeros_like(x0),            # what this tick's action sends on (read only where sent)
+        out_f=jnp.zeros_like(x0),          # what this step's F and B send on (read only where sent)
+        out_b=jnp.zeros_like(x0),
     )
-    tables = {k: jnp.asarray(getattr(pl, k)) for k in
-              ("kind", "microbatch", "chunk", "resid_slot", "stash_slot", "in_slot",
-               "recv_f", "recv_b", "self_f", "self_b")}
+    tables = {name: jnp.asarray(tab) for name, tab in pl.tables.items()}
 
     def when(pred, fn, c, keys):
         """``c`` with its entries ``keys`` replaced by ``fn`` of them where ``pred``. A loop of 0
         or 1 trips, not a conditional: XLA updates a loop's state in place, where a conditional
-        copies every buffer its branches pass through — all of them, every tick."""
+        copies every buffer its branches pass through — all of them, every step."""
         part = {k: c[k] for k in keys}
         _, part = lax.while_loop(lambda s: s[0] < pred.astype(jnp.int32), lambda s: (s[0] + 1, fn(s[1])),
                                  (jnp.int32(0), part))
         return dict(c, **part)
 
+    def is_first(k):
+        return (me == first_stage) & (k == first_chunk)
+
     def forward(row, c):
-        i, k = row["microbatch"], row["chunk"]
-        is_first = (me == first_stage) & (k == first_chunk)
-        x = jnp.where(is_first, at(xs, i), at(c["in_f"], row["in_slot"]))
+        i, k = row["f_mb"], row["f_chunk"]
+        x = jnp.where(is_first(k), at(xs, i), at(c["in_f"], row["f_in"]))
         y, *stored = slots.run(f_jaxpr, chunk(k) + [x],
-                               writes={1 + r: (b, row["resid_slot"]) for r, b in enumerate(c["stored"])})
-        return dict(stored=stored, out=y)
+                               writes={1 + r: (b, row["f_resid"]) for r, b in enumerate(c["stored"])})
+        return dict(stored=stored, out_f=y)
 
     def head(row, c):       # on every device: y from the last stage; dy to it
-        y = lax.psum(jnp.where(me == last_stage, c["out"], jnp.zeros_like(c["out"])), axis)
-        i = tables["microbatch"][row["t"], last_stage]
+        y = lax.psum(jnp.where(me == last_stage, c["out_f"], jnp.zeros_like(c["out_f"])), axis)
+        i = tables["f_mb"][row["t"], last_stage]
         loss, dh, dy = bodies.head(list(head_params), y, [at(a, i) for a in args])
         return dict(loss=c["loss"] + loss, d_head=[a + b for a, b in zip(c["d_head"], dh)],
-                    in_b=put(c["in_b"], row["self_b"], dy))
+                    in_b=put(c["in_b"], row["f_head"], dy))
 
     def backward(row, c):
-        i, k = row["microbatch"], row["chunk"]
-        dy = at(c["in_b"], row["in_slot"])
+        i, k = row["b_mb"], row["b_chunk"]
+        dy = at(c["in_b"], row["b_in"])
         dx, *stash = slots.run(bx_jaxpr, chunk(k) + [None] * n_stored + [dy],
-                               reads={n + r: (b, row["resid_slot"]) for r, b in enumerate(c["stored"])},
-                               writes={1 + s: (b, row["stash_slot"]) for s, b in enumerate(c["stash"])})
-        is_first = (me == first_stage) & (k == first_chunk)
-        return dict(stash=stash, d_xs=put(c["d_xs"], jnp.where(is_first, i, -1), dx), out=dx)
+                               reads={n + r: (b, row["b_resid"]) for r, b in enumerate(c["stored"])},
+                               writes={1 + s: (b, row["b_stash"]) for s, b in enumerate(c["stash"])})
+        return dict(stash=stash, d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
 
     def weights(row, c):
-        k = row["chunk"]
-        reads = {n + r: (b, row["resid_slot"]) for r, b in enumerate(c["stored"])}
-        reads.update({n + n_stored + s: (b, row["stash_slot"]) for s, b in enumerate(c["stash"])})
+        k = row["w_chunk"]
+        reads = {n + r: (b, row["w_resid"]) for r, b in enumerate(c["stored"])}
+        reads.update({n + n_stored + s: (b, row["w_stash"]) for s, b in enumerate(c["stash"])})
         d_chunk = slots.run(bw_jaxpr, chunk(k) + [None] * (n_stored + n_stash), reads=reads)
         return dict(d_stage=[put(d, k, at(d, k) + g) for d, g in zip(c["d_stage"], d_chunk)])
 
-    # the ticks whose last virtual stage's forward ends in the head (the same on every device)
-    head_ticks = jnp.asarray((pl.kind[:, last_stage] == FORWARD) & (pl.chunk[:, last_stage] == last_chunk))
+    heads = jnp.asarray(pl.heads)
     shifts = (("next", [(j, (j + 1) % p) for j in range(p)]), ("prev", [(j, (j - 1) % p) for j in range(p)]))
 
-    def tick(c, t):
-        row = dict({k: tab[t, me] for k, tab in tables.items()}, t=t)
-        kind = row["kind"]
+    def step(c, t):
+        row = dict({name: tab[t, me] for name, tab in tables.items()}, t=t)
         read = lambda fn: lambda part: fn(row, dict(c, **part))     # the other entries as they are now
-        c = when(kind == FORWARD, read(forward), c, ("stored", "out"))
-        c = when(kind == BACKWARD, read(backward), c, ("stash", "d_xs", "out"))
-        c = when(kind == WEIGHTS, read(weights), c, ("d_stage",))
+        c = when(row["f_chunk"] >= 0, read(forward), c, ("stored", "out_f"))
+        c = when(row["b_chunk"] >= 0, read(backward), c, ("stash", "d_xs", "out_b"))
+        c = when(row["w_chunk"] >= 0, read(weights), c, ("d_stage",))
         # The head last: every device waits in its collectives for the last stage's forward,
-        # so a device's own action before it runs alongside that forward, after it would not
-        # (a tick as long as two actions). Its dy is read at a later tick.
-        c = when(head_ticks[t], read(head), c, ("loss", "d_head", "in_b"))
+        # so a device's own actions before it run alongside that forward, after it they would not
+        # (a step as long as two). Its dy is read at a later step.
+        c = when(heads[t], read(head), c, ("loss", "d_head", "in_b"))
         # The hand-offs wait for W too: XLA would otherwise run W, which nothing sent depends
-        # on, after them, and a device would do this tick's W and the next tick's F or B
-        # between two hand-offs — a tick as long as two actions on one device (seen on H200).
-        out, d_stage = lax.optimization_barrier((c["out"], c["d_stage"]))
-        c = dict(c, out=out, d_stage=d_stage)
-        is_f = kind == FORWARD
-        # A hand-off to itself (the turn of a V) goes straight into this stage's inbox; a
-        # forward's self_b slot was the head's, already filled.
-        c = dict(c, in_f=put(c["in_f"], jnp.where(is_f, row["self_f"], -1), out),
-                 in_b=put(c["in_b"], jnp.where(is_f, -1, row["self_b"]), out))
-        for col, (direction, perm) in enumerate(shifts):
-            if not any(d.endswith(direction) for d in pl.directions):
-                continue
-            sent = lax.ppermute(out, axis, perm)
-            c = dict(c, in_f=put(c["in_f"], tables["recv_f"][t + 1, me, col], sent),
-                     in_b=put(c["in_b"], tables["recv_b"][t + 1, me, col], sent))
+        # on, after them, and a device would do this step's W and the next step's work
+        # between two hand-offs — a step as long as two on one device (seen on H200).
+        out_f, out_b, d_stage = lax.optimization_barrier((c["out_f"], c["out_b"], c["d_stage"]))
+        # A hand-off to itself (the turn of a V) goes straight into this stage's inbox.
+        c = dict(c, d_stage=d_stage, in_f=put(c["in_f"], row["f_self"], out_f),
+                 in_b=put(c["in_b"], row["b_self"], out_b))
+        for kind, out in (("f", out_f), ("b", out_b)):
+            for col, (direction, perm) in enumerate(shifts):
+                if f"{kind}_{direction}" in pl.directions:
+                    c = dict(c, **{f"in_{kind}": put(c[f"in_{kind}"], tables[f"recv_{kind}"][t + 1, me, col],
+                                                     lax.ppermute(out, axis, perm))})
         return c, None
 
-    c, _ = lax.scan(tick, carry, jnp.arange(T))
+    c, _ = lax.scan(step, carry, jnp.arange(pl.steps))
     loss = c["loss"] / m
     d_head = [g / m for g in c["d_head"]]
     d_xs = lax.psum(c["d_xs"][:m], axis) / m
@@ -686,7 +679,8 @@ def _lower(local, eqn, ins):
 
 
 def _comm(eqn, ins, sigs, mesh):
-    """Per tick, one ppermute of an activation-sized block per direction the table uses; per
+    """Per step, one ppermute of an activation-sized block per kind (F, B) and direction the table
+    sends it; per
     micro-batch, the last stage's output summed onto every device for the head (whose own
     collectives explain lists in its body); at the end, d xs summed over the stages."""
     params = eqn.params
@@ -705,8 +699,7 @@ def _comm(eqn, ins, sigs, mesh):
 
     block = math.prod(local_shape(x.shape, _inner(xs_sbp, ax, 1), mesh)) * x.dtype.itemsize
     pl = plan(table)
-    ticks, used = pl.kind.shape[0], {d.split("_")[1] for d in pl.directions}
-    return ([Step("ppermute", (axis,), bytes=block, value=x)] * (ticks * len(used))
+    return ([Step("ppermute", (axis,), bytes=block, value=x)] * (pl.steps * len(pl.directions))
             + [all_reduce(x, _inner(xs_sbp, ax, 1))] * table.microbatches + [all_reduce(xs.aval, xs_sbp)])
 
 

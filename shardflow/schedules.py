@@ -503,15 +503,37 @@ def zb_v(p: int, m: int) -> Schedule:
                                 layout="v")
 
 
+def one_f_one_b_fused(p: int, m: int) -> Schedule:
+    """1F1B for a lockstep executor: at step t stage s runs the forward of microbatch t - s and
+    the backward, B then W, of microbatch t - (2p - 1 - s) — each step one F, one B and one W on
+    every stage in the steady state (three ticks of the table, one ``step``). Where 1F1B's ticks
+    mix a forward on one stage with a backward on its neighbour, and so last as long as the
+    slower, these steps each do a microbatch's whole work on every stage, whatever F, B and W
+    cost (a backward that recomputes its forward included): the lockstep step time is the
+    un-synchronized 1F1B's, (m + 2p - 2) steps of which 2p - 2 ramp up or down. The price:
+    2(p - s) microbatches in flight on stage s, twice 1F1B's."""
+    _check_sizes("1f1b-fused", p, m)
+    steps = m + 2 * p - 1
+    rows: list[list[Action | None]] = [[None] * (3 * steps) for _ in range(p)]
+    for s in range(p):
+        for i in range(m):
+            rows[s][3 * (i + s)] = Action("F", i)
+            backward = i + 2 * p - 1 - s
+            rows[s][3 * backward + 1] = Action("B", i)
+            rows[s][3 * backward + 2] = Action("W", i)
+    return Schedule("1f1b-fused", rows, m, 1, True)
+
+
 BUILTIN: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb-h1": zb_h1, "zb-v": zb_v,
+    "gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-fused": one_f_one_b_fused, "interleaved": interleaved_1f1b,
+    "zb-h1": zb_h1, "zb-v": zb_v,
 }
-_CHUNKS = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zb-v": 2}
+_CHUNKS = {"gpipe": 1, "1f1b": 1, "1f1b-fused": 1, "zb-h1": 1, "zb-v": 2}
 
 
 def by_name(name: str, p: int, m: int, v: int | None = None) -> Schedule:
-    """The built-in schedule a config names: "gpipe", "1f1b", "interleaved" (v chunks per stage,
-    2 by default), "zb-h1" or "zb-v"."""
+    """The built-in schedule a config names: "gpipe", "1f1b", "1f1b-fused", "interleaved" (v chunks
+    per stage, 2 by default), "zb-h1" or "zb-v"."""
     key = name.strip().lower().replace("_", "-") if isinstance(name, str) else name
     if key not in BUILTIN:
         raise ValueError(f"unknown pipeline schedule {name!r}; the built-in ones are "
@@ -535,6 +557,36 @@ def default_costs(schedule: Schedule) -> dict[str, int]:
     return {"F": 1, "B": 1, "W": 1} if schedule.split_backward else {"F": 1, "B": 2}
 
 
+def steps(schedule: Schedule) -> tuple[range, ...]:
+    """The table's ticks grouped into the steps a lockstep executor runs (``shardflow.pipelining``):
+    in a step each stage runs at most one F, one B and one W, in that order, and data crosses
+    between stages only at the step's end. A tick joins the step before it unless one of its
+    actions would run on its stage after an action of its kind or of a later one (F < B < W) in
+    that step, or needs an action of that step other than its own stage's B (a W after its B);
+    the last virtual stage's B needs its F a step earlier (the head runs at the end of a step).
+    So a stage runs its actions in the table's order, and holds what the table holds."""
+    groups, current, kinds, ran_in = [], [], {}, {}
+    for tick, row in enumerate(schedule.actions):
+        actions = [(stage, a) for stage, a in enumerate(row) if a is not None]
+
+        def joins(stage, action):
+            dep = schedule.dependency(stage, action)
+            same_step = dep is not None and dep in ran_in
+            return all(KINDS.index(k) < KINDS.index(action.kind) for k in kinds.get(stage, ())) and (
+                not same_step or (dep[0] == stage and dep[1].kind == "B" and action.kind == "W"))
+
+        if current and not all(joins(s, a) for s, a in actions):
+            groups.append(range(current[0], current[-1] + 1))
+            current, kinds, ran_in = [], {}, {}
+        current.append(tick)
+        for stage, action in actions:
+            kinds.setdefault(stage, set()).add(action.kind)
+            ran_in[stage, action] = tick
+    if current:
+        groups.append(range(current[0], current[-1] + 1))
+    return tuple(groups)
+
+
 def timeline(schedule: Schedule, costs: Costs | None = None, *, lockstep: bool = False):
     """When each action runs, given what each costs (``default_costs``, updated by ``costs``).
 
@@ -542,31 +594,39 @@ def timeline(schedule: Schedule, costs: Costs | None = None, *, lockstep: bool =
     its actions in the table's order, each as soon as the stage is free and the action's
     dependency has ended (communication free) — the time the papers' formulas count, and what a
     runtime achieves whose stages wait only for the data they receive. ``lockstep=True``: every
-    tick starts when the slowest action of the tick before has ended on every stage — what a loop
-    over ticks with a collective per tick achieves. With unit costs, lockstep is the table
-    itself, and so is the default for a table placed by ``from_orders`` (every builder's).
+    step (``steps``) starts when the step before has ended on every stage, a stage running its
+    actions of the step one after the other — what a loop over steps with a collective per step
+    achieves. With unit costs and a step per tick, lockstep is the table itself, and so is the
+    default for a table placed by ``from_orders`` (every builder's but 1f1b-fused).
     """
     cost = {**default_costs(schedule), **(costs or {})}
+    spans: list[list[tuple]] = [[] for _ in range(schedule.stages)]
+    if lockstep:
+        step_start = 0
+        for step in steps(schedule):
+            longest = 0
+            for stage in range(schedule.stages):
+                end = step_start
+                for tick in step:
+                    action = schedule.rows[stage][tick]
+                    if action is not None:
+                        spans[stage].append((end, end + cost[action.kind], action))
+                        end += cost[action.kind]
+                longest = max(longest, end - step_start)
+            step_start += longest
+        return tuple(tuple(row) for row in spans)
     ends: dict[tuple[int, Action], Union[int, float]] = {}
     free = [0] * schedule.stages
-    spans: list[list[tuple]] = [[] for _ in range(schedule.stages)]
-    tick_start = 0
     for tick in range(schedule.ticks):
-        longest = 0
         for stage in range(schedule.stages):
             action = schedule.rows[stage][tick]
             if action is None:
                 continue
-            if lockstep:
-                start = tick_start
-            else:
-                dep = schedule.dependency(stage, action)
-                start = max(free[stage], 0 if dep is None else ends[dep])
+            dep = schedule.dependency(stage, action)
+            start = max(free[stage], 0 if dep is None else ends[dep])
             end = start + cost[action.kind]
             ends[stage, action] = free[stage] = end
             spans[stage].append((start, end, action))
-            longest = max(longest, cost[action.kind])
-        tick_start += longest
     return tuple(tuple(row) for row in spans)
 
 

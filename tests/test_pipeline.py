@@ -86,8 +86,8 @@ def check(table):
                  (want[0], jax.tree.leaves(want[1][0]), want[1][1], want[1][2]))
 
 
-SCHEDULES = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b, "interleaved": schedules.interleaved_1f1b,
-             "zb-h1": schedules.zb_h1, "zb-v": schedules.zb_v}
+SCHEDULES = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b, "1f1b-fused": schedules.one_f_one_b_fused,
+             "interleaved": schedules.interleaved_1f1b, "zb-h1": schedules.zb_h1, "zb-v": schedules.zb_v}
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8)])
@@ -119,7 +119,7 @@ def pipelined_step(table):
     ({"pipe": 4, "data": 2}, P("pipe"), P("data")),
     ({"pipe": 2, "model": 4}, P("pipe", None, "model"), P()),
 ], ids=["pp4", "pp4-dp2", "pp2-tp4"])
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b-fused", "interleaved", "zb-h1", "zb-v"])
 def test_parallelize_equals_one_device(axes, layer_spec, batch_spec, schedule):
     p, m = axes["pipe"], 2 * axes["pipe"]
     table = SCHEDULES[schedule](p, m)

@@ -113,6 +113,8 @@ def test_zb_v_has_no_bubble_inside_any_stage_from_2p_minus_1_microbatches(p, m):
 
 def test_lockstep_ticks_last_as_long_as_their_slowest_action():
     for name in sched.BUILTIN:
+        if name == "1f1b-fused":          # three ticks a step: test_fused_1f1b_in_lockstep
+            continue
         s = sched.by_name(name, 4, 8)
         unit = {"F": 1, "B": 1, "W": 1}
         assert [[(a0, a1) for a0, a1, _ in row] for row in sched.timeline(s, unit, lockstep=True)] == \
@@ -122,6 +124,41 @@ def test_lockstep_ticks_last_as_long_as_their_slowest_action():
     assert sched.makespan(sched.one_f_one_b(4, 8), lockstep=True) == 40
     assert sched.makespan(sched.one_f_one_b(4, 8)) == 33
     assert sched.makespan(sched.zb_h1(4, 8), lockstep=True) == 27
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_fused_1f1b_in_lockstep(p, m):
+    """Every step a whole microbatch's work on every stage: in lockstep the step time is
+    (m + p - 1)(F + B + W) whatever the actions cost, 1F1B's bubble (p-1)/(m+p-1)."""
+    s = sched.one_f_one_b_fused(p, m)
+    assert len(sched.steps(s)) == m + 2 * p - 1
+    for costs in ({"F": 1, "B": 1, "W": 1}, {"F": 1, "B": 2, "W": 1}, {"F": 1.0, "B": 1.0, "W": 0.6}):
+        assert sched.makespan(s, costs, lockstep=True) == pytest.approx((m + p - 1) * sum(costs.values()))
+        assert sched.bubble_fraction(s, costs, lockstep=True) == pytest.approx((p - 1) / (m + p - 1))
+    assert sched.peak_live_activations(s) == tuple(min(m, 2 * (p - st)) for st in range(p))
+    # 1F1B itself in lockstep: its mixed ticks last as long as a backward that recomputes
+    remat = {"F": 1, "B": 2, "W": 1}
+    plain = sched.with_split_backward(sched.one_f_one_b(p, m))
+    assert sched.makespan(s, remat, lockstep=True) <= sched.makespan(plain, remat, lockstep=True)
+
+
+def test_steps_keep_each_stages_order():
+    """A step never runs an action before one the table put earlier on its stage, and data
+    crosses between stages only between steps."""
+    for name in sched.BUILTIN:
+        s = sched.with_split_backward(sched.by_name(name, 4, 8))
+        step_of = {t: j for j, step in enumerate(sched.steps(s)) for t in step}
+        for stage in range(4):
+            seen = {}
+            for t, a in s.actions_of(stage):
+                kinds = seen.setdefault(step_of[t], [])
+                assert all(sched.KINDS.index(k) < sched.KINDS.index(a.kind) for k in kinds), (name, stage, t)
+                kinds.append(a.kind)
+                dep = s.dependency(stage, a)
+                if dep is not None:
+                    dep_tick = next(u for u, b in s.actions_of(dep[0]) if b == dep[1])
+                    same = step_of[dep_tick] == step_of[t]
+                    assert not same or (dep[0] == stage and a.kind == "W"), (name, stage, a)
 
 
 # ----------------------------------------------------------------------------------- memory
@@ -200,7 +237,7 @@ def test_orders_that_wait_on_each_other_are_refused():
 
 def test_by_name_refusals():
     with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'; the built-in ones are "
-                                         "gpipe, 1f1b, interleaved, zb-h1, zb-v"):
+                                         "gpipe, 1f1b, 1f1b-fused, interleaved, zb-h1, zb-v"):
         sched.by_name("pipedream", 4, 8)
     with pytest.raises(ValueError, match=r"multiple of the number of stages .* got m = 6; use m = 4 or 8"):
         sched.by_name("interleaved", 4, 6)
@@ -279,20 +316,25 @@ def test_the_docs_print_what_the_code_prints():
     assert checked >= 8
 
 
+RECOMPUTING = {"F": 1, "B": 2, "W": 1}     # B recomputes its forward (remat), as the 3b / 7b benchmarks run
+
+
 def measures_table(p: int = 4) -> list[str]:
     def number(x):
         return f"{x:g}"
 
     lines = ["| schedule | m | ticks | step time | bubble fraction | bubble rate | lockstep step time | "
-             "peak live activations per stage | peak, in stages |",
-             "|---|--:|--:|--:|--:|--:|--:|---|--:|"]
+             "executor's lockstep time, F:B:W = 1:2:1 | peak live activations per stage | peak, in stages |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|---|--:|"]
     for m in (8, 16):
         for name in sched.BUILTIN:
             s = sched.by_name(name, p, m)
             v, peaks = s.chunks, sched.peak_live_activations(s)
             lines.append(f"| {name} | {m} | {s.ticks} | {number(sched.makespan(s) / v)} | "
                          f"{sched.bubble_fraction(s):.3f} | {sched.bubble_rate(s):.3f} | "
-                         f"{number(sched.makespan(s, lockstep=True) / v)} | {' '.join(map(str, peaks))} | "
+                         f"{number(sched.makespan(s, lockstep=True) / v)} | "
+                         f"{number(sched.makespan(sched.with_split_backward(s), RECOMPUTING, lockstep=True) / v)} | "
+                         f"{' '.join(map(str, peaks))} | "
                          f"{number(max(peaks) / v)} |")
     return lines
 
