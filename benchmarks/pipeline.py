@@ -10,8 +10,9 @@ and, for each schedule, pipelined on {pipe: N} and on {pipe: N/2, data: 2} with 
 batch. Per row: tokens/s, MFU, its ratio to FSDP's, the compiled step's memory per device (XLA's
 memory_analysis), and the bubble
 the schedule's table predicts for its lockstep execution (shardflow.schedules.bubble_fraction
-of the split-backward table the executor runs, every action one unit) — the measured step time
-is compared with it in benchmarks/results/, not here.
+of the split-backward table the executor runs, lockstep, F = B = W = 1 but B = 2 where it
+recomputes its forward, remat "full") — the measured step time is compared with it in
+benchmarks/results/, not here.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import scaling  # noqa: E402  (after the NCCL setting)
 
 CASES = {"1b": (64, 2048, "none"), "3b": (32, 2048, "full"), "7b": (32, 2048, "full"),
          "tiny": (16, 128, "none")}   # preset -> (global batch, seq, remat)
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v")
+SCHEDULES = ("gpipe", "1f1b", "1f1b-fused", "zb-h1", "interleaved", "zb-v")
 
 
 def configs(n: int, schedules, microbatches: int):
@@ -59,7 +60,8 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
             setattr(cfg.pipeline, key, value)
         table = schedules.with_split_backward(
             schedules.by_name(pipeline["schedule"], pipeline["stages"], pipeline["microbatches"]))
-        row["predicted_bubble"] = float(schedules.bubble_fraction(table, {"F": 1, "B": 1, "W": 1}))
+        costs = {"F": 1, "B": 2 if remat == "full" else 1, "W": 1}     # B recomputes its forward under remat
+        row["predicted_bubble"] = float(schedules.bubble_fraction(table, costs, lockstep=True))
     try:
         run = train.setup(cfg)
     except config.ConfigError as e:
