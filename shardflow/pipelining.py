@@ -1,41 +1,43 @@
-"""Pipeline parallelism as one SPMD program: a schedule's table executed by a scan over ticks.
+"""Pipeline parallelism as one SPMD program: a schedule's table executed by a scan over steps.
 
-Every device of the pipeline axis runs the same program. At each tick it looks up its action in
-the schedule's table (by its index on the axis) — forward (F), backward for inputs (B), backward
-for weights (W) or idle — and runs it (each action a loop of 0 or 1 trips, which XLA updates in
-place, where a ``lax.switch`` would copy every buffer every tick); activations and their gradients
-move to the neighbouring stage by ``ppermute`` between ticks. The pipelined loss owns its
-gradient: F on the last virtual stage also runs the head and the loss and its backward, so a
-micro-batch's B can start while later micro-batches are still in their forwards (1F1B and the
-zero-bubble schedules need that; autodiff through a pipelined forward gives GPipe only).
+Every device of the pipeline axis runs the same program. The executor groups the table's ticks
+into steps (``schedules.steps``): in a step each stage runs at most one forward (F), one backward
+for inputs (B) and one backward for weights (W), in the table's order; activations and their
+gradients move to the neighbouring stage by ``ppermute`` between steps. At each step a device
+looks up its actions (by its index on the axis) and runs them, each a loop of 0 or 1 trips,
+which XLA updates in place, where a ``lax.switch`` would copy every buffer every step. The
+pipelined loss owns its gradient: F on the last virtual stage also runs the head and the loss
+and its backward, so a micro-batch's B can start while later micro-batches are still in their
+forwards (1F1B and the zero-bubble schedules need that; autodiff through a pipelined forward
+gives GPipe only).
 
 ``execute`` is the per-device program (call it inside ``shard_map`` over the pipeline axis).
 It returns the mean loss and every gradient; a loss seeded with another cotangent scales them
 (the loss is a scalar, so its gradient is linear in the seed).
 
-Lockstep. Devices meet at every tick's ppermute, so a tick lasts as long as its slowest action:
+Lockstep. Devices meet at every step's ppermutes, so a step lasts as long as its slowest stage:
 an unsplit schedule runs with each backward as B (inputs) then W (weights) at the stage's next
-tick (``schedules.with_split_backward``), every action then about one forward's work (1F1B at
-p = 4, m = 8: 30 ticks of one unit against 22 ticks of which the mixed ones cost two, 40
-units). The split costs nothing extra: ``split_vjp`` cuts the traced backward so that B and W
-share no equation, B keeping for W the values W reads (the stash). The head runs on every
-device of the axis at once, after the tick's actions, sharded as its parameters are (a vocab
-split over the stages shares its work out); and the hand-offs wait for every action of the
-tick (an optimization barrier), else XLA runs W after them and a device does two actions
-between two hand-offs.
+tick (``schedules.with_split_backward``; ``split_vjp`` cuts the traced backward so that B and W
+share no equation, B keeping for W the values W reads, the stash). The published tables are
+tight — nearly every tick a hop between stages, so a step per tick — and a tick that mixes a
+forward on one stage with a backward that recomputes its forward on the next lasts as long as
+the backward; ``1f1b-fused`` puts one F, one B and one W on every stage in each steady step, so
+its steps are equal whatever the actions cost. The head runs on every device of the axis at
+once, after the step's actions, sharded as its parameters are (a vocab split over the stages
+shares its work out); and the hand-offs wait for every action of the step (an optimization
+barrier), else XLA runs W after them and a device does two steps' work between two hand-offs.
 
 Memory. What a schedule keeps is explicit: F stores its stage's residuals (the saved
 activations, less the layer weights) in a slot that W frees, B the stash in one that W frees;
 the layers' scans write and read them there row by row (``shardflow.slots``); slots are
-assigned per stage by
-interval colouring of the table, so a stage holds as many as its schedule keeps alive at once
-(GPipe m, 1F1B p - s on stage s). Inputs received from a neighbour wait in slots the same way.
+assigned per stage by interval colouring of the table, so a stage holds as many as its schedule
+keeps alive at once (GPipe m, 1F1B p - s on stage s, 1f1b-fused 2(p - s)). Inputs received from
+a neighbour wait in slots the same way.
 
 Partial: interleaved / V layouts that keep the layers in device order between steps (today
 the stacked layers are reordered each step, a collective explain shows) are not built yet; an
 undifferentiated call still runs the backward. On one 4-GPU host 0.67-0.77x FSDP so far
-(benchmarks/results/pipeline.md): a tick's actions are unequal and every device waits for the
-slowest at each hand-off.
+(benchmarks/results/pipeline.md) with the published tables.
 """
 from __future__ import annotations
 
