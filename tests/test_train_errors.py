@@ -117,7 +117,7 @@ CASES = {
         "pipeline.microbatches 8 x the data axes ('data',) (2 ways)"),
     "unknown schedule": (
         _pipeline("schedule=pipedream", n_layers=4),
-        "unknown pipeline schedule 'pipedream'; the built-in ones are gpipe, 1f1b, "
+        "unknown pipeline schedule 'pipedream'; the built-in ones are gpipe, 1f1b, 1f1b-fused, "
         "interleaved, zb-h1, zb-v"),
     "interleaved micro-batches not a multiple of the stages": (
         _pipeline("schedule=interleaved", "microbatches=2", n_layers=8),
