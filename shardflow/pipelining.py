@@ -94,7 +94,9 @@ class Plan(NamedTuple):
     ``f_in`` (the inbox-F slot F reads), ``f_resid`` (where F stores the residuals), ``f_self``
     (the inbox-F slot for its own output: the turn of a V), ``f_head`` (the inbox-B slot for the
     head's dy, on the last virtual stage); ``b_mb`` / ``b_chunk``, ``b_in``, ``b_resid``, ``b_stash``
-    (where B stores what W reads), ``b_self``; ``w_chunk``, ``w_resid``, ``w_stash``; and
+    (where B stores what W reads), ``b_self``, ``bw_whole`` (1, else 0: the micro-batch's W runs
+    in the same step, so B is the whole backward, W's work included, and nothing is stashed);
+    ``w_chunk``, ``w_resid``, ``w_stash`` (a W on its own); and
     ``recv_f`` / ``recv_b`` [steps + 1, stages, 2]: the inbox slot for what arrives from the
     (previous, next) stage. ``heads`` [steps]: the last virtual stage's forward runs in the step."""
     tables: dict
@@ -123,7 +125,8 @@ def plan(table: Schedule) -> Plan:
     shape = (S, p)
     tab = {name: np.full(shape, -1, np.int32) for name in
            ("f_mb", "f_chunk", "f_in", "f_resid", "f_self", "f_head", "b_mb", "b_chunk", "b_in",
-            "b_resid", "b_stash", "b_self", "w_chunk", "w_resid", "w_stash")}
+            "b_resid", "b_stash", "b_self", "bw_whole", "w_chunk", "w_resid", "w_stash")}
+    tab["bw_whole"][:] = 0
     tab["recv_f"], tab["recv_b"] = (np.full((S + 1, p, 2), -1, np.int32) for _ in range(2))
     ran = {}                                   # (kind, mb, virtual stage) -> tick
     for t, row in enumerate(table.actions):
@@ -154,7 +157,8 @@ def plan(table: Schedule) -> Plan:
             else:                              # the head's gradient waits for this stage's B
                 inbox_b[s][(i, k)] = (delivered(t), ran[("B", i, k)])
         elif kd == "B":
-            stashes[s][(i, k)] = (t, ran[("W", i, k)])
+            if step_of[t] != step_of[ran[("W", i, k)]]:     # else the step runs the whole backward
+                stashes[s][(i, k)] = (t, ran[("W", i, k)])
             if k > 0:
                 ds, _ = where[k - 1]
                 inbox_b[ds][(i, k - 1)] = (delivered(t), ran[("B", i, k - 1)])
@@ -176,8 +180,12 @@ def plan(table: Schedule) -> Plan:
                 tab["f_head"][t, s], heads[t] = in_b_slots[s][0][key], True
         elif kd == "B":
             tab["b_mb"][t, s], tab["b_chunk"][t, s], tab["b_resid"][t, s] = i, c, r
-            tab["b_in"][t, s], tab["b_stash"][t, s] = in_b_slots[s][0][key], stash_slots[s][0][key]
-        else:
+            tab["b_in"][t, s] = in_b_slots[s][0][key]
+            if key in stash_slots[s][0]:
+                tab["b_stash"][t, s] = stash_slots[s][0][key]
+            else:
+                tab["bw_whole"][t, s] = 1
+        elif key in stash_slots[s][0]:
             tab["w_chunk"][t, s], tab["w_resid"][t, s], tab["w_stash"][t, s] = c, r, stash_slots[s][0][key]
     directions = set()
     for tick, s, kd, i, k in sends:
@@ -357,6 +365,8 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     n_stored, n_stash = len(stored0), len(stash0)
     bw_jaxpr = jax.make_jaxpr(lambda *a: bodies.backward_w(list(a[:n]), list(a[n:n + n_stored]),
                                                            list(a[n + n_stored:])))(*chunk0, *stored0, *stash0)
+    b_jaxpr = jax.make_jaxpr(lambda *a: (lambda d, dx: [*d, dx])(*bodies.backward(list(a[:n]), list(a[n:-1]), a[-1])))(
+        *chunk0, *stored0, x0)
     carry = dict(
         stored=buffers(pl.n_resid, stored0),
         stash=buffers(pl.n_stash, stash0),
@@ -405,6 +415,13 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
                                writes={1 + s: (b, row["b_stash"]) for s, b in enumerate(c["stash"])})
         return dict(stash=stash, d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
 
+    def whole_backward(row, c):     # B and W of one micro-batch in one step: nothing stashed
+        i, k = row["b_mb"], row["b_chunk"]
+        *d_chunk, dx = slots.run(b_jaxpr, chunk(k) + [None] * n_stored + [at(c["in_b"], row["b_in"])],
+                                 reads={n + r: (b, row["b_resid"]) for r, b in enumerate(c["stored"])})
+        return dict(d_stage=[put(d, k, at(d, k) + g) for d, g in zip(c["d_stage"], d_chunk)],
+                    d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
+
     def weights(row, c):
         k = row["w_chunk"]
         reads = {n + r: (b, row["w_resid"]) for r, b in enumerate(c["stored"])}
@@ -413,14 +430,20 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         return dict(d_stage=[put(d, k, at(d, k) + g) for d, g in zip(c["d_stage"], d_chunk)])
 
     heads = jnp.asarray(pl.heads)
+    whole_b = bool(pl.tables["bw_whole"].max() > 0)             # which kinds of backward the table runs
+    split_b = bool((pl.tables["b_chunk"] >= 0).sum() > pl.tables["bw_whole"].sum())
     shifts = (("next", [(j, (j + 1) % p) for j in range(p)]), ("prev", [(j, (j - 1) % p) for j in range(p)]))
 
     def step(c, t):
         row = dict({name: tab[t, me] for name, tab in tables.items()}, t=t)
         read = lambda fn: lambda part: fn(row, dict(c, **part))     # the other entries as they are now
         c = when(row["f_chunk"] >= 0, read(forward), c, ("stored", "out_f"))
-        c = when(row["b_chunk"] >= 0, read(backward), c, ("stash", "d_xs", "out_b"))
-        c = when(row["w_chunk"] >= 0, read(weights), c, ("d_stage",))
+        if split_b:
+            c = when((row["b_chunk"] >= 0) & (row["bw_whole"] < 1), read(backward), c, ("stash", "d_xs", "out_b"))
+        if whole_b:
+            c = when(row["bw_whole"] > 0, read(whole_backward), c, ("d_stage", "d_xs", "out_b"))
+        if split_b:
+            c = when(row["w_chunk"] >= 0, read(weights), c, ("d_stage",))
         # The head last: every device waits in its collectives for the last stage's forward,
         # so a device's own actions before it run alongside that forward, after it they would not
         # (a step as long as two). Its dy is read at a later step.

@@ -103,6 +103,16 @@ def test_residual_slots_are_the_schedules_peak(schedule):
     assert pp.plan(table).n_resid == max(schedules.peak_live_activations(schedules.with_split_backward(table)))
 
 
+def test_a_step_with_a_micro_batchs_b_and_w_runs_its_whole_backward():
+    """Where B and W of a micro-batch share a step, the executor runs the unsplit backward:
+    nothing is stashed between them (1f1b-fused: every backward so)."""
+    fused = pp.plan(schedules.one_f_one_b_fused(4, 8))
+    assert fused.n_stash == 0 and fused.tables["bw_whole"].sum() == 4 * 8
+    assert (fused.tables["w_chunk"] < 0).all()
+    zb = pp.plan(schedules.zb_h1(4, 8))
+    assert zb.tables["bw_whole"].sum() == 0 and zb.n_stash > 0
+
+
 def pipelined_step(table):
     p, m = table.stages, table.microbatches
 
