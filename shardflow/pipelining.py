@@ -301,8 +301,8 @@ def sequential(bodies: Bodies, table: Schedule, stage, head_params, xs, args):
         return [x[where[k]] for x in stage]
 
     d_chunk, d_hp = _gradient_shapes(bodies, chunk(0), xs[0], head_params, [a[0] for a in args])
-    d_stage = [jnp.zeros(x.shape[:2] + g.shape, g.dtype) for x, g in zip(stage, d_chunk)]
-    d_head = [jnp.zeros(g.shape, g.dtype) for g in d_hp]
+    d_stage = [jnp.zeros(x.shape[:2] + g.shape, _summed(g.dtype)) for x, g in zip(stage, d_chunk)]
+    d_head = [jnp.zeros(g.shape, _summed(g.dtype)) for g in d_hp]
     loss, d_xs = jnp.zeros((), jnp.float32), []
 
     for i in range(m):
@@ -311,12 +311,19 @@ def sequential(bodies: Bodies, table: Schedule, stage, head_params, xs, args):
             h, st = bodies.forward(chunk(k), h)
             stored.append(st)
         l, dh, dy = bodies.head(head_params, h, [a[i] for a in args])
-        loss, d_head = loss + l, [a + b for a, b in zip(d_head, dh)]
+        loss, d_head = loss + l, [a + b.astype(a.dtype) for a, b in zip(d_head, dh)]
         for k in reversed(range(n_virtual)):
             dc, dy = bodies.backward(chunk(k), stored[k], dy)
-            d_stage = [d.at[where[k]].add(g) for d, g in zip(d_stage, dc)]
+            d_stage = [d.at[where[k]].add(g.astype(d.dtype)) for d, g in zip(d_stage, dc)]
         d_xs.append(dy)
-    return loss / m, [d / m for d in d_stage], [d / m for d in d_head], jnp.stack(d_xs) / m
+    return (loss / m, [(d / m).astype(g.dtype) for d, g in zip(d_stage, d_chunk)],
+            [(d / m).astype(g.dtype) for d, g in zip(d_head, d_hp)], jnp.stack(d_xs) / m)
+
+
+def _summed(dtype):
+    """The dtype gradients are summed over micro-batches in: at least float32 (bf16 gradients
+    summed 16 times in bf16 would round 16 times; they are rounded once, at the end)."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _flat(out) -> list:
@@ -372,8 +379,8 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         stash=buffers(pl.n_stash, stash0),
         in_f=buffers(pl.n_in_f, [x0], spare=1)[0],     # the last slot takes writes to nowhere
         in_b=buffers(pl.n_in_b, [x0], spare=1)[0],
-        d_stage=[jnp.zeros((v,) + g.shape, g.dtype) for g in d_chunk],
-        d_head=[jnp.zeros(g.shape, g.dtype) for g in d_hp],
+        d_stage=[jnp.zeros((v,) + g.shape, _summed(g.dtype)) for g in d_chunk],
+        d_head=[jnp.zeros(g.shape, _summed(g.dtype)) for g in d_hp],
         d_xs=buffers(m, [x0], spare=1)[0],
         loss=jnp.zeros((), jnp.float32),
         out_f=jnp.zeros_like(x0),          # what this step's F and B send on (read only where sent)
@@ -404,7 +411,7 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         y = lax.psum(jnp.where(me == last_stage, c["out_f"], jnp.zeros_like(c["out_f"])), axis)
         i = tables["f_mb"][row["t"], last_stage]
         loss, dh, dy = bodies.head(list(head_params), y, [at(a, i) for a in args])
-        return dict(loss=c["loss"] + loss, d_head=[a + b for a, b in zip(c["d_head"], dh)],
+        return dict(loss=c["loss"] + loss, d_head=[a + b.astype(a.dtype) for a, b in zip(c["d_head"], dh)],
                     in_b=put(c["in_b"], row["f_head"], dy))
 
     def backward(row, c):
@@ -419,7 +426,7 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         i, k = row["b_mb"], row["b_chunk"]
         *d_chunk, dx = slots.run(b_jaxpr, chunk(k) + [None] * n_stored + [at(c["in_b"], row["b_in"])],
                                  reads={n + r: (b, row["b_resid"]) for r, b in enumerate(c["stored"])})
-        return dict(d_stage=[put(d, k, at(d, k) + g) for d, g in zip(c["d_stage"], d_chunk)],
+        return dict(d_stage=[put(d, k, at(d, k) + g.astype(d.dtype)) for d, g in zip(c["d_stage"], d_chunk)],
                     d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
 
     def weights(row, c):
@@ -427,7 +434,7 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         reads = {n + r: (b, row["w_resid"]) for r, b in enumerate(c["stored"])}
         reads.update({n + n_stored + s: (b, row["w_stash"]) for s, b in enumerate(c["stash"])})
         d_chunk = slots.run(bw_jaxpr, chunk(k) + [None] * (n_stored + n_stash), reads=reads)
-        return dict(d_stage=[put(d, k, at(d, k) + g) for d, g in zip(c["d_stage"], d_chunk)])
+        return dict(d_stage=[put(d, k, at(d, k) + g.astype(d.dtype)) for d, g in zip(c["d_stage"], d_chunk)])
 
     heads = jnp.asarray(pl.heads)
     whole_b = bool(pl.tables["bw_whole"].max() > 0)             # which kinds of backward the table runs
@@ -464,9 +471,9 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
 
     c, _ = lax.scan(step, carry, jnp.arange(pl.steps))
     loss = c["loss"] / m
-    d_head = [g / m for g in c["d_head"]]
+    d_head = [(g / m).astype(like.dtype) for g, like in zip(c["d_head"], d_hp)]
     d_xs = lax.psum(c["d_xs"][:m], axis) / m
-    d_stage = [(g / m)[None] for g in c["d_stage"]]
+    d_stage = [(g / m).astype(like.dtype)[None] for g, like in zip(c["d_stage"], d_chunk)]
     return loss, d_stage, d_head, d_xs
 
 

@@ -113,6 +113,27 @@ def test_a_step_with_a_micro_batchs_b_and_w_runs_its_whole_backward():
     assert zb.tables["bw_whole"].sum() == 0 and zb.n_stash > 0
 
 
+@pytest.mark.parametrize("axes", [{"pipe": 2}, {"model": 2}], ids=["pp2", "in turn"])
+def test_bf16_gradients_are_summed_over_micro_batches_in_float32(axes):
+    """bf16 parameters: each micro-batch's gradient is bf16, their sum over the micro-batches is
+    float32 and rounded to bf16 once, as a loop accumulating into float32 master gradients
+    would: within one bf16 rounding of that sum (summed in bf16, 16 roundings, it was not).
+    Without a pipe axis the stages run in turn (``sequential``), the same sum."""
+    m = 16
+    layers, hp, x, tg = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model(2 * Lc, m, seed=3))
+    table = schedules.one_f_one_b(2, m)
+    per_micro = [jax.grad(lambda l, h: plain_loss(l, h, xi, ti, 1), argnums=(0, 1))(layers, hp)
+                 for xi, ti in zip(strided(x, m), strided(tg, m))]
+    want = jax.tree.map(lambda *g: (sum(a.astype(jnp.float32) for a in g) / m).astype(jnp.bfloat16), *per_micro)
+    step = sf.parallelize(pipelined_step(table if "pipe" in axes else schedules.one_f_one_b(1, m)),
+                          mesh=sf.make_mesh(axes), in_specs=(P("pipe") if "pipe" in axes else P(), P(), P(), P()))
+    _, (d_layers, d_hp, _) = step(layers, hp, x, tg)
+    for got, exp in zip(jax.tree.leaves((d_layers, d_hp)), jax.tree.leaves(want)):
+        assert got.dtype == jnp.bfloat16
+        got, exp = np.asarray(got, np.float32), np.asarray(exp, np.float32)
+        np.testing.assert_array_less(np.abs(got - exp), np.abs(exp) * 2.0 ** -7 + 1e-6)
+
+
 def pipelined_step(table):
     p, m = table.stages, table.microbatches
 
