@@ -424,17 +424,17 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
 
     def whole_backward(row, c):     # B and W of one micro-batch in one step: nothing stashed
         i, k = row["b_mb"], row["b_chunk"]
-        *d_chunk, dx = slots.run(b_jaxpr, chunk(k) + [None] * n_stored + [at(c["in_b"], row["b_in"])],
-                                 reads={n + r: (b, row["b_resid"]) for r, b in enumerate(c["stored"])})
-        return dict(d_stage=[put(d, k, at(d, k) + g.astype(d.dtype)) for d, g in zip(c["d_stage"], d_chunk)],
-                    d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
+        *d_stage, dx = slots.run(b_jaxpr, chunk(k) + [None] * n_stored + [at(c["in_b"], row["b_in"])],
+                                 reads={n + r: (b, row["b_resid"]) for r, b in enumerate(c["stored"])},
+                                 adds={r: (d, k) for r, d in enumerate(c["d_stage"])})
+        return dict(d_stage=d_stage, d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
 
     def weights(row, c):
         k = row["w_chunk"]
         reads = {n + r: (b, row["w_resid"]) for r, b in enumerate(c["stored"])}
         reads.update({n + n_stored + s: (b, row["w_stash"]) for s, b in enumerate(c["stash"])})
-        d_chunk = slots.run(bw_jaxpr, chunk(k) + [None] * (n_stored + n_stash), reads=reads)
-        return dict(d_stage=[put(d, k, at(d, k) + g.astype(d.dtype)) for d, g in zip(c["d_stage"], d_chunk)])
+        return dict(d_stage=slots.run(bw_jaxpr, chunk(k) + [None] * (n_stored + n_stash), reads=reads,
+                                      adds={r: (d, k) for r, d in enumerate(c["d_stage"])}))
 
     heads = jnp.asarray(pl.heads)
     whole_b = bool(pl.tables["bw_whole"].max() > 0)             # which kinds of backward the table runs

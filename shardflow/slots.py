@@ -10,7 +10,10 @@ a jaxpr so that the scans themselves write and read the slot: a result made by a
 stacked output is written row by row into ``buffer[slot, i]`` by that scan (the buffer one of
 its carries, updated in place), and an input a scan takes as stacked ``xs`` is read row by row
 from ``buffer[slot, i]``. A value the rewrite cannot reach (made or used by anything else) is
-copied into or out of its slot as before.
+copied into or out of its slot as before. The same way, a stacked result can be *added* to
+its row (``adds``): the backward's scan adds each layer's weight gradient to the float32 sum
+over micro-batches as it makes it, where the sum was otherwise a zero-filled buffer of the
+chunk's gradients, written row by row and then added whole.
 """
 from __future__ import annotations
 
@@ -38,10 +41,13 @@ def at(buf, i):
     return lax.dynamic_index_in_dim(buf, jnp.maximum(i, 0), keepdims=False)
 
 
-def run(jaxpr: ClosedJaxpr, args, reads: Mapping[int, Slot] = {}, writes: Mapping[int, Slot] = {}) -> list:
+def run(jaxpr: ClosedJaxpr, args, reads: Mapping[int, Slot] = {}, writes: Mapping[int, Slot] = {},
+        adds: Mapping[int, Slot] = {}) -> list:
     """``jaxpr``'s results on ``args``, where input ``i`` in ``reads`` is row ``slot`` of a
     buffer (``args[i]`` unused) and result ``o`` in ``writes`` goes into row ``slot`` of a
-    buffer, whose new value is returned in its place."""
+    buffer, whose new value is returned in its place; result ``o`` in ``adds`` is added to
+    that row instead (a gradient summed over micro-batches: the scan that makes it adds each
+    of its rows to the buffer's, in the buffer's dtype, and nothing is made whole first)."""
     j = jaxpr.jaxpr
     env = dict(zip(j.constvars, jaxpr.consts))
     slotted = {}
@@ -59,7 +65,8 @@ def run(jaxpr: ClosedJaxpr, args, reads: Mapping[int, Slot] = {}, writes: Mappin
         if not isinstance(v, Literal):
             uses[v] = uses.get(v, 0) + 1
     # a result written in place: made by a scan as stacked ys, used nowhere else
-    targets = {j.outvars[o]: s for o, s in writes.items()
+    into = {**{o: (*s, False) for o, s in writes.items()}, **{o: (*s, True) for o, s in adds.items()}}
+    targets = {j.outvars[o]: s for o, s in into.items()
                if not isinstance(j.outvars[o], Literal) and uses[j.outvars[o]] == 1}
     written = {}
 
@@ -77,7 +84,11 @@ def run(jaxpr: ClosedJaxpr, args, reads: Mapping[int, Slot] = {}, writes: Mappin
             outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
             outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
-    return [written[v] if v in written else put(*writes[o], read(v)) if o in writes else read(v)
+    def whole(o, v):                # a result no scan wrote into its slot
+        buf, slot, add = into[o]
+        return put(buf, slot, at(buf, slot) + read(v).astype(buf.dtype) if add else read(v))
+
+    return [written[v] if v in written else whole(o, v) if o in into else read(v)
             for o, v in enumerate(j.outvars)]
 
 
@@ -106,12 +117,12 @@ def _scan(eqn, read, slotted, targets, written) -> list:
         xs_i = [_row(*xs_slots[k], i) if k in xs_slots else next(rest) for k in range(len(xs))]
         outs = body(*consts, *carry, *xs_i)
         ys_i = outs[n_carry:]
-        bufs = {k: _put_row(b, ys_slots[k][1], i, ys_i[k]) for k, b in bufs.items()}
+        bufs = {k: _put_row(b, ys_slots[k][1], i, ys_i[k], add=ys_slots[k][2]) for k, b in bufs.items()}
         return (outs[:n_carry], i + (-1 if reverse else 1), bufs), [y for k, y in enumerate(ys_i) if k not in bufs]
 
     start = jnp.int32(length - 1 if reverse else 0)
     (carry, _, bufs), ys_rest = lax.scan(
-        step, (carry, start, {k: buf for k, (buf, _) in ys_slots.items()}),
+        step, (carry, start, {k: buf for k, (buf, _, _) in ys_slots.items()}),
         [read(x) for k, x in enumerate(xs) if k not in xs_slots], length=length, reverse=reverse)
     for k, buf in bufs.items():
         written[ys[k]] = buf
@@ -125,7 +136,8 @@ def _row(buf, slot, i):
     return lax.dynamic_slice(buf, start, (1, 1) + buf.shape[2:])[0, 0]
 
 
-def _put_row(buf, slot, i, y):
+def _put_row(buf, slot, i, y, add=False):
     slot = jnp.where(slot >= 0, slot, buf.shape[0] - 1)
     start = (slot, i) + (0,) * (buf.ndim - 2)
-    return lax.dynamic_update_slice(buf, y.astype(buf.dtype)[None, None], start)
+    y = y.astype(buf.dtype) + (_row(buf, slot, i) if add else 0)
+    return lax.dynamic_update_slice(buf, y[None, None], start)
