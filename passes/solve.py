@@ -59,7 +59,6 @@ from shardflow.rules.control import rebody, stacked, unstacked
 from shardflow.specs import B, ShardingError, Split
 
 TIME_LIMIT = 60.0      # seconds HiGHS may take, per attempt, before greedy runs instead
-FLOPS_SLACK = 1.05       # greedy's plan may compute this much more per device than the solved one
 
 
 class Unsolvable(Exception):
@@ -605,15 +604,7 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     its = make_plan(boxed)
     ours, theirs = mine.modelled_seconds, its.modelled_seconds
     budget = _budget(program)
-    # Greedy's plan is held to the solver's rule for matmuls (``strategies``): where it gathers
-    # values to run more of the work on each device than the solved plan does (a data-parallel
-    # step gathering its batch to skip the gradients' all-reduce), it is not kept for being
-    # modelled cheaper. Work it runs whole on inputs given whole gathers nothing and may stay.
-    computes_more = (its.flops > mine.flops * FLOPS_SLACK
-                     and any(c.kind == "all_gather" for c in its.collectives))
-    note = (f"; greedy's plan, {theirs * 1e6:.1f} us as boxed, computes {its.flops / max(mine.flops, 1):.2f}x "
-            f"the flops per device" if computes_more and theirs < ours else "")
-    if theirs < ours * (1 - 1e-9) and not computes_more and (budget is None or its.memory_bytes <= budget):
+    if theirs < ours * (1 - 1e-9) and (budget is None or its.memory_bytes <= budget):  # a tie keeps the solved plan
         return greedy.replace(planner=f"greedy (its plan, {theirs * 1e6:.1f} us, is cheaper as boxed than the "
                                       f"solver's model optimum, {ours * 1e6:.1f} us)")
     if program.memory_budget is not None and mine.memory_bytes > program.memory_budget:
@@ -622,7 +613,7 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
                             f"loops; the loops laid out by greedy were not bounded){_budget_note(program)}")
     return solved.replace(planner=f"solver (optimal: {solution.seconds * 1e6:.1f} us of collectives and local work "
                                   f"modelled, {ours * 1e6:.1f} us as boxed; solved in {solution.took:.2f} s"
-                                  f"{solution.note}{note})")
+                                  f"{solution.note})")
 
 
 def _budget_note(program: Program) -> str:
