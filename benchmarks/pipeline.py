@@ -9,7 +9,8 @@ compute, AdamW + clipping; benchmarks/scaling.py's measurement) runs under FSDP 
 and, for each schedule, pipelined on {pipe: N} and on {pipe: N/2, data: 2} with the same global
 batch. Per row: tokens/s, MFU, its ratio to FSDP's, the compiled step's memory per device (XLA's
 memory_analysis), and the bubble
-the schedule's table predicts for its lockstep execution (shardflow.schedules.bubble_fraction
+the schedule's table predicts for its lockstep execution (and the ratio to FSDP it alone would
+leave, 1 - bubble: the step's ideal taken as FSDP's) (shardflow.schedules.bubble_fraction
 of the split-backward table the executor runs, lockstep, F = B = W = 1 but B = 2 where it
 recomputes its forward, remat "full") — the measured step time is compared with it in
 benchmarks/results/, not here.
@@ -74,7 +75,8 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
 
 def print_table(rows) -> None:
     base = {r["preset"]: r for r in rows if r["config"] == "fsdp" and r["status"] == "ok"}
-    header = ("preset", "config", "tokens/s", "MFU", "x fsdp", "compiled GB", "predicted bubble")
+    header = ("preset", "config", "tokens/s", "MFU", "x fsdp", "x fsdp, bubble only", "compiled GB",
+              "predicted bubble")
     lines = [header]
     for r in rows:
         ok, b = r["status"] == "ok", base.get(r["preset"])
@@ -82,6 +84,7 @@ def print_table(rows) -> None:
                       f"{r['tokens_per_s']:,.0f}" if ok else r["status"].split(":")[0],
                       scaling.pct(r["mfu"]) if ok else "-",
                       f"{r['tokens_per_s'] / b['tokens_per_s']:.3f}" if ok and b else "-",
+                      f"{1 - r['predicted_bubble']:.3f}" if r.get("predicted_bubble") is not None else "-",
                       f"{r['compiled_gb_per_device']:.1f}" if ok and r.get("compiled_gb_per_device") else "-",
                       scaling.pct(r.get("predicted_bubble")) if r.get("predicted_bubble") is not None else "-"))
     scaling.print_columns(lines, left=2)

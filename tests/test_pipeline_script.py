@@ -1,0 +1,23 @@
+"""benchmarks/pipeline.py end to end on the tiny preset (8 simulated CPU devices, conftest.py)."""
+import json
+import math
+
+import pytest
+from benchmark_scripts import load
+
+
+def test_pipeline_script_tiny(tmp_path, capsys):
+    out = tmp_path / "pipeline.json"
+    rows = load("pipeline").main(["--preset", "tiny", "--schedules", "1f1b-fused", "--microbatches", "4",
+                                  "--steps", "1", "--warmup", "1", "--out", str(out)])
+    by = {r["config"]: r for r in rows}
+    assert list(by) == ["fsdp", "pp8 1f1b-fused", "pp4xdp2 1f1b-fused"]
+    assert by["fsdp"]["status"] == "ok" and by["pp4xdp2 1f1b-fused"]["status"] == "ok", rows
+    assert "does not split into pipeline.stages 8" in by["pp8 1f1b-fused"]["status"]   # 4 layers
+    pp = by["pp4xdp2 1f1b-fused"]
+    assert math.isfinite(pp["tokens_per_s"]) and pp["tokens_per_s"] > 0 and math.isfinite(pp["loss"])
+    # tiny runs without remat: F = B = W = 1, a step of 3 on every stage, (m + p - 1) of them
+    assert pp["predicted_bubble"] == pytest.approx(3 / 7)
+    printed = capsys.readouterr().out
+    assert "x fsdp, bubble only" in printed and "0.571" in printed
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
