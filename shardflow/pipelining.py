@@ -32,7 +32,9 @@ activations, less the layer weights) in a slot that W frees, B the stash in one 
 the layers' scans write and read them there row by row (``shardflow.slots``); slots are
 assigned per stage by interval colouring of the table, so a stage holds as many as its schedule
 keeps alive at once (GPipe m, 1F1B p - s on stage s, 1f1b-fused 2(p - s)). Inputs received from
-a neighbour wait in slots the same way.
+a neighbour wait in slots the same way. The weight gradients are summed over micro-batches in
+float32 (at least), each layer's added by the backward's scan as it makes it, and rounded to
+the parameters' dtype once at the end.
 
 Partial: interleaved / V layouts that keep the layers in device order between steps (today
 the stacked layers are reordered each step, a collective explain shows) are not built yet; an
