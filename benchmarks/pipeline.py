@@ -3,17 +3,18 @@
     python benchmarks/pipeline.py                          # 1b on every GPU of the machine
     python benchmarks/pipeline.py --preset tiny            # end-to-end check on 8 simulated CPUs
     python benchmarks/pipeline.py --preset 7b --schedules 1f1b,zb-h1 --out pipeline.json
+    python benchmarks/pipeline.py --preset 3b --schedules 1f1b-fused --profile   # + measured bubble
 
 On N = jax.device_count() devices the `shardflow train` step (fp32 master weights, bf16
 compute, AdamW + clipping; benchmarks/scaling.py's measurement) runs under FSDP on {data: N}
 and, for each schedule, pipelined on {pipe: N} and on {pipe: N/2, data: 2} with the same global
 batch. Per row: tokens/s, MFU, its ratio to FSDP's, the compiled step's memory per device (XLA's
-memory_analysis), and the bubble
-the schedule's table predicts for its lockstep execution (and the ratio to FSDP it alone would
-leave, 1 - bubble: the step's ideal taken as FSDP's) (shardflow.schedules.bubble_fraction
-of the split-backward table the executor runs, lockstep, F = B = W = 1 but B = 2 where it
-recomputes its forward, remat "full") — the measured step time is compared with it in
-benchmarks/results/, not here.
+memory_analysis), the bubble the schedule's table predicts for its lockstep execution
+(shardflow.schedules.bubble_fraction of the split-backward table the executor runs, lockstep,
+F = B = W = 1 but B = 2 where it recomputes its forward, remat "full") with the ratio to FSDP it
+alone would leave (1 - bubble, FSDP's step taken as the ideal), and with --profile the measured
+bubble: one more step traced, per GPU the fraction of it in which no kernel but a collective
+runs (averaged over the GPUs; per GPU in the JSON).
 """
 from __future__ import annotations
 
@@ -67,16 +68,54 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
         run = train.setup(cfg)
     except config.ConfigError as e:
         return {**row, "status": f"skip: {e}"}
-    row = scaling.time_steps(run, row, batch, seq, args)
+    row = scaling.time_steps(run, row, batch, seq, args, traced=profiled_bubble if args.profile else None)
     gc.collect()
     jax.clear_caches()
     return row
 
 
+def idle_fraction(kernels) -> float:
+    """Of one device's step, from its first kernel's start to its last one's end, the fraction in
+    which no kernel but a collective runs: ``kernels`` are (start, end, name), NCCL's named so."""
+    spans = sorted((start, end) for start, end, name in kernels if "nccl" not in name.lower())
+    first, last = min(k[0] for k in kernels), max(k[1] for k in kernels)
+    busy, reached = 0, first
+    for start, end in spans:
+        start = max(start, reached)
+        if end > start:
+            busy, reached = busy + end - start, end
+    return 1 - busy / (last - first)
+
+
+def profiled_bubble(step_fn, params, opt_state, data) -> dict:
+    """The measured bubble of one traced step: per GPU, ``idle_fraction`` of its kernels (the
+    profiler's stream lines); None where the trace has no GPU (CPU runs)."""
+    import glob
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        jax.block_until_ready(step_fn(params, opt_state, data))
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        profile = jax.profiler.ProfileData.from_file(path)
+    per_gpu = []
+    for plane in sorted(profile.planes, key=lambda p: p.name):
+        if plane.name.startswith("/device:GPU:"):
+            kernels = [(e.start_ns, e.end_ns, e.name) for line in plane.lines if line.name.startswith("Stream")
+                       for e in line.events]
+            if kernels:
+                per_gpu.append(idle_fraction(kernels))
+    return {"measured_bubble_per_gpu": per_gpu or None,
+            "measured_bubble": sum(per_gpu) / len(per_gpu) if per_gpu else None}
+
+
 def print_table(rows) -> None:
     base = {r["preset"]: r for r in rows if r["config"] == "fsdp" and r["status"] == "ok"}
     header = ("preset", "config", "tokens/s", "MFU", "x fsdp", "x fsdp, bubble only", "compiled GB",
-              "predicted bubble")
+              "predicted bubble", "measured bubble")
     lines = [header]
     for r in rows:
         ok, b = r["status"] == "ok", base.get(r["preset"])
@@ -86,7 +125,8 @@ def print_table(rows) -> None:
                       f"{r['tokens_per_s'] / b['tokens_per_s']:.3f}" if ok and b else "-",
                       f"{1 - r['predicted_bubble']:.3f}" if r.get("predicted_bubble") is not None else "-",
                       f"{r['compiled_gb_per_device']:.1f}" if ok and r.get("compiled_gb_per_device") else "-",
-                      scaling.pct(r.get("predicted_bubble")) if r.get("predicted_bubble") is not None else "-"))
+                      scaling.pct(r.get("predicted_bubble")) if r.get("predicted_bubble") is not None else "-",
+                      scaling.pct(r.get("measured_bubble")) if r.get("measured_bubble") is not None else "-"))
     scaling.print_columns(lines, left=2)
     for r in rows:
         if r["status"].startswith(("skip", "error")):
@@ -105,6 +145,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--peak-flops", type=float)
     parser.add_argument("--device-memory-gb", type=float)
     parser.add_argument("--only", help="run only the configs whose name contains this")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace one more step per config: the measured bubble, per GPU the fraction "
+                             "of the step with no kernel but a collective running")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     schedules = args.schedules.split(",")

@@ -124,9 +124,10 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
     return time_steps(run, row, batch * run.mesh.shape["data"], seq, args)
 
 
-def time_steps(run, row, global_batch, seq, args):
+def time_steps(run, row, global_batch, seq, args, traced=None):
     """``row`` with the run's measured tokens/s, step time, loss and MFU (or a status saying why
-    not): --warmup untimed steps, then --steps timed ones."""
+    not): --warmup untimed steps, then --steps timed ones; then, where ``traced`` is given, the
+    entries ``traced(step_fn, params, opt_state, data)`` returns (e.g. from a profiled step)."""
     import jax
     import numpy as np
 
@@ -164,6 +165,8 @@ def time_steps(run, row, global_batch, seq, args):
         elapsed = time.perf_counter() - start
         loss = float(out["loss"])
         row["compiled_gb_per_device"] = train_mfu.compiled_bytes(step_fn, params, opt_state, data) / 1e9
+        if traced is not None:
+            row.update(traced(step_fn, params, opt_state, data))
     except Exception as e:  # noqa: BLE001 - report the config and go on with the others
         return {**row, "status": failure(e)}
     tok_s = args.steps * global_batch * seq / elapsed

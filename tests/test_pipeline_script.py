@@ -9,7 +9,7 @@ from benchmark_scripts import load
 def test_pipeline_script_tiny(tmp_path, capsys):
     out = tmp_path / "pipeline.json"
     rows = load("pipeline").main(["--preset", "tiny", "--schedules", "1f1b-fused", "--microbatches", "4",
-                                  "--steps", "1", "--warmup", "1", "--out", str(out)])
+                                  "--steps", "1", "--warmup", "1", "--profile", "--out", str(out)])
     by = {r["config"]: r for r in rows}
     assert list(by) == ["fsdp", "pp8 1f1b-fused", "pp4xdp2 1f1b-fused"]
     assert by["fsdp"]["status"] == "ok" and by["pp4xdp2 1f1b-fused"]["status"] == "ok", rows
@@ -18,6 +18,17 @@ def test_pipeline_script_tiny(tmp_path, capsys):
     assert math.isfinite(pp["tokens_per_s"]) and pp["tokens_per_s"] > 0 and math.isfinite(pp["loss"])
     # tiny runs without remat: F = B = W = 1, a step of 3 on every stage, (m + p - 1) of them
     assert pp["predicted_bubble"] == pytest.approx(3 / 7)
+    assert pp["measured_bubble"] is None      # traced, but a CPU trace has no GPU kernels
     printed = capsys.readouterr().out
     assert "x fsdp, bubble only" in printed and "0.571" in printed
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+
+
+def test_idle_fraction_counts_the_time_no_compute_kernel_runs():
+    idle_fraction = load("pipeline").idle_fraction
+    kernels = [(0, 40, "gemm"), (30, 50, "fusion"),                 # compute 0-50
+               (50, 70, "ncclDevKernel_SendRecv"),                  # only a collective: idle
+               (80, 100, "gemm"), (85, 90, "ncclDevKernel_AllReduce")]
+    # span 0-100; compute 0-50 and 80-100: 30 of 100 without compute
+    assert idle_fraction(kernels) == pytest.approx(0.3)
+    assert idle_fraction([(0, 10, "gemm"), (10, 20, "fusion")]) == 0.0
