@@ -127,8 +127,8 @@ def plan(table: Schedule) -> Plan:
     shape = (S, p)
     tab = {name: np.full(shape, -1, np.int32) for name in
            ("f_mb", "f_chunk", "f_in", "f_resid", "f_self", "f_head", "b_mb", "b_chunk", "b_in",
-            "b_resid", "b_stash", "b_self", "bw_whole", "w_chunk", "w_resid", "w_stash")}
-    tab["bw_whole"][:] = 0
+            "b_resid", "b_stash", "b_self", "w_chunk", "w_resid", "w_stash")}
+    tab["bw_whole"] = np.zeros(shape, np.int32)
     tab["recv_f"], tab["recv_b"] = (np.full((S + 1, p, 2), -1, np.int32) for _ in range(2))
     ran = {}                                   # (kind, mb, virtual stage) -> tick
     for t, row in enumerate(table.actions):
@@ -368,17 +368,24 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     chunk0, n = like(chunk(0)), len(mine)
     f_jaxpr = jax.make_jaxpr(lambda *a: _flat(bodies.forward(list(a[:n]), a[n])))(*chunk0, x0)
     stored0 = like(f_jaxpr.out_avals[1:])
-    bx_jaxpr = jax.make_jaxpr(lambda *a: _flat(bodies.backward_x(list(a[:n]), list(a[n:-1]), a[-1])))(
-        *chunk0, *stored0, x0)
-    stash0 = like(bx_jaxpr.out_avals[1:])
-    n_stored, n_stash = len(stored0), len(stash0)
-    bw_jaxpr = jax.make_jaxpr(lambda *a: bodies.backward_w(list(a[:n]), list(a[n:n + n_stored]),
-                                                           list(a[n + n_stored:])))(*chunk0, *stored0, *stash0)
-    b_jaxpr = jax.make_jaxpr(lambda *a: (lambda d, dx: [*d, dx])(*bodies.backward(list(a[:n]), list(a[n:-1]), a[-1])))(
-        *chunk0, *stored0, x0)
+    n_stored, stash0 = len(stored0), []
+    # Only the backward the table runs is traced: split (B, then W at another step) and / or
+    # whole (B and W of a micro-batch in one step).
+    whole_b = bool(pl.tables["bw_whole"].any())
+    split_b = bool(((pl.tables["b_chunk"] >= 0) & (pl.tables["bw_whole"] == 0)).any())
+    if split_b:
+        bx_jaxpr = jax.make_jaxpr(lambda *a: _flat(bodies.backward_x(list(a[:n]), list(a[n:-1]), a[-1])))(
+            *chunk0, *stored0, x0)
+        stash0 = like(bx_jaxpr.out_avals[1:])
+        bw_jaxpr = jax.make_jaxpr(lambda *a: bodies.backward_w(list(a[:n]), list(a[n:n + n_stored]),
+                                                               list(a[n + n_stored:])))(*chunk0, *stored0, *stash0)
+    if whole_b:
+        b_jaxpr = jax.make_jaxpr(lambda *a: (lambda d, dx: [*d, dx])(
+            *bodies.backward(list(a[:n]), list(a[n:-1]), a[-1])))(*chunk0, *stored0, x0)
+    n_stash = len(stash0)
     carry = dict(
         stored=buffers(pl.n_resid, stored0),
-        stash=buffers(pl.n_stash, stash0),
+        stash=buffers(pl.n_stash, stash0) if split_b else [],
         in_f=buffers(pl.n_in_f, [x0], spare=1)[0],     # the last slot takes writes to nowhere
         in_b=buffers(pl.n_in_b, [x0], spare=1)[0],
         d_stage=[jnp.zeros((v,) + g.shape, _summed(g.dtype)) for g in d_chunk],
@@ -439,8 +446,6 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
                                       adds={r: (d, k) for r, d in enumerate(c["d_stage"])}))
 
     heads = jnp.asarray(pl.heads)
-    whole_b = bool(pl.tables["bw_whole"].max() > 0)             # which kinds of backward the table runs
-    split_b = bool((pl.tables["b_chunk"] >= 0).sum() > pl.tables["bw_whole"].sum())
     shifts = (("next", [(j, (j + 1) % p) for j in range(p)]), ("prev", [(j, (j - 1) % p) for j in range(p)]))
 
     def step(c, t):
@@ -714,9 +719,8 @@ def _lower(local, eqn, ins):
 
 def _comm(eqn, ins, sigs, mesh):
     """Per step, one ppermute of an activation-sized block per kind (F, B) and direction the table
-    sends it; per
-    micro-batch, the last stage's output summed onto every device for the head (whose own
-    collectives explain lists in its body); at the end, d xs summed over the stages."""
+    sends it; per micro-batch, the last stage's output summed onto every device for the head
+    (whose own collectives explain lists in its body); at the end, d xs summed over the stages."""
     params = eqn.params
     table, axis = params["table"], params["axis"]
     if axis not in mesh.axis_names or table.stages == 1:

@@ -509,12 +509,12 @@ def one_f_one_b_fused(p: int, m: int) -> Schedule:
     every stage in the steady state (three ticks of the table, one ``step``). Where 1F1B's ticks
     mix a forward on one stage with a backward on its neighbour, and so last as long as the
     slower, these steps each do a microbatch's whole work on every stage, whatever F, B and W
-    cost (a backward that recomputes its forward included): the lockstep step time is the
-    un-synchronized 1F1B's, (m + 2p - 2) steps of which 2p - 2 ramp up or down. The price:
-    2(p - s) microbatches in flight on stage s, twice 1F1B's."""
+    cost (a backward that recomputes its forward included): m + 2p - 1 steps, lockstep time
+    (m + p - 1)(F + B + W), 1F1B's bubble (p - 1)/(m + p - 1). The price: 2(p - s) microbatches
+    in flight on stage s, twice 1F1B's."""
     _check_sizes("1f1b-fused", p, m)
-    steps = m + 2 * p - 1
-    rows: list[list[Action | None]] = [[None] * (3 * steps) for _ in range(p)]
+    n_steps = m + 2 * p - 1
+    rows: list[list[Action | None]] = [[None] * (3 * n_steps) for _ in range(p)]
     for s in range(p):
         for i in range(m):
             rows[s][3 * (i + s)] = Action("F", i)
