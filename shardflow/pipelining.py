@@ -352,12 +352,24 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     last_stage, last_chunk = _place(table)[p * v - 1]
     first_stage, first_chunk = _place(table)[0]
     mine = [x[0] for x in stage]                    # [v, ...] this device's chunks
+    # One chunk: its layers split once, before the loop over steps, so that each layer's
+    # weights, and its gradients' float32 sums, are arrays of their own (slots.Rows): sliced
+    # from a stack inside the loop, XLA:GPU copies them for every micro-batch.
+    layers = [slots.Rows(x[0, l] for l in range(x.shape[1])) for x in mine] if v == 1 else None
 
     def chunk(k):
-        return [lax.dynamic_index_in_dim(x, k, keepdims=False) for x in mine]
+        return layers if layers is not None else [lax.dynamic_index_in_dim(x, k, keepdims=False) for x in mine]
+
+    def sums(d_stage, k):
+        """The gradients' sums as slots.run adds to them: the stacked chunks' slot k, or the rows."""
+        return {r: (slots.Rows(d), None) if layers is not None else (d, k) for r, d in enumerate(d_stage)}
+
+    def summed(d_stage):
+        return [list(d) if layers is not None else d for d in d_stage]
 
     x0 = xs[0]
-    d_chunk, d_hp = _gradient_shapes(bodies, chunk(0), x0, head_params, [a[0] for a in args])
+    stacked0 = [x[0] for x in mine]
+    d_chunk, d_hp = _gradient_shapes(bodies, stacked0, x0, head_params, [a[0] for a in args])
 
     def buffers(n, like, spare=0):
         return [jnp.zeros((max(n, 1) + spare,) + tuple(a.shape), a.dtype) for a in like]
@@ -365,7 +377,7 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     # The actions as local jaxprs, which slots.run evaluates with the residuals and the stash
     # written into and read from their slots by the layers' scans themselves.
     like = lambda avals: [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    chunk0, n = like(chunk(0)), len(mine)
+    chunk0, n = like(stacked0), len(mine)
     f_jaxpr = jax.make_jaxpr(lambda *a: _flat(bodies.forward(list(a[:n]), a[n])))(*chunk0, x0)
     stored0 = like(f_jaxpr.out_avals[1:])
     n_stored, stash0 = len(stored0), []
@@ -388,7 +400,8 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         stash=buffers(pl.n_stash, stash0) if split_b else [],
         in_f=buffers(pl.n_in_f, [x0], spare=1)[0],     # the last slot takes writes to nowhere
         in_b=buffers(pl.n_in_b, [x0], spare=1)[0],
-        d_stage=[jnp.zeros((v,) + g.shape, _summed(g.dtype)) for g in d_chunk],
+        d_stage=[[jnp.zeros(g.shape[1:], _summed(g.dtype)) for _ in range(g.shape[0])] if layers is not None
+                 else jnp.zeros((v,) + g.shape, _summed(g.dtype)) for g in d_chunk],
         d_head=[jnp.zeros(g.shape, _summed(g.dtype)) for g in d_hp],
         d_xs=buffers(m, [x0], spare=1)[0],
         loss=jnp.zeros((), jnp.float32),
@@ -435,15 +448,15 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         i, k = row["b_mb"], row["b_chunk"]
         *d_stage, dx = slots.run(b_jaxpr, chunk(k) + [None] * n_stored + [at(c["in_b"], row["b_in"])],
                                  reads={n + r: (b, row["b_resid"]) for r, b in enumerate(c["stored"])},
-                                 adds={r: (d, k) for r, d in enumerate(c["d_stage"])})
-        return dict(d_stage=d_stage, d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
+                                 adds=sums(c["d_stage"], k))
+        return dict(d_stage=summed(d_stage), d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
 
     def weights(row, c):
         k = row["w_chunk"]
         reads = {n + r: (b, row["w_resid"]) for r, b in enumerate(c["stored"])}
         reads.update({n + n_stored + s: (b, row["w_stash"]) for s, b in enumerate(c["stash"])})
-        return dict(d_stage=slots.run(bw_jaxpr, chunk(k) + [None] * (n_stored + n_stash), reads=reads,
-                                      adds={r: (d, k) for r, d in enumerate(c["d_stage"])}))
+        return dict(d_stage=summed(slots.run(bw_jaxpr, chunk(k) + [None] * (n_stored + n_stash), reads=reads,
+                                             adds=sums(c["d_stage"], k))))
 
     heads = jnp.asarray(pl.heads)
     shifts = (("next", [(j, (j + 1) % p) for j in range(p)]), ("prev", [(j, (j - 1) % p) for j in range(p)]))
@@ -480,7 +493,8 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     loss = c["loss"] / m
     d_head = [(g / m).astype(like.dtype) for g, like in zip(c["d_head"], d_hp)]
     d_xs = lax.psum(c["d_xs"][:m], axis) / m
-    d_stage = [(g / m).astype(like.dtype)[None] for g, like in zip(c["d_stage"], d_chunk)]
+    d_stage = [(g / m).astype(like.dtype)[None] for g, like in zip(
+        [jnp.stack(g)[None] if layers is not None else g for g in c["d_stage"]], d_chunk)]
     return loss, d_stage, d_head, d_xs
 
 

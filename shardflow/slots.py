@@ -14,6 +14,12 @@ copied into or out of its slot as before. The same way, a stacked result can be 
 its row (``adds``): the backward's scan adds each layer's weight gradient to the float32 sum
 over micro-batches as it makes it, where the sum was otherwise a zero-filled buffer of the
 chunk's gradients, written row by row and then added whole.
+
+A stacked input may also come as its rows (:class:`Rows`, e.g. a stage's layers split once
+before the pipeline's loop over steps): a scan over it then runs unrolled, each layer reading
+its own array. XLA:GPU copies a matmul operand sliced from a stacked array inside a loop into a
+buffer of its own, each layer's weights once per micro-batch (on a 3b stage, 224 copies of
+50 MB a step); arrays made once outside the loop are read where they are.
 """
 from __future__ import annotations
 
@@ -27,7 +33,15 @@ from shardflow.program import scan_arity
 
 scan_p = primitives.scan_p
 
-Slot = tuple     # (buffer [slots, ...], slot index: an int32 scalar)
+Slot = tuple     # (buffer [slots, ...], slot index: an int32 scalar), or (Rows, None): the rows themselves
+
+
+class Rows(tuple):
+    """A stacked value ``[n, ...]`` given as its ``n`` rows. As the buffer of a slot (with slot
+    None) its rows are the slot's: a scan's rows are added to or written into them."""
+
+    def stacked(self):
+        return jnp.stack(self)
 
 
 def put(buf, i, value):
@@ -77,18 +91,24 @@ def run(jaxpr: ClosedJaxpr, args, reads: Mapping[int, Slot] = {}, writes: Mappin
             env[x] = at(*slotted[x])
         return env[x]
 
+    def whole_value(x):             # rows something other than a scan's xs uses
+        value = read(x)
+        return value.stacked() if isinstance(value, Rows) else value
+
     for eqn in j.eqns:
-        if eqn.primitive is scan_p and _touches(eqn, slotted, targets):
-            outs = _scan(eqn, read, slotted, targets, written)
+        if eqn.primitive is scan_p and (_touches(eqn, slotted, targets) or _has_rows(eqn, env)):
+            outs = _scan(eqn, read, whole_value, slotted, targets, written)
         else:
-            outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+            outs = eqn.primitive.bind(*map(whole_value, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
             outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     def whole(o, v):                # a result no scan wrote into its slot
         buf, slot, add = into[o]
+        if isinstance(buf, Rows):
+            return Rows(y.astype(r.dtype) + (r if add else 0) for r, y in zip(buf, whole_value(v)))
         return put(buf, slot, at(buf, slot) + read(v).astype(buf.dtype) if add else read(v))
 
-    return [written[v] if v in written else whole(o, v) if o in into else read(v)
+    return [written[v] if v in written else whole(o, v) if o in into else whole_value(v)
             for o, v in enumerate(j.outvars)]
 
 
@@ -98,14 +118,19 @@ def _touches(eqn, slotted, targets) -> bool:
             or any(v in targets for v in eqn.outvars[n_carry:]))
 
 
-def _scan(eqn, read, slotted, targets, written) -> list:
+def _has_rows(eqn, env) -> bool:
+    n_consts, n_carry = scan_arity(eqn.params)
+    return any(isinstance(env.get(x), Rows) for x in eqn.invars[n_consts + n_carry:] if not isinstance(x, Literal))
+
+
+def _scan(eqn, read, whole_value, slotted, targets, written) -> list:
     """The scan ``eqn`` with its slotted xs read from, and its target ys written into, their
-    buffers at row (slot, iteration)."""
+    buffers at row (slot, iteration); unrolled where an xs comes as :class:`Rows`."""
     p = eqn.params
     (n_consts, n_carry), length, reverse = scan_arity(p), p["length"], p["reverse"]
     body = jaxpr_as_fun(p["jaxpr"])
-    consts = [read(x) for x in eqn.invars[:n_consts]]
-    carry = [read(x) for x in eqn.invars[n_consts:n_consts + n_carry]]
+    consts = [whole_value(x) for x in eqn.invars[:n_consts]]
+    carry = [whole_value(x) for x in eqn.invars[n_consts:n_consts + n_carry]]
     xs = eqn.invars[n_consts + n_carry:]
     xs_slots = {k: slotted[x] for k, x in enumerate(xs) if not isinstance(x, Literal) and x in slotted}
     ys = eqn.outvars[n_carry:]
@@ -120,10 +145,16 @@ def _scan(eqn, read, slotted, targets, written) -> list:
         bufs = {k: _put_row(b, ys_slots[k][1], i, ys_i[k], add=ys_slots[k][2]) for k, b in bufs.items()}
         return (outs[:n_carry], i + (-1 if reverse else 1), bufs), [y for k, y in enumerate(ys_i) if k not in bufs]
 
-    start = jnp.int32(length - 1 if reverse else 0)
-    (carry, _, bufs), ys_rest = lax.scan(
-        step, (carry, start, {k: buf for k, (buf, _, _) in ys_slots.items()}),
-        [read(x) for k, x in enumerate(xs) if k not in xs_slots], length=length, reverse=reverse)
+    state = (carry, length - 1 if reverse else 0, {k: buf for k, (buf, _, _) in ys_slots.items()})
+    xs_rest = [read(x) for k, x in enumerate(xs) if k not in xs_slots]
+    if any(isinstance(x, Rows) for x in xs_rest + list(state[2].values())):
+        rows = [None] * length
+        for i in (reversed(range(length)) if reverse else range(length)):
+            state, rows[i] = step(state, [x[i] for x in xs_rest])
+        (carry, _, bufs), ys_rest = state, [jnp.stack(y) for y in zip(*rows)]
+    else:
+        state = (state[0], jnp.int32(state[1]), state[2])
+        (carry, _, bufs), ys_rest = lax.scan(step, state, xs_rest, length=length, reverse=reverse)
     for k, buf in bufs.items():
         written[ys[k]] = buf
     rest = iter(ys_rest)
@@ -131,12 +162,16 @@ def _scan(eqn, read, slotted, targets, written) -> list:
 
 
 def _row(buf, slot, i):
+    if isinstance(buf, Rows):
+        return buf[i]
     slot = jnp.maximum(slot, 0)
     start = (slot, i) + (0,) * (buf.ndim - 2)
     return lax.dynamic_slice(buf, start, (1, 1) + buf.shape[2:])[0, 0]
 
 
 def _put_row(buf, slot, i, y, add=False):
+    if isinstance(buf, Rows):
+        return Rows(y.astype(r.dtype) + (r if add else 0) if j == i else r for j, r in enumerate(buf))
     slot = jnp.where(slot >= 0, slot, buf.shape[0] - 1)
     start = (slot, i) + (0,) * (buf.ndim - 2)
     y = y.astype(buf.dtype) + (_row(buf, slot, i) if add else 0)

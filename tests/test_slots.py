@@ -48,3 +48,22 @@ def test_a_result_no_scan_makes_is_added_whole():
     (out,) = slots.run(jaxpr, [jnp.full((L, D), 0.5)], adds={0: (buf, jnp.int32(2))})
     np.testing.assert_array_equal(out[2], 2.0)
     np.testing.assert_array_equal(out[:2], 1.0)
+
+
+def test_a_scan_over_rows_runs_unrolled_each_layer_reading_its_own_array():
+    r = np.random.default_rng(1)
+    w, x = jnp.asarray(r.standard_normal((L, D)), jnp.float32), jnp.asarray(r.standard_normal(D), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda w, x: (*layers(w, x), w.sum()))(w, x)   # a reverse scan, and one other use
+    buf = jnp.zeros((2, L, D), jnp.float32)
+
+    def run(w, x):
+        rows = slots.Rows(w[i] for i in range(L))
+        return slots.run(jaxpr, [rows, x], writes={1: (buf, jnp.int32(0))})
+
+    h, written, total = run(w, x)
+    want_h, ys = layers(w, x)
+    np.testing.assert_allclose(h, want_h, rtol=1e-6)
+    np.testing.assert_allclose(written[0], ys.astype(jnp.float32), rtol=1e-6)
+    np.testing.assert_allclose(total, w.sum(), rtol=1e-6)
+    # no loop is left, so no row of w is sliced from the stack inside one
+    assert not any(e.primitive.name in ("scan", "while") for e in jax.make_jaxpr(run)(w, x).jaxpr.eqns)
