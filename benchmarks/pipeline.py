@@ -74,22 +74,30 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
     return row
 
 
-def idle_fraction(kernels) -> float:
+WAIT_NS = 1_000_000     # a gap this long is a device waiting for work, not a kernel launch
+
+
+def idle_fraction(kernels, min_gap: float = 0) -> float:
     """Of one device's step, from its first kernel's start to its last one's end, the fraction in
-    which no kernel but a collective runs: ``kernels`` are (start, end, name), NCCL's named so."""
+    which no kernel but a collective runs, counting only gaps of at least ``min_gap``:
+    ``kernels`` are (start, end, name), NCCL's named so. With ``min_gap`` = ``WAIT_NS`` the
+    pipeline's bubble — a stage waiting for its neighbour, an action's length — and not the
+    microsecond gaps between kernel launches, which any step has (FSDP's 2 % of its step)."""
     spans = sorted((start, end) for start, end, name in kernels if "nccl" not in name.lower())
     first, last = min(k[0] for k in kernels), max(k[1] for k in kernels)
-    busy, reached = 0, first
-    for start, end in spans:
-        start = max(start, reached)
-        if end > start:
-            busy, reached = busy + end - start, end
-    return 1 - busy / (last - first)
+    idle, reached = 0, first
+    for start, end in spans + [(last, last)]:
+        gap = start - reached
+        if gap > 0 and gap >= min_gap:
+            idle += gap
+        reached = max(reached, end)
+    return idle / (last - first)
 
 
 def profiled_bubble(step_fn, params, opt_state, data) -> dict:
-    """The measured bubble of one traced step: per GPU, ``idle_fraction`` of its kernels (the
-    profiler's stream lines); None where the trace has no GPU (CPU runs)."""
+    """One traced step: per GPU, the bubble (``idle_fraction`` counting waits of at least
+    ``WAIT_NS``) and all its idle time, from the profiler's stream lines; None where the trace
+    has no GPU (CPU runs)."""
     import glob
     import tempfile
 
@@ -107,15 +115,16 @@ def profiled_bubble(step_fn, params, opt_state, data) -> dict:
             kernels = [(e.start_ns, e.end_ns, e.name) for line in plane.lines if line.name.startswith("Stream")
                        for e in line.events]
             if kernels:
-                per_gpu.append(idle_fraction(kernels))
-    return {"measured_bubble_per_gpu": per_gpu or None,
-            "measured_bubble": sum(per_gpu) / len(per_gpu) if per_gpu else None}
+                per_gpu.append((idle_fraction(kernels, WAIT_NS), idle_fraction(kernels)))
+    mean = lambda k: sum(g[k] for g in per_gpu) / len(per_gpu) if per_gpu else None
+    return {"measured_bubble_per_gpu": [g[0] for g in per_gpu] or None, "measured_bubble": mean(0),
+            "idle_per_gpu": [g[1] for g in per_gpu] or None, "idle": mean(1)}
 
 
 def print_table(rows) -> None:
     base = {r["preset"]: r for r in rows if r["config"] == "fsdp" and r["status"] == "ok"}
     header = ("preset", "config", "tokens/s", "MFU", "x fsdp", "x fsdp, bubble only", "compiled GB",
-              "predicted bubble", "measured bubble")
+              "predicted bubble", "measured bubble", "idle")
     lines = [header]
     for r in rows:
         ok, b = r["status"] == "ok", base.get(r["preset"])
@@ -126,7 +135,7 @@ def print_table(rows) -> None:
                       f"{1 - r['predicted_bubble']:.3f}" if r.get("predicted_bubble") is not None else "-",
                       f"{r['compiled_gb_per_device']:.1f}" if ok and r.get("compiled_gb_per_device") else "-",
                       scaling.pct(r.get("predicted_bubble")) if r.get("predicted_bubble") is not None else "-",
-                      scaling.pct(r.get("measured_bubble")) if r.get("measured_bubble") is not None else "-"))
+                      *(scaling.pct(r.get(k)) if r.get(k) is not None else "-" for k in ("measured_bubble", "idle"))))
     scaling.print_columns(lines, left=2)
     for r in rows:
         if r["status"].startswith(("skip", "error")):

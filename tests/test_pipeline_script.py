@@ -18,7 +18,7 @@ def test_pipeline_script_tiny(tmp_path, capsys):
     assert math.isfinite(pp["tokens_per_s"]) and pp["tokens_per_s"] > 0 and math.isfinite(pp["loss"])
     # tiny runs without remat: F = B = W = 1, a step of 3 on every stage, (m + p - 1) of them
     assert pp["predicted_bubble"] == pytest.approx(3 / 7)
-    assert pp["measured_bubble"] is None      # traced, but a CPU trace has no GPU kernels
+    assert pp["measured_bubble"] is None and pp["idle"] is None   # traced, but a CPU trace has no GPU kernels
     printed = capsys.readouterr().out
     assert "x fsdp, bubble only" in printed and "0.571" in printed
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
@@ -32,3 +32,7 @@ def test_idle_fraction_counts_the_time_no_compute_kernel_runs():
     # span 0-100; compute 0-50 and 80-100: 30 of 100 without compute
     assert idle_fraction(kernels) == pytest.approx(0.3)
     assert idle_fraction([(0, 10, "gemm"), (10, 20, "fusion")]) == 0.0
+    # waits of at least 15: the 50-80 gap counts, the launch gaps of 1 below do not
+    launches = kernels + [(100, 110, "gemm"), (111, 120, "fusion"), (121, 130, "gemm")]
+    assert idle_fraction(launches) == pytest.approx(32 / 130)
+    assert idle_fraction(launches, min_gap=15) == pytest.approx(30 / 130)
