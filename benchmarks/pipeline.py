@@ -13,8 +13,9 @@ memory_analysis), the bubble the schedule's table predicts for its lockstep exec
 (shardflow.schedules.bubble_fraction of the split-backward table the executor runs, lockstep,
 F = B = W = 1 but B = 2 where it recomputes its forward, remat "full") with the ratio to FSDP it
 alone would leave (1 - bubble, FSDP's step taken as the ideal), and with --profile the measured
-bubble: one more step traced, per GPU the fraction of it in which no kernel but a collective
-runs (averaged over the GPUs; per GPU in the JSON).
+bubble: one more step traced, per GPU the fraction of it spent in waits of 1 ms or more with no
+kernel but a collective running, and all such gaps as "idle" (averaged over the GPUs; per GPU
+in the JSON). benchmarks/pipeline_hosts.py turns a result into a prediction across hosts.
 """
 from __future__ import annotations
 

@@ -22,6 +22,11 @@ def test_pipeline_script_tiny(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "x fsdp, bubble only" in printed and "0.571" in printed
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+    # the cross-host model on that measurement: 4 hosts of 2 (the pp4 x dp2 row has 4 stages)
+    hosts = load("pipeline_hosts").main([str(out), "--hosts", "4", "--gpus-per-host", "2", "--nic-gbps", "400"])
+    (here,) = [h for h in hosts if h["tokens_per_gpu"] == 16 * 128 / 8]
+    assert here["microbatches"] == 4 and here["fsdp_s"] >= by["fsdp"]["step_s"]
+    assert here["pp_s"] > pp["step_s"]          # the hand-offs now cross hosts, at 50 GB/s
 
 
 def test_idle_fraction_counts_the_time_no_compute_kernel_runs():
@@ -36,3 +41,20 @@ def test_idle_fraction_counts_the_time_no_compute_kernel_runs():
     launches = kernels + [(100, 110, "gemm"), (111, 120, "fusion"), (121, 130, "gemm")]
     assert idle_fraction(launches) == pytest.approx(32 / 130)
     assert idle_fraction(launches, min_gap=15) == pytest.approx(30 / 130)
+
+
+def test_the_cross_host_model_adds_what_crosses_hosts_and_nothing_else():
+    predict = load("pipeline_hosts").predict
+    measured = {"tokens_per_gpu": 4096, "fsdp_step_s": 1.0, "pp_step_s": 1.1, "seq": 1024, "stages": 2,
+                "microbatches": 4}
+    same = dict(tokens_per_gpu=4096, nic=100e9, nvlink=100e9, had_data_axis=True)
+    row = predict(measured, fsdp_bytes=50e9, pipe_bytes=5e9, inhost_bytes=1e9, **same)
+    assert row["fsdp_s"] == 1.0 and row["pp_s"] == pytest.approx(1.1)       # links as fast as on one host
+    slow = predict(measured, fsdp_bytes=50e9, pipe_bytes=5e9, inhost_bytes=1e9, **dict(same, nic=25e9))
+    assert slow["fsdp_s"] == pytest.approx(2.0)                              # 50 GB at 25 GB/s, overlapped
+    assert slow["pp_s"] == pytest.approx(1.1 + 5 / 25 - 5 / 100)             # hand-offs not overlapped
+    # a quarter of the tokens: one micro-batch of one sequence, lockstep bubble (1+1)/1 over (4+1)/4
+    quarter = predict(measured, fsdp_bytes=50e9, pipe_bytes=5e9, inhost_bytes=1e9, **dict(same, tokens_per_gpu=512))
+    assert quarter["microbatches"] == 1
+    assert quarter["pp_s"] == pytest.approx(1.1 / 8 * (2 / (5 / 4)))
+    assert quarter["fsdp_s"] == pytest.approx(0.5)                           # the weights' bytes do not shrink
