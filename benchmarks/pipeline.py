@@ -8,7 +8,8 @@
 On N = jax.device_count() devices the `shardflow train` step (fp32 master weights, bf16
 compute, AdamW + clipping; benchmarks/scaling.py's measurement) runs under FSDP on {data: N}
 and, for each schedule, pipelined on {pipe: N} and on {pipe: N/2, data: 2} with the same global
-batch. Per row: tokens/s, MFU, its ratio to FSDP's, the compiled step's memory per device (XLA's
+batch, the stages replicated over data (dp) or their weights and optimizer state split over it
+(fsdp: gathered once a step). Per row: tokens/s, MFU, its ratio to FSDP's, the compiled step's memory per device (XLA's
 memory_analysis), the bubble the schedule's table predicts for its lockstep execution
 (shardflow.schedules.bubble_fraction of the split-backward table the executor runs, lockstep,
 F = B = W = 1 but B = 2 where it recomputes its forward, remat "full") with the ratio to FSDP it
@@ -39,10 +40,11 @@ def configs(n: int, schedules, microbatches: int):
     out = [("fsdp", {"data": n}, "fsdp", None)]
     for pipe in sorted({n, n // 2} - {0, 1}, reverse=True):
         mesh = {"pipe": pipe} if pipe == n else {"pipe": pipe, "data": n // pipe}
-        for schedule in schedules:
-            out.append((f"pp{pipe}" + (f"xdp{n // pipe}" if pipe < n else "") + f" {schedule}",
-                        mesh, "pp" if pipe == n else "pp_dp",
-                        {"stages": pipe, "microbatches": microbatches, "schedule": schedule}))
+        # with a data axis: replicated stages (dp), or their weights and Adam state split over it (fsdp)
+        for name, strategy in ([("", "pp")] if pipe == n else [("dp", "pp_dp"), ("fsdp", "fsdp")]):
+            for schedule in schedules:
+                out.append((f"pp{pipe}" + (f"x{name}{n // pipe}" if name else "") + f" {schedule}", mesh, strategy,
+                            {"stages": pipe, "microbatches": microbatches, "schedule": schedule}))
     return out
 
 
@@ -52,8 +54,8 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
     from shardflow import schedules, train
     from shardflow.train import config
 
-    row = {"preset": preset, "config": name, "mesh": mesh, "global_batch": batch, "seq": seq,
-           "remat": remat, "pipeline": pipeline}
+    row = {"preset": preset, "config": name, "mesh": mesh, "strategy": strategy, "global_batch": batch,
+           "seq": seq, "remat": remat, "pipeline": pipeline}
     cfg = config.Config(mesh=mesh, strategy=strategy, engine="shardflow", batch_size=batch,
                         steps=args.warmup + args.steps, eval_every=0, peak_flops=args.peak_flops)
     cfg.model = {"preset": preset, "remat": remat, "attention_impl": "ops"}

@@ -111,7 +111,8 @@ def main(argv=None) -> list[dict]:
     batch = round(measured["tokens_per_gpu"] * n / seq)
     fsdp_bytes = collective_bytes(preset, {"data": n}, "fsdp", None, batch, seq, remat).get("data", 0)
     pipeline = dict(pp["pipeline"])
-    pp_by_axis = collective_bytes(preset, {"pipe": args.hosts, "data": args.gpus_per_host}, "pp_dp",
+    strategy = "fsdp" if pp.get("strategy") == "fsdp" else "pp_dp"      # the data axis inside a host
+    pp_by_axis = collective_bytes(preset, {"pipe": args.hosts, "data": args.gpus_per_host}, strategy,
                                   pipeline, batch, seq, remat)
     print(f"{preset}, measured on one host: {pp['config']} at {pp['tokens_per_s'] / fsdp['tokens_per_s']:.3f}x "
           f"FSDP, {measured['tokens_per_gpu']:,.0f} tokens per GPU a step ({pp['devices']} GPUs)")

@@ -682,10 +682,17 @@ def _propagate(prop, eqn):
         raise ShardingError(f"{src}: sf.pipeline over {table.stages} stages on mesh axis {axis!r} of "
                              f"{prop.mesh.devices.shape[ax]} devices")
     stage, head, xs, args = _groups(params, [prop.of(a) for a in eqn.invars])
-    stage = [_operand(s, ax, 2, Split(0)) for s in stage]
+    # Over an axis that splits the micro-batches (data parallel) a stage's weights enter whole:
+    # gathered once a step and their gradients reduced once (ZeRO), where split (FSDP) the
+    # bodies would gather them again for every micro-batch. Over the others (tensor parallel)
+    # they stay as they are.
+    data_axes = {i for i, s in enumerate(xs) if i != ax and s == Split(1)}
+    stage = [tuple(B if i in data_axes else t for i, t in enumerate(_operand(s, ax, 2, Split(0)))) for s in stage]
     # The head runs on every device of the axis at once, split as its parameters are (a vocab
     # split over the stages shares the head's work out); replicated parameters run it whole.
-    head = [_operand(s, ax, 0, s[ax] if ax is not None and isinstance(s[ax], Split) else B) for s in head]
+    head = [tuple(B if i in data_axes else t for i, t in
+                  enumerate(_operand(s, ax, 0, s[ax] if ax is not None and isinstance(s[ax], Split) else B)))
+            for s in head]
     xs = _operand(xs, ax, 1, B)
     args = [_operand(s, ax, 1, B) for s in args]
     chunk = [_inner(s, ax, 2) for s in stage]

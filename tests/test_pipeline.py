@@ -227,6 +227,23 @@ def test_compiled_memory_falls_with_the_schedules_live_activations():
     assert temp["1f1b"] < 0.8 * temp["gpipe"], temp
 
 
+def test_fsdp_weights_enter_a_stage_whole_once_a_step_not_once_a_micro_batch():
+    """Over an axis that splits the micro-batches the stage's weights are gathered before the
+    pipeline and their gradients reduce-scattered after it, once a step; inside the bodies
+    they would be gathered again for every micro-batch (and every backward)."""
+    table = SCHEDULES["1f1b"](4, 8)
+    layers, hp, x, tg = model(4 * Lc, 8)
+    want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 8)
+    specs = {"w": P("pipe", "data", None), "b": P("pipe", "data")}
+    step = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh({"data": 2, "pipe": 4}),
+                          in_specs=(specs, P(), P("data"), P("data")), out_specs=(P(), (specs, P(), P("data"))))
+    on_data = [c for c in step.explain(layers, hp, x, tg).collectives
+               if c.axes == ("data",) and c.kind in ("all_gather", "reduce_scatter")]
+    assert {c.kind for c in on_data} == {"all_gather", "reduce_scatter"}, on_data
+    assert all(c.count == 1 for c in on_data), [(c.kind, c.count, c.source) for c in on_data]
+    assert_close(step(layers, hp, x, tg), want)
+
+
 @pytest.mark.parametrize("axes,layer_spec,batch_spec", [
     ({"data": 2, "pipe": 4}, P("pipe", "data", None), P("data")),
     ({"model": 4, "pipe": 2}, P("pipe", None, "model"), P()),
