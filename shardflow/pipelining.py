@@ -687,11 +687,11 @@ def _propagate(prop, eqn):
     # bodies would gather them again for every micro-batch. Over the others (tensor parallel)
     # they stay as they are.
     data_axes = {i for i, s in enumerate(xs) if i != ax and s == Split(1)}
-    stage = [tuple(B if i in data_axes else t for i, t in enumerate(_operand(s, ax, 2, Split(0)))) for s in stage]
+    whole_over_data = lambda sbp: tuple(B if i in data_axes else t for i, t in enumerate(sbp))
+    stage = [whole_over_data(_operand(s, ax, 2, Split(0))) for s in stage]
     # The head runs on every device of the axis at once, split as its parameters are (a vocab
     # split over the stages shares the head's work out); replicated parameters run it whole.
-    head = [tuple(B if i in data_axes else t for i, t in
-                  enumerate(_operand(s, ax, 0, s[ax] if ax is not None and isinstance(s[ax], Split) else B)))
+    head = [whole_over_data(_operand(s, ax, 0, s[ax] if ax is not None and isinstance(s[ax], Split) else B))
             for s in head]
     xs = _operand(xs, ax, 1, B)
     args = [_operand(s, ax, 1, B) for s in args]
