@@ -352,20 +352,18 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     last_stage, last_chunk = _place(table)[p * v - 1]
     first_stage, first_chunk = _place(table)[0]
     mine = [x[0] for x in stage]                    # [v, ...] this device's chunks
-    # One chunk: its layers split once, before the loop over steps, so that each layer's
-    # weights, and its gradients' float32 sums, are arrays of their own (slots.Rows): sliced
-    # from a stack inside the loop, XLA:GPU copies them for every micro-batch.
-    layers = [slots.Rows(x[0, l] for l in range(x.shape[1])) for x in mine] if v == 1 else None
-
-    def chunk(k):
-        return layers if layers is not None else [lax.dynamic_index_in_dim(x, k, keepdims=False) for x in mine]
+    # Each chunk's layers split once, before the loop over steps, so that each layer's weights,
+    # and its gradients' float32 sums, are arrays of their own (slots.Rows): sliced from a
+    # stack inside the loop, XLA:GPU copies them for every micro-batch. So an action runs in one
+    # loop of 0 or 1 trips per chunk, each with its chunk's arrays.
+    layers = [[slots.Rows(x[k, l] for l in range(x.shape[1])) for x in mine] for k in range(v)]
 
     def sums(d_stage, k):
-        """The gradients' sums as slots.run adds to them: the stacked chunks' slot k, or the rows."""
-        return {r: (slots.Rows(d), None) if layers is not None else (d, k) for r, d in enumerate(d_stage)}
+        """Chunk k's gradient sums, as slots.run adds to them."""
+        return {r: (slots.Rows(d[k]), None) for r, d in enumerate(d_stage)}
 
-    def summed(d_stage):
-        return [list(d) if layers is not None else d for d in d_stage]
+    def summed(d_stage, k, new):
+        return [[list(n) if j == k else d_j for j, d_j in enumerate(d)] for d, n in zip(d_stage, new)]
 
     x0 = xs[0]
     stacked0 = [x[0] for x in mine]
@@ -400,8 +398,8 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         stash=buffers(pl.n_stash, stash0) if split_b else [],
         in_f=buffers(pl.n_in_f, [x0], spare=1)[0],     # the last slot takes writes to nowhere
         in_b=buffers(pl.n_in_b, [x0], spare=1)[0],
-        d_stage=[[jnp.zeros(g.shape[1:], _summed(g.dtype)) for _ in range(g.shape[0])] if layers is not None
-                 else jnp.zeros((v,) + g.shape, _summed(g.dtype)) for g in d_chunk],
+        d_stage=[[[jnp.zeros(g.shape[1:], _summed(g.dtype)) for _ in range(g.shape[0])] for _ in range(v)]
+                 for g in d_chunk],                                   # [leaf][chunk][layer]
         d_head=[jnp.zeros(g.shape, _summed(g.dtype)) for g in d_hp],
         d_xs=buffers(m, [x0], spare=1)[0],
         loss=jnp.zeros((), jnp.float32),
@@ -422,10 +420,10 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     def is_first(k):
         return (me == first_stage) & (k == first_chunk)
 
-    def forward(row, c):
-        i, k = row["f_mb"], row["f_chunk"]
+    def forward(k, row, c):
+        i = row["f_mb"]
         x = jnp.where(is_first(k), at(xs, i), at(c["in_f"], row["f_in"]))
-        y, *stored = slots.run(f_jaxpr, chunk(k) + [x],
+        y, *stored = slots.run(f_jaxpr, layers[k] + [x],
                                writes={1 + r: (b, row["f_resid"]) for r, b in enumerate(c["stored"])})
         return dict(stored=stored, out_f=y)
 
@@ -436,45 +434,48 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         return dict(loss=c["loss"] + loss, d_head=[a + b.astype(a.dtype) for a, b in zip(c["d_head"], dh)],
                     in_b=put(c["in_b"], row["f_head"], dy))
 
-    def backward(row, c):
-        i, k = row["b_mb"], row["b_chunk"]
+    def backward(k, row, c):
+        i = row["b_mb"]
         dy = at(c["in_b"], row["b_in"])
-        dx, *stash = slots.run(bx_jaxpr, chunk(k) + [None] * n_stored + [dy],
+        dx, *stash = slots.run(bx_jaxpr, layers[k] + [None] * n_stored + [dy],
                                reads={n + r: (b, row["b_resid"]) for r, b in enumerate(c["stored"])},
                                writes={1 + s: (b, row["b_stash"]) for s, b in enumerate(c["stash"])})
         return dict(stash=stash, d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
 
-    def whole_backward(row, c):     # B and W of one micro-batch in one step: nothing stashed
-        i, k = row["b_mb"], row["b_chunk"]
-        *d_stage, dx = slots.run(b_jaxpr, chunk(k) + [None] * n_stored + [at(c["in_b"], row["b_in"])],
+    def whole_backward(k, row, c):     # B and W of one micro-batch in one step: nothing stashed
+        i = row["b_mb"]
+        *d_stage, dx = slots.run(b_jaxpr, layers[k] + [None] * n_stored + [at(c["in_b"], row["b_in"])],
                                  reads={n + r: (b, row["b_resid"]) for r, b in enumerate(c["stored"])},
                                  adds=sums(c["d_stage"], k))
-        return dict(d_stage=summed(d_stage), d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
+        return dict(d_stage=summed(c["d_stage"], k, d_stage), d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
 
-    def weights(row, c):
-        k = row["w_chunk"]
+    def weights(k, row, c):
         reads = {n + r: (b, row["w_resid"]) for r, b in enumerate(c["stored"])}
         reads.update({n + n_stored + s: (b, row["w_stash"]) for s, b in enumerate(c["stash"])})
-        return dict(d_stage=summed(slots.run(bw_jaxpr, chunk(k) + [None] * (n_stored + n_stash), reads=reads,
-                                             adds=sums(c["d_stage"], k))))
+        return dict(d_stage=summed(c["d_stage"], k, slots.run(bw_jaxpr, layers[k] + [None] * (n_stored + n_stash),
+                                                              reads=reads, adds=sums(c["d_stage"], k))))
 
     heads = jnp.asarray(pl.heads)
     shifts = (("next", [(j, (j + 1) % p) for j in range(p)]), ("prev", [(j, (j - 1) % p) for j in range(p)]))
 
     def step(c, t):
         row = dict({name: tab[t, me] for name, tab in tables.items()}, t=t)
-        read = lambda fn: lambda part: fn(row, dict(c, **part))     # the other entries as they are now
-        c = when(row["f_chunk"] >= 0, read(forward), c, ("stored", "out_f"))
-        if split_b:
-            c = when((row["b_chunk"] >= 0) & (row["bw_whole"] < 1), read(backward), c, ("stash", "d_xs", "out_b"))
-        if whole_b:
-            c = when(row["bw_whole"] > 0, read(whole_backward), c, ("d_stage", "d_xs", "out_b"))
-        if split_b:
-            c = when(row["w_chunk"] >= 0, read(weights), c, ("d_stage",))
+        read = lambda fn, k: lambda part: fn(k, row, dict(c, **part))     # the other entries as they are now
+        for k in range(v):      # at most one F, one B and one W a step: one of these loops runs each
+            c = when(row["f_chunk"] == k, read(forward, k), c, ("stored", "out_f"))
+        for k in range(v):
+            if split_b:
+                c = when((row["b_chunk"] == k) & (row["bw_whole"] < 1), read(backward, k), c,
+                         ("stash", "d_xs", "out_b"))
+            if whole_b:
+                c = when((row["b_chunk"] == k) & (row["bw_whole"] > 0), read(whole_backward, k), c,
+                         ("d_stage", "d_xs", "out_b"))
+        for k in range(v * split_b):
+            c = when(row["w_chunk"] == k, read(weights, k), c, ("d_stage",))
         # The head last: every device waits in its collectives for the last stage's forward,
         # so a device's own actions before it run alongside that forward, after it they would not
         # (a step as long as two). Its dy is read at a later step.
-        c = when(heads[t], read(head), c, ("loss", "d_head", "in_b"))
+        c = when(heads[t], lambda part: head(row, dict(c, **part)), c, ("loss", "d_head", "in_b"))
         # The hand-offs wait for W too: XLA would otherwise run W, which nothing sent depends
         # on, after them, and a device would do this step's W and the next step's work
         # between two hand-offs — a step as long as two on one device (seen on H200).
@@ -493,8 +494,8 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     loss = c["loss"] / m
     d_head = [(g / m).astype(like.dtype) for g, like in zip(c["d_head"], d_hp)]
     d_xs = lax.psum(c["d_xs"][:m], axis) / m
-    d_stage = [(g / m).astype(like.dtype)[None] for g, like in zip(
-        [jnp.stack(g)[None] if layers is not None else g for g in c["d_stage"]], d_chunk)]
+    d_stage = [(jnp.stack([jnp.stack(rows) for rows in g]) / m).astype(like.dtype)[None]
+               for g, like in zip(c["d_stage"], d_chunk)]
     return loss, d_stage, d_head, d_xs
 
 
