@@ -24,7 +24,8 @@ def test_pipeline_script_tiny(tmp_path, capsys):
     assert "x fsdp, bubble only" in printed and "0.571" in printed
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
     # the cross-host model on that measurement: 4 hosts of 2 (the pp4 x dp2 row has 4 stages)
-    hosts = load("pipeline_hosts").main([str(out), "--hosts", "4", "--gpus-per-host", "2", "--nic-gbps", "400"])
+    hosts = load("pipeline_hosts").main([str(out), "--hosts", "4", "--gpus-per-host", "2", "--nic-gbps", "400",
+                                         "--config", "pp4xdp2 1f1b-fused"])
     (here,) = [h for h in hosts if h["tokens_per_gpu"] == 16 * 128 / 8]
     assert here["microbatches"] == 4 and here["fsdp_s"] >= by["fsdp"]["step_s"]
     assert here["pp_s"] > pp["step_s"]          # the hand-offs now cross hosts, at 50 GB/s
