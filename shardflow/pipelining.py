@@ -363,6 +363,7 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         return {r: (slots.Rows(d[k]), None) for r, d in enumerate(d_stage)}
 
     def summed(d_stage, k, new):
+        """``d_stage`` with chunk k's sums replaced by ``new`` (slots.run's results)."""
         return [[list(n) if j == k else d_j for j, d_j in enumerate(d)] for d, n in zip(d_stage, new)]
 
     x0 = xs[0]
