@@ -48,6 +48,18 @@ def configs(n: int, schedules, microbatches: int):
     return out
 
 
+def train_config(preset, mesh, strategy, pipeline, batch, seq, remat, **fields):
+    """The `shardflow train` config of one measured configuration (``fields``: more Config fields)."""
+    from shardflow.train import config
+
+    cfg = config.Config(mesh=mesh, strategy=strategy, engine="shardflow", batch_size=batch, eval_every=0, **fields)
+    cfg.model = {"preset": preset, "remat": remat, "attention_impl": "ops"}
+    cfg.data.seq_len = seq
+    for key, value in (pipeline or {}).items():
+        setattr(cfg.pipeline, key, value)
+    return cfg
+
+
 def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
     import jax
 
@@ -56,13 +68,9 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
 
     row = {"preset": preset, "config": name, "mesh": mesh, "strategy": strategy, "global_batch": batch,
            "seq": seq, "remat": remat, "pipeline": pipeline}
-    cfg = config.Config(mesh=mesh, strategy=strategy, engine="shardflow", batch_size=batch,
-                        steps=args.warmup + args.steps, eval_every=0, peak_flops=args.peak_flops)
-    cfg.model = {"preset": preset, "remat": remat, "attention_impl": "ops"}
-    cfg.data.seq_len = seq
+    cfg = train_config(preset, mesh, strategy, pipeline, batch, seq, remat,
+                       steps=args.warmup + args.steps, peak_flops=args.peak_flops)
     if pipeline:
-        for key, value in pipeline.items():
-            setattr(cfg.pipeline, key, value)
         table = schedules.with_split_backward(
             schedules.by_name(pipeline["schedule"], pipeline["stages"], pipeline["microbatches"]))
         costs = {"F": 1, "B": 2 if remat == "full" else 1, "W": 1}     # B recomputes its forward under remat

@@ -35,6 +35,7 @@ import os
 
 import _checkout  # noqa: F401
 
+import pipeline as pipeline_script
 import scaling
 
 
@@ -44,14 +45,8 @@ def collective_bytes(preset, mesh, strategy, pipeline, batch, seq, remat) -> dic
     import numpy as np
 
     from shardflow import train
-    from shardflow.train import config
 
-    cfg = config.Config(mesh=mesh, strategy=strategy, engine="shardflow", batch_size=batch, eval_every=0)
-    cfg.model = {"preset": preset, "remat": remat, "attention_impl": "ops"}
-    cfg.data.seq_len = seq
-    for key, value in (pipeline or {}).items():
-        setattr(cfg.pipeline, key, value)
-    run = train.setup(cfg)
+    run = train.setup(pipeline_script.train_config(preset, mesh, strategy, pipeline, batch, seq, remat))
     state = jax.eval_shape(lambda: train.init_state(run))
     tokens = jax.ShapeDtypeStruct((1, batch, seq), np.int32)
     plan = run.train_step().explain(*state, {"inputs": tokens, "targets": tokens})

@@ -67,3 +67,11 @@ def test_a_scan_over_rows_runs_unrolled_each_layer_reading_its_own_array():
     np.testing.assert_allclose(total, w.sum(), rtol=1e-6)
     # no loop is left, so no row of w is sliced from the stack inside one
     assert not any(e.primitive.name in ("scan", "while") for e in jax.make_jaxpr(run)(w, x).jaxpr.eqns)
+
+
+def test_a_result_no_scan_makes_is_added_to_rows_row_by_row():
+    jaxpr = jax.make_jaxpr(lambda w: w * 2.0)(jnp.ones((L, D)))
+    rows = slots.Rows(jnp.full((D,), float(i)) for i in range(L))
+    (out,) = slots.run(jaxpr, [jnp.full((L, D), 0.5)], adds={0: (rows, None)})
+    assert isinstance(out, slots.Rows) and len(out) == L
+    np.testing.assert_array_equal(jnp.stack(out), jnp.arange(L, dtype=jnp.float32)[:, None] + 1.0 + jnp.zeros((L, D)))
