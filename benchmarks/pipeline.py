@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 
 import _checkout  # noqa: F401
 
@@ -164,7 +165,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--peak-flops", type=float)
     parser.add_argument("--device-memory-gb", type=float)
-    parser.add_argument("--only", help="run only the configs whose name contains this")
+    parser.add_argument("--only", help="run only the configs whose name matches this regular expression (re.search)")
     parser.add_argument("--profile", action="store_true",
                         help="trace one more step per config: the measured bubble, per GPU the fraction "
                              "of the step with no kernel but a collective running")
@@ -179,7 +180,7 @@ def main(argv=None) -> list[dict]:
         batch, seq, remat = CASES[preset]
         batch, seq = args.batch or batch, args.seq or seq
         for name, mesh, strategy, pipeline in configs(n, schedules, args.microbatches):
-            if args.only and args.only not in name:
+            if args.only and not re.search(args.only, name):
                 continue
             row = measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args)
             rows.append(row)
