@@ -30,6 +30,7 @@ import _checkout  # noqa: F401
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import scaling  # noqa: E402  (after the NCCL setting)
+from shardflow.models.config import REMAT_POLICIES  # noqa: E402
 
 CASES = {"1b": (64, 2048, "none"), "3b": (32, 2048, "full"), "7b": (32, 2048, "full"),
          "tiny": (16, 128, "none")}   # preset -> (global batch, seq, remat)
@@ -161,6 +162,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--batch", type=int, help="global batch (sequences)")
     parser.add_argument("--seq", type=int)
+    parser.add_argument("--remat", choices=sorted(REMAT_POLICIES),
+                        help="the model's remat policy (default: the preset's, CASES)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--peak-flops", type=float)
@@ -178,7 +181,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     for preset in args.preset or ["1b"]:
         batch, seq, remat = CASES[preset]
-        batch, seq = args.batch or batch, args.seq or seq
+        batch, seq, remat = args.batch or batch, args.seq or seq, args.remat or remat
         for name, mesh, strategy, pipeline in configs(n, schedules, args.microbatches):
             if args.only and not re.search(args.only, name):
                 continue
