@@ -16,7 +16,10 @@ F = B = W = 1 but B = 2 where it recomputes its forward, remat "full") with the 
 alone would leave (1 - bubble, FSDP's step taken as the ideal), and with --profile the measured
 bubble: one more step traced, per GPU the fraction of it spent in waits of 1 ms or more with no
 kernel but a collective running, and all such gaps as "idle" (averaged over the GPUs; per GPU
-in the JSON). benchmarks/pipeline_hosts.py turns a result into a prediction across hosts.
+in the JSON). `--remat` sets the pipelined rows' remat policy, `--fsdp-remat` FSDP's (both
+default to the preset's): a stage holds 1/p of the layers, so it may fit keeping what FSDP must
+recompute — each row records its policy, and MFU counts no recomputation.
+benchmarks/pipeline_hosts.py turns a result into a prediction across hosts.
 """
 from __future__ import annotations
 
@@ -136,12 +139,12 @@ def profiled_bubble(step_fn, params, opt_state, data) -> dict:
 
 def print_table(rows) -> None:
     base = {r["preset"]: r for r in rows if r["config"] == "fsdp" and r["status"] == "ok"}
-    header = ("preset", "config", "tokens/s", "MFU", "x fsdp", "x fsdp, bubble only", "compiled GB",
+    header = ("preset", "config", "remat", "tokens/s", "MFU", "x fsdp", "x fsdp, bubble only", "compiled GB",
               "predicted bubble", "measured bubble", "idle")
     lines = [header]
     for r in rows:
         ok, b = r["status"] == "ok", base.get(r["preset"])
-        lines.append((r["preset"], r["config"],
+        lines.append((r["preset"], r["config"], r["remat"],
                       f"{r['tokens_per_s']:,.0f}" if ok else r["status"].split(":")[0],
                       scaling.pct(r["mfu"]) if ok else "-",
                       f"{r['tokens_per_s'] / b['tokens_per_s']:.3f}" if ok and b else "-",
@@ -163,7 +166,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--batch", type=int, help="global batch (sequences)")
     parser.add_argument("--seq", type=int)
     parser.add_argument("--remat", choices=sorted(REMAT_POLICIES),
-                        help="the model's remat policy (default: the preset's, CASES)")
+                        help="the pipelined rows' remat policy (default: the preset's, CASES): a "
+                             "stage holds 1/p of the layers, so a policy that keeps more may fit")
+    parser.add_argument("--fsdp-remat", choices=sorted(REMAT_POLICIES),
+                        help="the FSDP row's remat policy (default: the preset's)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--peak-flops", type=float)
@@ -181,11 +187,12 @@ def main(argv=None) -> list[dict]:
     rows = []
     for preset in args.preset or ["1b"]:
         batch, seq, remat = CASES[preset]
-        batch, seq, remat = args.batch or batch, args.seq or seq, args.remat or remat
+        batch, seq = args.batch or batch, args.seq or seq
         for name, mesh, strategy, pipeline in configs(n, schedules, args.microbatches):
             if args.only and not re.search(args.only, name):
                 continue
-            row = measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args)
+            policy = (args.remat if pipeline else args.fsdp_remat) or remat
+            row = measure(preset, name, mesh, strategy, pipeline, batch, seq, policy, args)
             rows.append(row)
             done = (f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['loss']:.3f}"
                     if row["status"] == "ok" else row["status"])
