@@ -56,7 +56,8 @@ def test_pipelined_loss_equals_the_plain_loss_on_one_device(fields, overrides, p
     (LLAMA4, {"pipe": 4, "data": 2}, "dp", "1f1b"),
     (LLAMA4, {"pipe": 2, "model": 4}, "pp_tp", "zb-h1"),
     (GPT2_4, {"pipe": 2, "data": 2, "model": 2}, "tp", "gpipe"),
-], ids=["llama-pp4-dp2", "llama-pp2-tp4", "gpt2-pp2-dp2-tp2"])
+    ({**LLAMA4, "remat": "dots"}, {"pipe": 4, "data": 2}, "dp", "zb-h1"),
+], ids=["llama-pp4-dp2", "llama-pp2-tp4", "gpt2-pp2-dp2-tp2", "llama-remat-dots-pp4-dp2-zbh1"])
 def test_pipelined_loss_under_parallelize_equals_one_device(fields, mesh, strategy, schedule):
     """The layers on the pipe axis (the "layers" rule), the rest of the table as it shards any
     model: the schedule's loss and every gradient equal the plain loss's on one device."""
