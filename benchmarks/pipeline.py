@@ -37,7 +37,7 @@ from shardflow.models.config import REMAT_POLICIES  # noqa: E402
 
 CASES = {"1b": (64, 2048, "none"), "3b": (32, 2048, "full"), "7b": (32, 2048, "full"),
          "tiny": (16, 128, "none")}   # preset -> (global batch, seq, remat)
-SCHEDULES = ("gpipe", "1f1b", "1f1b-fused", "zb-h1", "interleaved", "zb-v")
+SCHEDULES = ("gpipe", "1f1b", "1f1b-fused", "zb-h1", "interleaved", "zb-v", "zb-fused")
 
 
 def configs(n: int, schedules, microbatches: int):

@@ -60,7 +60,7 @@ from shardflow.program import open_jaxpr, source_line
 from shardflow.registry import Decision, defrule
 from shardflow.specs import B, Partial, ShardingError, Split, local_shape
 
-from shardflow.schedules import Schedule, by_name, steps, with_split_backward
+from shardflow.schedules import W_SLOTS, Schedule, by_name, steps, with_split_backward
 from shardflow.slots import at, put
 from shardflow.split_vjp import split_vjp
 
@@ -90,7 +90,7 @@ def _colour(intervals):
 
 class Plan(NamedTuple):
     """The executor's tables for a schedule run step by step (``schedules.steps``): a stage runs in
-    a step at most one F, one B and one W, so each kind has its own columns.
+    a step at most one F, one B and ``W_SLOTS`` W's, so each kind has its own columns.
 
     ``tables``: name -> int32 [steps, stages], -1 where unused — ``f_mb`` / ``f_chunk`` (-1: no F),
     ``f_in`` (the inbox-F slot F reads), ``f_resid`` (where F stores the residuals), ``f_self``
@@ -98,7 +98,8 @@ class Plan(NamedTuple):
     head's dy, on the last virtual stage); ``b_mb`` / ``b_chunk``, ``b_in``, ``b_resid``, ``b_stash``
     (where B stores what W reads), ``b_self``, ``bw_whole`` (1, else 0: the micro-batch's W runs
     in the same step, so B is the whole backward, W's work included, and nothing is stashed);
-    ``w_chunk``, ``w_resid``, ``w_stash`` (a W on its own); and
+    ``w_chunk``, ``w_resid``, ``w_stash`` [steps, stages, W_SLOTS] (W's on their own, in the
+    step's order; ``w_slots`` of the columns used); and
     ``recv_f`` / ``recv_b`` [steps + 1, stages, 2]: the inbox slot for what arrives from the
     (previous, next) stage. ``heads`` [steps]: the last virtual stage's forward runs in the step."""
     tables: dict
@@ -108,6 +109,7 @@ class Plan(NamedTuple):
     n_in_f: int
     n_in_b: int
     directions: frozenset     # which of "f_next", "f_prev", "b_next", "b_prev" the schedule sends
+    w_slots: int
 
     @property
     def steps(self) -> int:
@@ -127,7 +129,8 @@ def plan(table: Schedule) -> Plan:
     shape = (S, p)
     tab = {name: np.full(shape, -1, np.int32) for name in
            ("f_mb", "f_chunk", "f_in", "f_resid", "f_self", "f_head", "b_mb", "b_chunk", "b_in",
-            "b_resid", "b_stash", "b_self", "w_chunk", "w_resid", "w_stash")}
+            "b_resid", "b_stash", "b_self")}
+    tab.update({name: np.full(shape + (W_SLOTS,), -1, np.int32) for name in ("w_chunk", "w_resid", "w_stash")})
     tab["bw_whole"] = np.zeros(shape, np.int32)
     tab["recv_f"], tab["recv_b"] = (np.full((S + 1, p, 2), -1, np.int32) for _ in range(2))
     ran = {}                                   # (kind, mb, virtual stage) -> tick
@@ -188,7 +191,8 @@ def plan(table: Schedule) -> Plan:
             else:
                 tab["bw_whole"][t, s] = 1
         elif key in stash_slots[s][0]:
-            tab["w_chunk"][t, s], tab["w_resid"][t, s], tab["w_stash"][t, s] = c, r, stash_slots[s][0][key]
+            j = int((tab["w_chunk"][t, s] >= 0).sum())     # the step's next W slot
+            tab["w_chunk"][t, s, j], tab["w_resid"][t, s, j], tab["w_stash"][t, s, j] = c, r, stash_slots[s][0][key]
     directions = set()
     for tick, s, kd, i, k in sends:
         ds, t = where[k][0], step_of[tick]
@@ -202,7 +206,7 @@ def plan(table: Schedule) -> Plan:
         tab[f"recv_{kd.lower()}"][t + 1, ds, 0 if d == 1 else 1] = slot
     return Plan(tab, heads, max(n for _, n in resid_slots), max((n for _, n in stash_slots), default=0),
                 max((n for _, n in in_f_slots), default=0), max((n for _, n in in_b_slots), default=0),
-                frozenset(directions))
+                frozenset(directions), int((tab["w_chunk"] >= 0).sum(-1).max()))
 
 
 class Bodies(NamedTuple):
@@ -450,9 +454,9 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
                                  adds=sums(c["d_stage"], k))
         return dict(d_stage=summed(c["d_stage"], k, d_stage), d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
 
-    def weights(k, row, c):
-        reads = {n + r: (b, row["w_resid"]) for r, b in enumerate(c["stored"])}
-        reads.update({n + n_stored + s: (b, row["w_stash"]) for s, b in enumerate(c["stash"])})
+    def weights(k, j, row, c):        # the step's j-th W
+        reads = {n + r: (b, row["w_resid"][j]) for r, b in enumerate(c["stored"])}
+        reads.update({n + n_stored + s: (b, row["w_stash"][j]) for s, b in enumerate(c["stash"])})
         return dict(d_stage=summed(c["d_stage"], k, slots.run(bw_jaxpr, layers[k] + [None] * (n_stored + n_stash),
                                                               reads=reads, adds=sums(c["d_stage"], k))))
 
@@ -462,7 +466,7 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     def step(c, t):
         row = dict({name: tab[t, me] for name, tab in tables.items()}, t=t)
         read = lambda fn, k: lambda part: fn(k, row, dict(c, **part))     # the other entries as they are now
-        for k in range(v):      # at most one F, one B and one W a step: one of these loops runs each
+        for k in range(v):      # at most one F, one B, W_SLOTS W's a step: one loop of a kind runs each
             c = when(row["f_chunk"] == k, read(forward, k), c, ("stored", "out_f"))
         for k in range(v):
             if split_b:
@@ -471,8 +475,9 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
             if whole_b:
                 c = when((row["b_chunk"] == k) & (row["bw_whole"] > 0), read(whole_backward, k), c,
                          ("d_stage", "d_xs", "out_b"))
-        for k in range(v * split_b):
-            c = when(row["w_chunk"] == k, read(weights, k), c, ("d_stage",))
+        for j in range(pl.w_slots):
+            for k in range(v * split_b):
+                c = when(row["w_chunk"][j] == k, read(functools.partial(weights, k), j), c, ("d_stage",))
         # The head last: every device waits in its collectives for the last stage's forward,
         # so a device's own actions before it run alongside that forward, after it they would not
         # (a step as long as two). Its dy is read at a later step.

@@ -524,11 +524,48 @@ def one_f_one_b_fused(p: int, m: int) -> Schedule:
     return Schedule("1f1b-fused", rows, m, 1, True)
 
 
+def zb_fused(p: int, m: int) -> Schedule:
+    """ZB-H1's bubble for a lockstep executor: ``1f1b-fused``'s steps, with W moved out of the
+    steps whose length is set by a stage running F and B while another runs less — where stage 0
+    has no B yet (the warm-up) or no F left (the cool-down), stage s > 0 runs F and B and holds
+    its W, 2s of them in all; it runs them at the end, two a step, in the s steps after its last
+    B, which stage 0's B and W make as long as two W's. So the steps that were F + B + W long
+    are F + B (warm-up) or B + max(F, W) (cool-down): with F = B = W, ZB-H1's bubble
+    (p-1)/(3m+p-1) at every step a table of four ticks (F, B, W, W). The price: stage s holds
+    the stash of 2s micro-batches' B for their W (1f1b-fused none), and their residuals (every
+    stage as many as stage 0 holds in 1f1b-fused, 2p)."""
+    _check_sizes("zb-fused", p, m)
+    n_steps, ticks = m + 2 * p - 1, len(_FUSED_TICKS)
+    forward = lambda s, t: 0 <= t - s < m                       # stage s runs F(t - s) at step t
+    backward = lambda s, t: 0 <= t - (2 * p - 1 - s) < m        # and B(t - (2p - 1 - s))
+    rows: list[list[Action | None]] = [[None] * (ticks * n_steps) for _ in range(p)]
+    for s in range(p):
+        held = []
+        for t in range(n_steps):
+            if forward(s, t):
+                rows[s][ticks * t] = Action("F", t - s)
+            if backward(s, t):
+                w = Action("W", t - (2 * p - 1 - s))
+                rows[s][ticks * t + 1] = Action("B", w.microbatch)
+                if s > 0 and forward(s, t) and not (forward(0, t) and backward(0, t)):
+                    held.append(w)
+                else:
+                    rows[s][ticks * t + 2] = w
+        last_b = m - 1 + 2 * p - 1 - s
+        free = [ticks * t + k for t in range(last_b + 1, n_steps) for k in (2, 3)]
+        assert len(held) <= len(free), (p, m, s, held)
+        for w, tick in zip(held, free):
+            rows[s][tick] = w
+    return Schedule("zb-fused", rows, m, 1, True)
+
+
+_FUSED_TICKS = ("F", "B", "W", "W")     # a zb-fused step: a W slot more than 1f1b-fused's
+
 BUILTIN: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-fused": one_f_one_b_fused, "interleaved": interleaved_1f1b,
-    "zb-h1": zb_h1, "zb-v": zb_v,
+    "zb-h1": zb_h1, "zb-v": zb_v, "zb-fused": zb_fused,
 }
-_CHUNKS = {"gpipe": 1, "1f1b": 1, "1f1b-fused": 1, "zb-h1": 1, "zb-v": 2}
+_CHUNKS = {"gpipe": 1, "1f1b": 1, "1f1b-fused": 1, "zb-h1": 1, "zb-v": 2, "zb-fused": 1}
 
 
 def by_name(name: str, p: int, m: int, v: int | None = None) -> Schedule:
@@ -557,14 +594,18 @@ def default_costs(schedule: Schedule) -> dict[str, int]:
     return {"F": 1, "B": 1, "W": 1} if schedule.split_backward else {"F": 1, "B": 2}
 
 
+W_SLOTS = 2     # W's a stage may run in one step
+
+
 def steps(schedule: Schedule) -> tuple[range, ...]:
     """The table's ticks grouped into the steps a lockstep executor runs (``shardflow.pipelining``):
-    in a step each stage runs at most one F, one B and one W, in that order, and data crosses
-    between stages only at the step's end. A tick joins the step before it unless one of its
-    actions would run on its stage after an action of its kind or of a later one (F < B < W) in
-    that step, or needs an action of that step other than its own stage's B (a W after its B);
-    the last virtual stage's B needs its F a step earlier (the head runs at the end of a step).
-    So a stage runs its actions in the table's order, and holds what the table holds."""
+    in a step each stage runs at most one F, one B and ``W_SLOTS`` W's, in that order, and data
+    crosses between stages only at the step's end. A tick joins the step before it unless one of
+    its actions would run on its stage after an action of a later kind (F < B < W), after an F or
+    B of its own kind, or as a W past the step's W slots, or needs an action of that step other
+    than its own stage's B (a W after its B); the last virtual stage's B needs its F a step
+    earlier (the head runs at the end of a step). So a stage runs its actions in the table's
+    order, and holds what the table holds."""
     groups, current, kinds, ran_in = [], [], {}, {}
     for tick, row in enumerate(schedule.actions):
         actions = [(stage, a) for stage, a in enumerate(row) if a is not None]
@@ -572,7 +613,9 @@ def steps(schedule: Schedule) -> tuple[range, ...]:
         def joins(stage, action):
             dep = schedule.dependency(stage, action)
             same_step = dep is not None and dep in ran_in
-            return all(KINDS.index(k) < KINDS.index(action.kind) for k in kinds.get(stage, ())) and (
+            ran = kinds.get(stage, [])
+            in_order = all(KINDS.index(k) < KINDS.index(action.kind) or k == action.kind == "W" for k in ran)
+            return in_order and ran.count("W") < W_SLOTS and (
                 not same_step or (dep[0] == stage and dep[1].kind == "B" and action.kind == "W"))
 
         if current and not all(joins(s, a) for s, a in actions):
@@ -580,7 +623,7 @@ def steps(schedule: Schedule) -> tuple[range, ...]:
             current, kinds, ran_in = [], {}, {}
         current.append(tick)
         for stage, action in actions:
-            kinds.setdefault(stage, set()).add(action.kind)
+            kinds.setdefault(stage, []).append(action.kind)
             ran_in[stage, action] = tick
     if current:
         groups.append(range(current[0], current[-1] + 1))

@@ -99,7 +99,7 @@ def _argv(data_dir, out, *extra):
             "--set", "eval_every=0", *extra]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-fused", "interleaved", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-fused", "interleaved", "zb-h1", "zb-v", "zb-fused"])
 def test_cli_trains_under_each_schedule_on_the_unpipelined_curve(schedule, data_dir, tmp_path):
     """`shardflow train` with mesh {data: 2, pipe: 4}: the first steps' losses are those of
     the same steps without a pipeline (on one device)."""

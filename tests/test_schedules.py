@@ -113,7 +113,7 @@ def test_zb_v_has_no_bubble_inside_any_stage_from_2p_minus_1_microbatches(p, m):
 
 def test_lockstep_ticks_last_as_long_as_their_slowest_action():
     for name in sched.BUILTIN:
-        if name == "1f1b-fused":          # three ticks a step: test_fused_1f1b_in_lockstep
+        if name in ("1f1b-fused", "zb-fused"):   # three or four ticks a step: test_fused_1f1b_in_lockstep
             continue
         s = sched.by_name(name, 4, 8)
         unit = {"F": 1, "B": 1, "W": 1}
@@ -142,6 +142,27 @@ def test_fused_1f1b_in_lockstep(p, m):
     assert sched.makespan(s, remat, lockstep=True) <= sched.makespan(plain, remat, lockstep=True)
 
 
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zb_fused_has_zb_h1s_bubble_in_lockstep(p, m):
+    """1f1b-fused's steps with the W's that would lengthen a warm-up or cool-down step held and
+    run at the end, two a step: from m = 2p - 1 on, (p - 1)(W + min(F, W)) less than
+    1f1b-fused's (m + p - 1)(F + B + W) for any costs — with F = B = W, ZB-H1's bubble
+    (p-1)/(3m+p-1) — holding no more micro-batches' residuals than 1f1b-fused's stage 0."""
+    s, fused = sched.zb_fused(p, m), sched.one_f_one_b_fused(p, m)
+    assert len(sched.steps(s)) == m + 2 * p - 1
+    for costs in ({"F": 1, "B": 1, "W": 1}, {"F": 1, "B": 2, "W": 1}, {"F": 1.0, "B": 1.3, "W": 0.6},
+                  {"F": 1.0, "B": 1.5, "W": 1.2}):
+        fused_span = (m + p - 1) * sum(costs.values())
+        if m >= 2 * p - 1:
+            saved = (p - 1) * (costs["W"] + min(costs["F"], costs["W"]))
+            assert sched.makespan(s, costs, lockstep=True) == pytest.approx(fused_span - saved)
+        else:
+            assert sched.makespan(s, costs, lockstep=True) < fused_span
+    if m >= 2 * p - 1:
+        assert sched.bubble_fraction(s, lockstep=True) == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert max(sched.peak_live_activations(s)) == max(sched.peak_live_activations(fused))
+
+
 def test_steps_keep_each_stages_order():
     """A step never runs an action before one the table put earlier on its stage, and data
     crosses between stages only between steps."""
@@ -152,7 +173,8 @@ def test_steps_keep_each_stages_order():
             seen = {}
             for t, a in s.actions_of(stage):
                 kinds = seen.setdefault(step_of[t], [])
-                assert all(sched.KINDS.index(k) < sched.KINDS.index(a.kind) for k in kinds), (name, stage, t)
+                assert all(sched.KINDS.index(k) < sched.KINDS.index(a.kind) or k == a.kind == "W"
+                           for k in kinds) and kinds.count("W") <= sched.W_SLOTS, (name, stage, t)
                 kinds.append(a.kind)
                 dep = s.dependency(stage, a)
                 if dep is not None:
@@ -237,7 +259,7 @@ def test_orders_that_wait_on_each_other_are_refused():
 
 def test_by_name_refusals():
     with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'; the built-in ones are "
-                                         "gpipe, 1f1b, 1f1b-fused, interleaved, zb-h1, zb-v"):
+                                         "gpipe, 1f1b, 1f1b-fused, interleaved, zb-h1, zb-v, zb-fused"):
         sched.by_name("pipedream", 4, 8)
     with pytest.raises(ValueError, match=r"multiple of the number of stages .* got m = 6; use m = 4 or 8"):
         sched.by_name("interleaved", 4, 6)

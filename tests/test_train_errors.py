@@ -118,7 +118,7 @@ CASES = {
     "unknown schedule": (
         _pipeline("schedule=pipedream", n_layers=4),
         "unknown pipeline schedule 'pipedream'; the built-in ones are gpipe, 1f1b, 1f1b-fused, "
-        "interleaved, zb-h1, zb-v"),
+        "interleaved, zb-h1, zb-v, zb-fused"),
     "interleaved micro-batches not a multiple of the stages": (
         _pipeline("schedule=interleaved", "microbatches=2", n_layers=8),
         "interleaved: the number of microbatches must be a multiple of the number of stages "

@@ -53,7 +53,7 @@ class PipelineConfig:
     ``sf.pipeline`` in ``schedule``. ``stages: null`` (the default) pipelines nothing."""
     stages: int | None = None      # the size of mesh axis `axis`; null = no pipeline
     microbatches: int | None = None  # null = 2 * stages
-    schedule: str = "1f1b"         # gpipe, 1f1b, 1f1b-fused, interleaved, zb-h1, zb-v
+    schedule: str = "1f1b"         # gpipe, 1f1b, 1f1b-fused, interleaved, zb-h1, zb-v, zb-fused
     chunks: int | None = None      # layer chunks per stage, interleaved only (null = 2)
     axis: str = "pipe"
 
