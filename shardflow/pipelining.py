@@ -527,27 +527,27 @@ def _bodies_param(params) -> Bodies:
 
 
 def _uneven(layer_fn, counts, n_layers, table):
-    """(device_order of a layer leaf, the ``active`` flag of each padded layer [p, 1, width],
-    layer_fn of {"layer", "active"} skipping inactive ones) for stages of ``counts`` layers
-    each, padded to the largest."""
-    p = table.stages
-    if table.chunks != 1:
-        raise ValueError(f"pipeline: layers_per_stage {list(counts)} with {table.chunks} chunks per stage; "
-                         f"uneven stages take one-chunk schedules (gpipe, 1f1b, zb-h1)")
-    if len(counts) != p or sum(counts) != n_layers or min(counts) < 1:
-        raise ValueError(f"pipeline: layers_per_stage {list(counts)} must be {p} counts of at least 1 "
-                         f"summing to the {n_layers} layers")
+    """(device_order of a layer leaf, the ``active`` flag of each padded layer [p, v, width],
+    layer_fn of {"layer", "active"} skipping inactive ones) for virtual stages of ``counts``
+    layers each (in the model's order: stage s's chunk c runs ``table.virtual_stage(s, c)``),
+    padded to the largest."""
+    p, v = table.stages, table.chunks
+    if len(counts) != p * v or sum(counts) != n_layers or min(counts) < 1:
+        per = f"{p} stages" if v == 1 else f"{p} stages x {v} chunks (one per virtual stage, in the model's order)"
+        raise ValueError(f"pipeline: layers_per_stage {list(counts)} must be {p * v} counts of at least 1, "
+                         f"for {per}, summing to the {n_layers} layers")
     width, starts = max(counts), np.cumsum((0,) + counts[:-1])
-    index = np.array([[start + min(j, n - 1) for j in range(width)] for start, n in zip(starts, counts)])
-    active = np.array([[j < n for j in range(width)] for n in counts], np.float32)
+    virtual = [[table.virtual_stage(s, c) for c in range(v)] for s in range(p)]
+    index = np.array([[[starts[k] + min(j, counts[k] - 1) for j in range(width)] for k in row] for row in virtual])
+    active = np.array([[[j < counts[k] for j in range(width)] for k in row] for row in virtual], np.float32)
 
-    def device_order(leaf):              # [L, ...] -> [p, 1, width, ...]
-        return leaf[index][:, None]
+    def device_order(leaf):              # [L, ...] -> [p, v, width, ...]
+        return leaf[index]
 
     def masked(layer, h):
         return lax.cond(layer["active"] > 0, lambda: layer_fn(layer["layer"], h), lambda: h)
 
-    return device_order, jnp.asarray(active)[:, None], masked
+    return device_order, jnp.asarray(active), masked
 
 
 def _sequential_impl(*values, **params):
@@ -585,7 +585,8 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
 
     ``layers_per_stage`` (e.g. [5, 4, 4, 3]) splits the layers unevenly: every stage holds as
     many as the largest, the padding ones skipped by a ``lax.cond`` (predication: the stage's
-    program is the same on every device, its work is not).
+    program is the same on every device, its work is not). With v chunks per stage it has a
+    count per virtual stage, p * v of them in the model's order.
     """
     leaves, layer_tree = jax.tree.flatten(layers)
     n_layers = {x.shape[0] for x in leaves}

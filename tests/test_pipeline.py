@@ -178,17 +178,20 @@ def test_without_a_pipeline_axis_the_stages_run_in_turn():
     assert_close(step(layers, hp, x, tg), want)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_uneven_stages_equal_one_device(schedule):
-    """layers_per_stage [3, 2, 2, 1]: stages padded to 3 layers, the padding skipped."""
+@pytest.mark.parametrize("schedule,counts", [("1f1b", [3, 2, 2, 1]), ("zb-h1", [3, 2, 2, 1]),
+                                             ("interleaved", [2, 2, 1, 1, 1, 1, 2, 2]),
+                                             ("zb-v", [1, 2, 2, 1, 1, 1, 1, 3])])
+def test_uneven_stages_equal_one_device(schedule, counts):
+    """layers_per_stage: stages (virtual stages, with chunks) padded to the largest count, the
+    padding skipped."""
     table = SCHEDULES[schedule](4, 8)
-    layers, hp, x, tg = model(8, 8)
+    layers, hp, x, tg = model(sum(counts), 8)
     want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 8)
 
     def step(layers, hp, x, tg):
         def loss(layers, hp, x):
             return sf.pipeline(layer, layers, x, head=head_fn, head_params=hp, head_args=tg, stages=4,
-                               microbatches=8, schedule=table, layers_per_stage=[3, 2, 2, 1])
+                               microbatches=8, schedule=table, layers_per_stage=counts)
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(layers, hp, x)
     assert_close(step(layers, hp, x, tg), want)
     parallel = sf.parallelize(step, mesh=sf.make_mesh({"pipe": 4}), in_specs=(P(), P(), P(), P()))
@@ -200,6 +203,9 @@ def test_uneven_stages_are_checked():
     with pytest.raises(ValueError, match=r"layers_per_stage \[3, 3, 2, 1\] must be 4 counts"):
         sf.pipeline(layer, layers, x, head=head_fn, head_params=hp, head_args=tg, stages=4,
                     microbatches=8, layers_per_stage=[3, 3, 2, 1])
+    with pytest.raises(ValueError, match=r"must be 8 counts of at least 1, for 4 stages x 2 chunks"):
+        sf.pipeline(layer, layers, x, head=head_fn, head_params=hp, head_args=tg, stages=4,
+                    microbatches=8, schedule="interleaved", layers_per_stage=[2, 2, 2, 2])
 
 
 def test_bf16_loss_keeps_its_dtype():
