@@ -31,12 +31,13 @@ class PipelineConfig:
     (its size under ``sf.parallelize``), the batch cut into ``microbatches`` (strided: rows i,
     i + m, ... — a batch split over ``data`` stays split), ``schedule`` a name of
     ``shardflow.schedules.by_name`` or a ``Schedule``, ``chunks`` the layer chunks per stage
-    (interleaved only; default 2)."""
+    (interleaved only; default 2), ``layers_per_stage`` an uneven split (``sf.pipeline``'s)."""
     stages: int
     microbatches: int
     schedule: Any = "1f1b"
     chunks: int | None = None
     axis: str = "pipe"
+    layers_per_stage: tuple | None = None
 
 
 def layer_step(graphdef, remat: str, *args) -> Callable:
@@ -82,4 +83,4 @@ def pipelined_loss(layers: nnx.Module, x, targets, *, pipeline: PipelineConfig, 
                        head=lambda hp, h, t: cross_entropy(head(hp, h), t),
                        head_params=head_params, head_args=targets, stages=pipeline.stages,
                        microbatches=pipeline.microbatches, schedule=pipeline.schedule,
-                       chunks=pipeline.chunks, axis=pipeline.axis)
+                       chunks=pipeline.chunks, layers_per_stage=pipeline.layers_per_stage, axis=pipeline.axis)

@@ -99,14 +99,17 @@ def _argv(data_dir, out, *extra):
             "--set", "eval_every=0", *extra]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-fused", "interleaved", "zb-h1", "zb-v", "zb-fused"])
-def test_cli_trains_under_each_schedule_on_the_unpipelined_curve(schedule, data_dir, tmp_path):
+@pytest.mark.parametrize("schedule,uneven", [(name, None) for name in
+                                             ("gpipe", "1f1b", "1f1b-fused", "interleaved", "zb-h1", "zb-v", "zb-fused")]
+                         + [("1f1b-fused", "[3, 2, 2, 1]")], ids=lambda x: x and x.replace(", ", "-"))
+def test_cli_trains_under_each_schedule_on_the_unpipelined_curve(schedule, uneven, data_dir, tmp_path):
     """`shardflow train` with mesh {data: 2, pipe: 4}: the first steps' losses are those of
-    the same steps without a pipeline (on one device)."""
+    the same steps without a pipeline (on one device); also with stages of 3, 2, 2 and 1 layers."""
     out = tmp_path / "run"
+    extra = ["--set", f"pipeline.layers_per_stage={uneven}"] if uneven else []
     assert cli.main(_argv(data_dir, out, "--set", "mesh={data: 2, pipe: 4}",
                           "--set", "pipeline.stages=4", "--set", "pipeline.microbatches=4",
-                          "--set", f"pipeline.schedule={schedule}")) == 0
+                          "--set", f"pipeline.schedule={schedule}", *extra)) == 0
     got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     cfg = small_config(data_dir, tmp_path)
     cfg.model = {**SMALL_LLAMA, "n_layers": 8}
@@ -134,3 +137,14 @@ def test_a_checkpoint_restores_across_pipeline_sizes(data_dir, tmp_path):
         assert result["start_step"] == 1 and result["losses"] == {}
         assert result["params"]["layers"]["attn"]["wq"].sharding.spec == spec
         jax.tree.map(np.testing.assert_array_equal, saved, jax.device_get(result["params"]))
+
+
+def test_an_uneven_split_reaches_sf_pipeline(data_dir, tmp_path):
+    """pipeline.layers_per_stage goes from the config to the model's PipelineConfig and on to
+    sf.pipeline (which checks it: a split of the wrong sum is refused there)."""
+    cfg = small_config(data_dir, tmp_path, mesh={"data": 2, "pipe": 4})
+    cfg.pipeline.stages, cfg.pipeline.layers_per_stage = 4, [3, 2, 2, 1]
+    assert train.config.pipeline_config(cfg).layers_per_stage == (3, 2, 2, 1)
+    _, graphdef, params, inputs, targets = model_and_batch(LLAMA4)
+    with pytest.raises(ValueError, match=r"layers_per_stage \[3, 2, 2, 1\] must be 4 counts"):
+        value_and_grad(graphdef, PipelineConfig(4, 4, "1f1b", layers_per_stage=(3, 2, 2, 1)))(params, inputs, targets)

@@ -107,10 +107,23 @@ CASES = {
         "pipeline.stages 4 runs on mesh axis 'pipe', which the mesh {'data': 8} lacks; give it "
         "one, e.g. mesh={data: 2, pipe: 4}"),
     "layers not divisible by the stages": (
-        _pipeline(), "model.n_layers 1 does not split into pipeline.stages 4"),
+        _pipeline(), "model.n_layers 1 does not split into pipeline.stages 4; "
+                     "pipeline.layers_per_stage gives an uneven split"),
     "layers not divisible by stages x chunks": (
         _pipeline("schedule=zb-v", n_layers=4),
-        "model.n_layers 4 does not split into pipeline.stages 4 x 2 chunks (zb-v)"),
+        "model.n_layers 4 does not split into pipeline.stages 4 x 2 chunks (zb-v); "
+        "pipeline.layers_per_stage gives an uneven split"),
+    "uneven split of the wrong length": (
+        _pipeline("schedule=zb-v", "layers_per_stage=[2, 1, 1, 1]", n_layers=4),
+        "pipeline.layers_per_stage [2, 1, 1, 1] must give 8 counts (pipeline.stages 4 x 2 chunks "
+        "(zb-v)) summing to model.n_layers 4"),
+    "uneven split of layers the axis cannot store": (
+        _pipeline("layers_per_stage=[2, 2, 1, 1]", n_layers=6),
+        "model.n_layers 6 is stored split over pipeline.stages 4: with layers_per_stage too it "
+        "must divide by 4"),
+    "uneven split not a list": (
+        _pipeline("layers_per_stage=3", n_layers=4),
+        "pipeline.layers_per_stage must be a list of positive integers (or null: an even split), got 3"),
     "batch not divisible by the micro-batches": (
         _pipeline("microbatches=8", n_layers=4),
         "micro-batch 8 (batch_size 8 / grad_accum 1) does not split into "
@@ -127,8 +140,8 @@ CASES = {
                                "pipeline.stages must be a positive integer (or null: no "
                                "pipeline), got 'four'"),
     "pipeline key misspelt": (_pipeline("stage=4"), "unknown config key 'pipeline.stage'; valid "
-                                                    "keys here: axis, chunks, microbatches, "
-                                                    "schedule, stages"),
+                                                    "keys here: axis, chunks, layers_per_stage, "
+                                                    "microbatches, schedule, stages"),
     "pipeline under the jit engine": (
         _pipeline("microbatches=2", "--set", "engine=jit", n_layers=4),
         "pipeline runs under engine 'shardflow' (sf.parallelize runs its schedule), not 'jit'"),

@@ -55,6 +55,7 @@ class PipelineConfig:
     microbatches: int | None = None  # null = 2 * stages
     schedule: str = "1f1b"         # gpipe, 1f1b, 1f1b-fused, interleaved, zb-h1, zb-v, zb-fused
     chunks: int | None = None      # layer chunks per stage, interleaved only (null = 2)
+    layers_per_stage: list | None = None  # e.g. [5, 4, 4, 3] (one per virtual stage with chunks); null = even
     axis: str = "pipe"
 
 
@@ -184,7 +185,8 @@ def pipeline_config(cfg: Config):
     if pl.stages is None:
         return None
     return ModelPipeline(stages=pl.stages, microbatches=pl.microbatches or 2 * pl.stages,
-                         schedule=pl.schedule, chunks=pl.chunks, axis=pl.axis)
+                         schedule=pl.schedule, chunks=pl.chunks, axis=pl.axis,
+                         layers_per_stage=None if pl.layers_per_stage is None else tuple(pl.layers_per_stage))
 
 
 def rules_for(cfg: Config) -> dict:
@@ -243,6 +245,9 @@ _CHECKS = {
                               "a positive integer (or null: 2 * stages)"),
     "pipeline.chunks": (lambda x: x is None or (_is_int(x) and x >= 1),
                         "a positive integer (or null)"),
+    "pipeline.layers_per_stage": (lambda x: x is None or (isinstance(x, (list, tuple)) and len(x) > 0
+                                                          and all(_is_int(n) and n >= 1 for n in x)),
+                                  "a list of positive integers (or null: an even split)"),
     "pipeline.schedule": (lambda x: isinstance(x, str), "a schedule's name"),
     "pipeline.axis": (lambda x: isinstance(x, str), "a mesh axis name"),
 }
@@ -382,10 +387,17 @@ def _check_pipeline(cfg: Config, micro: int, batch_axes, ways: int, mc) -> None:
         table = schedules.by_name(pl.schedule, p, m, pl.chunks)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if mc.n_layers % (p * table.chunks):
-        chunks = f" x {table.chunks} chunks ({table.name})" if table.chunks > 1 else ""
+    chunks = f" x {table.chunks} chunks ({table.name})" if table.chunks > 1 else ""
+    counts = pl.layers_per_stage
+    if counts is not None and (len(counts) != p * table.chunks or sum(counts) != mc.n_layers):
+        raise ConfigError(f"pipeline.layers_per_stage {list(counts)} must give {p * table.chunks} counts "
+                          f"(pipeline.stages {p}{chunks}) summing to model.n_layers {mc.n_layers}")
+    if counts is not None and mc.n_layers % p:      # the stacked layers are stored split over the axis
+        raise ConfigError(f"model.n_layers {mc.n_layers} is stored split over pipeline.stages {p}: "
+                          f"with layers_per_stage too it must divide by {p}")
+    if counts is None and mc.n_layers % (p * table.chunks):
         raise ConfigError(f"model.n_layers {mc.n_layers} does not split into pipeline.stages "
-                          f"{p}{chunks}")
+                          f"{p}{chunks}; pipeline.layers_per_stage gives an uneven split")
     if micro % (m * ways):
         data = f" x the data axes {batch_axes} ({ways} ways)" if ways > 1 else ""
         raise ConfigError(f"micro-batch {micro} (batch_size {cfg.batch_size} / grad_accum "
