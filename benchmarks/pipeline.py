@@ -18,7 +18,9 @@ bubble: one more step traced, per GPU the fraction of it spent in waits of 1 ms 
 kernel but a collective running, and all such gaps as "idle" (averaged over the GPUs; per GPU
 in the JSON). `--remat` sets the pipelined rows' remat policy, `--fsdp-remat` FSDP's (both
 default to the preset's): a stage holds 1/p of the layers, so it may fit keeping what FSDP must
-recompute — each row records its policy, and MFU counts no recomputation.
+recompute — each row records its policy, and MFU counts no recomputation. Where the layers do
+not divide into the schedule's virtual stages (3b's 28 in 4 stages x 2 chunks) they are split
+as evenly as they go (`pipeline.layers_per_stage`, the padding skipped), recorded in the row.
 benchmarks/pipeline_hosts.py turns a result into a prediction across hosts.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ import _checkout  # noqa: F401
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import scaling  # noqa: E402  (after the NCCL setting)
-from shardflow.models.config import REMAT_POLICIES  # noqa: E402
+from shardflow.models.config import PRESETS, REMAT_POLICIES  # noqa: E402
 
 CASES = {"1b": (64, 2048, "none"), "3b": (32, 2048, "full"), "7b": (32, 2048, "full"),
          "tiny": (16, 128, "none")}   # preset -> (global batch, seq, remat)
@@ -73,13 +75,18 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
 
     row = {"preset": preset, "config": name, "mesh": mesh, "strategy": strategy, "global_batch": batch,
            "seq": seq, "remat": remat, "pipeline": pipeline}
-    cfg = train_config(preset, mesh, strategy, pipeline, batch, seq, remat,
-                       steps=args.warmup + args.steps, peak_flops=args.peak_flops)
     if pipeline:
         table = schedules.with_split_backward(
             schedules.by_name(pipeline["schedule"], pipeline["stages"], pipeline["microbatches"]))
+        n_layers, parts = PRESETS[preset]["n_layers"], table.stages * table.chunks
+        if n_layers % parts:      # e.g. 3b's 28 layers in 4 stages x 2 chunks: 4 or 3 a virtual stage
+            pipeline = dict(pipeline, layers_per_stage=[n_layers // parts + (k < n_layers % parts)
+                                                        for k in range(parts)])
+            row["pipeline"] = pipeline
         costs = {"F": 1, "B": 2 if remat == "full" else 1, "W": 1}     # B recomputes its forward under remat
-        row["predicted_bubble"] = float(schedules.bubble_fraction(table, costs, lockstep=True))
+        row["predicted_bubble"] = float(schedules.bubble_fraction(table, costs, lockstep=True))  # equal stages
+    cfg = train_config(preset, mesh, strategy, pipeline, batch, seq, remat,
+                       steps=args.warmup + args.steps, peak_flops=args.peak_flops)
     try:
         run = train.setup(cfg)
     except config.ConfigError as e:
