@@ -79,7 +79,7 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
         table = schedules.with_split_backward(
             schedules.by_name(pipeline["schedule"], pipeline["stages"], pipeline["microbatches"]))
         n_layers, parts = PRESETS[preset]["n_layers"], table.stages * table.chunks
-        if n_layers % parts:      # e.g. 3b's 28 layers in 4 stages x 2 chunks: 4 or 3 a virtual stage
+        if n_layers % parts and n_layers > parts:      # e.g. 3b's 28 layers in 4 stages x 2 chunks: 4 or 3 a virtual stage
             pipeline = dict(pipeline, layers_per_stage=[n_layers // parts + (k < n_layers % parts)
                                                         for k in range(parts)])
             row["pipeline"] = pipeline
