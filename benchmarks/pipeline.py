@@ -73,8 +73,6 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
     from shardflow import schedules, train
     from shardflow.train import config
 
-    row = {"preset": preset, "config": name, "mesh": mesh, "strategy": strategy, "global_batch": batch,
-           "seq": seq, "remat": remat, "pipeline": pipeline}
     if pipeline:
         table = schedules.with_split_backward(
             schedules.by_name(pipeline["schedule"], pipeline["stages"], pipeline["microbatches"]))
@@ -82,7 +80,9 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
         if n_layers % parts and n_layers > parts:      # e.g. 3b's 28 layers in 4 stages x 2 chunks: 4 or 3 a virtual stage
             pipeline = dict(pipeline, layers_per_stage=[n_layers // parts + (k < n_layers % parts)
                                                         for k in range(parts)])
-            row["pipeline"] = pipeline
+    row = {"preset": preset, "config": name, "mesh": mesh, "strategy": strategy, "global_batch": batch,
+           "seq": seq, "remat": remat, "pipeline": pipeline}
+    if pipeline:
         costs = {"F": 1, "B": 2 if remat == "full" else 1, "W": 1}     # B recomputes its forward under remat
         row["predicted_bubble"] = float(schedules.bubble_fraction(table, costs, lockstep=True))  # equal stages
     cfg = train_config(preset, mesh, strategy, pipeline, batch, seq, remat,

@@ -465,7 +465,7 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
 
     def step(c, t):
         row = dict({name: tab[t, me] for name, tab in tables.items()}, t=t)
-        read = lambda fn, k: lambda part: fn(k, row, dict(c, **part))     # the other entries as they are now
+        read = lambda fn, *key: lambda part: fn(*key, row, dict(c, **part))     # the other entries as they are now
         for k in range(v):      # at most one F, one B, W_SLOTS W's a step: one loop of a kind runs each
             c = when(row["f_chunk"] == k, read(forward, k), c, ("stored", "out_f"))
         for k in range(v):
@@ -477,11 +477,11 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
                          ("d_stage", "d_xs", "out_b"))
         for j in range(pl.w_slots):
             for k in range(v * split_b):
-                c = when(row["w_chunk"][j] == k, read(functools.partial(weights, k), j), c, ("d_stage",))
+                c = when(row["w_chunk"][j] == k, read(weights, k, j), c, ("d_stage",))
         # The head last: every device waits in its collectives for the last stage's forward,
         # so a device's own actions before it run alongside that forward, after it they would not
         # (a step as long as two). Its dy is read at a later step.
-        c = when(heads[t], lambda part: head(row, dict(c, **part)), c, ("loss", "d_head", "in_b"))
+        c = when(heads[t], read(head), c, ("loss", "d_head", "in_b"))
         # The hand-offs wait for W too: XLA would otherwise run W, which nothing sent depends
         # on, after them, and a device would do this step's W and the next step's work
         # between two hand-offs — a step as long as two on one device (seen on H200).

@@ -39,6 +39,7 @@ from fractions import Fraction
 from typing import Callable, Mapping, Sequence, Union
 
 KINDS = ("F", "B", "W")
+W_SLOTS = 2     # W's a stage may run in one step of the lockstep executor (``steps``)
 LAYOUTS = ("loop", "v")
 
 
@@ -535,7 +536,7 @@ def zb_fused(p: int, m: int) -> Schedule:
     the stash of 2s micro-batches' B for their W (1f1b-fused none), and their residuals (every
     stage as many as stage 0 holds in 1f1b-fused, 2p)."""
     _check_sizes("zb-fused", p, m)
-    n_steps, ticks = m + 2 * p - 1, len(_FUSED_TICKS)
+    n_steps, ticks = m + 2 * p - 1, 2 + W_SLOTS            # a step's ticks: F, B, then its W slots
     forward = lambda s, t: 0 <= t - s < m                       # stage s runs F(t - s) at step t
     backward = lambda s, t: 0 <= t - (2 * p - 1 - s) < m        # and B(t - (2p - 1 - s))
     rows: list[list[Action | None]] = [[None] * (ticks * n_steps) for _ in range(p)]
@@ -552,14 +553,12 @@ def zb_fused(p: int, m: int) -> Schedule:
                 else:
                     rows[s][ticks * t + 2] = w
         last_b = m - 1 + 2 * p - 1 - s
-        free = [ticks * t + k for t in range(last_b + 1, n_steps) for k in (2, 3)]
+        free = [ticks * t + k for t in range(last_b + 1, n_steps) for k in range(2, ticks)]
         assert len(held) <= len(free), (p, m, s, held)
         for w, tick in zip(held, free):
             rows[s][tick] = w
     return Schedule("zb-fused", rows, m, 1, True)
 
-
-_FUSED_TICKS = ("F", "B", "W", "W")     # a zb-fused step: a W slot more than 1f1b-fused's
 
 BUILTIN: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-fused": one_f_one_b_fused, "interleaved": interleaved_1f1b,
@@ -592,9 +591,6 @@ def default_costs(schedule: Schedule) -> dict[str, int]:
     is split (the Zero Bubble papers' T_F = T_B = T_W), else F = 1, B = 2 (the whole backward,
     B + W, about twice a forward)."""
     return {"F": 1, "B": 1, "W": 1} if schedule.split_backward else {"F": 1, "B": 2}
-
-
-W_SLOTS = 2     # W's a stage may run in one step
 
 
 def steps(schedule: Schedule) -> tuple[range, ...]:
