@@ -11,7 +11,9 @@ Causal attention, batch 1, the heads of a model preset (1b: 16 q heads over 8 kv
 dim 128), q / k / v split along the sequence over {context: N}, forward + backward
 (`jax.value_and_grad`) under `sf.parallelize`, for each variant of `attention(context=...,
 layout=...)`: ring (contiguous blocks), zigzag and striped (a ring over tokens in that order),
-ulysses (re-split by heads), all_gather (K/V gathered). The baseline is the same attention on
+ulysses (re-split by heads), all_gather (K/V gathered, queries split contiguously),
+zigzag-all_gather and striped-all_gather (the ring's steps over tokens in that order, K/V
+gathered once and the dK/dV sums passed home: `context="all_gather"` with the layout). The baseline is the same attention on
 one GPU at the same sequence length; a variant's ratio is its per-GPU TFLOP/s over the
 baseline's TFLOP/s (ideal 1.0). FLOPs: 4 S^2 H D / 2 forward, x3.5 forward + backward. Times:
 wall clock of --steps calls after --warmup, ended by one block_until_ready.
@@ -29,7 +31,8 @@ import time
 
 import _checkout  # noqa: F401
 
-VARIANTS = ("ring", "zigzag", "striped", "ulysses", "all_gather")
+VARIANTS = ("ring", "zigzag", "striped", "ulysses", "all_gather", "zigzag-all_gather", "striped-all_gather")
+TRAIN_VARIANTS = VARIANTS[:5]       # model.context's names; the "-all_gather" layouts are ops-level only
 
 
 def flops(seq: int, heads: int, head_dim: int) -> float:
@@ -67,8 +70,9 @@ def step_fn(variant: str, n: int, causal: bool, backend: str):
     import shardflow as sf
     from shardflow.ops import Layout, attention
 
-    layout = Layout(variant, n) if variant in ("zigzag", "striped") else None
-    context = "ring" if layout is not None else variant
+    kind, _, gathered = variant.partition("-")
+    layout = Layout(kind, n) if kind in ("zigzag", "striped") else None
+    context = gathered or ("ring" if layout is not None else variant)
 
     def loss(q, k, v):
         return jnp.sum(attention(q, k, v, causal=causal, backend=backend, context=context,
@@ -167,7 +171,8 @@ def overlap(trace_dir: str, devices: int) -> list[dict]:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", default="32768,65536,131072", help="total tokens, comma-separated")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", help=f"comma-separated, of {VARIANTS} (default: all; --train: "
+                                           f"{TRAIN_VARIANTS})")
     parser.add_argument("--preset", default="1b")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -178,9 +183,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out-dir", default="/tmp/context_profile", help="--profile: where the trace goes")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    variants = args.variants.split(",")
+    variants = args.variants.split(",") if args.variants else list(TRAIN_VARIANTS if args.train else VARIANTS)
     if set(variants) - set(VARIANTS):
         parser.error(f"unknown {sorted(set(variants) - set(VARIANTS))}; choose from {VARIANTS}")
+    if args.train and set(variants) - set(TRAIN_VARIANTS):
+        parser.error(f"--train takes model.context's variants {TRAIN_VARIANTS}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     from shardflow.train import configure_host_platform
     configure_host_platform()          # on a CPU-only machine: simulated devices for --cpu-check

@@ -210,7 +210,7 @@ def _attention_signatures(eqn):
     query = tuple(S(_DIMS[n]["seq"]) if n in ("q", "out", "dout", "lse", "dlse") else B for n in ins)
     result = {"out": S(1), "lse": S(2), "dq": S(1), "dk": P, "dv": P}
     sigs.append(Sig(query, tuple(result[n] for n in outs), "query_seq"))
-  if context in ("auto", "ring", "hybrid"):
+  if context in ("auto", "ring", "hybrid") or (context == "all_gather" and eqn.params["config"].layout is not None):
     sigs.append(Sig(tuple(S(_RING[n]) if n in _RING else B for n in ins), tuple(S(_RING[n]) for n in outs),
                     "ring"))
   return sigs
@@ -259,7 +259,8 @@ def _local_ring(local, eqn, ins, axes):
     q_base, kv_base = config.static_offset_delta, 0
   block = dataclasses.replace(config, layout=None, kv_segment_ids=config.has_segment_ids)
   where = dict(causal=config.causal, q_block=shard, q_base=q_base, kv_base=kv_base, layout=config.layout,
-               axes=axes, sizes=local.sizes, segment_ids=operands.get("segment_ids"))
+               axes=axes, sizes=local.sizes, segment_ids=operands.get("segment_ids"),
+               gather=config.context == "all_gather")
 
   def masked(mask):
     """A block's config and offset operands for a ring_attention mask."""
@@ -288,8 +289,10 @@ def _attention_comm(eqn, ins, sigs, mesh):
   """A ring's ppermutes, per device, as ring_attention sends them (one collective a step):
   its K/V block n-1 times (K and V as one array where their shapes agree) with its segment ids
   if any; in the backward also the block's dK/dV sums (float32), one step behind the K/V in the
-  same collective, then home in K's and V's dtype. Nothing for the other signatures (their
-  collectives are boxes)."""
+  same collective, then home in K's and V's dtype. With K/V gathered (``context="all_gather"``
+  and a layout): one all-gather of the block in each pass, and in the backward n-1 sends of
+  the sums in K's and V's dtypes. Nothing for the other signatures (their collectives are
+  boxes)."""
   axes = tuple(a for a, s in zip(mesh.axis_names, sigs) if getattr(s, "name", None) == "ring")
   if not axes:
     return []
@@ -311,11 +314,15 @@ def _attention_comm(eqn, ins, sigs, mesh):
   same_shape = k.shape == v.shape
   block = [local("k", stacked=True)] if same_shape and k.dtype == v.dtype else [local("k"), local("v")]
   block += [local("segment_ids")] if "segment_ids" in names else []
+  home = [local("k", stacked=True)] if same_shape and k.dtype == v.dtype else [local("k"), local("v")]
+  if eqn.params["config"].context == "all_gather":
+    size = sum(math.prod(x.shape) * x.dtype.itemsize for x in block)
+    gather = [Step("all_gather", axes, bytes=(n - 1) * size, value=block[0])] if n > 1 else []
+    return gather + ([send(home)] * (n - 1) if eqn.primitive is sf_attention_bwd_p else [])
   if eqn.primitive is not sf_attention_bwd_p:
     return [send(block)] * (n - 1)
   sums = [local("k", jnp.float32, stacked=True)] if same_shape else \
       [local("k", jnp.float32), local("v", jnp.float32)]
-  home = [local("k", stacked=True)] if same_shape and k.dtype == v.dtype else [local("k"), local("v")]
   if n == 1:
     return [send(home)]
   return [send(block)] + [send(block + sums)] * (n - 2) + [send(sums), send(home)]
@@ -333,8 +340,8 @@ def _propagate_attention(prop, eqn):
   q_seq = [i for i, s in enumerate(prop.of(eqn.invars[0])) if s == S(_DIMS["q"]["seq"])]
 
   def variant(i):       # hybrid (USP): Ulysses over the innermost sequence axis, ring outside it
-    name = {"ring": "ring", "all_gather": "query_seq", "ulysses": "heads",
-            "hybrid": "heads" if i == q_seq[-1] else "ring"}[context]
+    name = {"ring": "ring", "all_gather": "query_seq" if eqn.params["config"].layout is None else "ring",
+            "ulysses": "heads", "hybrid": "heads" if i == q_seq[-1] else "ring"}[context]
     found = [s for s in sigs if s.name == name]
     if not found:
       raise ShardingError(f"{source_line(eqn)}: attention(context={context!r}) with q's sequence split over "

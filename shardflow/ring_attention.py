@@ -22,6 +22,13 @@ mask. Which positions a block holds is the sequence's :class:`Layout`:
   every pair of blocks is nearly half masked, a kernel call each with a diagonal shifted by 0
   or 1.
 
+The same steps run on K/V gathered instead of passed (``gather=True``, the attention's
+``context="all_gather"`` with a layout): one all-gather of every block, in flight while the
+device attends to its own, then no collective in the forward; the backward ends on the own
+block, so the dK/dV sums passed around the ring arrive home whole (no last hop), sent in K's
+and V's dtypes. The device then holds the whole K/V for the attention's duration; the ring
+never does. Measured faster at 64k and 128k tokens on 4 GPUs (benchmarks/results/context.md).
+
 The layout is applied to the tokens once (``Layout.permute``, e.g. by the data loader, with the
 RoPE positions permuted alike); attention on one device un-permutes, attends and permutes back,
 so a program means the same on any mesh. Segment ids travel with their K/V block.
@@ -223,12 +230,38 @@ def _seq(x, part: Part, axis=1):
     return lax.slice_in_dim(x, part.start, part.start + part.length, axis=axis)
 
 
-def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, sizes, segment_ids=None):
+def _gathered(k, v, ids, axes, sizes):
+    """``block(j)``: (K/V, segment ids) of block r - j, the block j steps back around the ring:
+    this device's own (j = 0) as it is, the others from one all-gather of every block, which
+    the step on the own block overlaps."""
+    n, r, _ = _ring(axes, sizes)
+    own = (_kv(k, v), ids)
+    everything = lax.all_gather(own, axes, axis=0, tiled=False) if n > 1 else None
+
+    def block(j):
+        return own if j == 0 else jax.tree.map(
+            lambda x: lax.dynamic_index_in_dim(x, (r - j) % n, 0, keepdims=False), everything)
+    return block
+
+
+def _gathered_steps(k, v, ids, axes, sizes):
+    """``_blocks``' steps, own block first, from ``_gathered``: no collective between steps."""
+    n, r, _ = _ring(axes, sizes)
+    block = _gathered(k, v, ids, axes, sizes)
+    for j in range(n):
+        kv, kv_ids = block(j)
+        yield j, (r - j) % n, kv[0], kv[1], kv_ids
+
+
+def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, sizes, segment_ids=None,
+            gather=False):
     """(out, lse) of this device's query block (block ``q_block``) against every K/V block of
     the ring. ``attend(q, k, v, segments, mask) -> (out, lse)`` is one contiguous pair's
     attention (``segments``: () or the pair's (q ids, kv ids); ``mask``: FULL, a static offset
     difference or traced (q_offset, kv_offset)); ``q_base`` / ``kv_base``: the global position
-    of token 0 of q / of k (Python ints where static); ``segment_ids``: this block's, or None."""
+    of token 0 of q / of k (Python ints where static); ``segment_ids``: this block's, or None;
+    ``gather``: every K/V block from one all-gather overlapped with the own block's step
+    (``_gathered``), not passed around the ring."""
     b, _, h, _ = q.shape
     n = _ring(axes, sizes)[0]
     q_parts = parts(layout, q_block, q.shape[1], q_base)
@@ -236,7 +269,9 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
     acc = [(jnp.zeros(_seq(q, p).shape, jnp.float32), jnp.full((b, h, p.length), -jnp.inf, jnp.float32))
            for p in q_parts]
     previous = []
-    for j, src, k, v, kv_ids in _blocks(k, v, segment_ids, axes, sizes, done=lambda: previous):
+    blocks = _gathered_steps(k, v, segment_ids, axes, sizes) if gather else \
+        _blocks(k, v, segment_ids, axes, sizes, done=lambda: previous)
+    for j, src, k, v, kv_ids in blocks:
         pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
         results = _step(plan, pairs, q_block, j,
                         run=lambda i, mask: attend(_seq(q, pairs[i][0]), _seq(k, pairs[i][1]),
@@ -253,13 +288,18 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
 
 
 def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_base, kv_base, layout,
-             axes, sizes, segment_ids=None):
+             axes, sizes, segment_ids=None, gather=False):
     """(dq, dk, dv) of this device's blocks. ``attend_bwd(q, k, v, out, lse, dout, dlse,
     segments, mask) -> (dq, dk, dv)`` is one contiguous pair's backward given the whole rows'
     out and lse. A block's dK/dV sums (f32) follow it around the ring one step behind, in the
     same collective as the next K/V block: each step sends this block on and the previous
     block's sums, both ready once the previous step's kernels are. After the last step the
-    sums go home, in K's and V's own dtypes."""
+    sums go home, in K's and V's own dtypes.
+
+    ``gather``: every K/V block from one all-gather (``_gathered``); the steps take the blocks in
+    the order that ends on this device's own, so a block's sums, passed on after each step (in
+    K's and V's dtypes, added to in float32), are whole when they reach home: n - 1 sends of
+    the sums alone, none after the last step."""
     n, r, perm = _ring(axes, sizes)
     q_parts = parts(layout, q_block, q.shape[1], q_base)
     plan = _step_kinds(causal, layout, n, q.shape[1], k.shape[1], q_base, kv_base)
@@ -273,11 +313,20 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
                                                          for x in (lse, dlse)]
 
     block, sums = (_kv(k, v), segment_ids), None
-    for j in range(n):
-        (kv, kv_ids), src = block, (r - j) % n
-        # out: this block for the next device's next step, the previous block's sums for its this one
-        following, received = _send((block if j < n - 1 else None, sums), axes, perm)
-        dkv = zeros if j == 0 else received
+    gathered = _gathered(k, v, segment_ids, axes, sizes) if gather else None
+    for t in range(n):
+        if gather:
+            # block r - 1 - t at step t, this device's own last: its sums end at home. Each step
+            # sends the sums it has added to (the next device adds to them next step).
+            j = (t + 1) % n
+            (kv, kv_ids), src = gathered(j), (r - j) % n
+            dkv = zeros if t == 0 else _as(_send(_as(sums, dtypes), axes, perm), jnp.float32)
+        else:
+            j = t
+            (kv, kv_ids), src = block, (r - j) % n
+            # out: this block for the next device's next step, the previous block's sums for its this one
+            following, received = _send((block if j < n - 1 else None, sums), axes, perm)
+            dkv = zeros if j == 0 else received
         k, v = kv[0], kv[1]
         pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
 
@@ -294,11 +343,22 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
         for (qp, kp), (dq_j, dk_j, dv_j) in zip(pairs, _step(plan, pairs, q_block, j, run, skipped)):
             dq = _add_at(dq, dq_j, qp)
             dkv = _add_kv(_add_kv(dkv, 0, dk_j, kp), 1, dv_j, kp)
-        block, sums = following, dkv
-    # the last block's sums (block r + 1's, summed whole) go home
+        if not gather:
+            block = following
+        sums = dkv
     dk, dv = sums[0].astype(dtypes[0]), sums[1].astype(dtypes[1])
-    dk, dv = _send(_kv(dk, dv), axes, perm)
+    if not gather:      # the last block's sums (block r + 1's, summed whole) go home
+        dk, dv = _send(_kv(dk, dv), axes, perm)
     return dq.astype(q.dtype), dk, dv
+
+
+def _as(sums, dtypes):
+    """The dK/dV sums (stacked [2, ...] or a pair) in ``dtypes`` (one dtype, or one each):
+    stacked where the two agree, as ``_kv`` stacks K and V."""
+    dk_dtype, dv_dtype = dtypes if isinstance(dtypes, tuple) else (dtypes, dtypes)
+    if not isinstance(sums, tuple) and dk_dtype == dv_dtype:
+        return sums.astype(dk_dtype)
+    return sums[0].astype(dk_dtype), sums[1].astype(dv_dtype)
 
 
 def _segments(q_ids, kv_ids, qp: Part, kp: Part):
