@@ -200,8 +200,9 @@ def _attention_signatures(eqn):
   backward's dk and dv are then partial sums over the query shards; segment ids stay whole
   (the shard slices its queries'). Or everything split along the sequence ("ring",
   shardflow.ring_attention), segment ids with the tokens:
-  K/V blocks pass around the axis instead of being gathered; the attention's ``context``
-  ("ring", "all_gather", "auto") says which of the two it may use."""
+  K/V blocks pass around the axis instead of being gathered (or, "all_gather" with a token
+  layout, gathered once by the ring's own steps); the attention's ``context`` ("ring",
+  "all_gather", "auto") says which of the two it may use."""
   ins, outs = operand_names(eqn), _result_names(eqn)
   context = eqn.params["config"].context
   sigs = [Sig(_split(ins, "batch"), _split(outs, "batch"), "batch"),
@@ -451,7 +452,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None,
       jax.nn.dot_product_attention; no lse, segment ids or offsets).
     context: where sf.parallelize splits the sequence of q, k and v over a mesh axis, how the
       keys reach every query block: "ring" (K/V blocks passed around the axis,
-      shardflow.ring_attention), "all_gather" (K/V gathered, only q split), "ulysses" (q, k, v
+      shardflow.ring_attention), "all_gather" (K/V gathered, only q split; with a ``layout``,
+      the ring's balanced steps on K/V gathered once, dK/dV sums passed home), "ulysses" (q, k, v
       re-split by heads with all-to-alls: the kv heads must divide over the axis), "hybrid"
       (Ulysses over the innermost sequence-split mesh axis, a ring over the others), or "auto"
       (the cheapest by the cost model, any of these). No effect on one device.
