@@ -32,7 +32,6 @@ import time
 import _checkout  # noqa: F401
 
 VARIANTS = ("ring", "zigzag", "striped", "ulysses", "all_gather", "zigzag-all_gather", "striped-all_gather")
-TRAIN_VARIANTS = VARIANTS[:5]       # model.context's names; the "-all_gather" layouts are ops-level only
 
 
 def flops(seq: int, heads: int, head_dim: int) -> float:
@@ -171,8 +170,7 @@ def overlap(trace_dir: str, devices: int) -> list[dict]:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", default="32768,65536,131072", help="total tokens, comma-separated")
-    parser.add_argument("--variants", help=f"comma-separated, of {VARIANTS} (default: all; --train: "
-                                           f"{TRAIN_VARIANTS})")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--preset", default="1b")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -183,11 +181,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out-dir", default="/tmp/context_profile", help="--profile: where the trace goes")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    variants = args.variants.split(",") if args.variants else list(TRAIN_VARIANTS if args.train else VARIANTS)
+    variants = args.variants.split(",")
     if set(variants) - set(VARIANTS):
         parser.error(f"unknown {sorted(set(variants) - set(VARIANTS))}; choose from {VARIANTS}")
-    if args.train and set(variants) - set(TRAIN_VARIANTS):
-        parser.error(f"--train takes model.context's variants {TRAIN_VARIANTS}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     from shardflow.train import configure_host_platform
     configure_host_platform()          # on a CPU-only machine: simulated devices for --cpu-check

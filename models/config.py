@@ -8,6 +8,8 @@ import jax
 from shardflow.ops import CONTEXTS, Layout
 from shardflow.ring_attention import LAYOUTS
 
+GATHERED = tuple(f"{kind}-all_gather" for kind in LAYOUTS)   # a layout's ring steps on K/V gathered
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -27,7 +29,8 @@ class ModelConfig:
     attention_impl: str = "ops"    # "ops" (shardflow.ops.attention); "jax"/"cudnn": reference only
     # A sequence split over a mesh axis: attention by "ring", "all_gather", "ulysses" or the
     # planner's choice ("auto"); "zigzag" / "striped": a ring over tokens in that order, for a
-    # ring of context_blocks devices (the trainer sets it from the mesh and permutes the data).
+    # ring of context_blocks devices (the trainer sets it from the mesh and permutes the data);
+    # "zigzag-all_gather" / "striped-all_gather": the same order, K/V gathered by the ring's steps.
     context: str = "auto"
     context_blocks: int = 1
     init_std: float = 0.02
@@ -35,17 +38,21 @@ class ModelConfig:
     @property
     def layout(self) -> Layout | None:
         """The tokens' order along the sequence (None: natural)."""
-        return Layout(self.context, self.context_blocks) if self.context in LAYOUTS else None
+        kind = self.context.partition("-")[0]
+        return Layout(kind, self.context_blocks) if kind in LAYOUTS else None
 
     @property
     def attention_context(self) -> str:
+        if self.context in GATHERED:
+            return "all_gather"
         return "ring" if self.context in LAYOUTS else self.context
 
     def __post_init__(self):
         if self.family not in ("llama", "gpt2"):
             raise ValueError(f"model.family must be 'llama' or 'gpt2', got {self.family!r}")
-        if self.context not in CONTEXTS + LAYOUTS:
-            raise ValueError(f"model.context must be one of {list(CONTEXTS + LAYOUTS)}, got {self.context!r}")
+        if self.context not in CONTEXTS + LAYOUTS + GATHERED:
+            raise ValueError(f"model.context must be one of {list(CONTEXTS + LAYOUTS + GATHERED)}, "
+                             f"got {self.context!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
         if self.n_heads % self.n_kv_heads:
