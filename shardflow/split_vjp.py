@@ -11,22 +11,28 @@ input gradient depends on and also returns the *stash*: the values it made that 
 matmul ``y = x @ w``, the cotangent of ``y``). W runs the rest from the shared inputs (the
 weights and the forward's residuals) and the stash. A scan — a stack of layers' backward — is
 itself cut into two scans, W's reading B's per-iteration values as stacked ``xs``; a scan's
-carry belongs to B when anything B needs depends on it. Calls (``jit``) and rematerialised
+carry belongs to B when anything B needs depends on it. A ``cond`` (``lax.cond`` / ``switch``:
+an uneven stage skips its padding layers with one, so a padded stage's backward is a scan over
+layers of a cond holding a layer's backward) is cut into two conds of the same branch index, each
+branch cut on its own: B's cond returns every branch's stash in one list of slots (a branch
+fills the slots it does not use with zeros), W's reads it. Calls (``jit``) and rematerialised
 regions (``checkpoint``: a remat layer's backward is one, recomputing the forward inside) are
-inlined first, so that they are cut too; any other equation (``cond``: an uneven stage's padding
-layer) goes whole to B when B needs one of its results (W then reads the others from the
-stash), else whole to W.
+inlined first, so that they are cut too; any other equation goes whole to B when B needs one of
+its results (W then reads the others from the stash), else whole to W.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var, new_jaxpr_eqn, no_effects, primitives
 
 from shardflow._compat import scan_params
 from shardflow.program import scan_arity
 
 scan_p = primitives.scan_p
+cond_p = primitives.cond_p
 
 
 class SplitVjp(NamedTuple):
@@ -110,8 +116,8 @@ def _partition(eqns, outvars, roles, available):
         in_w = [o in w_need and not b for o, b in zip(e.outvars, in_b)]
         if not any(in_b) and not any(in_w):
             continue
-        if any(in_b) and any(in_w) and e.primitive is scan_p:
-            eb, ew = _split_scan(e, in_b, in_w)
+        if any(in_b) and any(in_w) and e.primitive in (scan_p, cond_p):
+            eb, ew = (_split_scan if e.primitive is scan_p else _split_cond)(e, in_b, in_w)
         else:
             eb, ew = (e, None) if any(in_b) else (None, e)
         if eb is not None:
@@ -210,3 +216,70 @@ def _split_scan(e, in_b, in_w):
         e.effects, e.source_info)
     return eb, ew
 
+
+
+def _split_cond(e, in_b, in_w):
+    """A cond cut into B's cond (its results B needs, plus the stash slots of all branches) and
+    W's cond (the rest, from the operands it reads and the slots), both of the same branch
+    index; (B's, None) when no branch has W work, or the cond has effects (they would run twice)."""
+    index, *operands = e.invars
+    roles = ["b" if b else "w" if w else None for b, w in zip(in_b, in_w)]
+    branches = [_inline(c.jaxpr) for c in e.params["branches"]]
+    cuts = [_partition(br.eqns, br.outvars, roles, set(br.constvars) | set(br.invars)) for br in branches]
+    if e.effects or not any(w_eqns for _, w_eqns, _ in cuts):
+        return e, None
+    b_outs = [[v for v, r in zip(br.outvars, roles) if r == "b"] for br in branches]
+    w_outs = [[v for v, r in zip(br.outvars, roles) if r == "w"] for br in branches]
+    b_pos = _operands_read(branches, [b for b, _, _ in cuts], b_outs)
+    w_pos = _operands_read(branches, [w for _, w, _ in cuts], w_outs)
+    slots, places = _stash_slots([stash for _, _, stash in cuts])
+
+    b_branches, w_branches = [], []
+    for br, closed, (b_eqns, w_eqns, stash), place, bo, wo in zip(
+            branches, e.params["branches"], cuts, places, b_outs, w_outs):
+        own = dict(zip(place, stash))
+        zeros, zero_eqns = _zeros([a for i, a in enumerate(slots) if i not in own])
+        zeros = iter(zeros)
+        b_slots = [own[i] if i in own else next(zeros) for i in range(len(slots))]
+        w_slots = [own[i] if i in own else Var(a) for i, a in enumerate(slots)]  # others' slots: unread
+        b = _like(br, [br.invars[j] for j in b_pos], bo + b_slots, b_eqns + zero_eqns)
+        w = _like(br, [br.invars[j] for j in w_pos] + w_slots, wo, w_eqns)
+        b_branches.append(ClosedJaxpr(b, closed.consts))
+        w_branches.append(ClosedJaxpr(w, closed.consts))
+
+    stash = [Var(a) for a in slots]
+    eb = new_jaxpr_eqn([index] + [operands[j] for j in b_pos],
+                       [o for o, r in zip(e.outvars, roles) if r == "b"] + stash,
+                       cond_p, dict(e.params, branches=tuple(b_branches)), e.effects, e.source_info)
+    ew = new_jaxpr_eqn([index] + [operands[j] for j in w_pos] + stash,
+                       [o for o, r in zip(e.outvars, roles) if r == "w"],
+                       cond_p, dict(e.params, branches=tuple(w_branches)), e.effects, e.source_info)
+    return eb, ew
+
+
+def _operands_read(branches, eqns, outs):
+    """The positions of the cond operands that some branch's ``eqns`` or results ``outs`` read."""
+    used = set().union(*(_vars([a for q in es for a in q.invars] + o) for es, o in zip(eqns, outs)))
+    return [j for j in range(len(branches[0].invars)) if any(br.invars[j] in used for br in branches)]
+
+
+def _stash_slots(stashes):
+    """(the avals of the slots holding every branch's stash, each branch's slot of each of its
+    stash values): a value takes a slot of its aval that its branch has not taken, so that
+    branches share slots."""
+    slots, places = [], []
+    for stash in stashes:
+        place = []
+        for v in stash:
+            i = next((i for i, a in enumerate(slots) if a == v.aval and i not in place), len(slots))
+            if i == len(slots):
+                slots.append(v.aval)
+            place.append(i)
+        places.append(place)
+    return slots, places
+
+
+def _zeros(avals):
+    """(zeros of ``avals``, the equations making them: broadcasts of a literal 0)."""
+    traced = jax.make_jaxpr(lambda: [jnp.zeros(a.shape, a.dtype) for a in avals])()
+    return traced.jaxpr.outvars, traced.jaxpr.eqns

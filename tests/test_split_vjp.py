@@ -45,8 +45,8 @@ def closes_over(w, h):     # a weight shared by every layer: its gradient sums i
 
 # name: (layer, matmuls per layer in W, in B). W: one per weight. B: one per matmul the input
 # gradient passes; under remat also the two of the forward it recomputes (n @ w, n @ b); a layer
-# under lax.cond stays whole in B (cond is not cut), its weight gradients with it.
-LAYERS = dict(mlp=(mlp, 2, 2), gated=(gated, 3, 3), remat=(remat, 3, 3 + 2), masked=(masked, 0, 2 + 2),
+# under lax.cond is cut like the others, in both conds' branches.
+LAYERS = dict(mlp=(mlp, 2, 2), gated=(gated, 3, 3), remat=(remat, 3, 3 + 2), masked=(masked, 2, 2),
               nested=(nested, 4, 4), closes_over=(closes_over, 2, 3))
 
 
@@ -58,10 +58,16 @@ def params(n_layers, seed=0):
 
 def backward_of(layer, stack, x):
     """backward(stack leaves, residuals, dy) -> (d stack leaves, dx) as pipelining traces it."""
-    leaves, tree = jax.tree.flatten(stack)
+    return backward_of_fn(lambda stack, x: jax.lax.scan(lambda h, w: (layer(w, h), None), x, stack)[0],
+                          stack, x)
+
+
+def backward_of_fn(f, w, x):
+    """backward(residuals, dy) -> (d leaves of w, dx) of ``f(w, x)``."""
+    leaves, tree = jax.tree.flatten(w)
 
     def stage(leaves, x):
-        return jax.lax.scan(lambda h, w: (layer(w, h), None), x, jax.tree.unflatten(tree, leaves))[0]
+        return f(jax.tree.unflatten(tree, leaves), x)
 
     y, vjp = jax.vjp(stage, leaves, x)
     residuals, vjp_tree = jax.tree.flatten(vjp)
@@ -105,6 +111,86 @@ def test_b_then_w_is_the_backward_and_nothing_runs_twice(name):
     dots = {j: count(x.jaxpr, "dot_general") for j, x in (("all", backward), ("b", split.b), ("w", split.w))}
     assert dots["b"] + dots["w"] == dots["all"]
     assert (dots["w"], dots["b"]) == (3 * w_dots, 3 * b_dots)
+
+
+def split_equals_backward(backward, residuals, y, n, seed=2):
+    """split_vjp's B then W on (residuals, a random dy) against the backward; the split."""
+    split = split_vjp(backward, shared=len(residuals), weights=n)
+    dy = jnp.asarray(np.random.default_rng(seed).standard_normal(y.shape), jnp.float32)
+    want = jaxpr_as_fun(backward)(*residuals, dy)
+    dx, *stash = jaxpr_as_fun(split.b)(*residuals, dy)
+    d_leaves = jaxpr_as_fun(split.w)(*residuals, *stash)
+    for a, b in zip(want, list(d_leaves) + [dx]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    return split
+
+
+def cond_matmuls(jaxpr, in_cond=False):
+    """The result shapes of the matmuls in ``jaxpr``'s conds' branches (inside scans too), each
+    once, sorted: [4, ...] the input gradient's, weight-shaped the weight gradients'."""
+    shapes = [e.outvars[0].aval.shape for e in jaxpr.eqns if in_cond and e.primitive.name == "dot_general"]
+    for e in jaxpr.eqns:
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            shapes += cond_matmuls(sub, in_cond or e.primitive.name == "cond")
+    return sorted(shapes)
+
+
+@pytest.mark.parametrize("active", [True, False])
+def test_a_cond_is_cut_into_a_b_cond_and_a_w_cond(active):
+    """lax.cond(pred, layer, identity), an uneven stage's padding layer: B's cond runs the two
+    input-gradient matmuls, W's cond the two weight-gradient ones (not B's: a whole layer's
+    backward in B would leave W nothing to fill the bubbles with)."""
+    w = {k: v[0] for k, v in params(1).items() if k in ("w", "v")}
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, d)), jnp.float32)
+    flag = jnp.float32(active)
+
+    def f(w, x):
+        return jax.lax.cond(flag > 0, lambda: jnp.tanh(x @ w["w"]) @ w["v"], lambda: x)
+
+    backward, residuals, y, n = backward_of_fn(f, w, x)
+    split = split_equals_backward(backward, residuals, y, n)
+    assert count(split.b.jaxpr, "cond") == count(split.w.jaxpr, "cond") == 1
+    assert cond_matmuls(split.b.jaxpr) == [(4, d), (4, 2 * d)]
+    assert cond_matmuls(split.w.jaxpr) == [(d, 2 * d), (2 * d, d)]
+    assert len(cond_matmuls(backward.jaxpr)) == 4
+
+
+def test_a_scan_of_padded_layers_cuts_its_cond():
+    """The pipeline's uneven stage: a scan over stacked layers, each under lax.cond on its
+    ``active`` flag. B's scan stashes the cond's values per layer; W's runs the weight matmuls."""
+    stack = {k: v for k, v in params(4).items() if k in ("w", "v")}
+    stack["active"] = jnp.asarray([1, 0, 1, 0], jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, d)), jnp.float32)
+
+    def padded(w, h):
+        return jax.lax.cond(w["active"] > 0, lambda: jnp.tanh(h @ w["w"]) @ w["v"] + h, lambda: h)
+
+    backward, residuals, y, n = backward_of(padded, stack, x)
+    split = split_equals_backward(backward, residuals, y, n)
+    assert split.n_stash > 0
+    dots = [count(j.jaxpr, "dot_general") for j in (backward, split.b, split.w)]
+    assert dots == [4 * 4, 4 * 2, 4 * 2]         # per layer: 2 in B's true branch, 2 in W's
+    assert cond_matmuls(split.b.jaxpr) == [(4, d), (4, 2 * d)]
+    assert cond_matmuls(split.w.jaxpr) == [(d, 2 * d), (2 * d, d)]
+
+
+def test_a_switch_shares_stash_slots_between_its_branches():
+    """lax.switch of branches with different stashes: B's cond returns one list of slots (values
+    of one shape and dtype in different branches share one), each branch zero-filling the slots
+    it does not use; each index gives the backward's numbers."""
+    w = {k: v[0] for k, v in params(1).items() if k in ("w", "v")}
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, d)), jnp.float32)
+    branches = [lambda w, x: jnp.tanh(x @ w["w"]) @ w["v"],          # stashes d(x @ w): [4, 2d]
+                lambda w, x: x @ w["w"][:, :d] * 2,                   # stashes 2 dy: [4, d]
+                lambda w, x: jnp.sin(x @ w["w"]) @ w["v"],           # stashes d(x @ w): [4, 2d]
+                lambda w, x: x]                                        # stashes nothing
+    for i in range(len(branches)):
+        backward, residuals, y, n = backward_of_fn(lambda w, x: jax.lax.switch(i, branches, w, x), w, x)
+        split = split_equals_backward(backward, residuals, y, n)
+        (b_cond,) = [e for e in split.b.jaxpr.eqns if e.primitive.name == "cond"]
+        assert [v.aval.shape for v in b_cond.outvars[1:]] == [(4, 2 * d), (4, d)]
+        assert [len(cond_matmuls(j.jaxpr)) for j in (split.b, split.w)] == [2 + 1 + 2, 2 + 1 + 2]
+        assert {s[0] for s in cond_matmuls(split.b.jaxpr)} == {4}
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
