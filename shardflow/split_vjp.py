@@ -217,7 +217,6 @@ def _split_scan(e, in_b, in_w):
     return eb, ew
 
 
-
 def _split_cond(e, in_b, in_w):
     """A cond cut into B's cond (its results B needs, plus the stash slots of all branches) and
     W's cond (the rest, from the operands it reads and the slots), both of the same branch
