@@ -13,9 +13,9 @@ dim 128), q / k / v split along the sequence over {context: N}, forward + backwa
 layout=...)`: ring (contiguous blocks), zigzag and striped (a ring over tokens in that order),
 ulysses (re-split by heads), all_gather (K/V gathered, queries split contiguously),
 zigzag-all_gather and striped-all_gather (the ring's steps over tokens in that order, K/V
-gathered once and the dK/dV sums passed home: `context="all_gather"` with the layout). The baseline is the same attention on
-one GPU at the same sequence length; a variant's ratio is its per-GPU TFLOP/s over the
-baseline's TFLOP/s (ideal 1.0). FLOPs: 4 S^2 H D / 2 forward, x3.5 forward + backward. Times:
+gathered once and the dK/dV sums passed home: `context="all_gather"` with the layout). The
+baseline is the same attention on one GPU at the same sequence length; a variant's ratio is
+its per-GPU TFLOP/s over the baseline's TFLOP/s (ideal 1.0). FLOPs: 4 S^2 H D / 2 forward, x3.5 forward + backward. Times:
 wall clock of --steps calls after --warmup, ended by one block_until_ready.
 
 --train: the preset's `shardflow train` step (strategy cp: the sequence over {context: N}

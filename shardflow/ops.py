@@ -313,9 +313,8 @@ def _attention_comm(eqn, ins, sigs, mesh):
 
   k, v = (eqn.invars[names.index(x)].aval for x in ("k", "v"))
   same_shape = k.shape == v.shape
-  block = [local("k", stacked=True)] if same_shape and k.dtype == v.dtype else [local("k"), local("v")]
-  block += [local("segment_ids")] if "segment_ids" in names else []
   home = [local("k", stacked=True)] if same_shape and k.dtype == v.dtype else [local("k"), local("v")]
+  block = home + ([local("segment_ids")] if "segment_ids" in names else [])
   if eqn.params["config"].context == "all_gather":
     size = sum(math.prod(x.shape) * x.dtype.itemsize for x in block)
     gather = [Step("all_gather", axes, bytes=(n - 1) * size, value=block[0])] if n > 1 else []

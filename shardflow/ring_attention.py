@@ -346,7 +346,7 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
         if not gather:
             block = following
         sums = dkv
-    dk, dv = sums[0].astype(dtypes[0]), sums[1].astype(dtypes[1])
+    dk, dv = _as(sums, dtypes)
     if not gather:      # the last block's sums (block r + 1's, summed whole) go home
         dk, dv = _send(_kv(dk, dv), axes, perm)
     return dq.astype(q.dtype), dk, dv
