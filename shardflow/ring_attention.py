@@ -83,8 +83,9 @@ class Layout:
 
 class Part(NamedTuple):
     """A contiguous run of a block's stored tokens: ``[start, start + length)`` of the block,
-    at global position ``offset`` (traced, or a Python int for a Python block index)."""
-    start: int
+    at global position ``offset`` (traced, or a Python int for a Python block index). ``start``
+    is traced only in a step's slot (``_pick``), where devices compute different pairs."""
+    start: object
     length: int
     offset: object
 
@@ -140,13 +141,22 @@ def _step_kinds(causal, layout, n, q_len, kv_len, q_base, kv_base):
 
 
 def _step(plan, pairs, q_block, j, run, skipped):
-    """Every pair's result for ring step ``j`` (kv block q_block - j), ``run(i, mask)`` for
-    pair i or ``skipped(i)``. With a plan, the kinds this step can be on some device: one needs
-    no branch (step 0: every device's own block), several are one ``lax.switch``, so the step
-    is one conditional (XLA's scheduler then overlaps a collective with all of it). Without a
-    plan, a cond per pair on whether its traced offsets mask it wholly."""
-    def fixed(masks):
-        return [skipped(i) if m is SKIP else run(i, m) for i, m in enumerate(masks)]
+    """The computed pairs of ring step ``j`` (kv block q_block - j): ``(q part, kv part,
+    run(q part, kv part, mask))`` each, or ``skipped(q part, kv part)`` where a branch must
+    return something for a pair it does not compute. With a plan, by how the step's kinds on
+    the devices differ:
+
+    - one kind (step 0: every device's own block): its unmasked pairs, no branch;
+    - the same masks on every device, on other pairs (zigzag: each device attends two of its
+      four chunk pairs unmasked, which two depends on the device): one kernel call per mask
+      (a *slot*), its operands sliced at the device's pair's offsets, no branch;
+    - else one ``lax.switch`` over the kinds present, so the step is one conditional (XLA's
+      scheduler then overlaps a collective with all of it).
+
+    Without a plan, a cond per pair on whether its traced offsets mask it wholly."""
+    def fixed(masks, keep_skipped):
+        return [(qp, kp, run(qp, kp, m)) if m is not SKIP else (qp, kp, skipped(qp, kp))
+                for (qp, kp), m in zip(pairs, masks) if m is not SKIP or keep_skipped]
 
     if plan is not None:
         table, kinds = plan
@@ -154,15 +164,51 @@ def _step(plan, pairs, q_block, j, run, skipped):
         step_kinds = table[np.arange(n), (np.arange(n) - j) % n]
         present = sorted(set(step_kinds.tolist()))
         if len(present) == 1:
-            return fixed(kinds[present[0]])
+            return fixed(kinds[present[0]], keep_skipped=False)
+        slots = _slots(pairs, [kinds[k] for k in step_kinds])
+        if slots is not None:
+            return [(qp, kp, run(qp, kp, m)) for qp, kp, m in
+                    ((_pick(pairs, 0, chosen, q_block), _pick(pairs, 1, chosen, q_block), m)
+                     for m, chosen in slots)]
         branch = jnp.asarray(np.searchsorted(present, step_kinds), jnp.int32)[q_block]
-        return lax.switch(branch, [lambda m=kinds[k]: fixed(m) for k in present])
+        results = lax.switch(branch, [lambda m=kinds[k]: [r for _, _, r in fixed(m, keep_skipped=True)]
+                                      for k in present])
+        return [(qp, kp, r) for (qp, kp), r in zip(pairs, results)]
     results = []
-    for i, (qp, kp) in enumerate(pairs):
+    for qp, kp in pairs:
         offsets = (jnp.asarray(qp.offset, jnp.int32), jnp.asarray(kp.offset, jnp.int32))
         visible = offsets[1] <= offsets[0] + qp.length - 1
-        results.append(lax.cond(visible, lambda i=i, o=offsets: run(i, o), lambda i=i: skipped(i)))
+        results.append((qp, kp, lax.cond(visible, lambda qp=qp, kp=kp, o=offsets: run(qp, kp, o),
+                                         lambda qp=qp, kp=kp: skipped(qp, kp))))
     return results
+
+
+def _slots(pairs, device_masks):
+    """Where every device computes pairs of the same masks and lengths: ``[(mask, the pair
+    index on each device)]``, the pairs every device computes alike first (their slices
+    static), else None."""
+    computed = [[(m, i) for i, m in enumerate(masks) if m is not SKIP] for masks in device_masks]
+
+    def shape(mi):     # masks are None, "full" or ints: compared by repr
+        return repr(mi[0]), pairs[mi[1]][0].length, pairs[mi[1]][1].length
+
+    if any(sorted(map(shape, c)) != sorted(map(shape, computed[0])) for c in computed):
+        return None
+    common = set.intersection(*map(set, computed))
+    rows = [sorted(c, key=lambda mi: (mi not in common, shape(mi), mi[1])) for c in computed]
+    return [(slot[0][0], np.array([i for _, i in slot])) for slot in zip(*rows)]
+
+
+def _pick(pairs, side: int, chosen: np.ndarray, q_block):
+    """Side 0 (q) or 1 (kv) of pair ``chosen[device]`` on this device, as one Part: static where
+    every device picks the same."""
+    if (chosen == chosen[0]).all():
+        return pairs[chosen[0]][side]
+    index = jnp.asarray(chosen, jnp.int32)[q_block]
+    candidates = [p[side] for p in pairs]
+    start = jnp.asarray([p.start for p in candidates], jnp.int32)[index]
+    offset = jnp.stack([jnp.asarray(p.offset, jnp.int32) for p in candidates])[index]
+    return Part(start, candidates[chosen[0]].length, offset)
 
 
 def _ring(axes, sizes):
@@ -227,7 +273,13 @@ def _merge(out, lse, out_j, lse_j):
 
 
 def _seq(x, part: Part, axis=1):
-    return lax.slice_in_dim(x, part.start, part.start + part.length, axis=axis)
+    if isinstance(part.start, int):
+        return lax.slice_in_dim(x, part.start, part.start + part.length, axis=axis)
+    return lax.dynamic_slice_in_dim(x, part.start, part.length, axis=axis)
+
+
+def _put(x, y, part: Part, axis=1):
+    return lax.dynamic_update_slice_in_dim(x, y, part.start, axis=axis)
 
 
 def _gathered(k, v, ids, axes, sizes):
@@ -266,25 +318,22 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
     n = _ring(axes, sizes)[0]
     q_parts = parts(layout, q_block, q.shape[1], q_base)
     plan = _step_kinds(causal, layout, n, q.shape[1], k.shape[1], q_base, kv_base)
-    acc = [(jnp.zeros(_seq(q, p).shape, jnp.float32), jnp.full((b, h, p.length), -jnp.inf, jnp.float32))
-           for p in q_parts]
+    out, lse = jnp.zeros(q.shape, jnp.float32), jnp.full((b, h, q.shape[1]), -jnp.inf, jnp.float32)
     previous = []
     blocks = _gathered_steps(k, v, segment_ids, axes, sizes) if gather else \
         _blocks(k, v, segment_ids, axes, sizes, done=lambda: previous)
     for j, src, k, v, kv_ids in blocks:
         pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
         results = _step(plan, pairs, q_block, j,
-                        run=lambda i, mask: attend(_seq(q, pairs[i][0]), _seq(k, pairs[i][1]),
-                                                   _seq(v, pairs[i][1]),
-                                                   _segments(segment_ids, kv_ids, *pairs[i]), mask),
-                        skipped=lambda i: (jnp.zeros(_seq(q, pairs[i][0]).shape, q.dtype),
-                                           jnp.full((b, h, pairs[i][0].length), -jnp.inf, jnp.float32)))
-        previous = results
-        for (qp, _), (out_j, lse_j) in zip(pairs, results):
-            qi = q_parts.index(qp)
-            acc[qi] = _merge(*acc[qi], out_j, lse_j)
-    out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
-    return out, jnp.concatenate([l for _, l in acc], axis=2)
+                        run=lambda qp, kp, mask: attend(_seq(q, qp), _seq(k, kp), _seq(v, kp),
+                                                        _segments(segment_ids, kv_ids, qp, kp), mask),
+                        skipped=lambda qp, kp: (jnp.zeros(_seq(q, qp).shape, q.dtype),
+                                                jnp.full((b, h, qp.length), -jnp.inf, jnp.float32)))
+        previous = [r for _, _, r in results]
+        for qp, _, (out_j, lse_j) in results:
+            merged, merged_lse = _merge(_seq(out, qp), _seq(lse, qp, axis=2), out_j, lse_j)
+            out, lse = _put(out, merged, qp), _put(lse, merged_lse, qp, axis=2)
+    return out.astype(q.dtype), lse
 
 
 def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_base, kv_base, layout,
@@ -330,17 +379,16 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
         k, v = kv[0], kv[1]
         pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
 
-        def run(i, mask, k=k, v=v, kv_ids=kv_ids):
-            (q_, out_, dout_, lse_, dlse_), kp = rows(pairs[i][0]), pairs[i][1]
+        def run(qp, kp, mask, k=k, v=v, kv_ids=kv_ids):
+            q_, out_, dout_, lse_, dlse_ = rows(qp)
             return attend_bwd(q_, _seq(k, kp), _seq(v, kp), out_, lse_, dout_, dlse_,
-                              _segments(segment_ids, kv_ids, *pairs[i]), mask)
+                              _segments(segment_ids, kv_ids, qp, kp), mask)
 
-        def skipped(i, k=k, v=v):
-            qp, kp = pairs[i]
+        def skipped(qp, kp, k=k, v=v):
             return (jnp.zeros(_seq(q, qp).shape, q.dtype), jnp.zeros(_seq(k, kp).shape, k.dtype),
                     jnp.zeros(_seq(v, kp).shape, v.dtype))
 
-        for (qp, kp), (dq_j, dk_j, dv_j) in zip(pairs, _step(plan, pairs, q_block, j, run, skipped)):
+        for qp, kp, (dq_j, dk_j, dv_j) in _step(plan, pairs, q_block, j, run, skipped):
             dq = _add_at(dq, dq_j, qp)
             dkv = _add_kv(_add_kv(dkv, 0, dk_j, kp), 1, dv_j, kp)
         if not gather:
@@ -367,7 +415,7 @@ def _segments(q_ids, kv_ids, qp: Part, kp: Part):
 
 
 def _add_at(total, x, part: Part):
-    return lax.dynamic_update_slice_in_dim(total, _seq(total, part) + x, part.start, axis=1)
+    return _put(total, _seq(total, part) + x, part)
 
 
 def _add_kv(dkv, i: int, x, part: Part):

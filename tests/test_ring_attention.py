@@ -247,13 +247,13 @@ def switch_branches(step, *args):
     return [len(e.params["branches"]) for e in lowered_eqns(step, *args) if e.primitive.name == "cond"]
 
 
-@pytest.mark.parametrize("layout", [None, "zigzag", "striped"])
+@pytest.mark.parametrize("layout", [None, "striped"])
 def test_causal_self_attention_runs_a_step_as_one_switch_of_static_masks(layout):
     """Causal self-attention on a ring knows each step's pairs' masks from the two block
     indices: every kernel call gets a static mask (the Mosaic GPU kernel's), and each step of
-    the forward and the backward is one switch over the step's kinds (contiguous and zigzag:
-    earlier, own, later block; striped: at or before, after), one conditional for XLA to
-    overlap with the next block's ppermute."""
+    the forward and the backward is one switch over the step's kinds (contiguous: earlier or
+    later block; striped: at or before, after), one conditional for XLA to overlap with the
+    next block's ppermute."""
     n = 4
     lay = None if layout is None else Layout(layout, n)
     _, step = ring_step({"context": n}, "context", causal=True, layout=lay)
@@ -262,6 +262,20 @@ def test_causal_self_attention_runs_a_step_as_one_switch_of_static_masks(layout)
     deltas = {(c.causal, c.static_offset_delta) for c in configs}
     assert deltas == ({(True, 0), (True, -1)} if layout == "striped" else {(True, 0), (False, 0)})
     assert switch_branches(step, *inputs()) == [2] * (2 * (n - 1))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zigzag_steps_are_unmasked_calls_without_a_branch(n):
+    """Under zigzag every device attends two of a step's four chunk pairs unmasked (which two
+    depends on whether the block is before or after its own): a step is two unmasked kernel
+    calls on chunks sliced at the device's offsets, no conditional, nothing computed for the
+    masked pairs. The own block: its two diagonals and one unmasked pair. Per pass 3 + 2 (n-1)
+    calls, forward and backward."""
+    _, step = ring_step({"context": n}, "context", causal=True, layout=Layout("zigzag", n))
+    configs = block_configs(step, *inputs())
+    assert switch_branches(step, *inputs()) == []
+    assert sorted((c.causal, c.static_offset_delta) for c in configs) == \
+        sorted(2 * ([(True, 0)] * 2 + [(False, 0)] * (1 + 2 * (n - 1))))
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
