@@ -10,9 +10,10 @@ is: it takes the whole row's output and log-sum-exp (Liu et al., Ring Attention,
 
 Causal masks follow the tokens' global positions (the kernels' ``q_offset`` / ``kv_offset``).
 With static offsets every (query part, key part) pair of a step is wholly visible, wholly
-masked (skipped) or on the diagonal, known from the two block indices: a step is one
-``lax.switch`` over the kinds it can be on some device, and every kernel call has a static
-mask. Which positions a block holds is the sequence's :class:`Layout`:
+masked (skipped) or on the diagonal, known from the two block indices, so every kernel call
+has a static mask: a step runs its masks' calls on chunks sliced at the device's offsets where
+every device has the same masks (zigzag), else it is one ``lax.switch`` over the kinds it can
+be on some device (``_step``). Which positions a block holds is the sequence's :class:`Layout`:
 
 - contiguous: block r holds positions [r L, (r+1) L). Causal work is unbalanced: device r has
   r + 1/2 blocks of it, the last device about twice the mean.
