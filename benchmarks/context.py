@@ -137,18 +137,23 @@ def overlap(trace_dir: str, devices: int) -> list[dict]:
     gpu = {e["pid"]: int(m.group(1)) for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
            for m in [re.search(r"GPU:(\d+)$", e["args"]["name"])] if m}
 
+    def merged(spans):
+        """The union of (start, end) spans as disjoint spans."""
+        out = []
+        for a, b in sorted(spans):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
     def covered(spans, others):
         """Length of ``spans`` covered by the union of ``others`` (both lists of (start, end))."""
-        merged = []
-        for a, b in sorted(others):
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        total = 0.0
-        for a, b in spans:
-            total += sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged)
-        return total
+        union = merged(others)
+        return sum(max(0.0, min(b, y) - max(a, x)) for a, b in spans for x, y in union)
+
+    def union(spans):
+        return sum(b - a for a, b in merged(spans))
 
     rows = []
     for g in range(devices):
@@ -157,10 +162,14 @@ def overlap(trace_dir: str, devices: int) -> list[dict]:
         nccl = [(a, b) for name, a, b in kernels if "nccl" in name]
         attn = [(a, b) for name, a, b in kernels if "nccl" not in name and
                 any(w in name for w in ("attention", "flash", "mosaic", "_fwd", "_bwd"))]
+        compute = [(a, b) for name, a, b in kernels if "nccl" not in name]
         by_name = {}
         for name, a, b in kernels:
             by_name[name[:60]] = by_name.get(name[:60], 0.0) + (b - a) / 1e3
-        rows.append({"gpu": g, "top_kernels_ms": sorted(by_name.items(), key=lambda x: -x[1])[:8],
+        span = (max(b for _, _, b in kernels) - min(a for _, a, _ in kernels)) / 1e3 if kernels else 0.0
+        rows.append({"gpu": g, "top_kernels_ms": sorted(by_name.items(), key=lambda x: -x[1])[:12],
+                     "span_ms": span, "compute_ms": union(compute) / 1e3,
+                     "idle_ms": span - union([(a, b) for _, a, b in kernels]) / 1e3,
                      "nccl_ms": sum(b - a for a, b in nccl) / 1e3,
                      "attention_ms": sum(b - a for a, b in attn) / 1e3,
                      "nccl_under_attention_ms": covered(nccl, attn) / 1e3})
@@ -177,7 +186,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--cpu-check", action="store_true", help="8 simulated CPUs, tiny shapes")
     parser.add_argument("--train", action="store_true", help="the preset's training step per variant")
     parser.add_argument("--remat", default="none", help="--train: the model's remat policy")
-    parser.add_argument("--profile", metavar="VARIANT", help="trace one attention step of VARIANT")
+    parser.add_argument("--profile", metavar="VARIANT",
+                        help="trace one attention step of VARIANT (or one-device: the baseline)")
     parser.add_argument("--out-dir", default="/tmp/context_profile", help="--profile: where the trace goes")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -208,15 +218,19 @@ def main(argv=None) -> list[dict]:
                                                           args.warmup)]
         return _written(rows, args)
     if args.profile:
-        fn, sharding = step_fn(args.profile, n, True, backend)
+        one = args.profile == "one-device"
+        fn, sharding = step_fn("ring" if one else args.profile, 1 if one else n, True, backend)
+        n = 1 if one else n
         q, k, v = jax.device_put(qkv(seqs[0], heads, kv_heads, head_dim), sharding)
         measure(fn, (q, k, v), 1, args.warmup)
         with jax.profiler.trace(args.out_dir, create_perfetto_trace=True):
             jax.block_until_ready(fn(q, k, v))
         rows = overlap(args.out_dir, n)
         for row in rows:
-            print(f"GPU{row['gpu']}: NCCL {row['nccl_ms']:.2f} ms, attention kernels {row['attention_ms']:.2f} ms, "
-                  f"NCCL while an attention kernel runs {row['nccl_under_attention_ms']:.2f} ms")
+            print(f"GPU{row['gpu']}: first to last kernel {row['span_ms']:.2f} ms: compute kernels "
+                  f"{row['compute_ms']:.2f} ms (attention {row['attention_ms']:.2f}), no kernel "
+                  f"{row['idle_ms']:.2f} ms; NCCL {row['nccl_ms']:.2f} ms, {row['nccl_under_attention_ms']:.2f} "
+                  f"of it while an attention kernel runs")
         print("  top kernels: " + "; ".join(f"{name} {ms:.2f}" for name, ms in rows[0]["top_kernels_ms"]))
         return rows
     rows = []
