@@ -201,13 +201,14 @@ def _slots(pairs, device_masks):
 
 
 def _pick(pairs, side: int, chosen: np.ndarray, q_block):
-    """Side 0 (q) or 1 (kv) of pair ``chosen[device]`` on this device, as one Part: static where
-    every device picks the same."""
+    """Side 0 (q) or 1 (kv) of pair ``chosen[device]`` on this device, as one Part: its start
+    static where every device's pair starts there."""
     if (chosen == chosen[0]).all():
         return pairs[chosen[0]][side]
     index = jnp.asarray(chosen, jnp.int32)[q_block]
     candidates = [p[side] for p in pairs]
-    start = jnp.asarray([p.start for p in candidates], jnp.int32)[index]
+    starts = {candidates[i].start for i in chosen}
+    start = starts.pop() if len(starts) == 1 else jnp.asarray([p.start for p in candidates], jnp.int32)[index]
     offset = jnp.stack([jnp.asarray(p.offset, jnp.int32) for p in candidates])[index]
     return Part(start, candidates[chosen[0]].length, offset)
 
