@@ -8,7 +8,7 @@ device's block. With ``jax_threefry_partitionable`` (on by default in jax 0.10 a
 threefry's bits are counter based: element ``i`` of the bits — ``i`` its row-major index in the
 global shape, as a uint64 split into two uint32 halves (hi, lo) — is
 ``threefry2x32(key, (hi, lo))``, folded to the bit width (``_threefry_random_bits_partitionable``
-and ``iota_2x32_shape`` in jax/_src/random). The lowering builds the global counters of its own block from the block
+and ``iota_2x32_shape`` in jax's prng module). The lowering builds the global counters of its own block from the block
 offsets, so each device hashes 1/n of the elements and the bits equal one device's exactly.
 Other PRNG implementations (rbg) and threefry with the flag off draw from a sequence that does
 not partition: the lowering then generates the whole bits on every device and keeps its block
