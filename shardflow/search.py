@@ -1,6 +1,7 @@
 """``sf.plan``: the program solved on every factoring of the devices into mesh axes, ranked by
 modelled time — the intra-operator level of an auto-parallel search (Alpa's), with ``sf.AUTO``
-in_specs letting the solver lay the parameters out on each mesh.
+in_specs letting the solver lay the parameters out on each mesh. ``sf.alternatives``: what the
+next-best annotations of a parallelized step would cost, one argument's spec changed at a time.
 
 Partial, and said so: the ranking is the solver's model (collectives by the α-β link model,
 local work by flops and memory bandwidth), not a measurement. A memory budget (``memory_budget``,
@@ -10,15 +11,19 @@ the layer loops hold, not the temporaries — and a mesh with no plan within it 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import re
 from typing import Mapping, Sequence
 
 import jax
+import numpy as np
+from jax.sharding import PartitionSpec
 
-from shardflow.api import Parallelized, parallelize
+from shardflow.api import Parallelized, _definition, _spec_of_each_leaf, parallelize
 from shardflow.explain import Plan
 from shardflow.mesh import LinkModel, make_mesh
-from shardflow.specs import ShardingError
+from shardflow.specs import AUTO, ShardingError, to_sbp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,3 +65,70 @@ def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "mo
             continue
         out.append(Candidate(shape, explained.modelled_seconds, step, explained))
     return sorted(out, key=lambda c: c.seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternative:
+    argument: str                 # ``args[0]['w1']``
+    spec: PartitionSpec           # tried in place of the step's spec for that argument
+    seconds: float                # modelled (Plan.modelled_seconds) with it; inf where refused
+    delta: float                  # seconds - the step's own modelled seconds
+    memory_bytes: int             # Plan.memory_bytes with it
+    refused: str = ""             # why this spec has no plan (over the memory budget, ...)
+
+    def __str__(self):
+        if self.refused:
+            return f"{self.argument}: {self.spec} refused: {self.refused}"
+        return (f"{self.argument}: {self.spec}  {self.seconds * 1e3:.3f} ms modelled "
+                f"({self.delta * 1e3:+.3f} ms), {self.memory_bytes:,} bytes per device")
+
+
+def alternatives(step: Parallelized, *args, only: str | None = None, top: int | None = 10) -> list[Alternative]:
+    """What the next-best annotations would cost: each argument's spec replaced, one argument
+    at a time, by every other layout on the step's mesh whose blocks divide (each mesh axis
+    splitting one dim or none; a dim split over several axes in mesh order), the program
+    planned again by the step's own passes, link model and memory budget; best first,
+    ``top`` of them (None: all). ``only``: a regular expression an argument's name
+    (``args[0]['w1']``) must match. An ``sf.AUTO`` argument is the planner's to choose and is
+    not varied. One plan per candidate: on a large program, narrow it with ``only``."""
+    leaves, in_tree = jax.tree.flatten(args)
+    given = [spec for _, spec in _spec_of_each_leaf(step.in_specs, args, "in_specs", "args", "argument",
+                                                    _definition(step.fn))]
+    names = [f"args{jax.tree_util.keystr(path)}" for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    base = step.explain(*args).modelled_seconds
+    out = []
+    for i, (name, leaf, spec) in enumerate(zip(names, leaves, given)):
+        if spec is AUTO or (only is not None and not re.search(only, name)):
+            continue
+        shape = np.shape(leaf)
+        current = to_sbp(spec, step.mesh, len(shape), any_order=True)
+        for candidate in _layouts(shape, step.mesh):
+            if to_sbp(candidate, step.mesh, len(shape)) == current:
+                continue
+            specs = list(given)
+            specs[i] = candidate
+            tried = parallelize(step.fn, mesh=step.mesh, in_specs=jax.tree.unflatten(in_tree, specs),
+                                out_specs=step.out_specs, links=step.links, passes=step.passes,
+                                memory_budget=step.memory_budget)
+            try:
+                explained = tried.explain(*args)
+            except ShardingError as e:
+                out.append(Alternative(name, candidate, math.inf, math.inf, 0, refused=str(e)))
+                continue
+            out.append(Alternative(name, candidate, explained.modelled_seconds, explained.modelled_seconds - base,
+                                   explained.memory_bytes))
+    out.sort(key=lambda a: (a.seconds, a.argument, str(a.spec)))
+    return out if top is None else out[:top]
+
+
+def _layouts(shape, mesh) -> list[PartitionSpec]:
+    """Every PartitionSpec of ``shape`` on ``mesh`` whose blocks divide: each axis splits one dim
+    or none, the axes of a dim in mesh order."""
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    out = []
+    for dims in itertools.product([None, *range(len(shape))], repeat=len(sizes)):
+        per_dim = [tuple(a for a, d in zip(sizes, dims) if d == dim) for dim in range(len(shape))]
+        if all(shape[d] % math.prod(sizes[a] for a in axes) == 0 for d, axes in enumerate(per_dim)):
+            out.append(PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes
+                                       for axes in per_dim)))
+    return out
