@@ -224,6 +224,41 @@ def test_transformer_block_forward_and_grads(case, dtype_name, seq, head_dim):
 
 
 # ------------------------------------------------------------------------------------------
+# Context-parallel attention: the sequence split over {context: n}, each variant.
+
+CONTEXT_VARIANTS = ("ring", "zigzag", "striped", "ulysses", "all_gather", "hybrid", "zigzag-all_gather",
+                    "striped-all_gather")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("variant", CONTEXT_VARIANTS)
+def test_context_parallel_attention_forward_and_grads(variant, n):
+  """Causal bf16 attention at head_dim 64 (the Mosaic GPU kernels on Hopper, each ring step's
+  pairs with static masks), GQA 8 over 4, q / k / v split along the sequence: out and the three
+  gradients equal one GPU's. A variant name as benchmarks/context.py's: a layout (zigzag,
+  striped) alone is a ring over tokens in that order, "-all_gather" its steps on K/V gathered;
+  "hybrid" on {context: n} alone is Ulysses. The inputs are in the layout's order, as the data
+  loader stores them; one GPU un-permutes, attends and permutes back."""
+  from shardflow.ops import Layout
+  mesh = mesh_of({"context": n})
+  kind, _, gathered = variant.partition("-")
+  layout = Layout(kind, n) if kind in ("zigzag", "striped") else None
+  context = gathered or ("ring" if layout is not None else variant)
+
+  def loss(q, k, v):
+    out = attention(q, k, v, causal=True, context=context, layout=layout)
+    return jnp.sum(jnp.tanh(out.astype(jnp.float32))), out
+
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 2048, h, 64)), jnp.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
+  seq = PS(None, "context")
+  fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+  actual, expected = run_both(("context", kind if layout is not None else "natural", n), fn, (q, k, v), mesh,
+                              (seq, seq, seq), ((PS(), seq), (seq, seq, seq)), "bf16")
+  assert_trees_close(actual, expected, "bf16")
+
+
+# ------------------------------------------------------------------------------------------
 # A scan over stacked layers, differentiated.
 
 SCAN_CASES = {  # mesh, spec of the stacked weights [layers, d, d], of x [batch, d]
