@@ -121,7 +121,55 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
         return {**row, "status": f"skip: {error}"}
     if one_device:  # dp specs hold on a 1-device mesh: one replica's batch on one device
         run = dataclasses.replace(run, mesh=Mesh(np.asarray(jax.devices()[:1]), ("data",)))
-    return time_steps(run, row, batch * run.mesh.shape["data"], seq, args)
+    return time_steps(run, row, batch * run.mesh.shape["data"], seq, args,
+                      traced=kernel_time if getattr(args, "profile", False) else None)
+
+
+KINDS = (("nccl", ("nccl",)), ("attention", ("attention", "flash", "mosaic", "fmha", "cudnn")),
+         ("matmul", ("gemm", "cublas", "nvjet", "cutlass", "xmma", "matmul")))
+
+
+def kernel_time(step_fn, params, opt_state, data) -> dict:
+    """One traced step, per GPU: its span, the milliseconds of kernels of each kind (KINDS, then
+    "other"), the time no kernel runs, and the largest "other" kernels; {} without a GPU."""
+    import collections
+    import glob
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        jax.block_until_ready(step_fn(params, opt_state, data))
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        profile = jax.profiler.ProfileData.from_file(path)
+    per_gpu = []
+    for plane in sorted(profile.planes, key=lambda p: p.name):
+        if not plane.name.startswith("/device:GPU:"):
+            continue
+        kernels = [(e.start_ns, e.end_ns, e.name) for line in plane.lines if line.name.startswith("Stream")
+                   for e in line.events]
+        if not kernels:
+            continue
+        ms, other = collections.Counter(), collections.Counter()
+        for start, end, name in kernels:
+            kind = next((k for k, words in KINDS if any(w in name.lower() for w in words)), "other")
+            ms[kind] += (end - start) / 1e6
+            if kind == "other":
+                other[name[:50]] += (end - start) / 1e6
+        busy, reached = 0, None
+        for start, end, _ in sorted(kernels):
+            busy += max(0, end - max(start, reached or start))
+            reached = max(reached or end, end)
+        span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1e6
+        per_gpu.append({"span_ms": span, "no_kernel_ms": span - busy / 1e6, **{f"{k}_ms": v for k, v in ms.items()},
+                        "top_other_ms": other.most_common(8)})
+    if per_gpu:
+        g = per_gpu[0]
+        print("  GPU0: " + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in g.items() if k.endswith("_ms"))
+              + "; other: " + "; ".join(f"{n} {t:.1f}" for n, t in g["top_other_ms"]), flush=True)
+    return {"kernel_time_per_gpu": per_gpu} if per_gpu else {}
 
 
 def time_steps(run, row, global_batch, seq, args, traced=None):
@@ -239,6 +287,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--peak-flops", type=float, help="per-device peak (default: known GPUs)")
     parser.add_argument("--device-memory-gb", type=float,
                         help="per-device memory for the fit check (default: what jax reports)")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace one more step per config: per GPU, kernel time by kind (matmul, "
+                             "attention, NCCL, other) and the time no kernel runs")
     parser.add_argument("--out", help="write all rows as JSON to this file")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
