@@ -167,7 +167,7 @@ def kernel_time(step_fn, params, opt_state, data) -> dict:
                         "top_other_ms": other.most_common(8)})
     if per_gpu:
         g = per_gpu[0]
-        print("  GPU0: " + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in g.items() if k.endswith("_ms"))
+        print("  GPU0: " + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in g.items() if isinstance(v, float))
               + "; other: " + "; ".join(f"{n} {t:.1f}" for n, t in g["top_other_ms"]), flush=True)
     return {"kernel_time_per_gpu": per_gpu} if per_gpu else {}
 
