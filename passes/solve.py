@@ -403,9 +403,11 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
 
     shared = {}
     uses = [use for use in uses if not all(a == r for a in z for r in use)]
+    seconds = {(a, r): 0.0 if a == r else prop.seconds(v.aval, a, r) * scale
+               for a in z for r in {r for use in uses for r in use}}
     for use in uses:
         share = 1.0 if hideable is None else hideable.get(v, hideable.get(id(use), 1.0))
-        price = lambda a, r: 0.0 if a == r else prop.seconds(v.aval, a, r) * scale * share  # noqa: E731
+        price = lambda a, r: seconds[a, r] * share  # noqa: E731
         # one use: its edges carry the price themselves (q = e)
         edges = {(a, r): m.var(price(a, r) if len(uses) == 1 else 0.0) for a in z for r in use}
         for a, za in z.items():
@@ -525,9 +527,11 @@ class _Solution(NamedTuple):
     plan: object          # explain's Plan of ``program``
 
 
-def _solved(program: Program, greedy: Program | None, exposed: dict | None, time_limit: float) -> _Solution:
-    """``choose``'s optimum, or raise Unsolvable. ``exposed``: the overlap
-    shares the loops' hideable conversions are priced at. A loop's carries make the LP
+def _solved(program: Program, greedy: Program | None, exposed: dict | None, time_limit: float,
+            prices: dict) -> _Solution:
+    """``choose``'s optimum, or raise Unsolvable. ``exposed``: the overlap shares the loops'
+    hideable conversions are priced at; ``prices``: the conversions priced so far
+    (``Propagation.seconds``'s memo), shared by the solves of one program. A loop's carries make the LP
     relaxation fractional at times and branch and bound slow: where the time limit runs out,
     the loops are laid out as greedy laid them out and the rest solved, in a second time limit
     (where greedy ran: not with sf.AUTO inputs)."""
@@ -536,6 +540,7 @@ def _solved(program: Program, greedy: Program | None, exposed: dict | None, time
     for loops in attempts:
         given = None if greedy is None else _laid_out(program.jaxpr.jaxpr, greedy.jaxpr.jaxpr, loops, {})
         prop = Propagation(program).seeded()
+        prop._prices = prices    # conversions priced once for every solve of the program
         try:
             eqns, auto, seconds = choose(prop, program.jaxpr.jaxpr, program.out_sbp, time_limit, given, exposed)
             break
@@ -571,8 +576,9 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     greedy = None if program.auto_inputs else propagate(program.replace(memory_budget=None))
     boxed = None if greedy is None else boxing(greedy)
     shares = None if boxed is None else _loop_shares(boxed, program.jaxpr.jaxpr)
+    prices = {}
     try:
-        solution = _solved(program, greedy, shares, limit)
+        solution = _solved(program, greedy, shares, limit, prices)
     except Unsolvable as e:
         if program.auto_inputs:
             raise ShardingError(f"in_specs sf.AUTO for {', '.join(program.auto_inputs)}: the solver did not run "
@@ -589,7 +595,7 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
         again = _loop_shares(solution.boxed, program.jaxpr.jaxpr)
         if any(again[k] > shares[k] + 1e-3 for k in shares):
             try:
-                second = _solved(program, greedy, {k: max(shares[k], again[k]) for k in shares}, limit)
+                second = _solved(program, greedy, {k: max(shares[k], again[k]) for k in shares}, limit, prices)
                 if second.plan.modelled_seconds <= solution.plan.modelled_seconds * (1 + 1e-9):
                     solution = second
             except Unsolvable:

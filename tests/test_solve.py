@@ -503,3 +503,40 @@ def test_a_plan_leaning_on_hiding_is_solved_again_at_its_own_overlap_shares():
     cfg.planner = "greedy"
     greedy = train.setup(cfg).train_step().explain(*state, batch)
     assert plan.modelled_seconds < greedy.modelled_seconds
+
+
+def test_the_solves_of_one_program_price_each_conversion_once(monkeypatch):
+    """The tiny tensor-parallel train step is solved twice (at greedy's overlap shares, then at
+    its own plan's): the second solve reuses the first's conversion prices, and plans none again."""
+    from shardflow import conversion, train
+    from shardflow.train import config
+
+    priced, solves, inside = [], [], [False]
+    seconds, choose = conversion.seconds, solve.choose
+
+    def counted_seconds(*args):
+        if inside[0]:
+            priced.append(args[:4])
+        return seconds(*args)
+
+    def counted_choose(*args, **kwargs):
+        solves.append(1)
+        inside[0] = True
+        try:
+            return choose(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(conversion, "seconds", counted_seconds)
+    monkeypatch.setattr(solve, "choose", counted_choose)
+    cfg = config.Config(engine="shardflow", strategy="tp", mesh={"data": 2, "model": 4}, planner="solver",
+                        batch_size=16)
+    cfg.model = {"preset": "tiny"}
+    cfg.data.seq_len = 128
+    run = train.setup(cfg)
+    state = jax.eval_shape(lambda: train.init_state(run))
+    batch = {"inputs": jax.ShapeDtypeStruct((1, 16, 128), np.int32),
+             "targets": jax.ShapeDtypeStruct((1, 16, 128), np.int32)}
+    assert run.train_step().explain(*state, batch).planner.startswith("solver (optimal")
+    assert len(solves) == 2
+    assert priced and len(set(priced)) == len(priced)
