@@ -121,24 +121,8 @@ def profiled_bubble(step_fn, params, opt_state, data) -> dict:
     """One traced step: per GPU, the bubble (``idle_fraction`` counting waits of at least
     ``WAIT_NS``) and all its idle time, from the profiler's stream lines; None where the trace
     has no GPU (CPU runs)."""
-    import glob
-    import tempfile
-
-    import jax
-
-    with tempfile.TemporaryDirectory() as trace_dir:
-        jax.profiler.start_trace(trace_dir)
-        jax.block_until_ready(step_fn(params, opt_state, data))
-        jax.profiler.stop_trace()
-        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        profile = jax.profiler.ProfileData.from_file(path)
-    per_gpu = []
-    for plane in sorted(profile.planes, key=lambda p: p.name):
-        if plane.name.startswith("/device:GPU:"):
-            kernels = [(e.start_ns, e.end_ns, e.name) for line in plane.lines if line.name.startswith("Stream")
-                       for e in line.events]
-            if kernels:
-                per_gpu.append((idle_fraction(kernels, WAIT_NS), idle_fraction(kernels)))
+    per_gpu = [(idle_fraction(kernels, WAIT_NS), idle_fraction(kernels))
+               for kernels in scaling.traced_kernels(step_fn, params, opt_state, data)]
     mean = lambda k: sum(g[k] for g in per_gpu) / len(per_gpu) if per_gpu else None
     return {"measured_bubble_per_gpu": [g[0] for g in per_gpu] or None, "measured_bubble": mean(0),
             "idle_per_gpu": [g[1] for g in per_gpu] or None, "idle": mean(1)}

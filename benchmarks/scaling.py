@@ -129,10 +129,9 @@ KINDS = (("nccl", ("nccl",)), ("attention", ("attention", "flash", "mosaic", "fm
          ("matmul", ("gemm", "cublas", "nvjet", "cutlass", "xmma", "matmul")))
 
 
-def kernel_time(step_fn, params, opt_state, data) -> dict:
-    """One traced step, per GPU: its span, the milliseconds of kernels of each kind (KINDS, then
-    "other"), the time no kernel runs, and the largest "other" kernels; {} without a GPU."""
-    import collections
+def traced_kernels(step_fn, params, opt_state, data) -> list[list[tuple]]:
+    """One traced step: per GPU (in device order), its kernels as (start ns, end ns, name), from
+    the profiler's stream lines; [] without a GPU (CPU runs)."""
     import glob
     import tempfile
 
@@ -144,14 +143,19 @@ def kernel_time(step_fn, params, opt_state, data) -> dict:
         jax.profiler.stop_trace()
         (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
         profile = jax.profiler.ProfileData.from_file(path)
+    per_gpu = [[(e.start_ns, e.end_ns, e.name) for line in plane.lines if line.name.startswith("Stream")
+                for e in line.events]
+               for plane in sorted(profile.planes, key=lambda p: p.name) if plane.name.startswith("/device:GPU:")]
+    return [kernels for kernels in per_gpu if kernels]
+
+
+def kernel_time(step_fn, params, opt_state, data) -> dict:
+    """One traced step, per GPU: its span, the milliseconds of kernels of each kind (KINDS, then
+    "other"), the time no kernel runs, and the largest "other" kernels; {} without a GPU."""
+    import collections
+
     per_gpu = []
-    for plane in sorted(profile.planes, key=lambda p: p.name):
-        if not plane.name.startswith("/device:GPU:"):
-            continue
-        kernels = [(e.start_ns, e.end_ns, e.name) for line in plane.lines if line.name.startswith("Stream")
-                   for e in line.events]
-        if not kernels:
-            continue
+    for kernels in traced_kernels(step_fn, params, opt_state, data):
         ms, other = collections.Counter(), collections.Counter()
         for start, end, name in kernels:
             kind = next((k for k, words in KINDS if any(w in name.lower() for w in words)), "other")

@@ -479,12 +479,9 @@ def test_a_loop_hides_its_gradient_reductions_behind_its_matmuls():
     assert free.explain(ws, x).hidden_seconds == 0.0
 
 
-def test_a_plan_leaning_on_hiding_is_solved_again_at_its_own_overlap_shares():
-    """The tiny preset's tensor-parallel train step: priced at the overlap shares of greedy's
-    plan the solver's first optimum hides more of its loops' gradient reductions than its
-    matmuls can (332 µs modelled, 743 µs as boxed, against greedy's 670); solved again at the
-    shares its own plan leaves exposed, the kept plan is the solver's, its model optimum within
-    1 % of its cost as boxed, and cheaper than greedy's."""
+def tiny_tp_train_step():
+    """(config, run, state shapes, batch shapes) of the tiny preset's tensor-parallel train step
+    under the solver, 16 x 128 tokens on {data: 2, model: 4}."""
     from shardflow import train
     from shardflow.train import config
 
@@ -496,6 +493,18 @@ def test_a_plan_leaning_on_hiding_is_solved_again_at_its_own_overlap_shares():
     state = jax.eval_shape(lambda: train.init_state(run))
     batch = {"inputs": jax.ShapeDtypeStruct((1, 16, 128), np.int32),
              "targets": jax.ShapeDtypeStruct((1, 16, 128), np.int32)}
+    return cfg, run, state, batch
+
+
+def test_a_plan_leaning_on_hiding_is_solved_again_at_its_own_overlap_shares():
+    """The tiny preset's tensor-parallel train step: priced at the overlap shares of greedy's
+    plan the solver's first optimum hides more of its loops' gradient reductions than its
+    matmuls can (332 µs modelled, 743 µs as boxed, against greedy's 670); solved again at the
+    shares its own plan leaves exposed, the kept plan is the solver's, its model optimum within
+    1 % of its cost as boxed, and cheaper than greedy's."""
+    from shardflow import train
+
+    cfg, run, state, batch = tiny_tp_train_step()
     plan = run.train_step().explain(*state, batch)
     assert plan.planner.startswith("solver (optimal"), plan.planner
     modelled = float(plan.planner.split("optimal: ")[1].split(" us")[0]) * 1e-6
@@ -508,8 +517,7 @@ def test_a_plan_leaning_on_hiding_is_solved_again_at_its_own_overlap_shares():
 def test_the_solves_of_one_program_price_each_conversion_once(monkeypatch):
     """The tiny tensor-parallel train step is solved twice (at greedy's overlap shares, then at
     its own plan's): the second solve reuses the first's conversion prices, and plans none again."""
-    from shardflow import conversion, train
-    from shardflow.train import config
+    from shardflow import conversion
 
     priced, solves, inside = [], [], [False]
     seconds, choose = conversion.seconds, solve.choose
@@ -529,14 +537,7 @@ def test_the_solves_of_one_program_price_each_conversion_once(monkeypatch):
 
     monkeypatch.setattr(conversion, "seconds", counted_seconds)
     monkeypatch.setattr(solve, "choose", counted_choose)
-    cfg = config.Config(engine="shardflow", strategy="tp", mesh={"data": 2, "model": 4}, planner="solver",
-                        batch_size=16)
-    cfg.model = {"preset": "tiny"}
-    cfg.data.seq_len = 128
-    run = train.setup(cfg)
-    state = jax.eval_shape(lambda: train.init_state(run))
-    batch = {"inputs": jax.ShapeDtypeStruct((1, 16, 128), np.int32),
-             "targets": jax.ShapeDtypeStruct((1, 16, 128), np.int32)}
+    _, run, state, batch = tiny_tp_train_step()
     assert run.train_step().explain(*state, batch).planner.startswith("solver (optimal")
     assert len(solves) == 2
     assert priced and len(set(priced)) == len(priced)
