@@ -133,21 +133,13 @@ def overlap(trace_dir: str, devices: int) -> list[dict]:
     import json
     import re
 
+    from scaling import merged
+
     path = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
     events = json.load(gzip.open(path))
     events = events["traceEvents"] if isinstance(events, dict) else events
     gpu = {e["pid"]: int(m.group(1)) for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
            for m in [re.search(r"GPU:(\d+)$", e["args"]["name"])] if m}
-
-    def merged(spans):
-        """The union of (start, end) spans as disjoint spans."""
-        out = []
-        for a, b in sorted(spans):
-            if out and a <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], b)
-            else:
-                out.append([a, b])
-        return out
 
     def covered(spans, others):
         """Length of ``spans`` covered by the union of ``others`` (both lists of (start, end))."""
@@ -189,7 +181,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--train", action="store_true", help="the preset's training step per variant")
     parser.add_argument("--remat", default="none", help="--train: the model's remat policy")
     parser.add_argument("--profile", metavar="VARIANT",
-                        help="trace one attention step of VARIANT (or one-device: the baseline)")
+                        help="trace --steps attention steps of VARIANT (or one-device: the baseline)")
     parser.add_argument("--out-dir", default="/tmp/context_profile", help="--profile: where the trace goes")
     parser.add_argument("--out")
     args = parser.parse_args(argv)

@@ -122,11 +122,22 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
     if one_device:  # dp specs hold on a 1-device mesh: one replica's batch on one device
         run = dataclasses.replace(run, mesh=Mesh(np.asarray(jax.devices()[:1]), ("data",)))
     return time_steps(run, row, batch * run.mesh.shape["data"], seq, args,
-                      traced=kernel_time if getattr(args, "profile", False) else None)
+                      traced=kernel_time if args.profile else None)
 
 
 KINDS = (("nccl", ("nccl",)), ("attention", ("attention", "flash", "mosaic", "fmha", "cudnn")),
          ("matmul", ("gemm", "cublas", "nvjet", "cutlass", "xmma", "matmul")))
+
+
+def merged(spans) -> list[list]:
+    """The union of (start, end) spans, as sorted disjoint spans."""
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
 
 
 def traced_kernels(step_fn, params, opt_state, data) -> list[list[tuple]]:
@@ -162,10 +173,7 @@ def kernel_time(step_fn, params, opt_state, data) -> dict:
             ms[kind] += (end - start) / 1e6
             if kind == "other":
                 other[name[:50]] += (end - start) / 1e6
-        busy, reached = 0, None
-        for start, end, _ in sorted(kernels):
-            busy += max(0, end - max(start, reached or start))
-            reached = max(reached or end, end)
+        busy = sum(b - a for a, b in merged((start, end) for start, end, _ in kernels))
         span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1e6
         per_gpu.append({"span_ms": span, "no_kernel_ms": span - busy / 1e6, **{f"{k}_ms": v for k, v in ms.items()},
                         "top_other_ms": other.most_common(8)})
