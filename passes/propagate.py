@@ -38,7 +38,9 @@ _QUIET_FALLBACKS = {"random_wrap", "random_unwrap", "rng_bit_generator", "rng_un
 
 
 class Propagation:
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, prices: dict | None = None):
+        """``prices``: a memo of conversion prices (``seconds``) to share with other
+        Propagations of the same program."""
         self.program = program
         self.mesh = program.mesh
         self.names = program.axis_names
@@ -50,7 +52,7 @@ class Propagation:
         self.constrained: dict = {}     # var -> (NdSbp, source) of sf.constrain on it
         self.graph = None               # (users, producer) for the lookahead
         self.held: set = set()          # axes bodies may not split (a pipeline's stages)
-        self._prices: dict = {}
+        self._prices: dict = {} if prices is None else prices
 
     def seeded(self) -> "Propagation":
         """Itself, with the program's constants B and its inputs at their in_specs (but those

@@ -539,8 +539,7 @@ def _solved(program: Program, greedy: Program | None, exposed: dict | None, time
     attempts = (True,) if greedy is None else (True, False)
     for loops in attempts:
         given = None if greedy is None else _laid_out(program.jaxpr.jaxpr, greedy.jaxpr.jaxpr, loops, {})
-        prop = Propagation(program).seeded()
-        prop._prices = prices    # conversions priced once for every solve of the program
+        prop = Propagation(program, prices).seeded()     # conversions priced once for every solve
         try:
             eqns, auto, seconds = choose(prop, program.jaxpr.jaxpr, program.out_sbp, time_limit, given, exposed)
             break
