@@ -17,7 +17,6 @@ import re
 from typing import Mapping, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardflow.api import Parallelized, _definition, _spec_of_each_leaf, parallelize
@@ -91,17 +90,15 @@ def alternatives(step: Parallelized, *args, only: str | None = None, top: int | 
     ``top`` of them (None: all). ``only``: a regular expression an argument's name
     (``args[0]['w1']``) must match. An ``sf.AUTO`` argument is the planner's to choose and is
     not varied. One plan per candidate: on a large program, narrow it with ``only``."""
-    leaves, in_tree = jax.tree.flatten(args)
+    in_tree = jax.tree.structure(args)
     given = [spec for _, spec in _spec_of_each_leaf(step.in_specs, args, "in_specs", "args", "argument",
                                                     _definition(step.fn))]
-    names = [f"args{jax.tree_util.keystr(path)}" for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-    base = step.explain(*args).modelled_seconds
+    plan = step.explain(*args)
+    base = plan.modelled_seconds
     out = []
-    for i, (name, leaf, spec) in enumerate(zip(names, leaves, given)):
+    for i, ((name, shape, current), spec) in enumerate(zip(plan.inputs, given)):
         if spec is AUTO or (only is not None and not re.search(only, name)):
             continue
-        shape = np.shape(leaf)
-        current = to_sbp(spec, step.mesh, len(shape), any_order=True)
         for candidate in _layouts(shape, step.mesh):
             if to_sbp(candidate, step.mesh, len(shape)) == current:
                 continue
