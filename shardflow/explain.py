@@ -38,6 +38,7 @@ class Plan:
     planner: str = "greedy"   # which pass chose the shardings (passes.propagate or passes.solve)
     work_seconds: float = 0.0  # modelled local work of every equation (conversion.local_seconds)
     hidden_seconds: float = 0.0  # collectives a loop overlaps with its matmuls (``overlap``)
+    flops: float = 0.0         # per device: the local flops of every equation whose rule counts them
     input_bytes: int = 0       # per device: the arguments' blocks
     loop_bytes: int = 0        # per device: the stacked outputs of the loops (``held_bytes``)
     gathered: list = dataclasses.field(default_factory=list)  # (argument, NdSbp, to, where, bytes): ``gathered_inputs``
@@ -76,6 +77,8 @@ class Plan:
                          + ", ".join(f"{p} at {s}" for p, s in self.fallbacks))
         lines.append(f"memory per device, modelled: {self.input_bytes:,} bytes of inputs + {self.loop_bytes:,} "
                      f"stacked by loops = {self.memory_bytes:,}")
+        lines.append(f"local work per device, modelled: {self.flops:,.0f} flops of matmuls and convolutions, "
+                     f"{self.work_seconds * 1e6:.1f} µs with the rest")
         for name, src, dst, where, nbytes in self.gathered:
             lines.append(f"gathered whole over an axis its spec splits: {name} {src} -> {dst} at {where}, "
                          f"{nbytes:,} bytes sent per device (the {self.planner.split()[0]} planner's choice)")
@@ -116,11 +119,11 @@ def _matmul_seconds(program: Program, jaxpr) -> float:
     return total
 
 
-def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float, float]:
+def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float, float, float]:
     """The collectives of ``jaxpr`` (into ``out``): each box's plan, and those a rule's own
-    lowering runs. Returns the modelled local work of its equations and the seconds its
-    loops hide (``overlap``)."""
-    work = hidden = 0.0
+    lowering runs. Returns the modelled local work of its equations, the seconds its loops
+    hide (``overlap``) and its flops per device (those its rules count: matmuls, convolutions)."""
+    work = hidden = flops = 0.0
     for eqn in jaxpr.eqns:
         x, d = eqn.invars[0] if eqn.invars else None, registry.decision_of(eqn)
         rule = registry.rule_of(eqn.primitive)
@@ -146,13 +149,14 @@ def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float,
         trips = rule.trips(eqn) if rule is not None and rule.trips is not None else 1
         bodies = list(nested(eqn))
         for body in bodies:
-            w, h = _collectives(program, body, count * trips, out)
-            work, hidden = work + w, hidden + h
+            w, h, f = _collectives(program, body, count * trips, out)
+            work, hidden, flops = work + w, hidden + h, flops + f
         if eqn.primitive is lax.scan_p:
             hidden += count * trips * overlap(program, eqn)
         if not bodies and eqn.primitive is not box_p and d is not None:
             work += count * conversion.local_seconds(eqn, d.ins, d.outs, program.mesh, program.links)
-    return work, hidden
+            flops += count * conversion.local_work(eqn, d.ins, d.outs, program.mesh)[0]
+    return work, hidden, flops
 
 
 def held_bytes(program: Program, jaxpr) -> int:
@@ -206,11 +210,11 @@ def gathered_inputs(program: Program) -> list:
 def make_plan(program: Program) -> Plan:
     jaxpr, arg_names = program.jaxpr.jaxpr, program.arg_names
     collectives = []
-    work, hidden = _collectives(program, jaxpr, 1, collectives)
+    work, hidden, flops = _collectives(program, jaxpr, 1, collectives)
     inputs = [(n, tuple(v.aval.shape), program.sbp[v]) for n, v in zip(arg_names, jaxpr.invars)]
     outputs = [(i, tuple(v.aval.shape), s) for i, (v, s) in enumerate(zip(jaxpr.outvars, program.out_sbp))]
     values = [(e.primitive.name, source_line(e), describe(v.aval), program.sbp.get(v))
               for e in all_eqns(jaxpr) for v in e.outvars if v in program.sbp]
     input_bytes = sum(conversion.local_bytes(v.aval, program.sbp[v], program.mesh) for v in jaxpr.invars)
     return Plan(collectives, inputs, outputs, values, list(program.fallbacks), program.planner, work, hidden,
-                input_bytes, held_bytes(program, jaxpr), gathered_inputs(program))
+                flops, input_bytes, held_bytes(program, jaxpr), gathered_inputs(program))

@@ -180,6 +180,23 @@ def test_explain_names_the_user_line_for_every_collective():
     assert "programs.py:" in str(plan)
 
 
+@pytest.mark.parametrize("spec,share", [(PS("data"), 2), (PS(None, "model"), 4), (PS("data", "model"), 8),
+                                         (PS(), 1)])
+def test_explain_counts_each_devices_matmul_flops(spec, share):
+    """Plan.flops: a matmul's 2·m·k·n over the devices that divide it (a scan's body per trip),
+    and the elementwise work none."""
+    mesh = sf.make_mesh({"data": 2, "model": 4})
+
+    def fn(x, w):
+        y, _ = jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=3)
+        return y
+
+    x, w = jnp.ones((16, 32)), jnp.ones((32, 32))
+    plan = sf.parallelize(fn, mesh=mesh, in_specs=(spec, PS()), out_specs=spec).explain(x, w)
+    assert plan.flops == 3 * 2 * 16 * 32 * 32 / share
+    assert f"{plan.flops:,.0f} flops" in str(plan)
+
+
 @pytest.mark.parametrize("strategy,mesh", [("dp", {"data": 8}), ("tp_sp", {"data": 2, "model": 4})])
 def test_explain_names_a_user_line_inside_library_code_too(strategy, mesh):
     """The shipped model's train step: JAX's own bodies (the transposed gather of the embedding,
