@@ -152,9 +152,16 @@ class Propagation:
 
     def choose(self, eqn, cur, sigs, candidates=None) -> Decision:
         """The cheapest signature per mesh axis, in mesh order, of ``sigs`` and running whole;
-        ``candidates(i, whole)``, where given, lists axis ``i``'s instead."""
+        ``candidates(i, whole)``, where given, lists axis ``i``'s instead. An equation with
+        flops (a matmul) runs whole on an axis only on operands whole there already, or where
+        none of its signatures fits: the cost here prices conversions, not local work, so a
+        gather to run whole looked cheaper than dividing — the 1b step under 2d gathered
+        attention's output and ran its output projection whole on both model devices, dearer
+        by the model overall."""
         n_ax = len(self.names)
         whole = Sig((B,) * len(eqn.invars), (B,) * len(eqn.outvars), "whole")
+        divides = candidates is None and (rule := registry.rule_of(eqn.primitive)) is not None and \
+            rule.flops is not None
         req = [list(c) for c in cur]
         outs = [[B] * n_ax for _ in eqn.outvars]
         met = [None if v in self.demand else self.affinity(v) for v in eqn.outvars]   # walked once
@@ -162,6 +169,9 @@ class Propagation:
         for i in range(n_ax):
             best, best_cost = None, math.inf
             for sig in [whole] if i in self.held else candidates(i, whole) if candidates else list(sigs) + [whole]:
+                if sig is whole and divides and best is not None and \
+                        any(not is_literal(x) and c[i] != B for x, c in zip(eqn.invars, cur)):
+                    break
                 cost = self.cost(eqn, cur, req, outs, i, sig, chosen, met)
                 if cost < best_cost:
                     best, best_cost = sig, cost
