@@ -180,6 +180,25 @@ def test_explain_names_the_user_line_for_every_collective():
     assert "programs.py:" in str(plan)
 
 
+def test_a_partial_sum_is_reduced_before_a_widening_cast():
+    """A bf16 matmul's partial sum cast to f32 is reduced in bf16 (half the bytes of f32), as
+    Megatron and GSPMD reduce it (RMSNorm's backward in the Llama step under tp was
+    reduce-scattered in f32)."""
+    mesh = sf.make_mesh({"data": 2, "model": 4})
+    r = np.random.default_rng(0)
+    x, w = (jnp.asarray(r.standard_normal(s), jnp.bfloat16) for s in ((16, 64), (64, 32)))
+
+    def fn(x, w):
+        y = (x @ w).astype(jnp.float32)
+        return jnp.sum(y * y, -1)
+
+    step = sf.parallelize(fn, mesh=mesh, in_specs=(PS("data", "model"), PS("model")), out_specs=PS("data"))
+    plan = step.explain(x, w)
+    reduced = [c for c in plan.collectives if c.shape == (16, 32)]
+    assert reduced and all(c.dtype == "bfloat16" for c in reduced), str(plan)
+    np.testing.assert_allclose(np.asarray(step(x, w)), np.asarray(jax.jit(fn)(x, w)), rtol=2e-2)
+
+
 @pytest.mark.parametrize("spec,share", [(PS("data"), 2), (PS(None, "model"), 4), (PS("data", "model"), 8),
                                          (PS(), 1)])
 def test_explain_counts_each_devices_matmul_flops(spec, share):
