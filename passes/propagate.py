@@ -47,6 +47,7 @@ class Propagation:
         self.whole = (B,) * len(self.names)
         self.sbp: dict = {}
         self.demand: dict = {}
+        self.demanded_by: dict = {}     # var -> the equation whose output's demand it took
         self.made: dict = {}            # var -> NdSbps it is already converted to
         self.fallbacks: list = []
         self.constrained: dict = {}     # var -> (NdSbp, source) of sf.constrain on it
@@ -107,12 +108,12 @@ class Propagation:
                 continue
             if eqn.primitive in SHAPE_KEEPING:
                 for x in eqn.invars:
-                    if not is_literal(x) and x.aval.shape == out.aval.shape:
-                        self.demand.setdefault(x, d)
-            elif eqn.primitive is lax.transpose_p:
+                    if not is_literal(x) and x.aval.shape == out.aval.shape and x not in self.demand:
+                        self.demand[x], self.demanded_by[x] = d, eqn
+            elif eqn.primitive is lax.transpose_p and eqn.invars[0] not in self.demand:
                 perm = eqn.params["permutation"]
-                self.demand.setdefault(eqn.invars[0], tuple(Split(perm[s.dim]) if isinstance(s, Split) else s
-                                                            for s in d))
+                self.demand[eqn.invars[0]] = tuple(Split(perm[s.dim]) if isinstance(s, Split) else s for s in d)
+                self.demanded_by[eqn.invars[0]] = eqn
 
     def pinned(self, eqn):
         """The NdSbp a pinning equation (sf.constrain, with_sharding_constraint) asks for."""
@@ -206,7 +207,9 @@ class Propagation:
                 continue
             total += self.use_seconds(x, cur[k], trial)
             want = self.demand.get(x)
-            if want is not None and want[i] != s and cur[k][i] != want[i]:   # its other users will pay this
+            # its other users will pay this (a demand taken from this equation's output is
+            # charged there, below)
+            if want is not None and want[i] != s and cur[k][i] != want[i] and self.demanded_by.get(x) is not eqn:
                 total += self.use_seconds(x, trial, _with(trial, i, want[i]))
         for j, (v, s) in enumerate(zip(eqn.outvars, sig.outs)):
             trial = tuple(outs[j][:i] + [s] + outs[j][i + 1:])
