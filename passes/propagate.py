@@ -26,7 +26,7 @@ from jax import lax
 from jax.extend.core import DropVar, Jaxpr
 
 from shardflow import conversion, registry, rules  # noqa: F401  (rules: registers every rule)
-from shardflow.program import Program, all_eqns, is_literal, source_line
+from shardflow.program import Program, all_eqns, is_literal, nested, scan_arity, source_line
 from shardflow.registry import DECISION, Decision, Sig
 from shardflow.rules.elementwise import SHAPE_KEEPING
 from shardflow.specs import B, Partial, ShardingError, Split, check_divisible, describe, divides, to_sbp
@@ -52,6 +52,7 @@ class Propagation:
         self.fallbacks: list = []
         self.constrained: dict = {}     # var -> (NdSbp, source) of sf.constrain on it
         self.graph = None               # (users, producer) for the lookahead
+        self._arguments = None          # the arguments and their casts and loop views
         self.held: set = set()          # axes bodies may not split (a pipeline's stages)
         self._prices: dict = {} if prices is None else prices
 
@@ -154,11 +155,11 @@ class Propagation:
     def choose(self, eqn, cur, sigs, candidates=None) -> Decision:
         """The cheapest signature per mesh axis, in mesh order, of ``sigs`` and running whole;
         ``candidates(i, whole)``, where given, lists axis ``i``'s instead. An equation with
-        flops (a matmul) runs whole on an axis only on operands whole there already, or where
-        none of its signatures fits: the cost here prices conversions, not local work, so a
-        gather to run whole looked cheaper than dividing — the 1b step under 2d gathered
-        attention's output and ran its output projection whole on both model devices, dearer
-        by the model overall."""
+        flops (a matmul) runs whole on an axis only where none of its signatures fits, or on
+        operands that are whole there already or arguments (a weight gathered, as FSDP does):
+        the cost here prices conversions, not local work, so gathering an activation to run
+        whole looked cheaper than dividing — the 1b step under 2d gathered attention's output
+        and ran its output projection whole on both model devices, dearer by the model overall."""
         n_ax = len(self.names)
         whole = Sig((B,) * len(eqn.invars), (B,) * len(eqn.outvars), "whole")
         divides = candidates is None and (rule := registry.rule_of(eqn.primitive)) is not None and \
@@ -171,7 +172,8 @@ class Propagation:
             best, best_cost = None, math.inf
             for sig in [whole] if i in self.held else candidates(i, whole) if candidates else list(sigs) + [whole]:
                 if sig is whole and divides and best is not None and \
-                        any(not is_literal(x) and c[i] != B for x, c in zip(eqn.invars, cur)):
+                        any(not is_literal(x) and c[i] != B and x not in self.arguments()
+                            for x, c in zip(eqn.invars, cur)):
                     break
                 cost = self.cost(eqn, cur, req, outs, i, sig, chosen, met)
                 if cost < best_cost:
@@ -299,6 +301,23 @@ class Propagation:
                 todo += [w for w in eqn.invars if not is_literal(w) and w.aval.shape == u.aval.shape]
         return None
 
+    def arguments(self) -> set:
+        """The program's arguments and the same tensors further on: a cast of one, and inside a
+        loop or remat its view of one (a scan's per-layer slice, a const; not a carry)."""
+        if self._arguments is None:
+            args = set(self.program.jaxpr.jaxpr.invars)
+            for eqn in all_eqns(self.program.jaxpr.jaxpr):      # an equation before its bodies
+                x = eqn.invars[0] if eqn.invars else None
+                if eqn.primitive in (lax.convert_element_type_p, lax.copy_p) and not is_literal(x) and x in args:
+                    args.add(eqn.outvars[0])
+                carries = range(*_carry_positions(eqn))
+                for body in nested(eqn):
+                    if len(body.invars) == len(eqn.invars):
+                        args.update(v for k, (x, v) in enumerate(zip(eqn.invars, body.invars))
+                                    if k not in carries and not is_literal(x) and x in args)
+            self._arguments = args
+        return self._arguments
+
     def _graph(self):
         """(users, producer) of every Var of the program, nested bodies included."""
         if self.graph is None:
@@ -383,6 +402,14 @@ def _reductions(v, trial, i, prop):
             out.append(Split(d))
             break
     return out
+
+
+def _carry_positions(eqn) -> tuple[int, int]:
+    """(first, end) of a scan's carries among its operands; (0, 0) for other equations."""
+    if eqn.primitive is not lax.scan_p:
+        return 0, 0
+    nc, nk = scan_arity(eqn.params)
+    return nc, nc + nk
 
 
 def _adoptable(sbp) -> bool:
