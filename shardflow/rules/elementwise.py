@@ -59,26 +59,24 @@ defrule(*LINEAR)(lambda eqn: elementwise(eqn, partial_ok=True))
 defrule(*NONLINEAR)(lambda eqn: elementwise(eqn, partial_ok=False))
 
 
-def _linear_cast(src, dst) -> bool:
-    """Whether casting a sum is the sum of the casts: to a float (up to rounding, as any reduction
-    in that precision), or between integers narrowing or keeping the width (two's complement
-    wraps alike). Not to or from bool, float -> int (truncation) or a widening int cast (the
-    narrow parts' sum wraps, the wide one does not)."""
+def _partial_passes(src, dst) -> bool:
+    """Whether a partial sum may pass a cast from ``src`` to ``dst``: the cast of the sum is the
+    sum of the casts, in the program's precision. Between integers narrowing or keeping the
+    width (two's complement wraps alike; a widening one does not: the narrow parts' sum wraps,
+    the wide one does not); to a float from a float or an integer of the same width. Not a
+    wider float: the sum would move in it (the 1b step under tp reduce-scattered RMSNorm's
+    backward in f32, twice the bytes of Megatron's bf16 all-reduce). Not a narrower float: each
+    part rounded before the sum is not the program's one rounding of it (f32 parts of a
+    64-term dot cast to bf16 and summed: 20 % off where they cancel). Not to or from bool, nor
+    float -> int (truncation)."""
+    src, dst = np.dtype(src), np.dtype(dst)
     integer = lambda d: jnp.issubdtype(d, jnp.integer)  # noqa: E731
     if jnp.issubdtype(dst, jnp.inexact):
-        return jnp.issubdtype(src, jnp.inexact) or integer(src)
-    return integer(src) and integer(dst) and np.dtype(dst).itemsize <= np.dtype(src).itemsize
+        return (jnp.issubdtype(src, jnp.inexact) or integer(src)) and dst.itemsize == src.itemsize
+    return integer(src) and integer(dst) and dst.itemsize <= src.itemsize
 
 
 @defrule(lax.convert_element_type_p)
 def _convert_element_type(eqn):
-    """A partial operand passes a linear cast that keeps its width (a narrowing integer cast:
-    two's complement wraps alike). Not a wider float: the sum would move in it (the 1b step
-    under tp reduce-scattered RMSNorm's backward in f32, twice the bytes of Megatron's bf16
-    all-reduce). Not a narrower float: each part rounded before the sum is not the program's
-    one rounding of it (f32 parts of a 64-term dot cast to bf16 and summed: 20 % off where
-    they cancel)."""
     (x,) = eqn.invars
-    src, dst = np.dtype(x.aval.dtype), np.dtype(eqn.params["new_dtype"])
-    keeps = dst.itemsize == src.itemsize or (jnp.issubdtype(dst, jnp.integer) and jnp.issubdtype(src, jnp.integer))
-    return elementwise(eqn, partial_ok=_linear_cast(src, dst) and keeps)
+    return elementwise(eqn, partial_ok=_partial_passes(x.aval.dtype, eqn.params["new_dtype"]))
