@@ -108,7 +108,7 @@ def test_the_optimum_is_the_brute_force_minimum(ops, specs, out):
     assume(np.prod([len(o) for o in options]) <= 20_000)
     memo = {}
     best = min(model_cost(prop, jaxpr, program.out_sbp, a, memo) for a in itertools.product(*options))
-    _, _, optimum = solve.choose(Propagation(program).seeded(), jaxpr, program.out_sbp)
+    _, _, optimum, _ = solve.choose(Propagation(program).seeded(), jaxpr, program.out_sbp)
     assert optimum == pytest.approx(best, rel=1e-6, abs=1e-12)
 
 
@@ -196,7 +196,7 @@ def test_auto_finds_the_exhaustive_optimum_over_parameter_layouts(mesh_name):
     batch = (Split(0), B)
     program = inlined(mlp_grad, MLP_ARGS, m, (None, None, batch), (None, None))
     prop = Propagation(program).seeded()
-    _, chosen, optimum = solve.choose(prop, program.jaxpr.jaxpr, program.out_sbp)
+    _, chosen, optimum, _ = solve.choose(prop, program.jaxpr.jaxpr, program.out_sbp)
     w1, w2 = program.jaxpr.jaxpr.invars[:2]
     best = min(solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2]
                for a in solve.layouts(prop, w1.aval) for b in solve.layouts(prop, w2.aval)
@@ -231,7 +231,7 @@ def test_auto_finds_the_exhaustive_optimum_of_an_attention_block(axes, auto):
         fixed[0] = (B, Split(1))
     program = inlined(attention_grad, ATTENTION_ARGS, m, fixed, (None, None))
     prop = Propagation(program).seeded()
-    _, chosen, optimum = solve.choose(prop, program.jaxpr.jaxpr, program.out_sbp)
+    _, chosen, optimum, _ = solve.choose(prop, program.jaxpr.jaxpr, program.out_sbp)
     invars = program.jaxpr.jaxpr.invars
     choices = [solve.layouts(prop, invars[k].aval) if k in auto else [fixed[k]] for k in (0, 1)]
     best = min(solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2]
@@ -270,7 +270,7 @@ def test_a_memory_budget_on_the_inputs_is_kept_at_the_least_cost():
 
     budget = 1500
     program = base.replace(memory_budget=budget)
-    _, chosen, optimum = solve.choose(Propagation(program).seeded(), program.jaxpr.jaxpr, program.out_sbp)
+    _, chosen, optimum, _ = solve.choose(Propagation(program).seeded(), program.jaxpr.jaxpr, program.out_sbp)
     assert sum(local_bytes(v.aval, s, m) for v, s in chosen.items()) + 512 <= budget
     fits = [p for a in solve.layouts(prop, w1.aval) for b in solve.layouts(prop, w2.aval)
             if local_bytes(w1.aval, a, m) + local_bytes(w2.aval, b, m) + 512 <= budget
@@ -568,3 +568,38 @@ def test_the_solves_of_one_program_price_each_conversion_once(monkeypatch):
     assert run.train_step().explain(*state, batch).planner.startswith("solver (optimal")
     assert len(solves) == 2
     assert priced and len(set(priced)) == len(priced)
+
+
+def _odd_cycle() -> "solve._Model":
+    """max x1 + x2 + x3 with x_i + x_j <= 1 for each pair: the LP's optimum is x = 1/2 each
+    (1.5), the integer program's 1 — a relaxation that is fractional everywhere."""
+    m = solve._Model()
+    xs = [m.var(-1e-6, integral=True) for _ in range(3)]
+    for i, j in itertools.combinations(xs, 2):
+        m.row([(i, 1.0), (j, 1.0)], -math.inf, 1.0)
+    return m
+
+
+def test_a_fractional_relaxation_is_branched_to_the_integer_optimum_and_says_it_is_proven():
+    result = _odd_cycle().solve(time_limit=30)
+    assert result.status == 0
+    assert np.allclose(np.round(result.x), result.x) and round(result.x.sum()) == 1
+    assert result.fun == pytest.approx(-1.0) and result.bound == pytest.approx(result.fun)
+
+
+def test_a_time_limit_in_branch_and_bound_keeps_the_relax_and_fix_plan_with_the_lp_bound(monkeypatch):
+    real = solve.optimize.milp
+
+    def milp(cost, bounds, **kwargs):    # the whole program's branch and bound runs out of time
+        if np.all(bounds.lb == 0) and np.all(bounds.ub == 1):
+            return solve.optimize.OptimizeResult(x=None, status=1, message="Time limit reached")
+        return real(cost, bounds=bounds, **kwargs)
+
+    monkeypatch.setattr(solve.optimize, "milp", milp)
+    m = _odd_cycle()
+    y = m.var(1e-6, integral=True)         # a column the relaxation settles (0): fixed there
+    m.row([(y, 1.0)], 0.0, 1.0)
+    result = m.solve(time_limit=30)
+    assert result.status == 0 and result.x[y] == 0
+    assert result.fun == pytest.approx(-1.0)
+    assert result.bound == pytest.approx(-1.5)          # the relaxation's: not proven optimal
