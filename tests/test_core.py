@@ -269,6 +269,22 @@ def test_pad_on_a_split_dim_exchanges_halos(mesh, spec, widths):
     assert plan.total_bytes <= 1.1 * hlo.total_bytes(gspmd.lower(x).compile().as_text())
 
 
+def test_pad_on_a_dim_split_over_two_axes_gathers_one_of_them():
+    """f32[16, 64] with dim 0 over (data, model) of {data: 2, model: 4}, padded 4 rows each
+    side: gathered over model, each data block pads its own rows (1,536 bytes, GSPMD's). Greedy
+    chose data first, pricing its halo while model still split the rows (two rounds), and
+    gathered both axes (3,584 bytes); an equation whose lowering runs collectives now chooses
+    its axes a second time, each with the others as chosen."""
+    mesh = sf.make_mesh({"data": 2, "model": 4})
+    spec = PS(("data", "model"))
+    x = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+    fn = lambda a: jnp.tanh(jnp.pad(a, ((4, 4), (8, 8)), constant_values=0.5)) * 2.0  # noqa: E731
+    f = sf.parallelize(fn, mesh=mesh, in_specs=spec, out_specs=spec)
+    _same(f, fn, x)
+    plan = f.explain(x)
+    assert [(c.kind, c.axes, c.bytes) for c in plan.collectives] == [("all_gather", ("model",), 1536)], str(plan)
+
+
 def test_min_over_a_split_dim_reduces_a_partial_min(mesh):
     """jnp.min over a split dim gathered the whole input (3,072 bytes for f32[16, 64] over
     {y: 4}); it now leaves a partial min and all-reduces the result."""
