@@ -162,8 +162,8 @@ class Propagation:
         and ran its output projection whole on both model devices, dearer by the model overall."""
         n_ax = len(self.names)
         whole = Sig((B,) * len(eqn.invars), (B,) * len(eqn.outvars), "whole")
-        divides = candidates is None and (rule := registry.rule_of(eqn.primitive)) is not None and \
-            rule.flops is not None
+        rule = registry.rule_of(eqn.primitive)
+        divides = candidates is None and rule is not None and rule.flops is not None
         req = [list(c) for c in cur]
         outs = [[B] * n_ax for _ in eqn.outvars]
         met = [None if v in self.demand else self.affinity(v) for v in eqn.outvars]   # walked once
@@ -173,7 +173,7 @@ class Propagation:
         # its axes are chosen once more, each with the others as chosen (a pad on dim 0 split
         # over both axes of {data: 2, model: 4}: the halo over data costs two rounds while
         # model still splits the rows, so data was gathered too — 3,584 bytes where 1,536 do).
-        again = n_ax > 1 and (rule := registry.rule_of(eqn.primitive)) is not None and rule.comm is not None
+        again = n_ax > 1 and rule is not None and rule.comm is not None
         for i in list(range(n_ax)) + list(range(n_ax) if again else ()):
             best, best_cost = None, math.inf
             if i < len(chosen):      # the second time: another signature only if it is cheaper

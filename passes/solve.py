@@ -170,7 +170,7 @@ class _Model:
             lo[integral & (relaxed.x > 1 - 1e-6)], hi[integral & (relaxed.x < 1e-6)] = 1.0, 0.0
             fixed = branch(lo, hi)
         whole = branch(np.zeros(len(cost)), np.ones(len(cost)))  # infeasible (a budget) is said here
-        if whole.status == 0 or whole.status == 2 or fixed.x is None:
+        if whole.status in (0, 2) or fixed.x is None:       # proven, infeasible, or nothing else found
             whole.bound = whole.fun
             return whole
         best = fixed if whole.x is None or fixed.fun < whole.fun else whole

@@ -510,7 +510,6 @@ def test_the_solved_tensor_parallel_llama_layer_is_megatrons():
     gradients, batch-split there); no all_to_all anywhere and no layer weight gathered. (At this
     preset's 256-entry vocabulary the embedding table is gathered, 98 KB against an all-reduce
     of 1 MB of activations; not Megatron's vocab-parallel lookup.)"""
-    cfg, _, _, _ = tiny_tp_train_step()
     plan = tiny_tp_plan()
     n_layers = 4
     layer = [c for c in plan.collectives if c.count == n_layers]
