@@ -137,7 +137,7 @@ class _Model:
         self.lb.append(lb)
         self.ub.append(ub)
 
-    def solve(self, time_limit):
+    def solve(self, time_limit, warm: dict | None = None):
         """The optimum — or, where the time limit stops the proof, the best plan found — as an
         optimize.OptimizeResult-like (x, fun, status 0) with ``bound``, a lower bound on the
         optimum (``fun`` where proven). By the LP relaxation where its x come out integral (a
@@ -147,7 +147,8 @@ class _Model:
         the whole program's branch and bound then proves optimal in 26 s) — and branch and
         bound on the whole program in the time left: a time limit keeps the better of the two.
         The relaxation goes to HiGHS's own interface (highspy): its dual simplex solved the
-        1b tensor-parallel step's in 8 s where scipy's milp took 40 s."""
+        1b tensor-parallel step's in 8 s where scipy's milp took 40 s. ``warm``: the last
+        relaxation solved for this program (``_relaxation``), kept there for the next."""
         a = sparse.csc_array((self.vals, (self.rows, self.cols)), shape=(len(self.lb), len(self.cost)))
         # in microseconds: seconds-sized costs sit below HiGHS's tolerances
         cost, integral = np.asarray(self.cost) * 1e6, np.asarray(self.integral) == 1
@@ -160,7 +161,7 @@ class _Model:
                                  constraints=optimize.LinearConstraint(a, lb, ub),
                                  options={"time_limit": left, "presolve": True})
 
-        relaxed = _relaxation(cost, a, lb, ub, time_limit)
+        relaxed = _relaxation(cost, a, lb, ub, time_limit, warm)
         if relaxed is not None and np.all(np.abs(relaxed.x[integral] - np.round(relaxed.x[integral])) < 1e-6):
             relaxed.bound = relaxed.fun
             return relaxed
@@ -178,22 +179,34 @@ class _Model:
         return best
 
 
-def _relaxation(cost, a, lb, ub, time_limit):
+def _relaxation(cost, a, lb, ub, time_limit, warm: dict | None = None):
     """The LP min cost·x, lb <= a x <= ub, 0 <= x <= 1 by HiGHS's dual simplex: an
-    optimize.OptimizeResult-like (x, fun, status 0), or None where it did not solve in time."""
+    optimize.OptimizeResult-like (x, fun, status 0), or None where it did not solve in time.
+    ``warm`` (a dict, or None): the HiGHS instance of the last relaxation solved and its
+    constraints, stored there; where this one has the same constraints (a program solved again
+    at other overlap shares: only costs differ) the simplex starts from that optimal basis
+    (the 1b tensor-parallel step's second relaxation: 12 s cold)."""
     import highspy
-    with _quiet_stdout():              # HiGHS prints a banner when an instance is made
-        h = highspy.Highs()
-    h.silent()
+    if warm and warm["a"].shape == a.shape and all(
+            np.array_equal(x, y) for x, y in ((warm["a"].indptr, a.indptr), (warm["a"].indices, a.indices),
+                                              (warm["a"].data, a.data), (warm["lb"], lb), (warm["ub"], ub))):
+        h = warm["highs"]
+        h.changeColsCost(len(cost), np.arange(len(cost), dtype=np.int32), cost)
+    else:
+        with _quiet_stdout():              # HiGHS prints a banner when an instance is made
+            h = highspy.Highs()
+        h.silent()
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = len(cost), len(lb)
+        lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.zeros(len(cost)), np.ones(len(cost))
+        lp.row_lower_, lp.row_upper_ = lb, ub
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
+        h.passModel(lp)
     h.setOptionValue("time_limit", float(time_limit))
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = len(cost), len(lb)
-    lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.zeros(len(cost)), np.ones(len(cost))
-    lp.row_lower_, lp.row_upper_ = lb, ub
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
-    h.passModel(lp)
     h.run()
+    if warm is not None:
+        warm.update(highs=h, a=a, lb=lb, ub=ub)
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None
     return optimize.OptimizeResult(x=np.asarray(h.getSolution().col_value), fun=h.getInfo().objective_function_value,
@@ -445,13 +458,13 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
 
 
 def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, given: dict | None = None,
-           exposed: dict | None = None):
+           exposed: dict | None = None, warm: dict | None = None):
     """(the equations of ``jaxpr`` with their Decisions — bodies of solved scans and remats
     annotated too, every value's NdSbp set on ``prop`` —, {sf.AUTO input: its NdSbp}, the
     modelled seconds, a lower bound on the optimum's) of the plan ``_Model.solve`` found;
-    raises Unsolvable."""
+    raises Unsolvable. ``warm``: see ``_relaxation``."""
     model, entries, auto = build(prop, jaxpr, out_sbp, given, exposed)
-    result = model.solve(TIME_LIMIT if time_limit is None else time_limit)
+    result = model.solve(TIME_LIMIT if time_limit is None else time_limit, warm)
     if result.status == 2:     # scipy's milp: infeasible
         raise Infeasible(result.message.strip())
     if result.status != 0 or result.x is None:
@@ -551,10 +564,11 @@ class _Solution(NamedTuple):
 
 
 def _solved(program: Program, greedy: Program | None, exposed: dict | None, time_limit: float,
-            prices: dict) -> _Solution:
+            prices: dict, warm: dict) -> _Solution:
     """``choose``'s optimum, or raise Unsolvable. ``exposed``: the overlap shares the loops'
     hideable conversions are priced at; ``prices``: the conversions priced so far
-    (``Propagation.seconds``'s memo), shared by the solves of one program. A loop's carries make the LP
+    (``Propagation.seconds``'s memo), and ``warm``, the last LP relaxation solved
+    (``_relaxation``): shared by the solves of one program. A loop's carries make the LP
     relaxation fractional at times and branch and bound slow: where the time limit runs out,
     the loops are laid out as greedy laid them out and the rest solved, in a second time limit
     (where greedy ran: not with sf.AUTO inputs)."""
@@ -565,7 +579,7 @@ def _solved(program: Program, greedy: Program | None, exposed: dict | None, time
         prop = Propagation(program, prices).seeded()     # conversions priced once for every solve
         try:
             eqns, auto, seconds, bound = choose(prop, program.jaxpr.jaxpr, program.out_sbp, time_limit, given,
-                                                exposed)
+                                                exposed, warm)
             break
         except Unsolvable as e:
             if loops == attempts[-1] or isinstance(e, Infeasible):
@@ -599,9 +613,9 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     greedy = None if program.auto_inputs else propagate(program.replace(memory_budget=None))
     boxed = None if greedy is None else boxing(greedy)
     shares = None if boxed is None else _loop_shares(boxed, program.jaxpr.jaxpr)
-    prices = {}
+    prices, warm = {}, {}
     try:
-        solution = _solved(program, greedy, shares, limit, prices)
+        solution = _solved(program, greedy, shares, limit, prices, warm)
     except Unsolvable as e:
         if program.auto_inputs:
             raise ShardingError(f"in_specs sf.AUTO for {', '.join(program.auto_inputs)}: the solver did not run "
@@ -618,7 +632,7 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
         again = _loop_shares(solution.boxed, program.jaxpr.jaxpr)
         if any(again[k] > shares[k] + 1e-3 for k in shares):
             try:
-                second = _solved(program, greedy, {k: max(shares[k], again[k]) for k in shares}, limit, prices)
+                second = _solved(program, greedy, {k: max(shares[k], again[k]) for k in shares}, limit, prices, warm)
                 if second.plan.modelled_seconds <= solution.plan.modelled_seconds * (1 + 1e-9):
                     solution = second
             except Unsolvable:

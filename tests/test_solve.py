@@ -540,13 +540,15 @@ def test_a_plan_leaning_on_hiding_is_solved_again_at_its_own_overlap_shares():
     assert plan.modelled_seconds < greedy.modelled_seconds
 
 
-def test_the_solves_of_one_program_price_each_conversion_once(monkeypatch):
+def test_the_solves_of_one_program_price_each_conversion_once_and_the_second_starts_warm(monkeypatch):
     """The tiny tensor-parallel train step is solved twice (at greedy's overlap shares, then at
-    its own plan's): the second solve reuses the first's conversion prices, and plans none again."""
+    its own plan's): the second solve reuses the first's conversion prices, and plans none again;
+    its LP relaxation, of the same constraints, starts from the first's optimal basis (the same
+    HiGHS instance, fewer simplex iterations than the first took)."""
     from shardflow import conversion
 
-    priced, solves, inside = [], [], [False]
-    seconds, choose = conversion.seconds, solve.choose
+    priced, solves, inside, lps = [], [], [False], []
+    seconds, choose, relaxation = conversion.seconds, solve.choose, solve._relaxation
 
     def counted_seconds(*args):
         if inside[0]:
@@ -561,12 +563,23 @@ def test_the_solves_of_one_program_price_each_conversion_once(monkeypatch):
         finally:
             inside[0] = False
 
+    def counted_relaxation(*args):
+        warm = args[-1]
+        before = warm.get("highs")
+        result = relaxation(*args)
+        lps.append((before, warm["highs"], warm["highs"].getInfo().simplex_iteration_count))
+        return result
+
     monkeypatch.setattr(conversion, "seconds", counted_seconds)
     monkeypatch.setattr(solve, "choose", counted_choose)
+    monkeypatch.setattr(solve, "_relaxation", counted_relaxation)
     _, run, state, batch = tiny_tp_train_step()
     assert run.train_step().explain(*state, batch).planner.startswith("solver (optimal")
     assert len(solves) == 2
     assert priced and len(set(priced)) == len(priced)
+    (first, h1, cold), (reused, h2, warm) = lps
+    assert first is None and reused is h1 and h2 is h1
+    assert 0 < warm < cold
 
 
 def _odd_cycle() -> "solve._Model":
