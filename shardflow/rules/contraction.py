@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import ShapedArray
 
-from shardflow.registry import Sig, defrule
+from shardflow.registry import Sig, bind_params, decision_of, defrule
 from shardflow.rules.elementwise import rank
-from shardflow.specs import B, P, Partial, S
+from shardflow.specs import B, P, Partial, S, local_shape, split_axes
 
 
 def _dot_flops(eqn, in_shapes, out_shapes):
@@ -56,7 +58,54 @@ def _partial_ok(partial, x) -> bool:
 defrule(lax.reduce_sum_p)(_reduce(P))
 defrule(lax.reduce_max_p)(_reduce(Partial("max")))
 defrule(lax.reduce_min_p)(_reduce(Partial("min")))
-defrule(lax.reduce_prod_p, lax.reduce_and_p, lax.reduce_or_p, lax.argmax_p, lax.argmin_p)(_reduce(None))
+defrule(lax.reduce_prod_p, lax.reduce_and_p, lax.reduce_or_p)(_reduce(None))
+
+
+def _arg_signatures(eqn):
+    """argmax / argmin: a split dim that is not reduced stays split; the reduced dim may be
+    split too ("winners"): each block's winner and its value are all-gathered over the axes
+    that split it — out-sized, where gathering the operand moves all of it — and the first
+    winner among them taken, as one device takes the first of equal values (and a NaN, as its
+    comparator does)."""
+    (axis,) = eqn.params["axes"]
+    return _reduce(None)(eqn) + [Sig((S(axis),), (B,), "winners")]
+
+
+def _winners(eqn, ins, sigs, mesh) -> tuple:
+    """The all_gathers the "winners" lowering runs: of each block's winning values and indices."""
+    from shardflow.conversion import Step
+    (x,), (out,) = eqn.invars, eqn.outvars
+    (axis,) = eqn.params["axes"]
+    axes = split_axes(ins[0], axis, mesh.axis_names)
+    if not axes:
+        return ()
+    n = math.prod(dict(zip(mesh.axis_names, mesh.devices.shape))[a] for a in axes)
+    block = local_shape(x.aval.shape, ins[0], mesh)
+    block = block[:axis] + block[axis + 1:]
+    return tuple(Step("all_gather", axes, 0, local_shape=block, bytes=(n - 1) * math.prod(block) * dtype.itemsize,
+                      value=ShapedArray(out.aval.shape, dtype))
+                 for dtype in (np.dtype(x.aval.dtype), np.dtype(out.aval.dtype)))
+
+
+def _lower_arg(local, eqn, ins):
+    (x,) = ins
+    (axis,) = eqn.params["axes"]
+    params = bind_params(eqn)
+    index = eqn.primitive.bind(x, **params)
+    axes = split_axes(decision_of(eqn).ins[0], axis, local.names)
+    if not axes:
+        return index
+    value = jnp.squeeze(jnp.take_along_axis(x, jnp.expand_dims(index, axis), axis), axis)
+    me, _ = local.shard_index(eqn.invars[0], axis)
+    index = index + (me * x.shape[axis]).astype(index.dtype)
+    name = axes if len(axes) > 1 else axes[0]
+    values, indices = lax.all_gather(value, name, axis=0), lax.all_gather(index, name, axis=0)
+    first = eqn.primitive.bind(values, **{**params, "axes": (0,)})
+    return jnp.squeeze(jnp.take_along_axis(indices, first[None], 0), 0)
+
+
+defrule(lax.argmax_p, lax.argmin_p, lower=_lower_arg, comm=_winners,
+        comm_reason="gathers each block's winner over the axes that split its reduced dim")(_arg_signatures)
 
 
 @defrule(lax.cumsum_p, lax.cumprod_p, lax.cummax_p, lax.cummin_p, lax.cumlogsumexp_p)
