@@ -10,7 +10,7 @@ from jax.core import ShapedArray
 
 from shardflow.registry import Sig, bind_params, decision_of, defrule
 from shardflow.rules.elementwise import rank
-from shardflow.specs import B, P, Partial, S, local_shape, split_axes
+from shardflow.specs import B, P, Partial, S, axis_sizes, local_shape, split_axes
 
 
 def _dot_flops(eqn, in_shapes, out_shapes):
@@ -79,7 +79,7 @@ def _winners(eqn, ins, sigs, mesh) -> tuple:
     axes = split_axes(ins[0], axis, mesh.axis_names)
     if not axes:
         return ()
-    n = math.prod(dict(zip(mesh.axis_names, mesh.devices.shape))[a] for a in axes)
+    n = math.prod(axis_sizes(mesh)[a] for a in axes)
     block = local_shape(x.aval.shape, ins[0], mesh)
     block = block[:axis] + block[axis + 1:]
     return tuple(Step("all_gather", axes, 0, local_shape=block, bytes=(n - 1) * math.prod(block) * dtype.itemsize,
