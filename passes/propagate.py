@@ -226,7 +226,7 @@ class Propagation:
             if not self.valid(v.aval, trial):
                 return math.inf
             want = self.demand.get(v)
-            if want is None and met[j] is not None and met[j][i] != B:   # a B met is sliced for free
+            if want is None and met[j] is not None and met[j][i] is not None:
                 want = met[j]
             if want is not None and want[i] != s:
                 total += self.seconds(v.aval, trial, _with(trial, i, want[i]))
@@ -260,20 +260,32 @@ class Propagation:
     # ---------------------------------------------------------------- lookahead
 
     def affinity(self, v):
-        """The NdSbp (over ``v``'s dims) of the first value of known sharding that ``v`` meets
-        elementwise downstream — demanded by an out_spec or constraint, already decided, or
-        computed elementwise from a decided value — or None.
+        """What ``v`` will meet downstream, per mesh axis over ``v``'s dims (None where any
+        layout will do), or None. That is the first value of known sharding that ``v`` meets
+        elementwise — demanded by an out_spec or constraint, already decided, or computed
+        elementwise from a decided value; a B met there is sliced for free. Where ``v`` grew
+        on the way (made larger than its operands, or broadcast), a contraction met counts
+        too: the layout it needs of ``v`` given its other operands as decided (``_needed``),
+        a B there included — a large value is cheapest laid out where it is made, for the
+        price of moving its small operands.
 
         Greedy choice alone prices an equation's output as free when nothing demands it; its
         users then pay. A per-channel statistic reduce-scattered to a channel split (cheaper
         than an all-reduce, by a little) and broadcast over the activations it normalises made
         every BatchNorm backward all-gather activation-sized tensors; random bits split on the
         first dim met an all_to_all at the dropout's select. Pricing the output's conversion to
-        what it will meet fixes both; the whole-program solver replaces this."""
+        what it will meet fixes both. An MoE's slot of each routed token (a one-hot over the
+        capacity, from a position summed over the experts' axis) met the dispatch einsum, whose
+        routing mask splits the experts: reduce-scattering the position over tokens instead of
+        all-reducing it split the dispatched tokens' contraction, and every expert's input was
+        reduced over that axis too (3.5x GSPMD's bytes). The whole-program solver replaces this."""
         users, producer = self._graph()
-        frontier, seen, budget = [(v, tuple(range(len(v.aval.shape))))], {v}, [_LOOK]
+        start = producer.get(v)
+        grown = start is not None and all(math.prod(x.aval.shape) < math.prod(v.aval.shape)
+                                          for x in start.invars if not is_literal(x))
+        frontier, seen, budget = [(v, tuple(range(len(v.aval.shape))), grown)], {v}, [_LOOK]
         while frontier and budget[0] > 0:
-            u, dims = frontier.pop(0)          # dims[d]: the dim of u that dim d of v became
+            u, dims, grown = frontier.pop(0)   # dims[d]: the dim of u that dim d of v became
             budget[0] -= 1
             if u is not v and u in self.demand:
                 return _carried_back(self.demand[u], dims, v, u)
@@ -285,16 +297,37 @@ class Propagation:
                         known = self._known(other, producer, budget)
                         if known is not None:
                             return _carried_back(known, dims, v, u)
-                    nxt = dims
+                    nxt, bigger = dims, grown
                 elif eqn.primitive is lax.broadcast_in_dim_p:
-                    nxt = tuple(eqn.params["broadcast_dimensions"][e] for e in dims)
+                    nxt, bigger = tuple(eqn.params["broadcast_dimensions"][e] for e in dims), True
                 else:
+                    needed = self._needed(eqn, u) if grown else None
+                    if needed is not None:
+                        return _carried_back(needed, dims, v, u, free=())
                     continue
                 out = eqn.outvars[0]
                 if out not in seen:
                     seen.add(out)
-                    frontier.append((out, nxt))
+                    frontier.append((out, nxt, bigger))
         return None
+
+    def _needed(self, eqn, u):
+        """Per mesh axis, the layout of operand ``u`` that the first signature of ``eqn``
+        fitting its other operands as decided asks for (None where none fits, or where it asks
+        for a partial); None unless ``eqn`` has flops (a contraction) and its other operands
+        are decided values, not arguments (a weight moves: FSDP gathers it)."""
+        rule = registry.rule_of(eqn.primitive)
+        others = [(k, x) for k, x in enumerate(eqn.invars) if x is not u and not is_literal(x)]
+        if rule is None or rule.flops is None or not others or \
+                any(x not in self.sbp or x in self.arguments() for _, x in others):
+            return None
+        k_u = eqn.invars.index(u)
+        needed, sigs = [], registry.signatures(eqn)
+        for i in range(len(self.names)):
+            fits = [sig.ins[k_u] for sig in sigs
+                    if all(sig.ins[k] == self.sbp[x][i] for k, x in others)]
+            needed.append(fits[0] if fits and not isinstance(fits[0], Partial) else None)
+        return None if all(s is None for s in needed) else tuple(needed)
 
     def _known(self, v, producer, budget):
         """The NdSbp of ``v``: decided, or that of a decided value it is computed from elementwise."""
@@ -387,13 +420,17 @@ def _elementwise_on(eqn, v) -> bool:
             and (eqn.primitive in SHAPE_KEEPING or eqn.primitive is lax.bitcast_convert_type_p))
 
 
-def _carried_back(sbp, dims, v, u):
+def _carried_back(sbp, dims, v, u, free=(B,)):
     """``sbp`` of ``u`` carried back to ``v``: S(dims[d]) -> S(d) where that dim of ``v`` was
-    not broadcast on the way; anything else B."""
+    not broadcast on the way; a layout in ``free`` (any will do there) or a dim broadcast on
+    the way -> None; B stays B."""
     out = []
     for s in sbp:
         d = dims.index(s.dim) if isinstance(s, Split) and s.dim in dims else None
-        out.append(Split(d) if d is not None and v.aval.shape[d] == u.aval.shape[s.dim] else B)
+        if isinstance(s, Split):
+            out.append(Split(d) if d is not None and v.aval.shape[d] == u.aval.shape[s.dim] else None)
+        else:
+            out.append(B if s is B and B not in free else None)
     return tuple(out)
 
 
