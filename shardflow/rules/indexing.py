@@ -336,13 +336,22 @@ def _lower_scatter_add(local, eqn, ins):
     table = eqn.invars[0]
     dn = eqn.params["dimension_numbers"]
     split = _vocab_dims(eqn)
-    if split:  # add only the updates of rows this device holds
-        indices, in_range = _local_indices(local, eqn, table, operand, indices, dn.scatter_dims_to_operand_dims,
-                                           split)
-        scatter_dims = tuple(d for d in range(updates.ndim) if d not in dn.update_window_dims)
-        updates = jnp.where(lax.broadcast_in_dim(in_range, updates.shape, scatter_dims), updates,
-                            jnp.zeros_like(updates))
-    return eqn.primitive.bind(operand, indices, updates, **bind_params(eqn))
+    params = bind_params(eqn)
+    if split:  # add only the updates of rows this device holds: the others fall outside its block
+        index_map = dn.scatter_dims_to_operand_dims
+        if eqn.params["mode"] == lax.GatherScatterMode.CLIP:   # each window clamped into the whole table
+            operand_window = [d for d in range(rank(table))
+                              if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+            window = [1 if k in dn.inserted_window_dims else
+                      shape(eqn.invars[2])[dn.update_window_dims[operand_window.index(k)]] for k in index_map]
+            indices = jnp.clip(indices, 0, jnp.asarray([shape(table)[k] - w for k, w in zip(index_map, window)],
+                                                       indices.dtype))
+        block_start = [(local.shard_index(table, k)[0] * operand.shape[k]).astype(indices.dtype)
+                       if k in split else jnp.zeros((), indices.dtype) for k in index_map]
+        indices = indices - jnp.stack(block_start)
+        # XLA skips an update whose window falls outside the operand: no mask, no select
+        params = dict(params, mode=lax.GatherScatterMode.FILL_OR_DROP)
+    return eqn.primitive.bind(operand, indices, updates, **params)
 
 
 @defrule(lax.scatter_add_p, lower=_lower_scatter_add)
