@@ -354,3 +354,18 @@ def test_a_scatter_into_a_split_table_drops_the_rows_a_device_does_not_hold(mesh
     cell = lambda a, i, j, u: a.at[i, j].add(u[:, 0], mode=mode)  # noqa: E731
     g = sf.parallelize(cell, mesh=mesh, in_specs=(PS(("x", "y")), PS(), PS(), PS()), out_specs=PS(("x", "y")))
     _same(g, cell, x, idx, cols, updates)
+
+
+def test_a_pad_whose_blocks_keep_their_own_rows_places_them_without_masks():
+    """f32[16, 64] with dim 0 split over all 8 devices of {data: 2, model: 4}, padded 4 rows each
+    side: data's blocks pad their own rows (one round, no exchange), and the block is the rows
+    placed in the pad value — no iota masks and selects over it (pad dp: 1.94x GSPMD's flops
+    before, 0.22x after)."""
+    mesh = sf.make_mesh({"data": 2, "model": 4})
+    x = np.random.default_rng(1).standard_normal((16, 64)).astype(np.float32)
+    fn = lambda a: jnp.tanh(jnp.pad(a, ((4, 4), (8, 8)), constant_values=0.5)) * 2.0  # noqa: E731
+    spec = PS(("data", "model"))
+    f = sf.parallelize(fn, mesh=mesh, in_specs=spec, out_specs=spec)
+    _same(f, fn, x)
+    hlo_text = f.lower(x).compile().as_text()
+    assert not [line for line in hlo_text.splitlines() if " select(" in line and "f32[" in line.split("=")[1]]
