@@ -122,6 +122,7 @@ class _Model:
     def __init__(self):
         self.cost, self.integral = [], []
         self.rows, self.cols, self.vals, self.lb, self.ub = [], [], [], [], []
+        self.overlapped = []     # (column, seconds, scan eqn): a cost times the share that loop leaves exposed
 
     def var(self, cost=0.0, integral=False) -> int:
         self.cost.append(cost)
@@ -137,7 +138,15 @@ class _Model:
         self.lb.append(lb)
         self.ub.append(ub)
 
-    def solve(self, time_limit, warm: dict | None = None):
+    def costs(self, exposed: dict | None) -> np.ndarray:
+        """The columns' costs, a loop's hideable conversions at the share ``exposed`` gives it
+        (all of it where none is given)."""
+        cost = np.asarray(self.cost, float)
+        for col, seconds, loop in self.overlapped:
+            cost[col] += seconds * (exposed or {}).get(loop, 1.0)
+        return cost
+
+    def solve(self, time_limit, warm: dict | None = None, exposed: dict | None = None):
         """The optimum — or, where the time limit stops the proof, the best plan found — as an
         optimize.OptimizeResult-like (x, fun, status 0) with ``bound``, a lower bound on the
         optimum (``fun`` where proven). By the LP relaxation where its x come out integral (a
@@ -148,10 +157,11 @@ class _Model:
         bound on the whole program in the time left: a time limit keeps the better of the two.
         The relaxation goes to HiGHS's own interface (highspy): its dual simplex solved the
         1b tensor-parallel step's in 8 s where scipy's milp took 40 s. ``warm``: the last
-        relaxation solved for this program (``_relaxation``), kept there for the next."""
+        relaxation solved for this program (``_relaxation``), kept there for the next;
+        ``exposed``: the loops' overlap shares (``costs``)."""
         a = sparse.csc_array((self.vals, (self.rows, self.cols)), shape=(len(self.lb), len(self.cost)))
         # in microseconds: seconds-sized costs sit below HiGHS's tolerances
-        cost, integral = np.asarray(self.cost) * 1e6, np.asarray(self.integral) == 1
+        cost, integral = self.costs(exposed) * 1e6, np.asarray(self.integral) == 1
         lb, ub = np.asarray(self.lb, float), np.asarray(self.ub, float)
         start = time.perf_counter()
 
@@ -260,13 +270,12 @@ class _Builder:
     slice is reduced inside the loop, as a layer's gradient is). A remat's body sees its
     operands as they are. Any other control flow is laid out as greedy laid it out."""
 
-    def __init__(self, prop: Propagation, given: dict | None, exposed: dict | None = None):
+    def __init__(self, prop: Propagation, given: dict | None):
         self.prop, self.given, self.m = prop, given or {}, _Model()
         self.produced = {v: {s: None} for v, s in prop.sbp.items()}  # var -> {NdSbp: x columns}; None: fixed
         self.uses = {}        # var -> [{NdSbp required: x columns}], one per use; None: always
         self.scale = {}       # var -> how many times its jaxpr runs per step
-        self.exposed = exposed or {}   # scan eqn -> the share of its hideable conversions left exposed
-        self.hideable = {}    # var, or id of a use -> that share, for the conversions a loop may overlap
+        self.hideable = {}    # var, or id of a use -> the scan whose compute may overlap its conversions
         self.alias = {}       # a remat body's input (or passed-through output) -> the value it is
         self.held = []        # (column, bytes per device) of the stacked outputs of loops not in a loop
         self.loop_depth = 0
@@ -336,7 +345,6 @@ class _Builder:
         self.loop_depth += 1
         entries = self.jaxpr(body, inner)
         self.loop_depth -= 1
-        exposed = self.exposed.get(eqn, 1.0)
         ins = []
         for k, (x, v) in enumerate(zip(eqn.invars, body.invars)):
             if k < nc:                                   # a const: converted once, before the loop
@@ -353,7 +361,7 @@ class _Builder:
             else:                                        # a slice of a stacked input
                 options, cols = self.layout_choice(v.aval, self.wants(v) | {unstacked(a) for a in self.at(x)})
                 outer = [stacked(a) for a in options]
-                self.hideable[v] = exposed               # a layer's weight, gathered ahead
+                self.hideable[v] = eqn                   # a layer's weight, gathered ahead
             if not is_literal(x):
                 self.uses.setdefault(self.resolve(x), []).append(_by_layout(outer, cols))
             self.produced[v] = _by_layout(options, cols)
@@ -369,7 +377,7 @@ class _Builder:
             if not is_literal(v):
                 use = _by_layout(options, cols)
                 self.uses.setdefault(self.resolve(v), []).append(use)
-                self.hideable[id(use)] = exposed         # a layer's gradient, reduced behind the next
+                self.hideable[id(use)] = eqn             # a layer's gradient, reduced behind the next
             self.produced[o], self.scale[o] = _by_layout([stacked(a) for a in options], cols), scale
             ys.append((options, cols))
         return _Region(eqn, entries, ins, ys)
@@ -380,12 +388,13 @@ def _by_layout(options, cols) -> dict:
     return {a: [c] for a, c in zip(options, cols)}
 
 
-def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None, exposed: dict | None = None):
+def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
     """(model, per equation of ``jaxpr`` its entry — (eqn, its strategies, their x columns), or
     a ``_Region`` — and per sf.AUTO input (var, its layouts, their columns)), or raise
     Unsolvable. ``given``: control flow equations -> the equation as greedy laid it out;
-    ``exposed``: scan equations -> the share of their hideable conversions priced (``_exposed``)."""
-    b = _Builder(prop, given, exposed)
+    A loop's hideable conversions are priced at the share of them it leaves exposed when the
+    model is solved (``_Model.costs``), so one model serves solves at other shares."""
+    b = _Builder(prop, given)
     m, auto = b.m, []
     for v, s in zip(jaxpr.invars, prop.program.in_sbp):
         b.scale[v] = 1
@@ -428,7 +437,7 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
     (sum_r e = z[a], sum_a e = the use's choice of r: tight for one edge); per conversion
     a -> r, q >= every use's e[a, r], paid once (boxing converts once for all users). A
     conversion a loop may overlap with its compute (``hideable``: by var, or by id of a use)
-    is priced at the share of it the loop leaves exposed."""
+    is priced at the share of it the loop leaves exposed, given when the model is solved."""
     def equal(edges, cols):    # sum of edges = sum of cols; cols None: a fixed side, the constant 1
         if cols is None:
             m.row([(e, 1.0) for e in edges], 1.0, 1.0)
@@ -440,10 +449,17 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
     seconds = {(a, r): 0.0 if a == r else prop.seconds(v.aval, a, r) * scale
                for a in z for r in {r for use in uses for r in use}}
     for use in uses:
-        share = 1.0 if hideable is None else hideable.get(v, hideable.get(id(use), 1.0))
-        price = lambda a, r: seconds[a, r] * share  # noqa: E731
+        loop = None if hideable is None else hideable.get(v, hideable.get(id(use)))
+
+        def priced(a, r):
+            if loop is None or not seconds[a, r]:
+                return m.var(seconds[a, r])
+            col = m.var()
+            m.overlapped.append((col, seconds[a, r], loop))
+            return col
+
         # one use: its edges carry the price themselves (q = e)
-        edges = {(a, r): m.var(price(a, r) if len(uses) == 1 else 0.0) for a in z for r in use}
+        edges = {(a, r): priced(a, r) if len(uses) == 1 else m.var() for a in z for r in use}
         for a, za in z.items():
             equal([edges[a, r] for r in use], None if za is None else [za])
         for r, cols in use.items():
@@ -453,18 +469,27 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
         for (a, r), e in edges.items():
             if a != r:
                 if (a, r) not in shared:
-                    shared[a, r] = m.var(price(a, r))
+                    shared[a, r] = priced(a, r)
                 m.row([(shared[a, r], 1.0), (e, -1.0)], 0.0, math.inf)
 
 
 def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, given: dict | None = None,
-           exposed: dict | None = None, warm: dict | None = None):
+           exposed: dict | None = None, warm: dict | None = None, built: dict | None = None):
     """(the equations of ``jaxpr`` with their Decisions — bodies of solved scans and remats
     annotated too, every value's NdSbp set on ``prop`` —, {sf.AUTO input: its NdSbp}, the
     modelled seconds, a lower bound on the optimum's) of the plan ``_Model.solve`` found;
-    raises Unsolvable. ``warm``: see ``_relaxation``."""
-    model, entries, auto = build(prop, jaxpr, out_sbp, given, exposed)
-    result = model.solve(TIME_LIMIT if time_limit is None else time_limit, warm)
+    raises Unsolvable. ``exposed``: the loops' overlap shares; ``warm``: see ``_relaxation``;
+    ``built``: a dict keeping the model built for ``given``'s equations, for the next solve of
+    the same program (only the shares differ)."""
+    key = frozenset(given or ())
+    if built is not None and key in built:
+        model, entries, auto, fallbacks = built[key]
+        prop.fallbacks[:] = fallbacks
+    else:
+        model, entries, auto = build(prop, jaxpr, out_sbp, given)
+        if built is not None:
+            built[key] = model, entries, auto, list(prop.fallbacks)
+    result = model.solve(TIME_LIMIT if time_limit is None else time_limit, warm, exposed)
     if result.status == 2:     # scipy's milp: infeasible
         raise Infeasible(result.message.strip())
     if result.status != 0 or result.x is None:
@@ -564,7 +589,7 @@ class _Solution(NamedTuple):
 
 
 def _solved(program: Program, greedy: Program | None, exposed: dict | None, time_limit: float,
-            prices: dict, warm: dict) -> _Solution:
+            prices: dict, warm: dict, built: dict) -> _Solution:
     """``choose``'s optimum, or raise Unsolvable. ``exposed``: the overlap shares the loops'
     hideable conversions are priced at; ``prices``: the conversions priced so far
     (``Propagation.seconds``'s memo), and ``warm``, the last LP relaxation solved
@@ -579,7 +604,7 @@ def _solved(program: Program, greedy: Program | None, exposed: dict | None, time
         prop = Propagation(program, prices).seeded()     # conversions priced once for every solve
         try:
             eqns, auto, seconds, bound = choose(prop, program.jaxpr.jaxpr, program.out_sbp, time_limit, given,
-                                                exposed, warm)
+                                                exposed, warm, built)
             break
         except Unsolvable as e:
             if loops == attempts[-1] or isinstance(e, Infeasible):
@@ -613,9 +638,9 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
     greedy = None if program.auto_inputs else propagate(program.replace(memory_budget=None))
     boxed = None if greedy is None else boxing(greedy)
     shares = None if boxed is None else _loop_shares(boxed, program.jaxpr.jaxpr)
-    prices, warm = {}, {}
+    prices, warm, built = {}, {}, {}
     try:
-        solution = _solved(program, greedy, shares, limit, prices, warm)
+        solution = _solved(program, greedy, shares, limit, prices, warm, built)
     except Unsolvable as e:
         if program.auto_inputs:
             raise ShardingError(f"in_specs sf.AUTO for {', '.join(program.auto_inputs)}: the solver did not run "
@@ -632,7 +657,8 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
         again = _loop_shares(solution.boxed, program.jaxpr.jaxpr)
         if any(again[k] > shares[k] + 1e-3 for k in shares):
             try:
-                second = _solved(program, greedy, {k: max(shares[k], again[k]) for k in shares}, limit, prices, warm)
+                second = _solved(program, greedy, {k: max(shares[k], again[k]) for k in shares}, limit, prices, warm,
+                                 built)
                 if second.plan.modelled_seconds <= solution.plan.modelled_seconds * (1 + 1e-9):
                     solution = second
             except Unsolvable:
