@@ -160,27 +160,38 @@ def traced_kernels(step_fn, params, opt_state, data) -> list[list[tuple]]:
     return [kernels for kernels in per_gpu if kernels]
 
 
+NCCL_KINDS = ("AllGather", "ReduceScatter", "AllReduce", "SendRecv", "AllToAll", "Broadcast")
+
+
 def kernel_time(step_fn, params, opt_state, data) -> dict:
     """One traced step, per GPU: its span, the milliseconds of kernels of each kind (KINDS, then
-    "other"), the time no kernel runs, and the largest "other" kernels; {} without a GPU."""
+    "other"), the time no kernel runs, the largest "other" kernels, the NCCL kernels' time by
+    collective (``nccl_ms_by_kind``, from the kernel names) and the time an NCCL kernel runs
+    with no other kernel beside it (``nccl_exposed_ms``); {} without a GPU."""
     import collections
 
     per_gpu = []
     for kernels in traced_kernels(step_fn, params, opt_state, data):
-        ms, other = collections.Counter(), collections.Counter()
+        ms, other, nccl = collections.Counter(), collections.Counter(), collections.Counter()
         for start, end, name in kernels:
             kind = next((k for k, words in KINDS if any(w in name.lower() for w in words)), "other")
             ms[kind] += (end - start) / 1e6
             if kind == "other":
                 other[name[:50]] += (end - start) / 1e6
+            if kind == "nccl":
+                nccl[next((k for k in NCCL_KINDS if k.lower() in name.lower()), name[:40])] += (end - start) / 1e6
         busy = sum(b - a for a, b in merged((start, end) for start, end, _ in kernels))
+        computing = sum(b - a for a, b in merged((start, end) for start, end, name in kernels
+                                                  if "nccl" not in name.lower()))
         span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1e6
         per_gpu.append({"span_ms": span, "no_kernel_ms": span - busy / 1e6, **{f"{k}_ms": v for k, v in ms.items()},
-                        "top_other_ms": other.most_common(8)})
+                        "nccl_exposed_ms": (busy - computing) / 1e6,
+                        "top_other_ms": other.most_common(8), "nccl_ms_by_kind": dict(nccl.most_common())})
     if per_gpu:
         g = per_gpu[0]
         print("  GPU0: " + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in g.items() if isinstance(v, float))
-              + "; other: " + "; ".join(f"{n} {t:.1f}" for n, t in g["top_other_ms"]), flush=True)
+              + "; other: " + "; ".join(f"{n} {t:.1f}" for n, t in g["top_other_ms"])
+              + "; nccl: " + "; ".join(f"{n} {t:.1f}" for n, t in g["nccl_ms_by_kind"].items()), flush=True)
     return {"kernel_time_per_gpu": per_gpu} if per_gpu else {}
 
 

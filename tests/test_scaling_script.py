@@ -32,3 +32,17 @@ def test_meshes():
     assert scaling.candidate_meshes("tp", 8, 2)[0] == {"data": 1, "model": 8}
     assert scaling.candidate_meshes("2d", 8, 2) == [{"data": 4, "model": 2}]
     assert scaling.candidate_meshes("tp_sp", 1, 2) == [{"data": 1, "model": 1}]
+
+
+def test_kernel_time_splits_nccl_by_collective_and_counts_its_exposed_time(monkeypatch):
+    """A profiled step's NCCL time by collective (from the kernel names), and the time an NCCL
+    kernel runs with nothing else beside it (ns, one GPU)."""
+    scaling = load_script()
+    kernels = [(0, 100, "nvjet_gemm"), (50, 150, "ncclDevKernel_AllGather_RING_LL"),
+               (150, 170, "ncclDevKernel_ReduceScatter_RING_LL"), (170, 200, "loop_add_fusion"),
+               (200, 240, "ncclDevKernel_SendRecv")]
+    monkeypatch.setattr(scaling, "traced_kernels", lambda *args: [kernels])
+    (g,) = scaling.kernel_time(None, None, None, None)["kernel_time_per_gpu"]
+    assert g["nccl_ms_by_kind"] == {"AllGather": 1e-4, "SendRecv": 4e-5, "ReduceScatter": 2e-5}
+    assert math.isclose(g["nccl_exposed_ms"], (50 + 20 + 40) / 1e6)
+    assert math.isclose(g["nccl_ms"], 1.6e-4) and math.isclose(g["span_ms"], 2.4e-4)
