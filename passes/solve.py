@@ -391,8 +391,8 @@ def _by_layout(options, cols) -> dict:
 def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
     """(model, per equation of ``jaxpr`` its entry — (eqn, its strategies, their x columns), or
     a ``_Region`` — and per sf.AUTO input (var, its layouts, their columns)), or raise
-    Unsolvable. ``given``: control flow equations -> the equation as greedy laid it out;
-    A loop's hideable conversions are priced at the share of them it leaves exposed when the
+    Unsolvable. ``given``: control flow equations -> the equation as greedy laid it out. A
+    loop's hideable conversions are priced at the share of them it leaves exposed when the
     model is solved (``_Model.costs``), so one model serves solves at other shares."""
     b = _Builder(prop, given)
     m, auto = b.m, []
@@ -592,8 +592,8 @@ def _solved(program: Program, greedy: Program | None, exposed: dict | None, time
             prices: dict, warm: dict, built: dict) -> _Solution:
     """``choose``'s optimum, or raise Unsolvable. ``exposed``: the overlap shares the loops'
     hideable conversions are priced at; ``prices``: the conversions priced so far
-    (``Propagation.seconds``'s memo), and ``warm``, the last LP relaxation solved
-    (``_relaxation``): shared by the solves of one program. A loop's carries make the LP
+    (``Propagation.seconds``'s memo), ``built``, the models built (``choose``), and ``warm``,
+    the last LP relaxation solved (``_relaxation``): shared by the solves of one program. A loop's carries make the LP
     relaxation fractional at times and branch and bound slow: where the time limit runs out,
     the loops are laid out as greedy laid them out and the rest solved, in a second time limit
     (where greedy ran: not with sf.AUTO inputs)."""
