@@ -9,8 +9,9 @@ whole program to greedy. The solved plan and greedy's are then priced as boxed, 
 kept (the model prices a value's conversions each from where it is made; boxing chains them).
 The Program records which ran (``program.planner``), and explain prints it. ``sf.AUTO`` inputs
 are one more choice each. A memory budget (``memory_budget``, else a GPU's memory) bounds
-explain's ``memory_bytes`` per device: the inputs and the stacked outputs of the loops not in a
-loop (a layer loop's residuals and gradients); partial, and said so: other intermediates and
+explain's ``memory_bytes`` per device: the inputs and what the loops not in a loop hold (their
+stacked outputs: a layer loop's residuals and gradients; their operands: a layer's weights as
+the loop takes them, cast or gathered whole); partial, and said so: other intermediates and
 temporaries are not counted, nor the loops laid out by greedy (a plan over a given budget is
 refused after the solve).
 
@@ -278,6 +279,8 @@ class _Builder:
         self.hideable = {}    # var, or id of a use -> the scan whose compute may overlap its conversions
         self.alias = {}       # a remat body's input (or passed-through output) -> the value it is
         self.held = []        # (column, bytes per device) of the stacked outputs of loops not in a loop
+        self.taken = {}       # (var, layout) -> x columns of loops not in a loop taking it there (not a carry)
+        self.stacked_outputs = set()   # those loops' stacked outputs
         self.loop_depth = 0
 
     def resolve(self, v):
@@ -364,6 +367,9 @@ class _Builder:
                 self.hideable[v] = eqn                   # a layer's weight, gathered ahead
             if not is_literal(x):
                 self.uses.setdefault(self.resolve(x), []).append(_by_layout(outer, cols))
+                if not self.loop_depth and not nc <= k < nc + nk:
+                    for a, c in zip(outer, cols):
+                        self.taken.setdefault((self.resolve(x), a), []).append(c)
             self.produced[v] = _by_layout(options, cols)
             ins.append((options, cols))
         ys = []
@@ -374,6 +380,7 @@ class _Builder:
             if not self.loop_depth:   # held across the step (explain.held_bytes)
                 self.held += [(c, float(conversion.local_bytes(o.aval, stacked(a), self.prop.mesh)))
                               for a, c in zip(options, cols)]
+                self.stacked_outputs.add(o)
             if not is_literal(v):
                 use = _by_layout(options, cols)
                 self.uses.setdefault(self.resolve(v), []).append(use)
@@ -405,9 +412,9 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
             auto.append((v, options, cols))
     entries = b.jaxpr(jaxpr, 1)
     budget = _budget(prop.program)
-    if budget is not None:      # explain's memory_bytes: the inputs and what the loops stack
+    if budget is not None:      # explain's memory_bytes: the inputs and what the loops hold
         m.row([(c, float(conversion.local_bytes(v.aval, a, prop.mesh)))
-               for v, options, cols in auto for a, c in zip(options, cols)] + b.held,
+               for v, options, cols in auto for a, c in zip(options, cols)] + b.held + _taken(b, jaxpr),
               -math.inf, float(budget - _fixed_input_bytes(prop)))
     unspecified = set()
     for v, want in zip(jaxpr.outvars, out_sbp):
@@ -430,6 +437,25 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
                     m.cost[za] += prop.seconds(v.aval, a, reduced(a))
         _conversions(m, prop, v, z, b.uses.get(v, ()), b.scale.get(v, 1), b.hideable)
     return m, entries, auto
+
+
+def _taken(b: _Builder, jaxpr) -> list:
+    """(column, bytes per device) of each value the loops not in a loop take (not as a carry)
+    at a layout, once however many take it there (explain.held_bytes): one more column, at
+    least each taking loop's choice of that layout. An argument, or another loop's stacked
+    output, taken where it is, is counted as that already."""
+    counted = set(jaxpr.invars) | b.stacked_outputs
+    out = []
+    for (v, a), takers in b.taken.items():
+        at = b.produced.get(v, {})
+        if a in at and at[a] is None:          # an argument at its spec
+            continue
+        held = b.m.var()
+        made = [(c, 1.0) for c in at.get(a, ())] if v in counted else []
+        for c in takers:
+            b.m.row([(held, 1.0), (c, -1.0)] + made, 0.0, math.inf)
+        out.append((held, float(conversion.local_bytes(v.aval, a, b.prop.mesh))))
+    return out
 
 
 def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
@@ -678,7 +704,7 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
                                       f"solver's model optimum, {ours * 1e6:.1f} us)")
     if program.memory_budget is not None and mine.memory_bytes > program.memory_budget:
         raise ShardingError(f"memory_budget={program.memory_budget:,} bytes per device: the plan takes "
-                            f"{mine.memory_bytes:,} ({mine.input_bytes:,} of inputs, {mine.loop_bytes:,} stacked by "
+                            f"{mine.memory_bytes:,} ({mine.input_bytes:,} of inputs, {mine.loop_bytes:,} held by "
                             f"loops; the loops laid out by greedy were not bounded){_budget_note(program)}")
     if solution.bound >= solution.seconds * (1 - 1e-6):
         found = f"optimal: {solution.seconds * 1e6:.1f} us"

@@ -210,7 +210,8 @@ def parallelize(fn=None, *, mesh: Mesh, in_specs, out_specs=None, links: LinkMod
     state so their buffers hold the new ones. ``passes``: the pass list (default
     ``sf.passes.DEFAULT``; see ``shardflow.passes`` to insert one). ``memory_budget``: bytes per
     device the plan may hold, for the solver (``sf.passes.SOLVER``; default: a GPU's memory):
-    the inputs and the stacked outputs of the layer loops, explain's ``memory_bytes``; partial:
+    the inputs and what the layer loops hold (their stacked outputs and their operands, a layer's
+    weights as the loop takes them), explain's ``memory_bytes``; partial:
     other intermediates and temporaries are not counted yet. Usable as a decorator:
     ``@sf.parallelize(mesh=..., in_specs=...)``.
     """

@@ -40,7 +40,7 @@ class Plan:
     hidden_seconds: float = 0.0  # collectives a loop overlaps with its matmuls (``overlap``)
     flops: float = 0.0         # per device: the local flops of every equation whose rule counts them
     input_bytes: int = 0       # per device: the arguments' blocks
-    loop_bytes: int = 0        # per device: the stacked outputs of the loops (``held_bytes``)
+    loop_bytes: int = 0        # per device: what the loops hold across the step (``held_bytes``)
     gathered: list = dataclasses.field(default_factory=list)  # (argument, NdSbp, to, where, bytes): ``gathered_inputs``
 
     @property
@@ -53,7 +53,7 @@ class Plan:
 
     @property
     def memory_bytes(self) -> int:
-        """What a memory budget bounds: the inputs and what the loops stack (partial: the
+        """What a memory budget bounds: the inputs and what the loops hold (partial: the
         other intermediates and temporaries are not counted)."""
         return self.input_bytes + self.loop_bytes
 
@@ -76,7 +76,7 @@ class Plan:
             lines.append("run whole for want of a rule (operands gathered to B): "
                          + ", ".join(f"{p} at {s}" for p, s in self.fallbacks))
         lines.append(f"memory per device, modelled: {self.input_bytes:,} bytes of inputs + {self.loop_bytes:,} "
-                     f"stacked by loops = {self.memory_bytes:,}")
+                     f"held by loops = {self.memory_bytes:,}")
         lines.append(f"local work per device, modelled: {self.flops:,.0f} flops of matmuls and convolutions, "
                      f"{self.work_seconds * 1e6:.1f} µs with the rest")
         for name, src, dst, where, nbytes in self.gathered:
@@ -160,18 +160,32 @@ def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float,
 
 
 def held_bytes(program: Program, jaxpr) -> int:
-    """Per device, the stacked outputs of the scans of ``jaxpr`` (remat bodies included, not
-    the bodies of loops): what a layer loop keeps for the backward, and its stacked gradients —
-    held across the step, where a loop's per-iteration values come and go."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is lax.scan_p:
-            _, nk = scan_arity(eqn.params)
-            total += sum(conversion.local_bytes(o.aval, program.sbp[o], program.mesh)
-                         for o in eqn.outvars[nk:] if o in program.sbp)
-        elif eqn.primitive in REMAT_PRIMITIVES:
-            total += held_bytes(program, open_jaxpr(eqn.params["jaxpr"]))
-    return total
+    """Per device, what the scans of ``jaxpr`` not in a loop hold across the step (remat bodies
+    included; a loop's per-iteration values come and go): their stacked outputs — what a layer
+    loop keeps for the backward, its stacked gradients — and their operands other than carries
+    as the loops take them — a layer's weights, cast or gathered —, each value once; not the
+    arguments (``input_bytes``) nor one scan's stacked output taken by another as it is."""
+    held, alias = {}, {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is lax.scan_p:
+                nc, nk = scan_arity(eqn.params)
+                for k, x in enumerate(eqn.invars):
+                    if not (nc <= k < nc + nk) and not is_literal(x):
+                        held.setdefault(alias.get(x, x), x)
+                for o in eqn.outvars[nk:]:
+                    held[o] = o
+            elif eqn.primitive in REMAT_PRIMITIVES:
+                body = open_jaxpr(eqn.params["jaxpr"])
+                alias.update((v, alias.get(x, x)) for x, v in zip(eqn.invars, body.invars) if not is_literal(x))
+                walk(body)
+                alias.update((o, alias.get(v, v)) for v, o in zip(body.outvars, eqn.outvars) if not is_literal(v))
+
+    walk(jaxpr)
+    arguments = set(program.jaxpr.jaxpr.invars)
+    return sum(conversion.local_bytes(x.aval, program.sbp[x], program.mesh)
+               for v, x in held.items() if v not in arguments and x in program.sbp)
 
 
 _SAME_VALUE = ("convert_element_type", "copy")   # a weight's cast is still the weight

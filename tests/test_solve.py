@@ -447,7 +447,7 @@ def test_a_memory_budget_bounds_what_the_layer_loops_hold():
     free = sf.parallelize(_layers_grad, **kw).explain(ws, x)
     assert free.input_bytes == ws.nbytes + x.nbytes // 8
     assert free.loop_bytes >= ws.nbytes                    # the stacked gradients, whole
-    assert "stacked by loops" in str(free)
+    assert "held by loops" in str(free)
     step = sf.parallelize(_layers_grad, memory_budget=free.memory_bytes - 1, **kw)
     tight = step.explain(ws, x)
     assert tight.planner.startswith("solver (optimal")
@@ -479,14 +479,13 @@ def test_a_loop_hides_its_gradient_reductions_behind_its_matmuls():
     assert free.explain(ws, x).hidden_seconds == 0.0
 
 
-def tiny_tp_train_step():
-    """(config, run, state shapes, batch shapes) of the tiny preset's tensor-parallel train step
-    under the solver, 16 x 128 tokens on {data: 2, model: 4}."""
+def tiny_tp_train_step(strategy="tp", mesh={"data": 2, "model": 4}):
+    """(config, run, state shapes, batch shapes) of the tiny preset's train step under the
+    solver, 16 x 128 tokens, tensor-parallel on {data: 2, model: 4} unless said."""
     from shardflow import train
     from shardflow.train import config
 
-    cfg = config.Config(engine="shardflow", strategy="tp", mesh={"data": 2, "model": 4}, planner="solver",
-                        batch_size=16)
+    cfg = config.Config(engine="shardflow", strategy=strategy, mesh=mesh, planner="solver", batch_size=16)
     cfg.model = {"preset": "tiny"}
     cfg.data.seq_len = 128
     run = train.setup(cfg)
@@ -520,6 +519,44 @@ def test_the_solved_tensor_parallel_llama_layer_is_megatrons():
     assert all("data" in c.axes and c.kind == "all_reduce" for c in layer if c not in on_model), str(plan)
     assert not [c for c in plan.collectives if c.kind == "all_to_all"], str(plan)
     assert [name for name, *_ in plan.gathered] == ["args[0]['embedding']"], plan.gathered
+
+
+def test_fsdp_gathers_each_layer_weight_per_layer_where_the_whole_weights_do_not_fit():
+    """Issue 18's criterion 2 for fsdp (the tiny preset's train step on {data: 8}). With no
+    budget the solver gathers each stacked weight once, before the layer loops, for the forward
+    and the backward: one collective where FSDP has two, and the whole weights held across the
+    step, which explain counts in memory_bytes and names as gathered. Under a budget of greedy's
+    plan's memory the whole weights do not fit, and the solved plan is FSDP's: per layer weight
+    one all-gather in the forward and one in the backward, one reduce-scatter per gradient, no
+    all-to-all."""
+    cfg, run, state, batch = tiny_tp_train_step("fsdp", {"data": 8})
+    n_layers, weights = 4, ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    free = run.train_step().explain(*state, batch)
+    hoisted = [name for name, *_ in free.gathered if "['layers']" in name]
+    assert sorted(name.split("'")[-2] for name in hoisted) == sorted(weights), free.gathered
+    from shardflow import train
+    cfg.planner = "greedy"
+    greedy = train.setup(cfg).train_step().explain(*state, batch)
+    cfg.planner = "solver"
+    whole = sum(np.prod(leaf.shape) * 2 for name, leaf in _layer_weights(state) if name in weights)  # bf16
+    assert free.loop_bytes - greedy.loop_bytes == pytest.approx(whole * 7 / 8)
+    step = run.train_step()
+    step.memory_budget = greedy.memory_bytes
+    plan = step.explain(*state, batch)
+    assert plan.planner.startswith("solver (optimal"), plan.planner
+    assert plan.memory_bytes <= greedy.memory_bytes
+    per_layer = [c for c in plan.collectives if c.count == n_layers and c.kind != "all_reduce"]
+    assert sorted(c.kind for c in per_layer) == ["all_gather"] * 14 + ["reduce_scatter"] * 7, str(plan)
+    assert not [c for c in plan.collectives if c.kind == "all_to_all"], str(plan)
+    gathered = sorted((c.shape, c.dtype) for c in per_layer if c.kind == "all_gather")
+    assert gathered == sorted(2 * [(leaf.shape[1:], "bfloat16") for name, leaf in _layer_weights(state)
+                                   if name in weights])
+    assert not [name for name, *_ in plan.gathered if "[layer]" not in name and "['layers']" in name]
+
+
+def _layer_weights(state):
+    params = state[0]
+    return [(name, leaf) for block in params["layers"].values() for name, leaf in block.items()]
 
 
 def test_a_plan_leaning_on_hiding_is_solved_again_at_its_own_overlap_shares():
