@@ -57,9 +57,11 @@ from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, _adoptable
 from shardflow.program import REMAT_PRIMITIVES, Program, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import DECISION, Decision, Sig
 from shardflow.rules.control import rebody, stacked, unstacked
-from shardflow.specs import B, ShardingError, Split
+from shardflow.rules.elementwise import SHAPE_KEEPING
+from shardflow.specs import B, P, ShardingError, Split
 
 TIME_LIMIT = 60.0      # seconds HiGHS may take, per attempt, before greedy runs instead
+COARSEN_AT = 32        # equations in a program's pinned tail (``pinned_tail``) from which it is coarsened
 
 
 class Unsolvable(Exception):
@@ -271,8 +273,9 @@ class _Builder:
     slice is reduced inside the loop, as a layer's gradient is). A remat's body sees its
     operands as they are. Any other control flow is laid out as greedy laid it out."""
 
-    def __init__(self, prop: Propagation, given: dict | None):
+    def __init__(self, prop: Propagation, given: dict | None, tail: dict | None = None):
         self.prop, self.given, self.m = prop, given or {}, _Model()
+        self.tail = tail or {}   # elementwise eqn -> the out_spec its result goes to alone (``pinned_tail``)
         self.produced = {v: {s: None} for v, s in prop.sbp.items()}  # var -> {NdSbp: x columns}; None: fixed
         self.uses = {}        # var -> [{NdSbp required: x columns}], one per use; None: always
         self.scale = {}       # var -> how many times its jaxpr runs per step
@@ -302,6 +305,9 @@ class _Builder:
 
     def plain(self, eqn, scale):
         options = strategies(self.prop, eqn, self.given)
+        if eqn in self.tail:
+            pin = self.tail[eqn]
+            options = [o for o in options if _within(o[0].outs[0], pin)] or options
         cols = self.choice([own * scale for _, own in options])
         for k, x in enumerate(eqn.invars):
             if not is_literal(x):
@@ -390,6 +396,73 @@ class _Builder:
         return _Region(eqn, entries, ins, ys)
 
 
+def pinned_tail(jaxpr, in_sbp, out_sbp) -> dict:
+    """Elementwise equations whose result goes only to outputs of one out_spec, alike or
+    through other such equations -> that out_spec: an optimizer's update of a parameter, whose
+    new value and moments are pinned at the parameter's spec. The solver runs them there or on
+    partial sums of it (added before the one reduction), and converts what comes in from the
+    rest of the program — a gradient — where it enters: coarsening, as Alpa's followers and
+    XLA's auto-sharding do, for the part of a training step with the most columns and the
+    least choice. Not a cast to a narrower type (its result converts cheaper than its
+    operand), and not an equation that combines two values of which neither is anchored — an
+    argument at that spec, or a result of such an equation with an anchored operand —: two
+    gradients added where they are and converted once would be cheaper.
+
+    Not exact, and said so: where the spec leaves a mesh axis whole (tp's weights, over
+    `data`), an update split further and gathered after (ZeRO-1) computes less; and the
+    conversion planner's path between two layouts is not always the cheapest (two all-gathers
+    where two all-to-alls through a layout between would do), which a solver free to run an
+    equation between takes. So a program is coarsened only where its tail has ``COARSEN_AT``
+    equations or more (an optimizer over several parameters), where solve time matters; the
+    presets' train steps solve to the same optimum coarsened (benchmarks/results/solve_time.md),
+    and small programs are solved exactly (the brute-force test, tests/test_solve.py)."""
+    pins, uses = {}, {}
+    for v, s in zip(jaxpr.outvars, out_sbp):
+        if not is_literal(v):
+            pins.setdefault(v, set()).add(s)
+    for eqn in jaxpr.eqns:
+        for x in eqn.invars:
+            if not is_literal(x):
+                uses.setdefault(x, []).append(eqn)
+    given = dict(zip(jaxpr.invars, in_sbp))
+    excluded = set()
+    while True:
+        tail = {}
+        for eqn in reversed(jaxpr.eqns):
+            if eqn.primitive not in SHAPE_KEEPING or len(eqn.outvars) != 1 or eqn in excluded:
+                continue
+            (o,) = eqn.outvars
+            if eqn.primitive is lax.convert_element_type_p and \
+                    np.dtype(o.aval.dtype).itemsize < np.dtype(eqn.invars[0].aval.dtype).itemsize:
+                continue
+            wanted = set(pins.get(o, ()))
+            for user in uses.get(o, ()):
+                if user not in tail or user.outvars[0].aval.shape != o.aval.shape:
+                    wanted.add(None)
+                wanted.add(tail.get(user))
+            if len(wanted) == 1 and None not in wanted:
+                tail[eqn] = wanted.pop()
+        anchored, combining = set(), set()
+        for eqn in jaxpr.eqns:
+            if eqn in tail:
+                shape, pin = eqn.outvars[0].aval.shape, tail[eqn]
+                operands = {x for x in eqn.invars if not is_literal(x) and x.aval.shape == shape}
+                held = {x for x in operands if x in anchored or given.get(x) == pin}
+                if len(operands - held) > 1:
+                    combining.add(eqn)
+                if held:
+                    anchored.add(eqn.outvars[0])
+        if not combining:
+            return tail
+        excluded |= combining
+
+
+def _within(layout, pin) -> bool:
+    """Whether ``layout`` is ``pin`` or a partial sum over some of its axes (where a pinned
+    tail's equation may run)."""
+    return all(a == p or a == P for a, p in zip(layout, pin))
+
+
 def _by_layout(options, cols) -> dict:
     """{layout: [its column]}: where a value is, or what a use requires, as one choice."""
     return {a: [c] for a, c in zip(options, cols)}
@@ -401,7 +474,8 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
     Unsolvable. ``given``: control flow equations -> the equation as greedy laid it out. A
     loop's hideable conversions are priced at the share of them it leaves exposed when the
     model is solved (``_Model.costs``), so one model serves solves at other shares."""
-    b = _Builder(prop, given)
+    tail = pinned_tail(jaxpr, prop.program.in_sbp, out_sbp)
+    b = _Builder(prop, given, tail if len(tail) >= COARSEN_AT else None)
     m, auto = b.m, []
     for v, s in zip(jaxpr.invars, prop.program.in_sbp):
         b.scale[v] = 1
