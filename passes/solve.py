@@ -61,7 +61,7 @@ from shardflow.rules.elementwise import SHAPE_KEEPING
 from shardflow.specs import B, P, ShardingError, Split
 
 TIME_LIMIT = 60.0      # seconds HiGHS may take, per attempt, before greedy runs instead
-COARSEN_AT = 32        # equations in a program's pinned tail (``pinned_tail``) from which it is coarsened
+COARSEN = 100_000      # transportation edges from which a program's pinned tail is coarsened (``pinned_tail``)
 
 
 class Unsolvable(Exception):
@@ -273,8 +273,9 @@ class _Builder:
     slice is reduced inside the loop, as a layer's gradient is). A remat's body sees its
     operands as they are. Any other control flow is laid out as greedy laid it out."""
 
-    def __init__(self, prop: Propagation, given: dict | None, tail: dict | None = None):
+    def __init__(self, prop: Propagation, given: dict | None, tail: dict | None = None, known: dict | None = None):
         self.prop, self.given, self.m = prop, given or {}, _Model()
+        self.known = {} if known is None else known   # eqn -> its strategies, as a walk before found them
         self.tail = tail or {}   # elementwise eqn -> the out_spec its result goes to alone (``pinned_tail``)
         self.produced = {v: {s: None} for v, s in prop.sbp.items()}  # var -> {NdSbp: x columns}; None: fixed
         self.uses = {}        # var -> [{NdSbp required: x columns}], one per use; None: always
@@ -304,7 +305,9 @@ class _Builder:
                 for eqn in jaxpr.eqns]
 
     def plain(self, eqn, scale):
-        options = strategies(self.prop, eqn, self.given)
+        if eqn not in self.known:
+            self.known[eqn] = strategies(self.prop, eqn, self.given)
+        options = self.known[eqn]
         if eqn in self.tail:
             pin = self.tail[eqn]
             options = [o for o in options if _within(o[0].outs[0], pin)] or options
@@ -412,10 +415,11 @@ def pinned_tail(jaxpr, in_sbp, out_sbp) -> dict:
     `data`), an update split further and gathered after (ZeRO-1) computes less; and the
     conversion planner's path between two layouts is not always the cheapest (two all-gathers
     where two all-to-alls through a layout between would do), which a solver free to run an
-    equation between takes. So a program is coarsened only where its tail has ``COARSEN_AT``
-    equations or more (an optimizer over several parameters), where solve time matters; the
-    presets' train steps solve to the same optimum coarsened (benchmarks/results/solve_time.md),
-    and small programs are solved exactly (the brute-force test, tests/test_solve.py)."""
+    equation between takes (an LSTM's step under fsdp: 5 % more bytes coarsened). So a program
+    is coarsened only where its integer program would have ``COARSEN`` transportation edges or
+    more, where solve time matters: the presets' train steps solve to the same optimum
+    coarsened, in half the time (benchmarks/results/solve_time.md); smaller programs are
+    solved exactly (the brute-force test, tests/test_solve.py)."""
     pins, uses = {}, {}
     for v, s in zip(jaxpr.outvars, out_sbp):
         if not is_literal(v):
@@ -468,15 +472,10 @@ def _by_layout(options, cols) -> dict:
     return {a: [c] for a, c in zip(options, cols)}
 
 
-def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
-    """(model, per equation of ``jaxpr`` its entry — (eqn, its strategies, their x columns), or
-    a ``_Region`` — and per sf.AUTO input (var, its layouts, their columns)), or raise
-    Unsolvable. ``given``: control flow equations -> the equation as greedy laid it out. A
-    loop's hideable conversions are priced at the share of them it leaves exposed when the
-    model is solved (``_Model.costs``), so one model serves solves at other shares."""
-    tail = pinned_tail(jaxpr, prop.program.in_sbp, out_sbp)
-    b = _Builder(prop, given, tail if len(tail) >= COARSEN_AT else None)
-    m, auto = b.m, []
+def _walk(prop: Propagation, jaxpr, given, tail, known) -> tuple:
+    """(the builder with ``jaxpr``'s strategies and uses, its entries, the sf.AUTO inputs'
+    choices): ``build`` before the conversions are priced."""
+    b, auto = _Builder(prop, given, tail, known), []
     for v, s in zip(jaxpr.invars, prop.program.in_sbp):
         b.scale[v] = 1
         if s is None:           # sf.AUTO: one of its layouts, free of cost itself
@@ -484,7 +483,21 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
             cols = b.choice([0.0] * len(options))
             b.produced[v] = _by_layout(options, cols)
             auto.append((v, options, cols))
-    entries = b.jaxpr(jaxpr, 1)
+    return b, b.jaxpr(jaxpr, 1), auto
+
+
+def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
+    """(model, per equation of ``jaxpr`` its entry — (eqn, its strategies, their x columns), or
+    a ``_Region`` — and per sf.AUTO input (var, its layouts, their columns)), or raise
+    Unsolvable. ``given``: control flow equations -> the equation as greedy laid it out. A
+    loop's hideable conversions are priced at the share of them it leaves exposed when the
+    model is solved (``_Model.costs``), so one model serves solves at other shares."""
+    known = {}
+    b, entries, auto = _walk(prop, jaxpr, given, None, known)
+    tail = pinned_tail(jaxpr, prop.program.in_sbp, out_sbp)
+    if tail and sum(len(at) * len(use) for v, at in b.produced.items() for use in b.uses.get(v, ())) >= COARSEN:
+        b, entries, auto = _walk(prop, jaxpr, given, tail, known)
+    m = b.m
     budget = _budget(prop.program)
     if budget is not None:      # explain's memory_bytes: the inputs and what the loops hold
         m.row([(c, float(conversion.local_bytes(v.aval, a, prop.mesh)))

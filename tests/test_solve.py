@@ -681,23 +681,25 @@ def _adamw_step():
 
 def test_an_optimizers_pinned_tail_is_coarsened_to_the_same_optimum(monkeypatch):
     """AdamW's update of each parameter goes only to outputs pinned at the parameter's spec:
-    its elementwise equations (``pinned_tail``) run there, each gradient converted once where
-    it enters. The coarsened integer program has less than half the columns and the same
-    optimum as the exact one."""
+    coarsened, its elementwise equations (``pinned_tail``) run there, each gradient converted
+    once where it enters — an integer program of less than half the columns, with the same
+    optimum. A program this small is solved exactly unless told otherwise (``COARSEN``)."""
     program = _adamw_step()
     jaxpr = program.jaxpr.jaxpr
     tail = solve.pinned_tail(jaxpr, program.in_sbp, program.out_sbp)
-    assert len(tail) >= solve.COARSEN_AT
+    assert len(tail) == 36
     assert all("optax" in solve.source_line(eqn) for eqn in tail)
     assert set(tail.values()) == {(Split(0), Split(0))}
 
-    def solved():
+    def solved(coarsen):
+        monkeypatch.setattr(solve, "COARSEN", coarsen)
         prop = Propagation(program).seeded()
         model, _, _ = solve.build(prop, jaxpr, program.out_sbp)
         return len(model.cost), solve.choose(Propagation(program).seeded(), jaxpr, program.out_sbp)[2]
 
-    coarse_columns, coarse = solved()
-    monkeypatch.setattr(solve, "COARSEN_AT", math.inf)
-    exact_columns, exact = solved()
+    default = solved(solve.COARSEN)
+    coarse_columns, coarse = solved(0)
+    exact_columns, exact = solved(math.inf)
+    assert default == (exact_columns, exact)
     assert coarse_columns < exact_columns / 2
     assert coarse == pytest.approx(exact, rel=1e-9)
