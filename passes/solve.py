@@ -275,7 +275,7 @@ class _Builder:
 
     def __init__(self, prop: Propagation, given: dict | None, tail: dict | None = None, known: dict | None = None):
         self.prop, self.given, self.m = prop, given or {}, _Model()
-        self.known = {} if known is None else known   # eqn -> its strategies, as a walk before found them
+        self.known = {} if known is None else known   # eqn -> its strategies (shared by one build's walks)
         self.tail = tail or {}   # elementwise eqn -> the out_spec its result goes to alone (``pinned_tail``)
         self.produced = {v: {s: None} for v, s in prop.sbp.items()}  # var -> {NdSbp: x columns}; None: fixed
         self.uses = {}        # var -> [{NdSbp required: x columns}], one per use; None: always
@@ -417,8 +417,8 @@ def pinned_tail(jaxpr, in_sbp, out_sbp) -> dict:
     where two all-to-alls through a layout between would do), which a solver free to run an
     equation between takes (an LSTM's step under fsdp: 5 % more bytes coarsened). So a program
     is coarsened only where its integer program would have ``COARSEN`` transportation edges or
-    more, where solve time matters: the presets' train steps solve to the same optimum
-    coarsened, in half the time (benchmarks/results/solve_time.md); smaller programs are
+    more, where solve time matters: the presets' train steps solve to the same model optimum
+    coarsened, 1.3-1.7x faster (benchmarks/results/solve_time.md); smaller programs are
     solved exactly (the brute-force test, tests/test_solve.py)."""
     pins, uses = {}, {}
     for v, s in zip(jaxpr.outvars, out_sbp):
@@ -451,10 +451,10 @@ def pinned_tail(jaxpr, in_sbp, out_sbp) -> dict:
             if eqn in tail:
                 shape, pin = eqn.outvars[0].aval.shape, tail[eqn]
                 operands = {x for x in eqn.invars if not is_literal(x) and x.aval.shape == shape}
-                held = {x for x in operands if x in anchored or given.get(x) == pin}
-                if len(operands - held) > 1:
+                anchors = {x for x in operands if x in anchored or given.get(x) == pin}
+                if len(operands - anchors) > 1:
                     combining.add(eqn)
-                if held:
+                if anchors:
                     anchored.add(eqn.outvars[0])
         if not combining:
             return tail
