@@ -733,6 +733,9 @@ def _solved(program: Program, greedy: Program | None, exposed: dict | None, time
     out_sbp = tuple(s if s is not None else reduced(prop.of(v)) for v, s in zip(jaxpr.outvars, program.out_sbp))
     chose = f"; sf.AUTO chose {len(auto)} input layout{'s' * (len(auto) != 1)}" if auto else ""
     laid = f"; {len(given)} control-flow equation{'s' * (len(given) != 1)} laid out by greedy" if given else ""
+    if not loops:
+        laid += (", the loops among them: solving them ran out of time, and the optimum leaves out their "
+                 "own work and collectives")
     solved = program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=sbp, out_sbp=out_sbp, fallbacks=fallbacks)
     boxed = boxing(solved)
     return _Solution(solved, boxed, seconds, bound, took, chose + laid, make_plan(boxed))

@@ -426,6 +426,28 @@ def test_the_time_limit_hands_the_program_to_greedy(monkeypatch):
     assert step.explain(*args).planner.startswith("greedy (the solver did not run: Time limit reached")
 
 
+def test_loops_laid_out_by_greedy_after_a_time_limit_are_said_to_be_left_out(monkeypatch):
+    """Where solving a program's loops runs out of time, they are laid out as greedy lays them
+    out and the rest solved; the planner line says so, and that the optimum it reports leaves
+    the loops' own work and collectives out (explain's figure as boxed has them)."""
+    choose = solve.choose
+
+    def slow_loops(prop, jaxpr, out_sbp, time_limit=None, given=None, *args, **kwargs):
+        if not any(eqn.primitive is jax.lax.scan_p for eqn in (given or ())):
+            raise solve.Unsolvable("Time limit reached (as if)")
+        return choose(prop, jaxpr, out_sbp, time_limit, given, *args, **kwargs)
+
+    monkeypatch.setattr(solve, "choose", slow_loops)
+    r = np.random.default_rng(0)
+    ws, x = r.standard_normal((4, 64, 64)).astype(np.float32) / 8, r.standard_normal((64, 64)).astype(np.float32)
+    step = sf.parallelize(_layers_grad, mesh=mesh("2x4"), in_specs=(jax.P(), jax.P(("data", "model"))),
+                          out_specs=jax.P(), passes=sf.passes.SOLVER)
+    planner = step.explain(ws, x).planner
+    assert planner.startswith("solver (optimal"), planner
+    assert "the loops among them: solving them ran out of time, and the optimum leaves out" in planner, planner
+    np.testing.assert_allclose(np.asarray(step(ws, x)), np.asarray(jax.jit(_layers_grad)(ws, x)), rtol=1e-5, atol=1e-6)
+
+
 def _layers_grad(ws, x):
     def loss(ws):
         h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
