@@ -500,9 +500,10 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
     m = b.m
     budget = _budget(prop.program)
     if budget is not None:      # explain's memory_bytes: the inputs and what the loops hold
-        m.row([(c, float(conversion.local_bytes(v.aval, a, prop.mesh)))
-               for v, options, cols in auto for a, c in zip(options, cols)] + b.held + _taken(b, jaxpr),
-              -math.inf, float(budget - _fixed_input_bytes(prop)))
+        m.row([(c, float(conversion.local_bytes(v.aval, a, prop.mesh)) / 1e6)
+               for v, options, cols in auto for a, c in zip(options, cols)]
+              + [(c, nbytes / 1e6) for c, nbytes in b.held + _taken(b, jaxpr)],
+              -math.inf, float(budget - _fixed_input_bytes(prop)) / 1e6)
     unspecified = set()
     for v, want in zip(jaxpr.outvars, out_sbp):
         if is_literal(v):
