@@ -164,7 +164,8 @@ def held_bytes(program: Program, jaxpr) -> int:
     included; a loop's per-iteration values come and go): their stacked outputs — what a layer
     loop keeps for the backward, its stacked gradients — and their operands other than carries
     as the loops take them — a layer's weights, cast or gathered —, each value once; not the
-    arguments (``input_bytes``) nor one scan's stacked output taken by another as it is."""
+    arguments (``input_bytes``), the constants, or one scan's stacked output taken by another
+    as it is (the integer program's ``_taken`` counts the same)."""
     held, alias = {}, {}
 
     def walk(jaxpr):
@@ -183,9 +184,9 @@ def held_bytes(program: Program, jaxpr) -> int:
                 alias.update((o, alias.get(v, v)) for v, o in zip(body.outvars, eqn.outvars) if not is_literal(v))
 
     walk(jaxpr)
-    arguments = set(program.jaxpr.jaxpr.invars)
+    given = set(program.jaxpr.jaxpr.invars) | set(program.jaxpr.jaxpr.constvars)   # held however laid out
     return sum(conversion.local_bytes(x.aval, program.sbp[x], program.mesh)
-               for v, x in held.items() if v not in arguments and x in program.sbp)
+               for v, x in held.items() if v not in given and x in program.sbp)
 
 
 _SAME_VALUE = ("convert_element_type", "copy")   # a weight's cast is still the weight
