@@ -417,8 +417,8 @@ def pinned_tail(jaxpr, in_sbp, out_sbp) -> dict:
     where two all-to-alls through a layout between would do), which a solver free to run an
     equation between takes (an LSTM's step under fsdp: 5 % more bytes coarsened). So a program
     is coarsened only where its integer program would have ``COARSEN`` transportation edges or
-    more, where solve time matters: the presets' train steps solve to the same model optimum
-    coarsened, 1.3-1.7x faster (benchmarks/results/solve_time.md); smaller programs are
+    more, where solve time matters: the presets' train steps solve 1.3-1.7x faster, to the same
+    model optimum where checked (benchmarks/results/solve_time.md); smaller programs are
     solved exactly (the brute-force test, tests/test_solve.py)."""
     pins, uses = {}, {}
     for v, s in zip(jaxpr.outvars, out_sbp):
@@ -494,9 +494,10 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
     model is solved (``_Model.costs``), so one model serves solves at other shares."""
     known = {}
     b, entries, auto = _walk(prop, jaxpr, given, None, known)
-    tail = pinned_tail(jaxpr, prop.program.in_sbp, out_sbp)
-    if tail and sum(len(at) * len(use) for v, at in b.produced.items() for use in b.uses.get(v, ())) >= COARSEN:
-        b, entries, auto = _walk(prop, jaxpr, given, tail, known)
+    if sum(len(at) * len(use) for v, at in b.produced.items() for use in b.uses.get(v, ())) >= COARSEN:
+        tail = pinned_tail(jaxpr, prop.program.in_sbp, out_sbp)
+        if tail:
+            b, entries, auto = _walk(prop, jaxpr, given, tail, known)
     m = b.m
     budget = _budget(prop.program)
     if budget is not None:      # explain's memory_bytes: the inputs and what the loops hold
