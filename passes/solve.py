@@ -172,7 +172,7 @@ class _Model:
             left = max(time_limit - (time.perf_counter() - start), 0.1)
             return optimize.milp(cost, integrality=integral.astype(int), bounds=optimize.Bounds(lo, hi),
                                  constraints=optimize.LinearConstraint(a, lb, ub),
-                                 options={"time_limit": left, "presolve": True})
+                                 options={"time_limit": left, "presolve": True, "mip_rel_gap": 1e-7})
 
         relaxed = _relaxation(cost, a, lb, ub, time_limit, warm)
         if relaxed is not None and np.all(np.abs(relaxed.x[integral] - np.round(relaxed.x[integral])) < 1e-6):

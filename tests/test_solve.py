@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import shardflow as sf
@@ -90,9 +90,12 @@ def chain(ops):
 @settings(max_examples=50, **SETTINGS)
 @given(ops=st.lists(st.sampled_from(CHAIN_OPS), min_size=1, max_size=3),
        specs=st.tuples(nd_sbp(), nd_sbp()), out=st.one_of(st.none(), nd_sbp()))
+@example(ops=["matmul", "matmul"], specs=((S(1), S(1)), (S(1), S(0))), out=None)
+@example(ops=["T", "matmul"], specs=((S(1), S(0)), (B, B)), out=None)
 def test_the_optimum_is_the_brute_force_minimum(ops, specs, out):
     """Every assignment of one strategy per equation, priced by the model: the solver's
-    optimum is their minimum."""
+    optimum is their minimum. (The examples: programs whose LP relaxation is fractional, where
+    branch and bound stopped within HiGHS's default relative gap, 1e-4, above the optimum.)"""
     r = np.random.default_rng(0)
     args = (r.standard_normal((8, 16)).astype(np.float32), r.standard_normal((16, 8)).astype(np.float32))
     fn = chain(ops)
