@@ -39,7 +39,7 @@ class Boxing:
             if want in sources:
                 return sources[want]
             src = min(sources, key=lambda s: self.seconds(x, s, want))
-            steps = conversion.plan(x.aval.shape, x.aval.dtype, src, want, self.p.mesh)
+            steps = conversion.plan(x.aval.shape, x.aval.dtype, src, want, self.p.mesh, self.p.links)
             out = new_var(x.aval)
             made_at = "literal" if is_literal(x) else self.made_at.get(x, "<unknown>")
             params = dict(src=src, dst=want, steps=steps, reason=reason, source=made_at, used_at=used_at)

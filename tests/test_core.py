@@ -56,21 +56,26 @@ def test_propagation_prices_the_plan_that_runs(case):
     links = sf.LinkModel(alpha=3e-6, beta=50e9, per_axis_beta={"data": 20e9})
     program = sf.program.Program(None, mesh, (), (), links=links)
     aval = jax.core.ShapedArray(shape, np.float32)
-    steps = conversion.plan(shape, np.float32, src, dst, mesh)
+    steps = conversion.plan(shape, np.float32, src, dst, mesh, links)
     expected = sum(links.seconds(s.axes, s.bytes) if s.is_collective else conversion.EPSILON for s in steps)
     assert Propagation(program).seconds(aval, src, dst) == pytest.approx(expected, rel=1e-12, abs=0)
 
 
-def test_the_issue_example_is_priced_as_two_all_gathers():
-    """f32[16,64] (S(0),S(1)) -> (S(1),S(1)) on {data: 2, model: 4}: the plan gathers (3,584
-    bytes), and the price is that plan's, not a 256-byte all_to_all's."""
+def test_the_issue_example_is_priced_as_the_plan_that_runs():
+    """f32[16,64] (S(0),S(1)) -> (S(1),S(1)) on {data: 2, model: 4}: the direct plan gathers
+    (3,584 bytes); the plan that runs gathers over model and all-to-alls over data (2,560
+    bytes, two collectives as well), and the price is that plan's, not a 256-byte all_to_all's."""
     mesh = sf.make_mesh(MESHES[2])
-    steps = conversion.plan((16, 64), np.float32, (S(0), S(1)), (S(1), S(1)), mesh)
-    assert conversion.total_bytes([s for s in steps if s.is_collective]) == 3584
+    direct = conversion.plan((16, 64), np.float32, (S(0), S(1)), (S(1), S(1)), mesh)
+    assert conversion.total_bytes([s for s in direct if s.is_collective]) == 3584
     links = sf.LinkModel()
+    steps = conversion.plan((16, 64), np.float32, (S(0), S(1)), (S(1), S(1)), mesh, links)
+    assert [(s.kind, s.axes, s.bytes) for s in steps if s.is_collective] == [
+        ("all_gather", ("model",), 1536), ("all_to_all", ("data",), 1024)]
     priced = conversion.seconds((16, 64), np.float32, (S(0), S(1)), (S(1), S(1)), mesh, links)
     assert priced == pytest.approx(conversion.steps_seconds(steps, links))
-    assert priced > links.seconds(("data",), 3584) - 1e-12
+    assert priced < conversion.steps_seconds(direct, links)
+    assert priced > links.seconds(("data",), 2560) - 1e-12
 
 
 def test_explain_reports_the_modelled_time_of_each_collective(mesh):

@@ -1,5 +1,6 @@
 """Hypothesis: random small programs under random specs equal themselves on one device, and
 every conversion between two NdSbps preserves the value and costs what the table says."""
+import itertools
 import os
 
 import jax
@@ -64,6 +65,68 @@ def test_conversion_bytes_follow_the_table(src, dst, kind, factor):
     sent = conversion.total_bytes(steps)
     assert sent == int(round(factor * 8 * 16 * 4))
     assert [s.kind for s in steps if s.is_collective] == ([kind] if kind else [])
+
+
+@settings(max_examples=100, **SETTINGS)
+@given(src=nd_sbp(partial=True), mid=nd_sbp(partial=True), dst=nd_sbp(partial=False))
+def test_every_routed_conversion_preserves_the_value_and_costs_no_more_than_the_direct_plan(src, mid, dst):
+    """With no latency a conversion takes the shortest route through NdSbps between wherever
+    it moves fewer bytes than the direct plan: the value survives it."""
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    bandwidth_only = sf.LinkModel(alpha=0.0)
+    for a, b in ((src, mid), (mid, dst)):
+        routed = conversion.plan(x.shape, np.float32, a, b, MESH, bandwidth_only)
+        assert conversion.total_bytes(routed) <= conversion.total_bytes(conversion.plan(x.shape, np.float32, a, b, MESH))
+
+    def fn(x):
+        return sf.constrain(sf.constrain(sf.constrain(x, src) * 1.5, mid) + 0.0, dst)
+
+    out = sf.parallelize(fn, mesh=MESH, in_specs=(None,), out_specs=dst, links=bandwidth_only)(x)
+    np.testing.assert_allclose(np.asarray(out), x * 1.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("src, dst, direct, routed", [
+    # all-reduce over model (1.5 T) / slice over data, all-reduce the half, gather it (1.25 T)
+    ((B, P), (B, B), ["all_reduce"], ["all_reduce", "all_gather"]),
+    # gather both dims / gather over data, all-to-all over model, slice over data
+    ((S(0), S(1)), (S(1), S(0)), ["all_gather", "all_gather"], ["all_gather", "all_to_all"]),
+])
+def test_a_route_through_another_layout_is_taken_where_it_moves_fewer_bytes(src, dst, direct, routed):
+    shape = (64, 64)
+    plain = conversion.plan(shape, np.float32, src, dst, MESH)
+    cheap = conversion.plan(shape, np.float32, src, dst, MESH, sf.LinkModel(alpha=0.0))
+    assert [s.kind for s in plain if s.is_collective] == direct
+    assert [s.kind for s in cheap if s.is_collective] == routed
+    assert conversion.total_bytes(cheap) < conversion.total_bytes(plain)
+    # where each collective costs a millisecond, no route of more collectives than the direct plan
+    slow = conversion.plan(shape, np.float32, src, dst, MESH, sf.LinkModel(alpha=1e-3))
+    assert len([s for s in slow if s.is_collective]) <= len(direct)
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (8, 16, 4), (4, 8, 2)])
+def test_each_hop_of_a_route_is_one_step_of_the_direct_plan_at_the_bytes_the_router_counts(shape):
+    """The router's hops (one mesh axis changed in one step) are priced without planning them;
+    each is what ``_plan`` does for that change, a step at those bytes."""
+    mesh = conversion._MeshShape(tuple(MESH.axis_names), tuple(MESH.devices.shape))
+    names, sizes = mesh.axis_names, dict(zip(mesh.axis_names, mesh.shape))
+    atoms = [B, P, sf.specs.Partial("max")] + [S(d) for d in range(len(shape))]
+    hops = 0
+    for u in itertools.product(atoms, repeat=len(names)):
+        if not sf.specs.divides(shape, u, mesh):
+            continue
+        block = int(np.prod(sf.specs.local_shape(shape, u, mesh))) * 4
+        for a, axis in enumerate(names):
+            for t in atoms:
+                v = u[:a] + (t,) + u[a + 1:]
+                if t == u[a] or not sf.specs.divides(shape, v, mesh):
+                    continue
+                sent = conversion._hop_bytes(u, a, t, names, sizes[axis], block)
+                if sent is None:
+                    continue
+                steps = conversion._plan(shape, np.dtype(np.float32), u, v, mesh)
+                assert len(steps) == 1 and steps[0].axes == (axis,) and steps[0].bytes == round(sent), (u, v, steps)
+                hops += 1
+    assert hops > 50
 
 
 @settings(max_examples=100, **SETTINGS)
