@@ -23,7 +23,8 @@ over the second axis where slicing it over the first, all-reducing the half and 
 back moves 1.25 T instead of 1.5 T on {2, 4} devices, and (S(0), S(1)) -> (S(1), S(0)) gathers
 twice where two all-to-alls through (S(0), S(0)) do. Priced by a link model, ``plan`` takes the
 cheaper of the direct plan and the shortest route over one-step changes of one mesh axis
-(``_graph``: every NdSbp of the value's shape, all pairs by Floyd-Warshall, once per shape).
+(``_graph``: every NdSbp of the value's shape, all pairs by Floyd-Warshall, once per shape;
+only where a value has at most ``ROUTED_LAYOUTS`` of them).
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ from shardflow import registry
 from shardflow.specs import B, Broadcast, NdSbp, Partial, Split, as_dtype, axis_sizes, divides, local_shape
 
 EPSILON = 1e-12  # seconds charged for a local step (slice, mask, pad): free, but not for nothing
+ROUTED_LAYOUTS = 256  # layouts of a value beyond which conversions take the direct plan (Floyd-Warshall is cubic:
+                      # a 4-D value on three mesh axes has 150-216, ~10 ms a shape; on four, up to 1,296)
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 
@@ -191,6 +194,8 @@ def _route(shape, dtype, src, dst, mesh, links, direct: float) -> tuple | None:
     speeds = tuple((links.per_axis_alpha.get(a, links.alpha), links.per_axis_beta.get(a, links.beta))
                    for a in mesh.axis_names)
     options = tuple(_options(shape, n, s, t) for n, s, t in zip(mesh.shape, src, dst))
+    if math.prod(len(o) for o in options) > ROUTED_LAYOUTS:
+        return None
     graph = _graph(shape, as_dtype(dtype).itemsize, options, mesh, speeds)
     if src not in graph.index or dst not in graph.index:      # priced before being found not to divide
         return None

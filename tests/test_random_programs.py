@@ -103,6 +103,17 @@ def test_a_route_through_another_layout_is_taken_where_it_moves_fewer_bytes(src,
     assert len([s for s in slow if s.is_collective]) <= len(direct)
 
 
+def test_a_value_of_more_layouts_than_routed_takes_the_direct_plan():
+    """Routes are all-pairs shortest paths, cubic in a value's layouts: on four mesh axes a 4-D
+    value has 625 and its conversions take the direct plan, no table built."""
+    mesh = sf.make_mesh({"a": 2, "b": 2, "c": 2, "d": 1})
+    shape, src, dst = (8, 8, 8, 8), (S(0), S(1), S(2), B), (S(1), S(0), B, S(3))
+    before = conversion._graph.cache_info().currsize
+    routed = conversion.plan(shape, np.float32, src, dst, mesh, sf.LinkModel(alpha=0.0))
+    assert routed == conversion.plan(shape, np.float32, src, dst, mesh)
+    assert conversion._graph.cache_info().currsize == before
+
+
 @pytest.mark.parametrize("shape", [(8, 16), (8, 16, 4), (4, 8, 2)])
 def test_each_hop_of_a_route_is_one_step_of_the_direct_plan_at_the_bytes_the_router_counts(shape):
     """The router's hops (one mesh axis changed in one step) are priced without planning them;
