@@ -21,7 +21,7 @@ minor axes first (correct, if not always cheapest). Axes of one device change fo
 That direct plan is not always the cheapest: (B, P) -> (B, B) all-reduces the whole tensor
 over the second axis where slicing it over the first, all-reducing the half and gathering it
 back moves 1.25 T instead of 1.5 T on {2, 4} devices, and (S(0), S(1)) -> (S(1), S(0)) gathers
-twice where two all-to-alls through (S(0), S(0)) do. Priced by a link model, ``plan`` takes the
+twice where a gather and an all-to-all do. Priced by a link model, ``plan`` takes the
 cheaper of the direct plan and the shortest route over one-step changes of one mesh axis
 (``_graph``: every NdSbp of the value's shape, all pairs by Floyd-Warshall, once per shape;
 only where a value has at most ``ROUTED_LAYOUTS`` of them).
@@ -196,7 +196,7 @@ def _route(shape, dtype, src, dst, mesh, links, direct: float) -> tuple | None:
     options = tuple(_options(shape, n, s, t) for n, s, t in zip(mesh.shape, src, dst))
     if math.prod(len(o) for o in options) > ROUTED_LAYOUTS:
         return None
-    graph = _graph(shape, as_dtype(dtype).itemsize, options, mesh, speeds)
+    graph = _graph(shape, dtype.itemsize, options, mesh, speeds)
     if src not in graph.index or dst not in graph.index:      # priced before being found not to divide
         return None
     i, j = graph.index[src], graph.index[dst]
@@ -228,7 +228,6 @@ class _Graph(NamedTuple):
 def _graph(shape, itemsize, options, mesh, speeds) -> _Graph:
     """All-pairs shortest routes (Floyd-Warshall) between the NdSbps of a ``shape`` value whose
     axes hold ``options``, over hops that change one mesh axis in one step."""
-    names, sizes = mesh.axis_names, dict(zip(mesh.axis_names, mesh.shape))
     states = [s for s in itertools.product(*options) if divides(shape, s, mesh)]
     index = {s: i for i, s in enumerate(states)}
     n = len(states)
@@ -236,12 +235,12 @@ def _graph(shape, itemsize, options, mesh, speeds) -> _Graph:
     np.fill_diagonal(dist, 0.0)
     for i, u in enumerate(states):
         block = math.prod(local_shape(shape, u, mesh)) * itemsize
-        for a, (axis, (alpha, beta)) in enumerate(zip(names, speeds)):
+        for a, (size, (alpha, beta)) in enumerate(zip(mesh.shape, speeds)):
             for t in options[a]:
                 v = u[:a] + (t,) + u[a + 1:]
                 if t == u[a] or v not in index:
                     continue
-                sent = _hop_bytes(u, a, t, names, sizes[axis], block)
+                sent = _hop_bytes(u, a, t, size, block)
                 if sent is not None:
                     dist[i, index[v]] = EPSILON + (sent and alpha + sent / beta)   # fewer steps on a tie
     hop = np.where(np.isfinite(dist), np.arange(n)[None, :], -1)
@@ -253,7 +252,7 @@ def _graph(shape, itemsize, options, mesh, speeds) -> _Graph:
     return _Graph(states, index, dist, hop)
 
 
-def _hop_bytes(u, a, t, names, n, block) -> float | None:
+def _hop_bytes(u, a, t, n, block) -> float | None:
     """Bytes per device that changing mesh axis ``a`` of ``u`` to ``t`` sends in one step of
     ``_plan`` (0: a local step), or None where ``_plan`` needs more than one (a dim's split
     order broken) or has no step for it."""

@@ -131,7 +131,7 @@ def test_each_hop_of_a_route_is_one_step_of_the_direct_plan_at_the_bytes_the_rou
                 v = u[:a] + (t,) + u[a + 1:]
                 if t == u[a] or not sf.specs.divides(shape, v, mesh):
                     continue
-                sent = conversion._hop_bytes(u, a, t, names, sizes[axis], block)
+                sent = conversion._hop_bytes(u, a, t, sizes[axis], block)
                 if sent is None:
                     continue
                 steps = conversion._plan(shape, np.dtype(np.float32), u, v, mesh)
