@@ -150,7 +150,21 @@ class Propagation:
                 self.fallbacks.append((eqn.primitive.name, source_line(eqn)))
             return self.decide(eqn, Decision((self.whole,) * len(eqn.invars), (self.whole,) * len(eqn.outvars),
                                              fallback=True))
-        return self.decide(eqn, self.choose(eqn, cur, sigs))
+        rule = registry.rule_of(eqn.primitive)
+        admits = rule.admits if rule is not None else None
+        made = {x: set(self.made.get(x, ())) for x in eqn.invars if not is_literal(x)}
+        decision = self.choose(eqn, cur, sigs)
+        while admits is not None and not admits(eqn, decision, self.mesh):
+            # the named signatures that combined into a decision the rule refuses, dropped
+            refused = {s.name for s in decision.sigs if s.name and s in sigs}
+            if not refused:
+                raise ShardingError(f"{source_line(eqn)}: {eqn.primitive.name}'s rule refuses {decision}, "
+                                    f"which uses none of its named signatures")
+            for x, m in made.items():   # a refused choice's conversions are not made
+                self.made[x] = set(m)
+            sigs = [s for s in sigs if s.name not in refused]
+            decision = self.choose(eqn, cur, sigs)
+        return self.decide(eqn, decision)
 
     def choose(self, eqn, cur, sigs, candidates=None) -> Decision:
         """The cheapest signature per mesh axis, in mesh order, of ``sigs`` and running whole;

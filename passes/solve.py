@@ -83,7 +83,7 @@ def strategies(prop: Propagation, eqn, given: dict | None = None) -> list:
     if rule is not None and rule.pin is not None:
         sbp = prop.pinned(eqn)
         return [(Decision((sbp,), (sbp,)), 0.0)]
-    if rule is not None and rule.propagate is not None:
+    if lays_itself_out(eqn):
         if given is not None and eqn in given:
             return [(registry.decision_of(given[eqn]), 0.0)]
         raise Unsolvable(f"{eqn.primitive.name} at {source_line(eqn)} chooses its own sharding")
@@ -107,6 +107,9 @@ def strategies(prop: Propagation, eqn, given: dict | None = None) -> list:
         if any(is_literal(x) and any(isinstance(t, Split) for t in s) for x, s in zip(eqn.invars, ins)):
             continue
         seen.add((ins, outs))
+        if rule is not None and rule.admits is not None and not rule.admits(eqn, Decision(ins, outs, tuple(chosen)),
+                                                                            prop.mesh):
+            continue
         flops, nbytes = conversion.local_work(eqn, ins, outs, prop.mesh)
         own = prop.program.links.compute_seconds(flops, nbytes)
         if rule is not None and rule.comm is not None:
@@ -117,6 +120,16 @@ def strategies(prop: Propagation, eqn, given: dict | None = None) -> list:
         raise Unsolvable(f"no strategy of {eqn.primitive.name} at {source_line(eqn)} divides its operands")
     least = min(flops for _, _, flops in out)
     return [(decision, own) for decision, own, flops in out if flops <= least]
+
+
+def lays_itself_out(eqn) -> bool:
+    """Whether ``eqn``'s rule chooses its layout itself, by its own ``propagate``, so that the
+    solver takes greedy's choice (control flow, a pipeline, attention with an explicit context):
+    a rule with ``admits`` is solved wherever it admits a decision at all."""
+    rule = registry.rule_of(eqn.primitive)
+    if rule is None or rule.propagate is None or rule.pin is not None:
+        return False
+    return rule.admits is None or not rule.admits(eqn, None, None)   # (None: any decision)
 
 
 class _Model:
@@ -669,7 +682,7 @@ def _laid_out(jaxpr, laid, loops: bool, out: dict) -> dict:
         rule = registry.rule_of(eqn.primitive)
         if loops and _solvable_region(eqn):
             _laid_out(open_jaxpr(eqn.params["jaxpr"]), open_jaxpr(mine.params["jaxpr"]), loops, out)
-        elif rule is not None and rule.propagate is not None and rule.pin is None:
+        elif lays_itself_out(eqn):
             out[eqn] = mine
     return out
 

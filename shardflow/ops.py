@@ -354,9 +354,19 @@ def _propagate_attention(prop, eqn):
   return prop.decide(eqn, prop.choose(eqn, [prop.of(a) for a in eqn.invars], sigs, candidates))
 
 
+def _attention_flops(eqn, in_shapes, out_shapes):
+  """Two matmuls of the local queries against every key forward (K/V blocks come round the ring),
+  five backward (the scores recomputed); half the pairs under a causal mask."""
+  q, k = in_shapes[0], eqn.invars[1].aval.shape
+  batch, seq, heads, dim = q
+  matmuls = 5 if eqn.primitive is sf_attention_bwd_p else 2
+  return matmuls * 2.0 * batch * heads * seq * k[1] * dim * (0.5 if eqn.params["config"].causal else 1.0)
+
+
 defrule(sf_attention_fwd_p, sf_attention_bwd_p, lower=_local_attention, comm=_attention_comm,
         comm_reason="passes K/V blocks around the ring (and their dK/dV sums home)",
-        propagate=_propagate_attention)(_attention_signatures)
+        propagate=_propagate_attention, flops=_attention_flops,
+        admits=lambda eqn, decision, mesh: eqn.params["config"].context == "auto")(_attention_signatures)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -23,6 +23,13 @@ and batching rules by primitive:
   matmul, a convolution); the solver prices local work with it.
 * ``pin(eqn) -> spec``: a user's pin on its operand (``sf.constrain``,
   ``with_sharding_constraint``), which propagation spreads backward as a demand.
+* ``admits(eqn, decision, mesh) -> bool``: whether the rule lowers ``decision``, a combination
+  of one signature per axis that the 1-D signatures cannot rule out by themselves (a grouped
+  convolution's output-feature split must be whole groups). Greedy chooses again without the
+  named signatures a refused decision used; the solver enumerates only admitted ones. Asked
+  with ``decision`` None: whether it admits any. A rule with its own ``propagate`` is laid out
+  by it, not solved, unless it admits some decision (attention of context "auto"; an explicit
+  context decides by q's layout as it comes, which only greedy sees).
 
 A primitive without a rule runs whole after its operands are gathered, and is reported.
 
@@ -81,13 +88,14 @@ class Rule:
     comm_reason: str = ""
     trips: Callable | None = None
     flops: Callable | None = None
+    admits: Callable | None = None
 
 
 RULES: dict = {}
 
 
 def defrule(*prims, signatures=None, lower=None, propagate=None, pin=None, comm=None, comm_reason=None,
-            trips=None, flops=None):
+            trips=None, flops=None, admits=None):
     """Register (or extend) the rule of each primitive in ``prims`` (None entries — primitives
     this JAX version lacks — are skipped). Returns a decorator that sets the signatures."""
     prims = [p for p in prims if p is not None]
@@ -95,7 +103,7 @@ def defrule(*prims, signatures=None, lower=None, propagate=None, pin=None, comm=
         rule = RULES.setdefault(p, Rule())
         for field, value in (("signatures", signatures), ("lower", lower), ("propagate", propagate), ("pin", pin),
                              ("comm", comm), ("comm_reason", comm_reason), ("trips", trips),
-                             ("flops", flops)):
+                             ("flops", flops), ("admits", admits)):
             if value is not None:
                 setattr(rule, field, value)
 

@@ -107,8 +107,6 @@ class Case:
     args: tuple               # (shape, dtype) of fn's arguments, for tracing
     values: tuple = ()        # (operand index of the equation, generator) where not _normal
     xfail: tuple = ()         # (signature repr, reason): known unsound signatures
-    admit: Callable | None = None   # (eqn, Decision, mesh) -> whether the rule's own propagate
-                                    # would make that Decision (conv's whole groups)
 
     def __repr__(self):
         return f"Case({self.name!r})"
@@ -139,10 +137,10 @@ V = f32(8)  # one elementwise op of each primitive: its rule is shared (dims: th
 CATALOG: list[Case] = []
 
 
-def case(prim, name, fn, *args, values=(), xfail=(), admit=None):
+def case(prim, name, fn, *args, values=(), xfail=()):
     if prim is None:  # a primitive this JAX version lacks
         return
-    CATALOG.append(Case(name, prim, fn, tuple(args), tuple(values), tuple(xfail), admit))
+    CATALOG.append(Case(name, prim, fn, tuple(args), tuple(values), tuple(xfail)))
 
 
 # --- elementwise: unary
@@ -332,12 +330,6 @@ case(sf.ops.sf_attention_bwd_p, "attention-bwd-causal", _attention_bwd, *_QKV,
 
 
 # --- convolutions and windowed reductions (shardflow/rules/conv.py)
-def _whole_groups(eqn, d, m):
-    from shardflow.rules import conv
-    from shardflow.specs import axis_sizes
-    return conv._groups_ok(eqn, d, axis_sizes(m), m.axis_names)
-
-
 def _conv(*args, **kw):
     return lambda x, w: lax.conv_general_dilated(x, w, *args, **kw)
 
@@ -351,9 +343,9 @@ case(_CONV, "conv-patches-transposed", _conv((1, 1), ((1, 1), (1, 1)), lhs_dilat
 case(_CONV, "conv-dilated-weight-gradient", _conv((1, 1), "VALID", rhs_dilation=(2, 2)),
      f32(4, 4, 8, 8), f32(4, 4, 4, 4))
 case(_CONV, "conv-feature-groups", _conv((1, 1), "SAME", feature_group_count=4), f32(4, 8, 8, 4),
-     f32(8, 2, 3, 3), admit=_whole_groups)
+     f32(8, 2, 3, 3))
 case(_CONV, "conv-batch-groups", _conv((1,), "SAME", dimension_numbers=("NHC", "HIO", "NHC"), batch_group_count=4),
-     f32(8, 4, 4), f32(3, 4, 8), admit=_whole_groups)
+     f32(8, 4, 4), f32(3, 4, 8))
 
 
 def _window(init, op, window, strides, padding="VALID"):
@@ -461,9 +453,10 @@ def decision(eqn, sigs) -> Decision:
 
 def valid(c: Case, eqn, sigs, m) -> bool:
     """Whether per-axis signatures ``sigs`` together fit ``eqn`` on mesh ``m`` as propagation
-    checks it: every split dim divides, no complex P(max), no literal split (and the case's
-    ``admit``)."""
-    if c.admit is not None and not c.admit(eqn, decision(eqn, sigs), m):
+    checks it: every split dim divides, no complex P(max), no literal split, and the rule
+    ``admits`` it."""
+    admits = registry.rule_of(eqn.primitive).admits
+    if admits is not None and not admits(eqn, decision(eqn, sigs), m):
         return False
     for atoms, field in ((eqn.invars, "ins"), (eqn.outvars, "outs")):
         for k, x in enumerate(atoms):

@@ -25,9 +25,8 @@ BG = G, whose groups signature is a channel-parallel depthwise conv's weight gra
 With groups (G or BG > 1) an output-feature split is only local if each device's block of O is
 whole groups and its lhs block holds their channels (batch entries): the number of blocks of O
 must divide the group count and the axes splitting the lhs group dim must be a mesh-order prefix
-of those splitting O. One 1-D signature per axis cannot say that, so the rule has its own
-``propagate``: it chooses as usual and, if the choice breaks it, chooses again without the group
-signatures. The lowering slices the lhs channels (batch) of the device's groups and binds with
+of those splitting O. One 1-D signature per axis cannot say that: the rule ``admits`` only such
+decisions (greedy chooses again without the group signatures). The lowering slices the lhs channels (batch) of the device's groups and binds with
 the local group count.
 
 Spatial splitting with halos (a 3x3 conv, an overlapping pool, avg-pool's gradient, which pads
@@ -114,30 +113,17 @@ def _conv_signatures(eqn):
     return sigs
 
 
-def _groups_ok(eqn, decision, sizes, names) -> bool:
+def _whole_groups(eqn, decision, mesh) -> bool:
     """Whether the decision's split of rhs O is whole groups whose lhs part each device holds."""
-    gdim, groups = _group_dim(eqn)
+    grouped = _group_dim(eqn)
+    if grouped is None or decision is None:
+        return True
+    gdim, groups = grouped
     ro = _conv_dims(eqn)[1][0]
     on_l = [i for i, s in enumerate(decision.ins[0]) if s == S(gdim)]
     on_r = [i for i, s in enumerate(decision.ins[1]) if s == S(ro)]
-    k_r = math.prod(sizes[names[i]] for i in on_r)
+    k_r = math.prod(axis_sizes(mesh)[mesh.axis_names[i]] for i in on_r)
     return groups % k_r == 0 and on_l == on_r[:len(on_l)]
-
-
-def _propagate_conv(prop, eqn):
-    if _group_dim(eqn) is None:
-        return prop.generic(eqn)
-    sigs = _conv_signatures(eqn)
-    cur = [prop.of(a) for a in eqn.invars]
-    made = {x: set(prop.made.get(x, ())) for x in eqn.invars if not is_literal(x)}
-    sizes = axis_sizes(prop.mesh)
-    for drop in ((), ("groups",), ("groups", "group_out")):
-        for x, m in made.items():   # a rejected choice's conversions are not made
-            prop.made[x] = set(m)
-        decision = prop.choose(eqn, cur, [s for s in sigs if s.name not in drop])
-        if _groups_ok(eqn, decision, sizes, prop.names):
-            break
-    return prop.decide(eqn, decision)
 
 
 def _lower_conv(local, eqn, ins):
@@ -167,8 +153,7 @@ def _conv_flops(eqn, in_shapes, out_shapes):
     return 2.0 * math.prod(out_shapes[0]) * math.prod(rhs) / features
 
 
-defrule(lax.conv_general_dilated_p, propagate=_propagate_conv, lower=_lower_conv,
-        flops=_conv_flops)(_conv_signatures)
+defrule(lax.conv_general_dilated_p, lower=_lower_conv, flops=_conv_flops, admits=_whole_groups)(_conv_signatures)
 
 
 # ------------------------------------------------------------------------------ windowed reductions
