@@ -252,10 +252,10 @@ def _quiet_stdout():
         os.close(saved)
 
 
-def layouts(prop: Propagation, aval) -> list:
+def layouts(prop: Propagation, aval, partial: bool = False) -> list:
     """Every NdSbp of B or S(d) on each mesh axis under which ``aval`` divides: the choices
-    for an sf.AUTO input."""
-    per_axis = [B] + [Split(d) for d in range(len(aval.shape))]
+    for an sf.AUTO input; with ``partial``, P too (a loop's stacked output)."""
+    per_axis = [B] + [P] * partial + [Split(d) for d in range(len(aval.shape))]
     return [sbp for sbp in itertools.product(per_axis, repeat=len(prop.names)) if prop.valid(aval, sbp)]
 
 
@@ -282,8 +282,9 @@ class _Builder:
     """The integer program of a jaxpr, scans and remats included: a scan's body is one copy
     of its equations whose costs count ``length`` times, its consts, carries and sliced inputs
     one chosen layout each (converted outside the loop; a carry's the same at the start and
-    end of every iteration), its stacked outputs one layout each (never partial: a per-step
-    slice is reduced inside the loop, as a layer's gradient is). A remat's body sees its
+    end of every iteration), its stacked outputs one layout each — partial too: a layer's
+    gradient reduced inside the loop, hidden behind the next layer's compute, or all layers'
+    at once after it, one collective where the loop ran one per layer. A remat's body sees its
     operands as they are. Any other control flow is laid out as greedy laid it out."""
 
     def __init__(self, prop: Propagation, given: dict | None, tail: dict | None = None, known: dict | None = None):
@@ -396,7 +397,7 @@ class _Builder:
             ins.append((options, cols))
         ys = []
         for v, o in zip(body.outvars[nk:], eqn.outvars[nk:]):
-            options = [self.prop.whole] if is_literal(v) else layouts(self.prop, v.aval)
+            options = [self.prop.whole] if is_literal(v) else layouts(self.prop, v.aval, partial=True)
             options = [a for a in options if self.prop.valid(o.aval, stacked(a))]
             cols = self.choice([0.0] * len(options))
             if not self.loop_depth:   # held across the step (explain.held_bytes)
