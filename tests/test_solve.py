@@ -752,8 +752,9 @@ def test_an_optimizers_pinned_tail_is_coarsened_to_the_same_optimum(monkeypatch)
 @pytest.mark.parametrize("strategy", ["tp", "tp_sp"])
 def test_the_solved_train_step_with_attention_equals_jits(strategy):
     """The tiny preset's train step in float32, solved — attention among the equations the
-    solver lays out — runs on 8 devices to the new parameters, optimizer state and metrics of
-    jax.jit's step with the same specs."""
+    solver lays out, the layers' weight gradients partial out of the loop and all-reduced once,
+    stacked — runs on 8 devices to the new parameters, optimizer state and metrics of jax.jit's
+    step with the same specs."""
     from shardflow import train
 
     outs = {}
