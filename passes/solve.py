@@ -677,10 +677,9 @@ def _assemble_region(prop: Propagation, region: _Region, pick, given):
 def _laid_out(jaxpr, laid, loops: bool, out: dict) -> dict:
     """Control flow the solver leaves to greedy, anywhere in ``jaxpr`` outside the bodies of
     those it solves -> the equation as greedy laid it out (``laid``: greedy's annotation of
-    ``jaxpr``): while, cond, a pipeline, attention choosing its own layout; scans and remats
+    ``jaxpr``): while, cond, a pipeline, attention of an explicit context; scans and remats
     too unless ``loops``."""
     for eqn, mine in zip(jaxpr.eqns, laid.eqns):
-        rule = registry.rule_of(eqn.primitive)
         if loops and _solvable_region(eqn):
             _laid_out(open_jaxpr(eqn.params["jaxpr"]), open_jaxpr(mine.params["jaxpr"]), loops, out)
         elif lays_itself_out(eqn):

@@ -26,8 +26,8 @@ With groups (G or BG > 1) an output-feature split is only local if each device's
 whole groups and its lhs block holds their channels (batch entries): the number of blocks of O
 must divide the group count and the axes splitting the lhs group dim must be a mesh-order prefix
 of those splitting O. One 1-D signature per axis cannot say that: the rule ``admits`` only such
-decisions (greedy chooses again without the group signatures). The lowering slices the lhs channels (batch) of the device's groups and binds with
-the local group count.
+decisions (greedy chooses again without the group signatures). The lowering slices the lhs
+channels (batch) of the device's groups and binds with the local group count.
 
 Spatial splitting with halos (a 3x3 conv, an overlapping pool, avg-pool's gradient, which pads
 with interior padding before an overlapping window) is not offered: it needs a neighbour
@@ -45,7 +45,6 @@ import math
 
 from jax import lax
 
-from shardflow.program import is_literal
 from shardflow.registry import Sig, bind_params, defrule
 from shardflow.rules.elementwise import every, shape
 from shardflow.specs import B, P, Partial, S, axis_sizes
