@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import shardflow as sf
+import shardflow.ops  # noqa: F401  (sf.ops: the attention primitive)
 from shardflow.conversion import local_bytes
 from shardflow.passes import inline, solve
 from shardflow.passes.propagate import Propagation, reduced
@@ -217,29 +218,41 @@ def attention_grad(wq, wo, x):
     return jax.grad(loss, argnums=(0, 1))(wq, wo)
 
 
+def sf_attention_grad(wq, wo, x):
+    """``attention_grad`` with shardflow's causal attention primitive (its forward and backward
+    equations solved like the rest)."""
+    def loss(wq, wo):
+        q = jnp.einsum("bsd,dhe->bshe", x, wq)
+        o = sf.ops.attention(q, q, q, causal=True, backend="xla")
+        return jnp.sum(jnp.einsum("bqhe,hed->bqd", o, wo) ** 2)
+    return jax.grad(loss, argnums=(0, 1))(wq, wo)
+
+
 ATTENTION_ARGS = tuple(np.random.default_rng(1).standard_normal(s).astype(np.float32) / 4
                        for s in ((16, 4, 8), (4, 8, 16), (8, 8, 16)))
 
 
+@pytest.mark.parametrize("block", [attention_grad, sf_attention_grad])
 @pytest.mark.parametrize("axes,auto", [({"model": 8}, (0, 1)), ({"data": 2, "model": 4}, (1,))])
-def test_auto_finds_the_exhaustive_optimum_of_an_attention_block(axes, auto):
+def test_auto_finds_the_exhaustive_optimum_of_an_attention_block(axes, auto, block):
     """sf.AUTO weights of an attention block's gradient, the batch split over the first axis:
     the solver's optimum equals the best of solving once per assignment of layouts — both
     weights on one axis of 8 devices (9 assignments), the output projection on 2 x 4 (15; the
-    query projection's heads over 'model')."""
+    query projection's heads over 'model'). With softmax attention written out, and with
+    shardflow's attention primitive."""
     m = sf.make_mesh(axes)
     batch = (Split(0),) + (B,) * (len(axes) - 1)
     fixed = [None, None, batch]
     if 0 not in auto:
         fixed[0] = (B, Split(1))
-    program = inlined(attention_grad, ATTENTION_ARGS, m, fixed, (None, None))
+    program = inlined(block, ATTENTION_ARGS, m, fixed, (None, None))
     prop = Propagation(program).seeded()
     _, chosen, optimum, _ = solve.choose(prop, program.jaxpr.jaxpr, program.out_sbp)
     invars = program.jaxpr.jaxpr.invars
     choices = [solve.layouts(prop, invars[k].aval) if k in auto else [fixed[k]] for k in (0, 1)]
     best = min(solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2]
                for a, b in itertools.product(*choices)
-               for p in [inlined(attention_grad, ATTENTION_ARGS, m, (a, b, batch), (None, None))])
+               for p in [inlined(block, ATTENTION_ARGS, m, (a, b, batch), (None, None))])
     assert optimum == pytest.approx(best, rel=1e-6, abs=1e-12)
     assert set(chosen) == {invars[k] for k in auto}
 
