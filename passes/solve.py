@@ -106,16 +106,16 @@ def strategies(prop: Propagation, eqn, given: dict | None = None) -> list:
             continue
         if any(is_literal(x) and any(isinstance(t, Split) for t in s) for x, s in zip(eqn.invars, ins)):
             continue
-        seen.add((ins, outs))
-        if rule is not None and rule.admits is not None and not rule.admits(eqn, Decision(ins, outs, tuple(chosen)),
-                                                                            prop.mesh):
+        decision = Decision(ins, outs, tuple(chosen))
+        if rule is not None and rule.admits is not None and not rule.admits(eqn, decision, prop.mesh):
             continue
+        seen.add((ins, outs))
         flops, nbytes = conversion.local_work(eqn, ins, outs, prop.mesh)
         own = prop.program.links.compute_seconds(flops, nbytes)
         if rule is not None and rule.comm is not None:
             own += conversion.steps_seconds(rule.comm(eqn, ins, chosen, prop.mesh), prop.program.links)
         own += sum(prop.seconds(x.aval, prop.whole, s) for x, s in zip(eqn.invars, ins) if is_literal(x))
-        out.append((Decision(ins, outs, tuple(chosen)), own, flops))
+        out.append((decision, own, flops))
     if not out:
         raise Unsolvable(f"no strategy of {eqn.primitive.name} at {source_line(eqn)} divides its operands")
     least = min(flops for _, _, flops in out)
