@@ -99,10 +99,30 @@ class _MeshShape:
 
 @functools.lru_cache(maxsize=65536)
 def _plan(shape, dtype, src, dst, mesh) -> tuple:
+    """``_steps``'s collectives and local steps, sized for a ``dtype[shape]`` value."""
+    sizes, itemsize = axis_sizes(mesh), as_dtype(dtype).itemsize
+    out = []
+    for kind, axes, dim, src_dim, op, before, after, cost in _steps(len(shape), src, dst, mesh):
+        before_shape = local_shape(shape, before, mesh)
+        sent = cost(math.prod(sizes[a] for a in axes), math.prod(before_shape) * itemsize,
+                    math.prod(local_shape(shape, after, mesh)) * itemsize)
+        out.append(Step(kind, axes, dim, src_dim, op, before_shape, int(round(sent)), after))
+    return tuple(out)
+
+
+def _free(n, before, after) -> float:
+    return 0.0
+
+
+@functools.lru_cache(maxsize=16384)
+def _steps(rank, src, dst, mesh) -> tuple:
+    """The steps from ``src`` to ``dst`` of a value of ``rank`` dims — which steps a conversion
+    takes depends on its layouts, not on its dims' sizes —, each (kind, axes, dim, src_dim, op,
+    NdSbp before, NdSbp after, its bytes sent as a function of the axes' device count and the
+    block bytes before and after it)."""
     names = tuple(mesh.axis_names)
     sizes = axis_sizes(mesh)
     order = {a: i for i, a in enumerate(names)}
-    itemsize = as_dtype(dtype).itemsize
     want = dict(zip(names, dst))
     # On an axis of one device every SBP is the same local block, so it takes the wanted SBP
     # first, for free: it can then never force a gather to restore a dim's split order (on
@@ -117,16 +137,10 @@ def _plan(shape, dtype, src, dst, mesh) -> tuple:
     if now() == tuple(dst):
         return ()
 
-    def block_bytes():
-        return math.prod(local_shape(shape, now(), mesh)) * itemsize
-
-    def step(kind, changes: dict, *, dim=-1, src_dim=-1, op="sum", cost=lambda n, before, after: 0.0):
-        before_shape = local_shape(shape, now(), mesh)
-        before = block_bytes()
+    def step(kind, changes: dict, *, dim=-1, src_dim=-1, op="sum", cost=_free):
+        before = now()
         cur.update(changes)
-        n = math.prod(sizes[a] for a in changes)
-        sent = cost(n, before, block_bytes())
-        steps.append(Step(kind, tuple(changes), dim, src_dim, op, before_shape, int(round(sent)), now()))
+        steps.append((kind, tuple(changes), dim, src_dim, op, before, now(), cost))
 
     def can_append(axis, dim):
         """May ``axis`` split ``dim`` next, as its minor-most axis, on the way to ``dst``?"""
@@ -156,7 +170,7 @@ def _plan(shape, dtype, src, dst, mesh) -> tuple:
         s, t = cur[a], want[a]
         if isinstance(s, Split) and t == Partial("sum") and _axes_on(now(), s.dim, names)[-1] == a:
             step("pad", {a: t}, dim=s.dim)
-    for dim in range(len(shape)):  # S -> B: gather what differs from the wanted split order
+    for dim in range(rank):  # S -> B: gather what differs from the wanted split order
         have, goal = _axes_on(now(), dim, names), _axes_on(dst, dim, names)
         k = 0
         while k < min(len(have), len(goal)) and have[k] == goal[k]:
@@ -213,8 +227,12 @@ def _route(shape, dtype, src, dst, mesh, links, direct: float) -> tuple | None:
 def _options(shape, n, src, dst) -> tuple:
     """What a mesh axis of ``n`` devices may hold on a route from ``src`` to ``dst``: B, a split
     of any dim it divides, and a partial value only where the route starts or ends as one."""
-    splits = [Split(d) for d in range(len(shape)) if shape[d] % n == 0]
-    return tuple([B] + splits + [s for s in dict.fromkeys((src, dst)) if isinstance(s, Partial)])
+    return _whole_or_split(shape, n) + tuple(s for s in dict.fromkeys((src, dst)) if isinstance(s, Partial))
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole_or_split(shape, n) -> tuple:
+    return (B,) + tuple(Split(d) for d in range(len(shape)) if shape[d] % n == 0)
 
 
 class _Graph(NamedTuple):
