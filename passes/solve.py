@@ -211,12 +211,12 @@ def _relaxation(cost, a, lb, ub, time_limit, warm: dict | None = None):
     ``warm`` (a dict, or None): the HiGHS instance of the last relaxation solved and its
     constraints, stored there; where this one has the same constraints (a program solved again
     at other overlap shares: only costs differ) the simplex starts from that optimal basis
-    (the 1b tensor-parallel step's second relaxation: 12 s cold). Without HiGHS's random
+    (the 1b tensor-parallel step's second relaxation: 0.3 s). Without HiGHS's random
     perturbation of the costs: ours span eleven orders of magnitude (a local step's epsilon to
     a layer loop's all-gathers), and perturbed, the 1b tensor-parallel step's relaxation took
     36,947 dual simplex iterations, 5.2 s, where unperturbed it takes 31,848, 2.3 s, to the
-    same optimum; and without presolve (whose reductions, a fifth of the rows, cost more than
-    they save here and lose the basis a second solve restarts from) 1.5 s."""
+    same optimum (and its second relaxation 35k iterations, though warm); and without presolve,
+    whose reductions (a fifth of the rows) cost more than they save here, 1.5 s."""
     import highspy
     if warm and warm["a"].shape == a.shape and all(
             np.array_equal(x, y) for x, y in ((warm["a"].indptr, a.indptr), (warm["a"].indices, a.indices),
