@@ -13,7 +13,6 @@ named nowhere <-> ``B``; ``unreduced={a}`` <-> ``P`` on ``a``.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
@@ -83,33 +82,69 @@ class ShardingError(ValueError):
         return type(self), (self.message, self.line)
 
 
-@dataclasses.dataclass(frozen=True)
-class Split:
-    dim: int
+class _Atom:
+    """An SBP of one mesh axis: immutable, and interned — one object per value, so that the
+    NdSbp tuples the planners key their tables by hash and compare by identity, in C (as
+    dataclasses they hashed in Python: 8M calls building the 1b step's integer program)."""
+    __slots__ = ("_key",)
+    _interned: dict
 
-    def __post_init__(self):
-        if isinstance(self.dim, (bool, np.bool_)) or not isinstance(self.dim, (int, np.integer)):
-            raise ShardingError(f"S({self.dim!r}): S takes the tensor dim to split, an int (S(0), S(1), ...)")
-        object.__setattr__(self, "dim", int(self.dim))
+    def __init_subclass__(cls):
+        cls._interned = {}
+
+    @classmethod
+    def _intern(cls, key):
+        atom = cls._interned.get(key)
+        if atom is None:
+            atom = cls._interned[key] = object.__new__(cls)
+            object.__setattr__(atom, "_key", key)
+        return atom
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{self!r} is immutable")
+
+    def __reduce__(self):
+        return type(self), self._key
+
+
+class Split(_Atom):
+    __slots__ = ()
+
+    def __new__(cls, dim):
+        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
+            raise ShardingError(f"S({dim!r}): S takes the tensor dim to split, an int (S(0), S(1), ...)")
+        return cls._intern((int(dim),))
+
+    @property
+    def dim(self) -> int:
+        return self._key[0]
 
     def __repr__(self):
         return f"S({self.dim})"
 
 
-@dataclasses.dataclass(frozen=True)
-class Broadcast:
+class Broadcast(_Atom):
+    __slots__ = ()
+
+    def __new__(cls):
+        return cls._intern(())
+
     def __repr__(self):
         return "B"
 
 
-@dataclasses.dataclass(frozen=True)
-class Partial:
-    op: str = "sum"
+class Partial(_Atom):
+    __slots__ = ()
 
-    def __post_init__(self):
-        if self.op not in ("sum", "max", "min"):
-            raise ShardingError(f"P({self.op!r}): a partial value is reduced by 'sum', 'max' or 'min' "
+    def __new__(cls, op: str = "sum"):
+        if op not in ("sum", "max", "min"):
+            raise ShardingError(f"P({op!r}): a partial value is reduced by 'sum', 'max' or 'min' "
                                 "(sf.P, sf.P('max'), sf.P('min'))")
+        return cls._intern((op,))
+
+    @property
+    def op(self) -> str:
+        return self._key[0]
 
     def __call__(self, op: str) -> "Partial":
         return Partial(op)
