@@ -145,6 +145,21 @@ class _Model:
         self.integral.append(1 if integral else 0)
         return len(self.cost) - 1
 
+    def vars(self, costs: np.ndarray, loop=None) -> np.ndarray:
+        """Columns, one per entry of ``costs`` (in C order), shaped like it; with ``loop``
+        (a scan eqn) their nonzero costs are hideable behind it (``costs``)."""
+        first = len(self.cost)
+        cols = np.arange(first, first + costs.size).reshape(costs.shape)
+        if loop is None:
+            self.cost.extend(costs.ravel().tolist())
+        else:
+            self.cost.extend([0.0] * costs.size)
+            hidden = costs.ravel() != 0
+            self.overlapped += [(c, seconds, loop) for c, seconds in
+                                zip(cols.ravel()[hidden].tolist(), costs.ravel()[hidden].tolist())]
+        self.integral.extend([0] * costs.size)
+        return cols
+
     def row(self, terms, lb, ub):
         r = len(self.lb)
         for col, val in terms:
@@ -153,6 +168,25 @@ class _Model:
             self.vals.append(val)
         self.lb.append(lb)
         self.ub.append(ub)
+
+    def balance(self, sums: np.ndarray, minus: list):
+        """Rows sum(sums[i]) = sum(minus[i]), one per row of ``sums`` (columns); where
+        ``minus[i]`` is None, = 1 (a fixed side)."""
+        first = len(self.lb)
+        n, k = sums.shape
+        self.rows.extend(np.repeat(np.arange(first, first + n), k).tolist())
+        self.cols.extend(sums.ravel().tolist())
+        self.vals.extend([1.0] * (n * k))
+        for i, cols in enumerate(minus):
+            if cols is None:
+                self.lb.append(1.0)
+                self.ub.append(1.0)
+                continue
+            self.rows.extend([first + i] * len(cols))
+            self.cols.extend(cols)
+            self.vals.extend([-1.0] * len(cols))
+            self.lb.append(0.0)
+            self.ub.append(0.0)
 
     def costs(self, exposed: dict | None) -> np.ndarray:
         """The columns' costs, a loop's hideable conversions at the share ``exposed`` gives it
@@ -574,39 +608,28 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
     a -> r, q >= every use's e[a, r], paid once (boxing converts once for all users). A
     conversion a loop may overlap with its compute (``hideable``: by var, or by id of a use)
     is priced at the share of it the loop leaves exposed, given when the model is solved."""
-    def equal(edges, cols):    # sum of edges = sum of cols; cols None: a fixed side, the constant 1
-        if cols is None:
-            m.row([(e, 1.0) for e in edges], 1.0, 1.0)
-        else:
-            m.row([(e, 1.0) for e in edges] + [(c, -1.0) for c in cols], 0.0, 0.0)
-
-    shared = {}
     uses = [use for use in uses if not all(a == r for a in z for r in use)]
+    if not uses:
+        return
+    here = list(z)
     seconds = {(a, r): 0.0 if a == r else prop.seconds(v.aval, a, r) * scale
-               for a in z for r in {r for use in uses for r in use}}
+               for r in {r for use in uses for r in use} for a in here}
+    shared = {}
     for use in uses:
         loop = None if hideable is None else hideable.get(v, hideable.get(id(use)))
-
-        def priced(a, r):
-            if loop is None or not seconds[a, r]:
-                return m.var(seconds[a, r])
-            col = m.var()
-            m.overlapped.append((col, seconds[a, r], loop))
-            return col
-
+        wanted = list(use)
+        price = np.array([[seconds[a, r] for r in wanted] for a in here])
         # one use: its edges carry the price themselves (q = e)
-        edges = {(a, r): priced(a, r) if len(uses) == 1 else m.var() for a in z for r in use}
-        for a, za in z.items():
-            equal([edges[a, r] for r in use], None if za is None else [za])
-        for r, cols in use.items():
-            equal([edges[a, r] for a in z], cols)
+        edges = m.vars(price, loop) if len(uses) == 1 else m.vars(np.zeros_like(price))
+        m.balance(edges, [None if z[a] is None else [z[a]] for a in here])
+        m.balance(edges.T, [use[r] for r in wanted])
         if len(uses) == 1:
             continue
-        for (a, r), e in edges.items():
+        for (i, a), (j, r) in itertools.product(enumerate(here), enumerate(wanted)):
             if a != r:
                 if (a, r) not in shared:
-                    shared[a, r] = priced(a, r)
-                m.row([(shared[a, r], 1.0), (e, -1.0)], 0.0, math.inf)
+                    shared[a, r] = int(m.vars(np.array([price[i, j]]), loop)[0])
+                m.row([(shared[a, r], 1.0), (int(edges[i, j]), -1.0)], 0.0, math.inf)
 
 
 def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, given: dict | None = None,
