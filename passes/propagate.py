@@ -55,6 +55,7 @@ class Propagation:
         self._arguments = None          # the arguments and their casts and loop views
         self.held: set = set()          # axes bodies may not split (a pipeline's stages)
         self._prices: dict = {} if prices is None else prices
+        self._valid: dict = {}
 
     def seeded(self) -> "Propagation":
         """Itself, with the program's constants B and its inputs at their in_specs (but those
@@ -90,7 +91,10 @@ class Propagation:
         return min([self.seconds(x.aval, src, dst)] + [self.seconds(x.aval, m, dst) for m in self.made.get(x, ())])
 
     def valid(self, aval, sbp) -> bool:
-        return divides(aval.shape, sbp, self.mesh)
+        key = (aval.shape, sbp)
+        if key not in self._valid:
+            self._valid[key] = divides(aval.shape, sbp, self.mesh)
+        return self._valid[key]
 
     # ---------------------------------------------------------------- demands (backward sweep)
 

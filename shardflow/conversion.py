@@ -28,7 +28,6 @@ only where a value has at most ``ROUTED_LAYOUTS`` of them).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
@@ -49,8 +48,9 @@ ROUTED_LAYOUTS = 256  # layouts of a value beyond which conversions take the dir
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 
 
-@dataclasses.dataclass(frozen=True)
-class Step:
+class Step(NamedTuple):
+    """One step of a conversion (a tuple: hashed and built in C; a plan of the 1b step's
+    integer program builds 30k of them)."""
     kind: str              # one of COLLECTIVES, or the local "slice" / "mask" / "pad"
     axes: tuple            # mesh axis names
     dim: int = -1          # tensor dim gathered / scattered / sliced (all_to_all: split dim)
@@ -75,18 +75,23 @@ def plan(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links=None) -> tuple:
     """Steps converting a ``dtype[shape]`` value from ``src`` to ``dst`` (both NdSbp): the
     direct plan, or with ``links`` (a LinkModel) the cheaper of it and the shortest route
     through NdSbps between (``_route``)."""
-    if tuple(src) == tuple(dst):
-        return ()
-    shape, dtype, src, dst = tuple(shape), as_dtype(dtype), tuple(src), tuple(dst)
-    mesh = _MeshShape(tuple(mesh.axis_names), tuple(mesh.devices.shape))
+    return _priced(shape, dtype, src, dst, mesh, links)[0]
+
+
+def _priced(shape, dtype, src, dst, mesh, links) -> tuple:
+    """(``plan``'s steps, their seconds by ``links``, or None without)."""
+    src, dst = tuple(src), tuple(dst)
+    if src == dst:
+        return (), 0.0
+    shape, dtype, mesh = tuple(shape), as_dtype(dtype), _MeshShape(tuple(mesh.axis_names), tuple(mesh.devices.shape))
     direct = _plan(shape, dtype, src, dst, mesh)
     if links is None:
-        return direct
-    return _route(shape, dtype, src, dst, mesh, links, steps_seconds(direct, links)) or direct
+        return direct, None
+    direct_seconds = steps_seconds(direct, links)
+    return _route(shape, dtype, src, dst, mesh, links, direct_seconds) or (direct, direct_seconds)
 
 
-@dataclasses.dataclass(frozen=True)
-class _MeshShape:
+class _MeshShape(NamedTuple):
     """What a plan depends on of a mesh: its axis names and sizes. Hashable (for the cache), and
     shaped like a Mesh where ``specs.axis_sizes`` / ``specs.local_shape`` read one."""
     axis_names: tuple
@@ -100,13 +105,21 @@ class _MeshShape:
 @functools.lru_cache(maxsize=65536)
 def _plan(shape, dtype, src, dst, mesh) -> tuple:
     """``_steps``'s collectives and local steps, sized for a ``dtype[shape]`` value."""
-    sizes, itemsize = axis_sizes(mesh), as_dtype(dtype).itemsize
+    itemsize = as_dtype(dtype).itemsize
     out = []
-    for kind, axes, dim, src_dim, op, before, after, cost in _steps(len(shape), src, dst, mesh):
-        before_shape = local_shape(shape, before, mesh)
-        sent = cost(math.prod(sizes[a] for a in axes), math.prod(before_shape) * itemsize,
-                    math.prod(local_shape(shape, after, mesh)) * itemsize)
+    for kind, axes, n, dim, src_dim, op, before, after, cost in _steps(len(shape), src, dst, mesh):
+        before_shape = _block(shape, before, mesh.shape)
+        sent = cost(n, math.prod(before_shape) * itemsize, math.prod(_block(shape, after, mesh.shape)) * itemsize)
         out.append(Step(kind, axes, dim, src_dim, op, before_shape, int(round(sent)), after))
+    return tuple(out)
+
+
+def _block(shape, sbp, sizes) -> tuple:
+    """``specs.local_shape`` with the mesh's axis sizes in mesh order."""
+    out = list(shape)
+    for n, s in zip(sizes, sbp):
+        if type(s) is Split:
+            out[s.dim] //= n
     return tuple(out)
 
 
@@ -117,9 +130,9 @@ def _free(n, before, after) -> float:
 @functools.lru_cache(maxsize=16384)
 def _steps(rank, src, dst, mesh) -> tuple:
     """The steps from ``src`` to ``dst`` of a value of ``rank`` dims — which steps a conversion
-    takes depends on its layouts, not on its dims' sizes —, each (kind, axes, dim, src_dim, op,
-    NdSbp before, NdSbp after, its bytes sent as a function of the axes' device count and the
-    block bytes before and after it)."""
+    takes depends on its layouts, not on its dims' sizes —, each (kind, axes, their device
+    count, dim, src_dim, op, NdSbp before, NdSbp after, its bytes sent as a function of that
+    count and the block bytes before and after it)."""
     names = tuple(mesh.axis_names)
     sizes = axis_sizes(mesh)
     order = {a: i for i, a in enumerate(names)}
@@ -140,7 +153,7 @@ def _steps(rank, src, dst, mesh) -> tuple:
     def step(kind, changes: dict, *, dim=-1, src_dim=-1, op="sum", cost=_free):
         before = now()
         cur.update(changes)
-        steps.append((kind, tuple(changes), dim, src_dim, op, before, now(), cost))
+        steps.append((kind, tuple(changes), math.prod(sizes[a] for a in changes), dim, src_dim, op, before, now(), cost))
 
     def can_append(axis, dim):
         """May ``axis`` split ``dim`` next, as its minor-most axis, on the way to ``dst``?"""
@@ -197,14 +210,14 @@ def steps_seconds(steps, links) -> float:
 
 def seconds(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links) -> float:
     """The one pricer: modelled seconds of the plan that converts ``src`` to ``dst``."""
-    return steps_seconds(plan(shape, dtype, src, dst, mesh, links), links)
+    return _priced(shape, dtype, src, dst, mesh, links)[1]
 
 
 # ------------------------------------------------------------------------------ routes
 
 def _route(shape, dtype, src, dst, mesh, links, direct: float) -> tuple | None:
-    """The steps of the shortest route from ``src`` to ``dst`` where it is cheaper than
-    ``direct`` seconds, else None: each hop one direct plan of one step."""
+    """(The steps of the shortest route from ``src`` to ``dst``, their seconds) where it is
+    cheaper than ``direct`` seconds, else None: each hop one direct plan of one step."""
     speeds = tuple((links.per_axis_alpha.get(a, links.alpha), links.per_axis_beta.get(a, links.beta))
                    for a in mesh.axis_names)
     options = tuple(_options(shape, n, s, t) for n, s, t in zip(mesh.shape, src, dst))
@@ -221,13 +234,19 @@ def _route(shape, dtype, src, dst, mesh, links, direct: float) -> tuple | None:
         k = graph.next[i, j]
         steps += _plan(shape, dtype, graph.states[i], graph.states[k], mesh)
         i = k
-    return tuple(steps) if steps_seconds(steps, links) < direct * (1 - 1e-9) else None
+    routed = steps_seconds(steps, links)
+    return (tuple(steps), routed) if routed < direct * (1 - 1e-9) else None
 
 
 def _options(shape, n, src, dst) -> tuple:
     """What a mesh axis of ``n`` devices may hold on a route from ``src`` to ``dst``: B, a split
     of any dim it divides, and a partial value only where the route starts or ends as one."""
-    return _whole_or_split(shape, n) + tuple(s for s in dict.fromkeys((src, dst)) if isinstance(s, Partial))
+    options = _whole_or_split(shape, n)
+    if type(src) is Partial:
+        options += (src,)
+    if type(dst) is Partial and dst != src:
+        options += (dst,)
+    return options
 
 
 @functools.lru_cache(maxsize=4096)

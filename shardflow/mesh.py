@@ -105,6 +105,8 @@ class LinkModel:
     def seconds(self, axes, nbytes: float) -> float:
         if nbytes == 0:
             return 0.0
+        if not self.per_axis_alpha and not self.per_axis_beta:
+            return self.alpha + nbytes / self.beta
         alpha = max((self.per_axis_alpha.get(a, self.alpha) for a in axes), default=self.alpha)
         beta = min((self.per_axis_beta.get(a, self.beta) for a in axes), default=self.beta)
         return alpha + nbytes / beta

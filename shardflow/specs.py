@@ -377,7 +377,11 @@ def local_shape(shape: Sequence[int], sbp: NdSbp, mesh: Mesh) -> tuple:
 
 def divides(shape, sbp: NdSbp, mesh: Mesh) -> bool:
     """Whether every dim of ``shape`` divides by the product of the mesh axes splitting it."""
-    return _indivisible(shape, sbp, mesh) is None
+    split = {}
+    for n, s in zip(mesh.devices.shape, sbp):
+        if type(s) is Split:
+            split[s.dim] = split.get(s.dim, 1) * n
+    return not any(d < len(shape) and shape[d] % n for d, n in split.items())
 
 
 def _indivisible(shape, sbp: NdSbp, mesh: Mesh):
