@@ -570,16 +570,11 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
         else:
             b.uses.setdefault(v, []).append({want: None})
     for v, at in b.produced.items():
-        z = {}
-        for a, cols in at.items():
-            z[a] = None if cols is None else m.var()
-            if cols is not None:
-                m.row([(z[a], 1.0)] + [(c, -1.0) for c in cols], 0.0, 0.0)
         if v in unspecified:      # no out_spec: a partial output is reduced (inputs never are partial)
-            for a, za in z.items():
-                if za is not None:
-                    m.cost[za] += prop.seconds(v.aval, a, reduced(a))
-        _conversions(m, prop, v, z, b.uses.get(v, ()), b.scale.get(v, 1), b.hideable)
+            for a, cols in at.items():
+                for c in cols or ():
+                    m.cost[c] += prop.seconds(v.aval, a, reduced(a))
+        _conversions(m, prop, v, at, b.uses.get(v, ()), b.scale.get(v, 1), b.hideable)
     return m, entries, auto
 
 
@@ -604,7 +599,8 @@ def _taken(b: _Builder, jaxpr) -> list:
 
 def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
     """Columns and rows pricing ``v``'s conversions: per use, a transportation edge e[a, r]
-    (sum_r e = z[a], sum_a e = the use's choice of r: tight for one edge); per conversion
+    (sum_r e = z[a], the columns producing ``v`` at a — None: fixed there, the constant 1 —,
+    sum_a e = the use's choice of r: tight for one edge); per conversion
     a -> r, q >= every use's e[a, r], paid once (boxing converts once for all users). A
     conversion a loop may overlap with its compute (``hideable``: by var, or by id of a use)
     is priced at the share of it the loop leaves exposed, given when the model is solved."""
@@ -621,7 +617,7 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
         price = np.array([[seconds[a, r] for r in wanted] for a in here])
         # one use: its edges carry the price themselves (q = e)
         edges = m.vars(price, loop) if len(uses) == 1 else m.vars(np.zeros_like(price))
-        m.balance(edges, [None if z[a] is None else [z[a]] for a in here])
+        m.balance(edges, [z[a] for a in here])
         m.balance(edges.T, [use[r] for r in wanted])
         if len(uses) == 1:
             continue
