@@ -140,6 +140,7 @@ class _Model:
         self.cost, self.integral = [], []
         self.rows, self.cols, self.vals, self.lb, self.ub = [], [], [], [], []
         self.overlapped = []     # (column, seconds, scan eqn): a cost times the share that loop leaves exposed
+        self.matrix = None       # the rows as a sparse matrix, once built (``solve``)
 
     def var(self, cost=0.0, integral=False) -> int:
         self.cost.append(cost)
@@ -169,6 +170,15 @@ class _Model:
             self.vals.append(val)
         self.lb.append(lb)
         self.ub.append(ub)
+
+    def at_least(self, big: list, small: list):
+        """Rows big[i] >= small[i] (columns)."""
+        first, n = len(self.lb), len(big)
+        self.rows.extend(np.repeat(np.arange(first, first + n), 2).tolist())
+        self.cols.extend(np.column_stack([big, small]).ravel().tolist() if n else [])
+        self.vals.extend([1.0, -1.0] * n)
+        self.lb.extend([0.0] * n)
+        self.ub.extend([math.inf] * n)
 
     def balance(self, sums: np.ndarray, minus: list):
         """Rows sum(sums[i]) = sum(minus[i]), one per row of ``sums`` (columns); where
@@ -210,7 +220,9 @@ class _Model:
         1b tensor-parallel step's in 8 s where scipy's milp took 40 s. ``warm``: the last
         relaxation solved for this program (``_relaxation``), kept there for the next;
         ``exposed``: the loops' overlap shares (``costs``)."""
-        a = sparse.csc_array((self.vals, (self.rows, self.cols)), shape=(len(self.lb), len(self.cost)))
+        if self.matrix is None or self.matrix.shape != (len(self.lb), len(self.cost)):
+            self.matrix = sparse.csc_array((self.vals, (self.rows, self.cols)), shape=(len(self.lb), len(self.cost)))
+        a = self.matrix
         # in microseconds: seconds-sized costs sit below HiGHS's tolerances
         cost, integral = self.costs(exposed) * 1e6, np.asarray(self.integral) == 1
         lb, ub = np.asarray(self.lb, float), np.asarray(self.ub, float)
@@ -622,11 +634,14 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
         m.balance(edges.T, [use[r] for r in wanted])
         if len(uses) == 1:
             continue
+        paid, used = [], []
         for (i, a), (j, r) in itertools.product(enumerate(here), enumerate(wanted)):
             if a != r:
                 if (a, r) not in shared:
                     shared[a, r] = int(m.vars(np.array([price[i, j]]), loop)[0])
-                m.row([(shared[a, r], 1.0), (int(edges[i, j]), -1.0)], 0.0, math.inf)
+                paid.append(shared[a, r])
+                used.append(int(edges[i, j]))
+        m.at_least(paid, used)
 
 
 def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, given: dict | None = None,
