@@ -81,10 +81,23 @@ class Propagation:
     # ---------------------------------------------------------------- pricing
 
     def seconds(self, aval, src, dst) -> float:
-        key = (aval.shape, aval.dtype, tuple(src), tuple(dst))
-        if key not in self._prices:     # the same conversion of same-shaped values, priced once
-            self._prices[key] = conversion.seconds(*key, self.mesh, self.program.links)
-        return self._prices[key]
+        return self.pricer(aval)(tuple(src), tuple(dst))
+
+    def pricer(self, aval):
+        """``seconds`` for values of ``aval``'s shape and dtype, as a function of (src, dst)
+        NdSbp tuples: the same conversion of same-shaped values priced once."""
+        key = (aval.shape, aval.dtype)
+        table = self._prices.get(key)
+        if table is None:
+            table = self._prices[key] = {}
+        mesh, links = self.mesh, self.program.links
+
+        def price(src, dst):
+            got = table.get((src, dst))
+            if got is None:
+                got = table[src, dst] = conversion.seconds(aval.shape, aval.dtype, src, dst, mesh, links)
+            return got
+        return price
 
     def use_seconds(self, x, src, dst) -> float:
         """Converting ``x`` to ``dst``, from ``src`` or from a conversion of it already made."""

@@ -39,7 +39,6 @@ optimum is exact.
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import math
 import os
@@ -621,15 +620,15 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
     if not uses:
         return
     here = list(z)
-    seconds = {(a, r): 0.0 if a == r else prop.seconds(v.aval, a, r) * scale
-               for r in {r for use in uses for r in use} for a in here}
+    price = prop.pricer(v.aval)
+    seconds = {(a, r): 0.0 if a == r else price(a, r) * scale for r in {r for use in uses for r in use} for a in here}
     shared = {}
     for use in uses:
         loop = None if hideable is None else hideable.get(v, hideable.get(id(use)))
         wanted = list(use)
-        price = np.array([[seconds[a, r] for r in wanted] for a in here])
+        prices = np.array([[seconds[a, r] for r in wanted] for a in here])
         # one use: its edges carry the price themselves (q = e)
-        edges = m.vars(price, loop) if len(uses) == 1 else m.vars(np.zeros_like(price))
+        edges = m.vars(prices, loop) if len(uses) == 1 else m.vars(np.zeros_like(prices))
         m.balance(edges, [z[a] for a in here])
         m.balance(edges.T, [use[r] for r in wanted])
         if len(uses) == 1:
@@ -638,7 +637,7 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
         for (i, a), (j, r) in itertools.product(enumerate(here), enumerate(wanted)):
             if a != r:
                 if (a, r) not in shared:
-                    shared[a, r] = int(m.vars(np.array([price[i, j]]), loop)[0])
+                    shared[a, r] = int(m.vars(np.array([prices[i, j]]), loop)[0])
                 paid.append(shared[a, r])
                 used.append(int(edges[i, j]))
         m.at_least(paid, used)
@@ -799,21 +798,6 @@ def _loop_shares(boxed: Program, jaxpr) -> dict:
     return _exposed(boxed, jaxpr, boxed.jaxpr.jaxpr, {})
 
 
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off while a program is solved: building the integer
-    program makes millions of small objects and no cycles, and the collections they set off
-    took 0.4-1.1 s of the presets' 3-4 s solves (hundreds of them, some of every generation)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@_collector_paused()
 def solve(program: Program, time_limit: float | None = None) -> Program:
     # Scans and remats are solved with their bodies. Other control flow (while, cond, a
     # pipeline, attention with its own context) is laid out as greedy lays it out — its bodies
