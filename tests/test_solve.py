@@ -177,7 +177,8 @@ def test_a_data_parallel_gradient_is_all_reduced_not_computed_whole_on_every_dev
     plan = step.explain(*args)
     assert plan.planner.startswith("solver"), plan.planner
     assert {c.kind for c in plan.collectives} == {"all_reduce"}, str(plan)       # no batch gathered
-    assert {c.shape for c in plan.collectives} >= {(16, 32), (32, 16)}, str(plan)
+    # each weight's gradient all-reduced once (jax 0.11 reduces w2's before its transpose: (16, 32))
+    assert sorted(math.prod(c.shape) * c.count for c in plan.collectives if c.shape) == [512, 512], str(plan)
     for a, e in zip(step(*args), jax.jit(grad)(*args)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-6)
 
