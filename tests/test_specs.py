@@ -25,6 +25,25 @@ def test_sbp_forms_agree(mesh):
     assert parse_sbp_string("S(2),P") == (sf.S(2), sf.P)
 
 
+def test_an_sbp_atom_is_one_object_per_value_immutable_and_pickles_to_itself():
+    """The planners key their tables by NdSbp tuples, hashed and compared by identity: every
+    way of making an atom gives the one object, and nothing can change it."""
+    import copy
+    import pickle
+    assert sf.S(np.int64(1)) is sf.S(1) is sf.to_sbp("S(1)", sf.make_mesh({"data": 8}))[0]
+    assert sf.P is sf.P("sum") and sf.P("max") is sf.P("max") is not sf.P and sf.B is type(sf.B)()
+    for atom in (sf.S(2), sf.B, sf.P, sf.P("min")):
+        assert pickle.loads(pickle.dumps(atom)) is atom and copy.deepcopy(atom) is atom
+        assert {atom: 1}[copy.copy(atom)] == 1
+    assert (sf.S(0), sf.B) == (sf.S(0), sf.B) and sf.S(0) != sf.S(1) and sf.S(0) != sf.B
+    with pytest.raises(AttributeError, match="immutable"):
+        sf.S(0).dim = 1
+    with pytest.raises(sf.ShardingError, match=r"S\(True\): S takes the tensor dim to split, an int"):
+        sf.S(True)
+    with pytest.raises(sf.ShardingError, match="'sum', 'max' or 'min'"):
+        sf.P("mean")
+
+
 @pytest.mark.parametrize("sbp", [(sf.S(0), sf.B), (sf.B, sf.S(1)), (sf.S(1), sf.S(0)), (sf.S(0), sf.S(0)),
                                  (sf.B, sf.B), (sf.P, sf.S(0)), (sf.B, sf.P)])
 def test_partition_spec_round_trip(mesh, sbp):
