@@ -153,7 +153,8 @@ def _steps(rank, src, dst, mesh) -> tuple:
     def step(kind, changes: dict, *, dim=-1, src_dim=-1, op="sum", cost=_free):
         before = now()
         cur.update(changes)
-        steps.append((kind, tuple(changes), math.prod(sizes[a] for a in changes), dim, src_dim, op, before, now(), cost))
+        n = math.prod(sizes[a] for a in changes)
+        steps.append((kind, tuple(changes), n, dim, src_dim, op, before, now(), cost))
 
     def can_append(axis, dim):
         """May ``axis`` split ``dim`` next, as its minor-most axis, on the way to ``dst``?"""
