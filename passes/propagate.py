@@ -20,6 +20,7 @@ result is deterministic.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 from jax import lax
@@ -86,18 +87,13 @@ class Propagation:
     def pricer(self, aval):
         """``seconds`` for values of ``aval``'s shape and dtype, as a function of (src, dst)
         NdSbp tuples: the same conversion of same-shaped values priced once."""
-        key = (aval.shape, aval.dtype)
-        table = self._prices.get(key)
-        if table is None:
-            table = self._prices[key] = {}
-        mesh, links = self.mesh, self.program.links
+        return functools.partial(self._price, self._prices.setdefault((aval.shape, aval.dtype), {}), aval)
 
-        def price(src, dst):
-            got = table.get((src, dst))
-            if got is None:
-                got = table[src, dst] = conversion.seconds(aval.shape, aval.dtype, src, dst, mesh, links)
-            return got
-        return price
+    def _price(self, table, aval, src, dst) -> float:
+        got = table.get((src, dst))
+        if got is None:
+            got = table[src, dst] = conversion.seconds(aval.shape, aval.dtype, src, dst, self.mesh, self.program.links)
+        return got
 
     def use_seconds(self, x, src, dst) -> float:
         """Converting ``x`` to ``dst``, from ``src`` or from a conversion of it already made."""

@@ -633,14 +633,10 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
         m.balance(edges.T, [use[r] for r in wanted])
         if len(uses) == 1:
             continue
-        paid, used = [], []
-        for (i, a), (j, r) in itertools.product(enumerate(here), enumerate(wanted)):
-            if a != r:
-                if (a, r) not in shared:
-                    shared[a, r] = int(m.vars(np.array([prices[i, j]]), loop)[0])
-                paid.append(shared[a, r])
-                used.append(int(edges[i, j]))
-        m.at_least(paid, used)
+        converted = [(i, j) for (i, a), (j, r) in itertools.product(enumerate(here), enumerate(wanted)) if a != r]
+        new = list(dict.fromkeys((here[i], wanted[j]) for i, j in converted if (here[i], wanted[j]) not in shared))
+        shared.update(zip(new, m.vars(np.array([seconds[pair] for pair in new]), loop).tolist()))
+        m.at_least([shared[here[i], wanted[j]] for i, j in converted], [int(edges[i, j]) for i, j in converted])
 
 
 def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, given: dict | None = None,

@@ -377,20 +377,19 @@ def local_shape(shape: Sequence[int], sbp: NdSbp, mesh: Mesh) -> tuple:
 
 def divides(shape, sbp: NdSbp, mesh: Mesh) -> bool:
     """Whether every dim of ``shape`` divides by the product of the mesh axes splitting it."""
-    split = {}
-    for n, s in zip(mesh.devices.shape, sbp):
-        if type(s) is Split:
-            split[s.dim] = split.get(s.dim, 1) * n
-    return not any(d < len(shape) and shape[d] % n for d, n in split.items())
+    return _indivisible(shape, sbp, mesh) is None
 
 
 def _indivisible(shape, sbp: NdSbp, mesh: Mesh):
     """(dim, mesh axes, their device count) of the first dim they do not divide, or None."""
-    sizes = axis_sizes(mesh)
-    for dim in range(len(shape)):
-        axes = split_axes(sbp, dim, mesh.axis_names)
-        n = math.prod(sizes[a] for a in axes)
-        if axes and shape[dim] % n:
+    split = {}     # dim -> (its mesh axes, major first; their device count)
+    for axis, n, s in zip(mesh.axis_names, mesh.devices.shape, sbp):
+        if type(s) is Split:
+            axes, count = split.get(s.dim, ((), 1))
+            split[s.dim] = (axes + (axis,), count * n)
+    for dim in sorted(split):
+        axes, n = split[dim]
+        if dim < len(shape) and shape[dim] % n:
             return dim, axes, n
     return None
 
