@@ -623,14 +623,23 @@ def reference(fn, args):
     return jax.device_get(jax.jit(fn)(*args))
 
 
+TIE_BREAK = 1e4   # "solver-bytes": how much cheaper than modelled the local work is priced
+
+
 def parallelized(fn, in_specs, out_specs, planner="greedy"):
     """sf.parallelize on the suite's mesh; ``planner``: "greedy" (passes.propagate), "solver"
-    (passes.solve, modelled time) or "solver-bytes" (passes.solve, bytes)."""
+    (passes.solve, modelled time) or "solver-bytes" (passes.solve, modelled time without the
+    collectives' latency)."""
     import shardflow as sf
     passes = sf.passes.DEFAULT if planner == "greedy" else sf.passes.SOLVER
-    # without the link model's latency and the local work's price, the modelled time is bytes /
-    # bandwidth: the table's measure (matmuls still divide their flops: passes.solve.strategies)
-    links = sf.LinkModel(alpha=0.0, flops=math.inf, memory_bandwidth=math.inf) if planner == "solver-bytes" else None
+    # Without the per-collective latency the collectives cost their bytes over bandwidth: the
+    # table's measure. The local work is priced at 1/TIE_BREAK of its modelled time: among
+    # plans moving the same bytes the one doing the least work (a scatter run on a device's
+    # block rather than whole, then sliced), where priced in full a plan would move more
+    # bytes to read and write less memory.
+    modelled = sf.LinkModel()
+    links = sf.LinkModel(alpha=0.0, flops=modelled.flops * TIE_BREAK,
+                         memory_bandwidth=modelled.memory_bandwidth * TIE_BREAK) if planner == "solver-bytes" else None
     return sf.parallelize(fn, mesh=mesh(), in_specs=in_specs, out_specs=out_specs, passes=passes, links=links)
 
 
