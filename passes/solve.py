@@ -2,10 +2,11 @@
 program (scipy's HiGHS), to minimise the modelled seconds of the collectives and the local work.
 
 Requires "inlined"; ensures "sharded", as ``passes.propagate`` does, so ``passes.boxing`` runs
-after either. Partial, and said so: an equation whose rule chooses for itself (control flow, a
-pipeline, attention with an explicit ``context``) is laid out as greedy ``propagate`` lays it
-out — one fixed strategy, priced 0 — and the rest solved around it; the time limit hands the
-whole program to greedy. The solved plan and greedy's are then priced as boxed, and the cheaper
+after either. Scans, remats and sf.pipeline are solved with their bodies. Partial, and said so:
+any other equation whose rule chooses for itself (while, cond, attention with an explicit
+``context``) is laid out as greedy ``propagate`` lays it out — one fixed strategy, priced 0 —
+and the rest solved around it; the time limit hands the loops (pipelines among them) to
+greedy, then the whole program. The solved plan and greedy's are then priced as boxed, and the cheaper
 kept (the model prices a value's conversions each from where it is made; boxing chains them).
 The Program records which ran (``program.planner``), and explain prints it. ``sf.AUTO`` inputs
 are one more choice each. A memory budget (``memory_budget``, else a GPU's memory) bounds
@@ -54,11 +55,12 @@ from shardflow import conversion, registry
 from shardflow.explain import hideable, make_plan
 from shardflow.passes.boxing import boxing
 from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, _adoptable, propagate, reduced
+from shardflow.pipelining import Bodies, body_runs, operand_groups, outer_sbp, pipeline_p
 from shardflow.program import REMAT_PRIMITIVES, Program, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import DECISION, Decision, Sig
 from shardflow.rules.control import rebody, stacked, unstacked
 from shardflow.rules.elementwise import SHAPE_KEEPING
-from shardflow.specs import B, P, ShardingError, Split
+from shardflow.specs import B, P, Partial, ShardingError, Split
 
 TIME_LIMIT = 60.0      # seconds HiGHS may take, per attempt, before greedy runs instead
 COARSEN = 100_000      # transportation edges from which a program's pinned tail is coarsened (``pinned_tail``)
@@ -96,7 +98,8 @@ def strategies(prop: Propagation, eqn, given: dict | None = None) -> list:
         whole = Decision((prop.whole,) * n_in, (prop.whole,) * n_out, fallback=True)
         return [(whole, conversion.local_seconds(eqn, whole.ins, whole.outs, prop.mesh, prop.program.links))]
     out, seen = [], set()
-    for chosen in itertools.product(list(sigs) + [whole], repeat=len(prop.names)):
+    for chosen in itertools.product(*[[whole] if i in prop.held else list(sigs) + [whole]
+                                      for i in range(len(prop.names))]):
         ins = tuple(tuple(sig.ins[k] for sig in chosen) for k in range(n_in))
         outs = tuple(tuple(sig.outs[j] for sig in chosen) for j in range(n_out))
         if (ins, outs) in seen:
@@ -306,10 +309,12 @@ def _quiet_stdout():
 
 
 def layouts(prop: Propagation, aval, partial: bool = False) -> list:
-    """Every NdSbp of B or S(d) on each mesh axis under which ``aval`` divides: the choices
-    for an sf.AUTO input; with ``partial``, P too (a loop's stacked output)."""
+    """Every NdSbp of B or S(d) on each mesh axis under which ``aval`` divides (B alone on an
+    axis the bodies of a pipeline hold): the choices for an sf.AUTO input; with ``partial``, P
+    too (a loop's stacked output)."""
     per_axis = [B] + [P] * partial + [Split(d) for d in range(len(aval.shape))]
-    return [sbp for sbp in itertools.product(per_axis, repeat=len(prop.names)) if prop.valid(aval, sbp)]
+    axes = [[B] if i in prop.held else per_axis for i in range(len(prop.names))]
+    return [sbp for sbp in itertools.product(*axes) if prop.valid(aval, sbp)]
 
 
 def _fixed_input_bytes(prop: Propagation) -> int:
@@ -325,6 +330,18 @@ class _Region(NamedTuple):
     body: list
     ins: list          # per body invar: (layouts, columns), or None (a remat's: the operand's own)
     ys: list           # per stacked output of a scan: (layouts, columns)
+
+
+class _Pipeline(NamedTuple):
+    """An sf.pipeline solved with its bodies: per body its entries, per body input and output
+    the (layouts, columns) of the value it is; per operand and result of the equation the same,
+    its layouts as outside the bodies."""
+    eqn: object
+    bodies: dict       # body name -> its entries
+    body_ins: dict     # body name -> per invar (layouts, columns)
+    body_outs: dict    # body name -> per outvar (layouts, columns): what is wanted of it
+    ins: list          # per operand (layouts outside, columns)
+    outs: list         # per result (layouts outside, columns)
 
 
 def _solvable_region(eqn) -> bool:
@@ -368,7 +385,8 @@ class _Builder:
             self.produced[v], self.scale[v] = {self.prop.whole: None}, scale
         for v in jaxpr.invars:
             self.scale[v] = scale
-        return [self.region(eqn, scale) if _solvable_region(eqn) and eqn not in self.given else self.plain(eqn, scale)
+        return [self.plain(eqn, scale) if eqn in self.given else self.region(eqn, scale) if _solvable_region(eqn)
+                else self.pipeline(eqn, scale) if eqn.primitive is pipeline_p else self.plain(eqn, scale)
                 for eqn in jaxpr.eqns]
 
     def plain(self, eqn, scale):
@@ -464,6 +482,81 @@ class _Builder:
             self.produced[o], self.scale[o] = _by_layout([stacked(a) for a in options], cols), scale
             ys.append((options, cols))
         return _Region(eqn, entries, ins, ys)
+
+
+    def pipeline(self, eqn, scale):
+        """sf.pipeline's five bodies solved with the program (``pipelining._propagate`` is
+        greedy's layout of it): one layout each for what crosses between them — the chunk's
+        weights, the activation (and its gradient, laid out alike), each residual forward
+        stores, each value B stashes for W, the weights' gradients (partial too), the head's
+        parameters, arguments, loss and gradients —; on the pipeline axis every body runs whole
+        (a device runs its own stages) but the head where its parameters may come split over it,
+        its gradients then lying as its parameters do. Each body's work counts as often as it runs (``body_runs``). Memory
+        held across the pipeline is not bounded (a budget counts the loops outside it)."""
+        params, prop = eqn.params, self.prop
+        ax = prop.names.index(params["axis"]) if params["axis"] in prop.names else None
+        bodies = {name: open_jaxpr(params[name]) for name in Bodies._fields}
+        stage, head, xs, args = operand_groups(params, list(eqn.invars))
+        off_axis = lambda a: ax is None or a[ax] == B                                   # noqa: E731
+        unsummed_on_axis = lambda a: ax is None or not isinstance(a[ax], Partial)       # noqa: E731
+
+        def choose(v, partial=False, keep=off_axis):
+            options = [a for a in layouts(prop, v.aval, partial) if keep(a)]
+            return options, self.choice([0.0] * len(options))
+
+        forward, head_body, backward = bodies["forward"], bodies["head"], bodies["backward"]
+        n, nh = len(stage), len(head)
+        chunk = [choose(v) for v in forward.invars[:n]]
+        x = choose(forward.invars[n])
+        stored = [choose(v) for v in forward.outvars[1:]]
+        stash = [choose(v) for v in bodies["backward_x"].outvars[1:]]
+        d_chunk = [choose(v, partial=True) for v in backward.outvars[:-1]]
+        # The head runs on every device of the pipeline axis: split over it as its parameters
+        # may come (a vocab split over the stages shares its work out), else whole.
+        split_head = ax is not None and any(isinstance(a[ax], Split) for v in head for a in self.at(v))
+        head_params = [choose(v, keep=lambda a: split_head or off_axis(a)) for v in head_body.invars[:nh]]
+        head_args = [choose(v) for v in head_body.invars[nh + 1:]]
+        loss = choose(head_body.outvars[0], partial=True)
+        d_head = [choose(v, partial=True, keep=unsummed_on_axis) for v in head_body.outvars[1:-1]]
+        if ax is not None:        # a head gradient on the pipeline axis as its parameter lies
+            for (hs, hc), (ds, dc) in zip(head_params, d_head):
+                for entry in {a[ax] for a in hs} | {a[ax] for a in ds}:
+                    self.m.row([(c, 1.0) for a, c in zip(hs, hc) if a[ax] == entry]
+                               + [(c, -1.0) for a, c in zip(ds, dc) if a[ax] == entry], 0.0, 0.0)
+        body_ins = dict(forward=chunk + [x], head=head_params + [x] + head_args, backward=chunk + stored + [x],
+                        backward_x=chunk + stored + [x], backward_w=chunk + stored + stash)
+        body_outs = dict(forward=[x] + stored, head=[loss] + d_head + [x], backward=d_chunk + [x],
+                         backward_x=[x] + stash, backward_w=d_chunk)
+        runs = body_runs(params["table"], ax is not None)
+        entries = {}
+        self.loop_depth += 1
+        for name, body in bodies.items():
+            assert len(body.invars) == len(body_ins[name]) and len(body.outvars) == len(body_outs[name]), name
+            for v, (options, cols) in zip(body.invars, body_ins[name]):
+                self.produced[v] = _by_layout(options, cols)
+            with prop.holding(ax) if ax is not None and not (name == "head" and split_head) else contextlib.nullcontext():
+                entries[name] = self.jaxpr(body, scale * runs[name])
+            for v, (options, cols) in zip(body.outvars, body_outs[name]):
+                if not is_literal(v):
+                    self.uses.setdefault(self.resolve(v), []).append(_by_layout(options, cols))
+        self.loop_depth -= 1
+        outside = lambda choice, lead, on_axis=B: ([outer_sbp(a, ax, lead, on_axis) for a in choice[0]],  # noqa: E731
+                                                    choice[1])
+        ins = ([outside(c, 2, Split(0)) for c in chunk] + head_params + [outside(x, 1)]
+               + [outside(c, 1) for c in head_args])
+        for v, (options, cols) in zip(eqn.invars, ins):
+            if not is_literal(v):
+                self.uses.setdefault(self.resolve(v), []).append(_by_layout(options, cols))
+        outs = [loss] + [outside(c, 2, Split(0)) for c in d_chunk] + d_head + [outside(x, 1)]
+        for v, (options, cols) in zip(eqn.outvars, outs):
+            self.produced[v], self.scale[v] = _by_layout(options, cols), scale
+        rule = registry.rule_of(pipeline_p)      # its own collectives: a micro-batch's activation
+        for a, c in zip(*ins[n + nh]):
+            operands = [None] * len(eqn.invars)
+            operands[n + nh] = a
+            self.m.cost[c] += scale * conversion.steps_seconds(rule.comm(eqn, operands, None, prop.mesh),
+                                                               prop.program.links)
+        return _Pipeline(eqn, entries, body_ins, body_outs, ins, outs)
 
 
 def pinned_tail(jaxpr, in_sbp, out_sbp) -> dict:
@@ -676,6 +769,8 @@ def _assemble(prop: Propagation, entries, pick, given) -> list:
     for entry in entries:
         if isinstance(entry, _Region):
             eqn = _assemble_region(prop, entry, pick, given)
+        elif isinstance(entry, _Pipeline):
+            eqn = _assemble_pipeline(prop, entry, pick, given)
         else:
             eqn, options, cols = entry
             decision = pick(options, cols)[0]
@@ -711,6 +806,21 @@ def _assemble_region(prop: Propagation, region: _Region, pick, given):
     return eqn.replace(params={**eqn.params, "jaxpr": rebody(eqn.params["jaxpr"], body), DECISION: decision})
 
 
+def _assemble_pipeline(prop: Propagation, region: _Pipeline, pick, given):
+    eqn, params = region.eqn, region.eqn.params
+    new = {}
+    for name, entries in region.bodies.items():
+        body = open_jaxpr(params[name])
+        for v in body.constvars:
+            prop.set(v, prop.whole)
+        for v, choice in zip(body.invars, region.body_ins[name]):
+            prop.set(v, pick(*choice))
+        new[name] = rebody(params[name], body.replace(eqns=_assemble(prop, entries, pick, given)))
+    decision = Decision(tuple(pick(*c) for c in region.ins), tuple(pick(*c) for c in region.outs),
+                        bodies=tuple((name, tuple(pick(*c) for c in region.body_outs[name])) for name in Bodies._fields))
+    return eqn.replace(params={**params, **new, DECISION: decision})
+
+
 def _laid_out(jaxpr, laid, loops: bool, out: dict) -> dict:
     """Control flow the solver leaves to greedy, anywhere in ``jaxpr`` outside the bodies of
     those it solves -> the equation as greedy laid it out (``laid``: greedy's annotation of
@@ -719,6 +829,9 @@ def _laid_out(jaxpr, laid, loops: bool, out: dict) -> dict:
     for eqn, mine in zip(jaxpr.eqns, laid.eqns):
         if loops and _solvable_region(eqn):
             _laid_out(open_jaxpr(eqn.params["jaxpr"]), open_jaxpr(mine.params["jaxpr"]), loops, out)
+        elif loops and eqn.primitive is pipeline_p:
+            for name in Bodies._fields:
+                _laid_out(open_jaxpr(eqn.params[name]), open_jaxpr(mine.params[name]), loops, out)
         elif lays_itself_out(eqn):
             out[eqn] = mine
     return out

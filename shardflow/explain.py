@@ -7,7 +7,7 @@ from jax import lax
 
 from shardflow import conversion, registry
 from shardflow.primitives import box_p
-from shardflow.program import (REMAT_PRIMITIVES, Program, all_eqns, is_literal, nested, open_jaxpr, scan_arity,
+from shardflow.program import (REMAT_PRIMITIVES, Program, all_eqns, is_literal, named_bodies, open_jaxpr, scan_arity,
                                source_line)
 from shardflow.specs import B, Split, as_dtype, describe, format_sbp
 
@@ -146,13 +146,13 @@ def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float,
             out.append(Collective(st.kind, st.axes, tuple(moved.shape), as_dtype(moved.dtype).name,
                                   st.bytes, count * times, source, used_at, reason, format_sbp(src), format_sbp(dst),
                                   program.links.seconds(st.axes, st.bytes)))
-        trips = rule.trips(eqn) if rule is not None and rule.trips is not None else 1
-        bodies = list(nested(eqn))
-        for body in bodies:
+        bodies = list(named_bodies(eqn))
+        for name, body in bodies:
+            trips = rule.trips(eqn, name, program.mesh) if rule is not None and rule.trips is not None else 1
             w, h, f = _collectives(program, body, count * trips, out)
             work, hidden, flops = work + w, hidden + h, flops + f
         if eqn.primitive is lax.scan_p:
-            hidden += count * trips * overlap(program, eqn)
+            hidden += count * eqn.params["length"] * overlap(program, eqn)
         if not bodies and eqn.primitive is not box_p and d is not None:
             work += count * conversion.local_seconds(eqn, d.ins, d.outs, program.mesh, program.links)
             flops += count * conversion.local_work(eqn, d.ins, d.outs, program.mesh)[0]

@@ -517,7 +517,9 @@ pipeline_p = Primitive("sf_pipeline")
 pipeline_p.multiple_results = True
 
 
-def _groups(params, values):
+def operand_groups(params, values):
+    """(stage leaves, head leaves, xs, head args) of an sf_pipeline equation's operands (or of
+    anything listed like them)."""
     ns, nh, na = params["counts"]
     return values[:ns], values[ns:ns + nh], values[ns + nh], values[ns + nh + 1:ns + nh + 1 + na]
 
@@ -551,14 +553,14 @@ def _uneven(layer_fn, counts, n_layers, table):
 
 
 def _sequential_impl(*values, **params):
-    stage, head, xs, args = _groups(params, list(values))
+    stage, head, xs, args = operand_groups(params, list(values))
     loss, d_stage, d_head, d_xs = sequential(callables(_bodies_param(params)), params["table"],
                                              stage, head, xs, args)
     return [loss.astype(params["head"].out_avals[0].dtype), *d_stage, *d_head, d_xs]
 
 
 def _abstract_eval(*avals, **params):
-    stage, head, xs, _ = _groups(params, list(avals))
+    stage, head, xs, _ = operand_groups(params, list(avals))
     loss = params["head"].out_avals[0]
     return [loss, *stage, *head, xs]
 
@@ -666,7 +668,9 @@ def _inner(sbp, ax, lead):
                  for i, s in enumerate(sbp))
 
 
-def _outer(sbp, ax, lead, on_axis):
+def outer_sbp(sbp, ax, lead, on_axis):
+    """The NdSbp outside the bodies of a value that is ``sbp`` inside them, with ``lead``
+    stacking dims in front and ``on_axis`` on the pipeline axis (``ax``)."""
     return tuple(on_axis if i == ax else (Split(s.dim + lead) if isinstance(s, Split) else s)
                  for i, s in enumerate(sbp))
 
@@ -689,7 +693,7 @@ def _propagate(prop, eqn):
     if ax is not None and prop.mesh.devices.shape[ax] != table.stages:
         raise ShardingError(f"{src}: sf.pipeline over {table.stages} stages on mesh axis {axis!r} of "
                              f"{prop.mesh.devices.shape[ax]} devices")
-    stage, head, xs, args = _groups(params, [prop.of(a) for a in eqn.invars])
+    stage, head, xs, args = operand_groups(params, [prop.of(a) for a in eqn.invars])
     # Over an axis that splits the micro-batches (data parallel) a stage's weights enter whole:
     # gathered once a step and their gradients reduced once (ZeRO), where split (FSDP) the
     # bodies would gather them again for every micro-batch. Over the others (tensor parallel)
@@ -724,7 +728,7 @@ def _propagate(prop, eqn):
     backward_w, _ = run("backward_w", chunk + stored + stash)
     wanted = dict(forward=(x, *stored), head=(loss, *d_head, x), backward=(*d_chunk, x),
                   backward_x=(x, *stash), backward_w=tuple(d_chunk))
-    outs = [loss] + [_outer(s, ax, 2, Split(0)) for s in d_chunk] + d_head + [_outer(x, ax, 1, B)]
+    outs = [loss] + [outer_sbp(s, ax, 2, Split(0)) for s in d_chunk] + d_head + [outer_sbp(x, ax, 1, B)]
     decision = Decision(tuple(stage + head + [xs] + args), tuple(outs),
                         bodies=tuple((name, wanted[name]) for name in Bodies._fields))
     rebody = lambda old, new: old.replace(jaxpr=new)
@@ -734,10 +738,26 @@ def _propagate(prop, eqn):
                        backward_w=rebody(params["backward_w"], backward_w))
 
 
+def body_runs(table: Schedule, staged: bool) -> dict:
+    """How many times each body runs on a device in a step (averaged over the stages where
+    they differ): forward and a backward per micro-batch and chunk, the head per micro-batch;
+    the backward whole where the micro-batch's W runs in its B's step
+    (``Plan.tables["bw_whole"]``) or the stages run in turn (not ``staged``), else as
+    backward_x and backward_w."""
+    trips = table.microbatches * table.chunks
+    whole = trips
+    if staged:
+        tabs = plan(table).tables
+        whole = int(((tabs["b_chunk"] >= 0) & (tabs["bw_whole"] > 0)).sum()) / table.stages
+        whole = int(whole) if whole == int(whole) else whole
+    return dict(forward=trips, head=table.microbatches, backward=whole, backward_x=trips - whole,
+                backward_w=trips - whole)
+
+
 def _lower(local, eqn, ins):
     params = eqn.params
     bodies = callables(_bodies_param(params), run=local.body_fn)
-    stage, head, xs, args = _groups(params, list(ins))
+    stage, head, xs, args = operand_groups(params, list(ins))
     if params["axis"] not in local.names:       # one stage: the micro-batches in turn
         loss, d_stage, d_head, d_xs = sequential(bodies, params["table"], stage, head, xs, args)
     else:
@@ -755,8 +775,8 @@ def _comm(eqn, ins, sigs, mesh):
     if axis not in mesh.axis_names or table.stages == 1:
         return []
     ax = mesh.axis_names.index(axis)
-    _, _, xs, _ = _groups(params, list(eqn.invars))
-    _, _, xs_sbp, _ = _groups(params, list(ins))
+    _, _, xs, _ = operand_groups(params, list(eqn.invars))
+    _, _, xs_sbp, _ = operand_groups(params, list(ins))
     x = jax.core.ShapedArray(xs.aval.shape[1:], xs.aval.dtype)
     n = mesh.devices.shape[ax]
 
@@ -772,4 +792,4 @@ def _comm(eqn, ins, sigs, mesh):
 
 defrule(pipeline_p, propagate=_propagate, lower=_lower, comm=_comm,
         comm_reason="passes activations and gradients between stages, gives the head the last stage's output, sums d xs",
-        trips=lambda eqn: eqn.params["table"].microbatches * eqn.params["table"].chunks)
+        trips=lambda eqn, body, mesh: body_runs(eqn.params["table"], eqn.params["axis"] in mesh.axis_names)[body])

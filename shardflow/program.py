@@ -127,12 +127,17 @@ def nested(eqn) -> Iterator[Jaxpr]:
     """The bodies of ``eqn`` that the passes partition: those its Decision lists (a scan's body,
     a cond's branches), not scalar combiners such as a scatter's ``update_jaxpr``. Before
     propagation, every nested jaxpr."""
+    return (body for _, body in named_bodies(eqn))
+
+
+def named_bodies(eqn) -> Iterator[tuple[str, Jaxpr]]:
+    """(param name, body) of each of ``nested``'s bodies."""
     decision = eqn.params.get(DECISION)
     names = None if decision is None else {name for name, _ in decision.bodies}
     for name, value in subjaxprs(eqn.params):
         if names is None or name in names:
             for j in value if isinstance(value, tuple) else (value,):
-                yield open_jaxpr(j)
+                yield name, open_jaxpr(j)
 
 
 def all_eqns(jaxpr: Jaxpr) -> Iterator:

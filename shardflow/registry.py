@@ -16,8 +16,10 @@ and batching rules by primitive:
   operand NdSbps ``ins`` and per-axis signatures ``sigs`` (a pad's halo exchange), as
   ``conversion.Step``s: propagation prices them and explain lists them like any conversion's.
   ``comm_reason`` says why, after the primitive's name, in explain.
-* ``trips(eqn) -> int``: how many times each nested body runs per execution on a device (a
-  scan's length; a pipeline's micro-batches times chunks), for explain's counts.
+* ``trips(eqn, body, mesh) -> float``: how many times the nested body of param ``body`` runs
+  per execution on a device (a scan's length; a pipeline's forward once per micro-batch and
+  chunk, its head once per micro-batch, its backward whole or split as the schedule runs it),
+  for explain's counts and the solver's prices.
 * ``flops(eqn, in_shapes, out_shapes) -> float``: the equation's floating-point work on
   operands and results of those (local) shapes, where it is more than one per element (a
   matmul, a convolution); the solver prices local work with it.

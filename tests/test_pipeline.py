@@ -3,6 +3,8 @@ gradient of a pipelined stack of layers plus a head equal plain autodiff of the 
 one device — the primitive bound outside parallelize, the per-device executor in a shard_map,
 and sf.parallelize composing the pipeline axis with data and tensor parallelism — for every
 built-in schedule of shardflow.schedules."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,6 +165,37 @@ def test_parallelize_equals_one_device(axes, layer_spec, batch_spec, schedule):
     step = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh(axes),
                           in_specs=(specs, P(), batch_spec, batch_spec),
                           out_specs=(P(), (specs, P(), batch_spec)))
+    assert_close(step(layers, hp, x, tg), want)
+
+
+@pytest.mark.parametrize("axes,layer_spec,batch_spec", [
+    ({"pipe": 4}, P("pipe"), P()),
+    ({"pipe": 4, "data": 2}, P("pipe"), P("data")),
+    ({"pipe": 2, "model": 4}, P("pipe", None, "model"), P()),
+    ({"data": 2, "pipe": 4}, P("pipe", None, "data"), P("data")),
+    ({"model": 4, "pipe": 2}, P("pipe", None, "model"), P()),
+], ids=["pp4", "pp4-dp2", "pp2-tp4", "dp2-pp4-fsdp", "tp4-pp2"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-fused"])
+def test_the_solver_lays_out_the_stages_with_the_program(axes, layer_spec, batch_spec, schedule):
+    """passes.solve solves the five bodies with the program — one layout per value crossing
+    between them, the pipeline axis whole inside the stages —: equal to one device, the
+    model's optimum is what explain prices as boxed, and no dearer than greedy's layout
+    (pp2 x tp4 under 1f1b: 200 us against 320, the layers' input split over `model`)."""
+    p, m = axes["pipe"], 2 * axes["pipe"]
+    table = SCHEDULES[schedule](p, m)
+    layers, hp, x, tg = model(p * table.chunks * Lc, m)
+    want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, m)
+    specs = {"w": layer_spec, "b": P(*layer_spec[:2])}
+    plans = []
+    for passes in (sf.passes.DEFAULT, sf.passes.SOLVER):
+        step = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh(axes), passes=passes,
+                              in_specs=(specs, P(), batch_spec, batch_spec), out_specs=(P(), (specs, P(), batch_spec)))
+        plans.append(step.explain(layers, hp, x, tg))
+    greedy, solved = plans
+    assert solved.planner.startswith("solver (optimal") and "greedy" not in solved.planner, solved.planner
+    modelled, boxed = (float(t) for t in re.findall(r"([\d.]+) us", solved.planner)[:2])
+    assert modelled == pytest.approx(boxed, rel=1e-3)
+    assert solved.modelled_seconds <= greedy.modelled_seconds * (1 + 1e-9)
     assert_close(step(layers, hp, x, tg), want)
 
 

@@ -115,7 +115,7 @@ def _lower_scan(local, eqn, ins):
     return list(carry) + list(ys)
 
 
-defrule(lax.scan_p, propagate=_propagate_scan, lower=_lower_scan, trips=lambda eqn: eqn.params["length"])
+defrule(lax.scan_p, propagate=_propagate_scan, lower=_lower_scan, trips=lambda eqn, body, mesh: eqn.params["length"])
 
 
 # ------------------------------------------------------------------------------ while
