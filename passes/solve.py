@@ -55,7 +55,7 @@ from shardflow import conversion, registry
 from shardflow.explain import hideable, make_plan
 from shardflow.passes.boxing import boxing
 from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, _adoptable, propagate, reduced
-from shardflow.pipelining import Bodies, body_runs, operand_groups, outer_sbp, pipeline_p
+from shardflow.pipelining import Bodies, body_runs, operand_groups, outer_sbp, pipeline_axis, pipeline_p
 from shardflow.program import REMAT_PRIMITIVES, Program, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import DECISION, Decision, Sig
 from shardflow.rules.control import rebody, stacked, unstacked
@@ -483,18 +483,18 @@ class _Builder:
             ys.append((options, cols))
         return _Region(eqn, entries, ins, ys)
 
-
     def pipeline(self, eqn, scale):
         """sf.pipeline's five bodies solved with the program (``pipelining._propagate`` is
         greedy's layout of it): one layout each for what crosses between them — the chunk's
         weights, the activation (and its gradient, laid out alike), each residual forward
         stores, each value B stashes for W, the weights' gradients (partial too), the head's
         parameters, arguments, loss and gradients —; on the pipeline axis every body runs whole
-        (a device runs its own stages) but the head where its parameters may come split over it,
-        its gradients then lying as its parameters do. Each body's work counts as often as it runs (``body_runs``). Memory
-        held across the pipeline is not bounded (a budget counts the loops outside it)."""
+        (a device runs its own stages) but the head where its parameters may come split over
+        it, its gradients then lying as its parameters do. Each body's work counts as often as
+        it runs (``body_runs``). Partial, and said so: memory held across the pipeline is not
+        bounded (a budget counts the loops outside it)."""
         params, prop = eqn.params, self.prop
-        ax = prop.names.index(params["axis"]) if params["axis"] in prop.names else None
+        ax = pipeline_axis(eqn, prop.mesh)
         bodies = {name: open_jaxpr(params[name]) for name in Bodies._fields}
         stage, head, xs, args = operand_groups(params, list(eqn.invars))
         off_axis = lambda a: ax is None or a[ax] == B                                   # noqa: E731
@@ -534,7 +534,8 @@ class _Builder:
             assert len(body.invars) == len(body_ins[name]) and len(body.outvars) == len(body_outs[name]), name
             for v, (options, cols) in zip(body.invars, body_ins[name]):
                 self.produced[v] = _by_layout(options, cols)
-            with prop.holding(ax) if ax is not None and not (name == "head" and split_head) else contextlib.nullcontext():
+            held = ax is not None and not (name == "head" and split_head)
+            with prop.holding(ax) if held else contextlib.nullcontext():
                 entries[name] = self.jaxpr(body, scale * runs[name])
             for v, (options, cols) in zip(body.outvars, body_outs[name]):
                 if not is_literal(v):
@@ -816,8 +817,8 @@ def _assemble_pipeline(prop: Propagation, region: _Pipeline, pick, given):
         for v, choice in zip(body.invars, region.body_ins[name]):
             prop.set(v, pick(*choice))
         new[name] = rebody(params[name], body.replace(eqns=_assemble(prop, entries, pick, given)))
-    decision = Decision(tuple(pick(*c) for c in region.ins), tuple(pick(*c) for c in region.outs),
-                        bodies=tuple((name, tuple(pick(*c) for c in region.body_outs[name])) for name in Bodies._fields))
+    wanted = tuple((name, tuple(pick(*c) for c in region.body_outs[name])) for name in Bodies._fields)
+    decision = Decision(tuple(pick(*c) for c in region.ins), tuple(pick(*c) for c in region.outs), bodies=wanted)
     return eqn.replace(params={**params, **new, DECISION: decision})
 
 

@@ -683,16 +683,23 @@ def _operand(sbp, ax, lead, on_axis):
                  for i, s in enumerate(sbp))
 
 
+def pipeline_axis(eqn, mesh) -> int | None:
+    """The index of the pipeline's mesh axis, None where the mesh has none (the stages then
+    run in turn); a ShardingError where the stages do not fit it."""
+    table, axis, names = eqn.params["table"], eqn.params["axis"], tuple(mesh.axis_names)
+    ax = names.index(axis) if axis in names else None
+    if ax is None and table.stages > 1:
+        raise ShardingError(f"{source_line(eqn)}: sf.pipeline over {table.stages} stages on axis {axis!r}, which "
+                            f"the mesh {dict(zip(names, mesh.devices.shape))} lacks")
+    if ax is not None and mesh.devices.shape[ax] != table.stages:
+        raise ShardingError(f"{source_line(eqn)}: sf.pipeline over {table.stages} stages on mesh axis {axis!r} of "
+                            f"{mesh.devices.shape[ax]} devices")
+    return ax
+
+
 def _propagate(prop, eqn):
     params, src = eqn.params, source_line(eqn)
-    table, axis = params["table"], params["axis"]
-    ax = prop.names.index(axis) if axis in prop.names else None
-    if ax is None and table.stages > 1:
-        raise ShardingError(f"{src}: sf.pipeline over {table.stages} stages on axis {axis!r}, which the mesh "
-                             f"{dict(zip(prop.names, prop.mesh.devices.shape))} lacks")
-    if ax is not None and prop.mesh.devices.shape[ax] != table.stages:
-        raise ShardingError(f"{src}: sf.pipeline over {table.stages} stages on mesh axis {axis!r} of "
-                             f"{prop.mesh.devices.shape[ax]} devices")
+    ax = pipeline_axis(eqn, prop.mesh)
     stage, head, xs, args = operand_groups(params, [prop.of(a) for a in eqn.invars])
     # Over an axis that splits the micro-batches (data parallel) a stage's weights enter whole:
     # gathered once a step and their gradients reduced once (ZeRO), where split (FSDP) the
@@ -792,4 +799,4 @@ def _comm(eqn, ins, sigs, mesh):
 
 defrule(pipeline_p, propagate=_propagate, lower=_lower, comm=_comm,
         comm_reason="passes activations and gradients between stages, gives the head the last stage's output, sums d xs",
-        trips=lambda eqn, body, mesh: body_runs(eqn.params["table"], eqn.params["axis"] in mesh.axis_names)[body])
+        trips=lambda eqn, body, mesh: body_runs(eqn.params["table"], pipeline_axis(eqn, mesh) is not None)[body])
