@@ -62,7 +62,7 @@ from shardflow.rules.control import rebody, stacked, unstacked
 from shardflow.rules.elementwise import SHAPE_KEEPING
 from shardflow.specs import B, P, Partial, ShardingError, Split
 
-TIME_LIMIT = 60.0      # seconds an attempt may take (building the integer program, then HiGHS) before greedy runs
+TIME_LIMIT = 60.0      # seconds HiGHS may take, per attempt, before greedy runs instead
 COARSEN = 100_000      # transportation edges from which a program's pinned tail is coarsened (``pinned_tail``)
 
 
@@ -647,11 +647,10 @@ def _walk(prop: Propagation, jaxpr, given, tail, known) -> tuple:
     return b, b.jaxpr(jaxpr, 1), auto
 
 
-def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None, deadline: float | None = None):
+def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
     """(model, per equation of ``jaxpr`` its entry — (eqn, its strategies, their x columns), or
     a ``_Region`` — and per sf.AUTO input (var, its layouts, their columns)), or raise
-    Unsolvable — also where ``deadline`` (a ``time.perf_counter()``) passes while building it.
-    ``given``: control flow equations -> the equation as greedy laid it out. A
+    Unsolvable. ``given``: control flow equations -> the equation as greedy laid it out. A
     loop's hideable conversions are priced at the share of them it leaves exposed when the
     model is solved (``_Model.costs``), so one model serves solves at other shares."""
     known = {}
@@ -677,8 +676,6 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None, deadline
         else:
             b.uses.setdefault(v, []).append({want: None})
     for v, at in b.produced.items():
-        if deadline is not None and time.perf_counter() > deadline:
-            raise Unsolvable(f"Time limit reached building the integer program ({len(m.cost):,} columns so far)")
         if v in unspecified:      # no out_spec: a partial output is reduced (inputs never are partial)
             for a, cols in at.items():
                 for c in cols or ():
@@ -744,16 +741,15 @@ def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, g
     raises Unsolvable. ``exposed``: the loops' overlap shares; ``warm``: see ``_relaxation``;
     ``built``: a dict keeping the model built for ``given``'s equations, for the next solve of
     the same program (only the shares differ)."""
-    start, limit = time.perf_counter(), TIME_LIMIT if time_limit is None else time_limit
     key = frozenset(given or ())
     if built is not None and key in built:
         model, entries, auto, fallbacks = built[key]
         prop.fallbacks[:] = fallbacks
     else:
-        model, entries, auto = build(prop, jaxpr, out_sbp, given, deadline=start + limit)
+        model, entries, auto = build(prop, jaxpr, out_sbp, given)
         if built is not None:
             built[key] = model, entries, auto, list(prop.fallbacks)
-    result = model.solve(max(limit - (time.perf_counter() - start), 0.1), warm, exposed)
+    result = model.solve(TIME_LIMIT if time_limit is None else time_limit, warm, exposed)
     if result.status == 2:     # scipy's milp: infeasible
         raise Infeasible(result.message.strip())
     if result.status != 0 or result.x is None:

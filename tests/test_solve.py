@@ -443,20 +443,6 @@ def test_the_time_limit_hands_the_program_to_greedy(monkeypatch):
     assert step.explain(*args).planner.startswith("greedy (the solver did not run: Time limit reached")
 
 
-def test_the_time_limit_counts_building_the_integer_program(monkeypatch):
-    """The limit bounds an attempt, not only HiGHS: on a three-axis mesh building the 1b step's
-    integer program took 51 s before HiGHS started (benchmarks/results/solve_time.md)."""
-    from programs import CASES
-
-    monkeypatch.setattr(solve, "TIME_LIMIT", 0.0)
-    m = mesh("2x4")
-    fn, args, in_specs, out_specs = CASES["mlp"]("tp", m)
-    step = sf.parallelize(fn, mesh=m, in_specs=in_specs, out_specs=out_specs, passes=sf.passes.SOLVER)
-    planner = step.explain(*args).planner
-    assert planner.startswith("greedy (the solver did not run: Time limit reached building the integer program"), \
-        planner
-
-
 def test_loops_laid_out_by_greedy_after_a_time_limit_are_said_to_be_left_out(monkeypatch):
     """Where solving a program's loops runs out of time, they are laid out as greedy lays them
     out and the rest solved; the planner line says so, and that the optimum it reports leaves
