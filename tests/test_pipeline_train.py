@@ -141,6 +141,19 @@ def test_cli_trains_under_each_schedule_on_the_unpipelined_curve(schedule, uneve
     assert want[2] < want[0]
 
 
+def test_cli_trains_with_the_solver_planning_the_stages(data_dir, tmp_path):
+    """`planner: solver` with a pipeline under tensor parallelism ({pipe: 2, model: 4}): the
+    solver lays out the stages with the step, and the first steps' losses are one device's."""
+    out = tmp_path / "run"
+    assert cli.main(_argv(data_dir, out, "--set", "mesh={pipe: 2, model: 4}", "--set", "strategy=pp_tp",
+                          "--set", "planner=solver", "--set", "pipeline.stages=2",
+                          "--set", "pipeline.microbatches=4", "--set", "pipeline.schedule=zb-h1")) == 0
+    got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    cfg = small_config(data_dir, tmp_path)
+    cfg.model = {**SMALL_LLAMA, "n_layers": 8}
+    np.testing.assert_allclose(got, single_device_losses(cfg), rtol=1e-5)
+
+
 def test_a_checkpoint_restores_across_pipeline_sizes(data_dir, tmp_path):
     """Parameters keep their global [layers, ...] shapes, so a step saved with 4 stages (and
     fsdp: the mesh {data: 2, pipe: 4} runs with the pipe axis outermost) loads into 2 stages
