@@ -199,16 +199,19 @@ def test_the_solver_lays_out_the_stages_with_the_program(axes, layer_spec, batch
     assert_close(step(layers, hp, x, tg), want)
 
 
-def test_without_a_pipeline_axis_the_stages_run_in_turn():
+@pytest.mark.parametrize("planner", ["greedy", "solver"])
+def test_without_a_pipeline_axis_the_stages_run_in_turn(planner):
+    passes = sf.passes.SOLVER if planner == "solver" else sf.passes.DEFAULT
     table = SCHEDULES["1f1b"](4, 8)
     layers, hp, x, tg = model(4 * Lc, 8)
     want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 8)
     with pytest.raises(sf.ShardingError, match="axis 'pipe', which the mesh"):
-        sf.parallelize(pipelined_step(table), mesh=sf.make_mesh({"data": 2}),
+        sf.parallelize(pipelined_step(table), mesh=sf.make_mesh({"data": 2}), passes=passes,
                        in_specs=(P(), P(), P("data"), P("data")))(layers, hp, x, tg)
-    step = sf.parallelize(pipelined_step(SCHEDULES["1f1b"](1, 8)), mesh=sf.make_mesh({"data": 2}),
+    step = sf.parallelize(pipelined_step(SCHEDULES["1f1b"](1, 8)), mesh=sf.make_mesh({"data": 2}), passes=passes,
                           in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), (P(), P(), P("data"))))
     assert_close(step(layers, hp, x, tg), want)
+    assert step.explain(layers, hp, x, tg).planner.startswith(planner)
 
 
 @pytest.mark.parametrize("schedule,counts", [("1f1b", [3, 2, 2, 1]), ("zb-h1", [3, 2, 2, 1]),
