@@ -199,6 +199,19 @@ def test_the_solver_lays_out_the_stages_with_the_program(axes, layer_spec, batch
     assert_close(step(layers, hp, x, tg), want)
 
 
+def test_sf_auto_lays_out_the_head_and_the_batch_of_a_pipeline():
+    """sf.AUTO arguments: the solver runs without greedy's plan first, the pipeline's stages
+    laid out with the rest."""
+    table = SCHEDULES["1f1b"](2, 4)
+    layers, hp, x, tg = model(2 * Lc, 4)
+    want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 4)
+    specs = {"w": P("pipe", None, "model"), "b": P("pipe")}
+    step = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh({"pipe": 2, "model": 4}), passes=sf.passes.SOLVER,
+                          in_specs=(specs, sf.AUTO, sf.AUTO, P()))
+    assert "sf.AUTO chose 2 input layouts" in step.explain(layers, hp, x, tg).planner
+    assert_close(step(layers, hp, x, tg), want)
+
+
 @pytest.mark.parametrize("planner", ["greedy", "solver"])
 def test_without_a_pipeline_axis_the_stages_run_in_turn(planner):
     passes = sf.passes.SOLVER if planner == "solver" else sf.passes.DEFAULT
