@@ -55,7 +55,7 @@ from shardflow import conversion, registry
 from shardflow.explain import hideable, make_plan
 from shardflow.passes.boxing import boxing
 from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, _adoptable, propagate, reduced
-from shardflow.pipelining import Bodies, body_runs, operand_groups, outer_sbp, pipeline_axis, pipeline_p
+from shardflow.pipelining import Bodies, operand_groups, outer_sbp, pipeline_axis, pipeline_p
 from shardflow.program import REMAT_PRIMITIVES, Program, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import DECISION, Decision, Sig
 from shardflow.rules.control import rebody, stacked, unstacked
@@ -385,9 +385,16 @@ class _Builder:
             self.produced[v], self.scale[v] = {self.prop.whole: None}, scale
         for v in jaxpr.invars:
             self.scale[v] = scale
-        return [self.plain(eqn, scale) if eqn in self.given else self.region(eqn, scale) if _solvable_region(eqn)
-                else self.pipeline(eqn, scale) if eqn.primitive is pipeline_p else self.plain(eqn, scale)
-                for eqn in jaxpr.eqns]
+        return [self.entry(eqn, scale) for eqn in jaxpr.eqns]
+
+    def entry(self, eqn, scale):
+        if eqn in self.given:
+            return self.plain(eqn, scale)
+        if _solvable_region(eqn):
+            return self.region(eqn, scale)
+        if eqn.primitive is pipeline_p:
+            return self.pipeline(eqn, scale)
+        return self.plain(eqn, scale)
 
     def plain(self, eqn, scale):
         if eqn not in self.known:
@@ -408,6 +415,11 @@ class _Builder:
             for (decision, _), c in zip(options, cols):
                 self.produced.setdefault(v, {}).setdefault(decision.outs[j], []).append(c)
         return eqn, options, cols
+
+    def use(self, v, options, cols):
+        """``v`` wanted at one of ``options``, as chosen by ``cols`` (a literal is where it is wanted)."""
+        if not is_literal(v):
+            self.uses.setdefault(self.resolve(v), []).append(_by_layout(options, cols))
 
     def wants(self, v) -> set:
         return {r for use in self.uses.get(v, ()) for r in use}
@@ -451,8 +463,7 @@ class _Builder:
                 out = body.outvars[k - nc]
                 options, cols = self.layout_choice(v.aval, self.wants(v) | self.at(x) | self.at(out))
                 outer = options
-                if not is_literal(out):
-                    self.uses.setdefault(self.resolve(out), []).append(_by_layout(options, cols))
+                self.use(out, options, cols)
                 self.produced[eqn.outvars[k - nc]] = _by_layout(options, cols)
                 self.scale[eqn.outvars[k - nc]] = scale
             else:                                        # a slice of a stacked input
@@ -491,7 +502,7 @@ class _Builder:
         parameters, arguments, loss and gradients —; on the pipeline axis every body runs whole
         (a device runs its own stages) but the head where its parameters may come split over
         it, its gradients then lying as its parameters do. Each body's work counts as often as
-        it runs (``body_runs``). Partial, and said so: memory held across the pipeline is not
+        it runs (the rule's ``trips``). Partial, and said so: memory held across the pipeline is not
         bounded (a budget counts the loops outside it)."""
         params, prop = eqn.params, self.prop
         ax = pipeline_axis(eqn, prop.mesh)
@@ -527,7 +538,7 @@ class _Builder:
                         backward_x=chunk + stored + [x], backward_w=chunk + stored + stash)
         body_outs = dict(forward=[x] + stored, head=[loss] + d_head + [x], backward=d_chunk + [x],
                          backward_x=[x] + stash, backward_w=d_chunk)
-        runs = body_runs(params["table"], ax is not None)
+        rule = registry.rule_of(pipeline_p)
         entries = {}
         self.loop_depth += 1
         for name, body in bodies.items():
@@ -536,23 +547,20 @@ class _Builder:
                 self.produced[v] = _by_layout(options, cols)
             held = ax is not None and not (name == "head" and split_head)
             with prop.holding(ax) if held else contextlib.nullcontext():
-                entries[name] = self.jaxpr(body, scale * runs[name])
-            for v, (options, cols) in zip(body.outvars, body_outs[name]):
-                if not is_literal(v):
-                    self.uses.setdefault(self.resolve(v), []).append(_by_layout(options, cols))
+                entries[name] = self.jaxpr(body, scale * rule.trips(eqn, name, prop.mesh))
+            for v, choice in zip(body.outvars, body_outs[name]):
+                self.use(v, *choice)
         self.loop_depth -= 1
         outside = lambda choice, lead, on_axis=B: ([outer_sbp(a, ax, lead, on_axis) for a in choice[0]],  # noqa: E731
                                                     choice[1])
         ins = ([outside(c, 2, Split(0)) for c in chunk] + head_params + [outside(x, 1)]
                + [outside(c, 1) for c in head_args])
-        for v, (options, cols) in zip(eqn.invars, ins):
-            if not is_literal(v):
-                self.uses.setdefault(self.resolve(v), []).append(_by_layout(options, cols))
+        for v, choice in zip(eqn.invars, ins):
+            self.use(v, *choice)
         outs = [loss] + [outside(c, 2, Split(0)) for c in d_chunk] + d_head + [outside(x, 1)]
         for v, (options, cols) in zip(eqn.outvars, outs):
             self.produced[v], self.scale[v] = _by_layout(options, cols), scale
-        rule = registry.rule_of(pipeline_p)      # its own collectives: a micro-batch's activation
-        for a, c in zip(*ins[n + nh]):
+        for a, c in zip(*ins[n + nh]):            # its own collectives: a micro-batch's activation
             operands = [None] * len(eqn.invars)
             operands[n + nh] = a
             self.m.cost[c] += scale * conversion.steps_seconds(rule.comm(eqn, operands, None, prop.mesh),
