@@ -40,16 +40,19 @@ optimum is exact.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import math
 import os
+import platform
 import sys
 import time
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
 from jax import lax
-from scipy import optimize, sparse
+from scipy import sparse
 
 from shardflow import conversion, registry
 from shardflow.explain import hideable, make_plan
@@ -210,8 +213,8 @@ class _Model:
         return cost
 
     def solve(self, time_limit, warm: dict | None = None, exposed: dict | None = None):
-        """The optimum — or, where the time limit stops the proof, the best plan found — as an
-        optimize.OptimizeResult-like (x, fun, status 0) with ``bound``, a lower bound on the
+        """The optimum — or, where the time limit stops the proof, the best plan found — as a
+        result (x, fun, status 0: scipy.optimize.milp's fields) with ``bound``, a lower bound on the
         optimum (``fun`` where proven). By the LP relaxation where its x come out integral (a
         lower bound that is feasible: the optimum), which they often are here. Else relax and
         fix first — the integer columns the relaxation settled fixed there, the few fractional
@@ -231,6 +234,7 @@ class _Model:
         start = time.perf_counter()
 
         def branch(lo, hi):
+            from scipy import optimize   # 0.2 s to import, and rarely needed: not at the top
             left = max(time_limit - (time.perf_counter() - start), 0.1)
             return optimize.milp(cost, integrality=integral.astype(int), bounds=optimize.Bounds(lo, hi),
                                  constraints=optimize.LinearConstraint(a, lb, ub),
@@ -240,7 +244,7 @@ class _Model:
         if relaxed is not None and np.all(np.abs(relaxed.x[integral] - np.round(relaxed.x[integral])) < 1e-6):
             relaxed.bound = relaxed.fun
             return relaxed
-        fixed = optimize.OptimizeResult(x=None)
+        fixed = SimpleNamespace(x=None)
         if relaxed is not None:                                  # relax and fix
             lo, hi = np.zeros(len(cost)), np.ones(len(cost))
             lo[integral & (relaxed.x > 1 - 1e-6)], hi[integral & (relaxed.x < 1e-6)] = 1.0, 0.0
@@ -256,7 +260,7 @@ class _Model:
 
 def _relaxation(cost, a, lb, ub, time_limit, warm: dict | None = None):
     """The LP min cost·x, lb <= a x <= ub, 0 <= x <= 1 by HiGHS's dual simplex: an
-    optimize.OptimizeResult-like (x, fun, status 0), or None where it did not solve in time.
+    (x, fun, status 0), or None where it did not solve in time.
     ``warm`` (a dict, or None): the HiGHS instance of the last relaxation solved and its
     constraints, stored there; where this one has the same constraints (a program solved again
     at other overlap shares: only costs differ) the simplex starts from that optimal basis
@@ -286,13 +290,31 @@ def _relaxation(cost, a, lb, ub, time_limit, warm: dict | None = None):
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("dual_simplex_cost_perturbation_multiplier", 0.0)
     h.setOptionValue("presolve", "off")
-    h.run()
+    with _heap_kept():
+        h.run()
     if warm is not None:
         warm.update(highs=h, a=a, lb=lb, ub=ub)
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None
-    return optimize.OptimizeResult(x=np.asarray(h.getSolution().col_value), fun=h.getInfo().objective_function_value,
-                                   status=0, message="")
+    return SimpleNamespace(x=np.asarray(h.getSolution().col_value), fun=h.getInfo().objective_function_value,
+                           status=0, message="")
+
+
+@contextlib.contextmanager
+def _heap_kept(pad: int = 16 << 20):
+    """glibc's malloc keeping ``pad`` bytes at the top of its heap (M_TOP_PAD) where it would
+    keep 128 KiB: a process's first relaxation otherwise pays ~0.25 s of page faults, memory
+    returned to the system and taken back (the 1b FSDP step's LP, the same 32,362 dual simplex
+    iterations: 1.50 s cold, 1.25 s solved again or with the pad). Elsewhere, nothing."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if platform.libc_ver()[0] == "glibc" else None
+    M_TOP_PAD = -2
+    if mallopt is not None:
+        mallopt(M_TOP_PAD, pad)
+    try:
+        yield
+    finally:
+        if mallopt is not None:
+            mallopt(M_TOP_PAD, 128 << 10)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
+from scipy import optimize
 
 import shardflow as sf
 import shardflow.ops  # noqa: F401  (sf.ops: the attention primitive)
@@ -703,14 +704,14 @@ def test_a_fractional_relaxation_is_branched_to_the_integer_optimum_and_says_it_
 
 
 def test_a_time_limit_in_branch_and_bound_keeps_the_relax_and_fix_plan_with_the_lp_bound(monkeypatch):
-    real = solve.optimize.milp
+    real = optimize.milp
 
     def milp(cost, bounds, **kwargs):    # the whole program's branch and bound runs out of time
         if np.all(bounds.lb == 0) and np.all(bounds.ub == 1):
-            return solve.optimize.OptimizeResult(x=None, status=1, message="Time limit reached")
+            return optimize.OptimizeResult(x=None, status=1, message="Time limit reached")
         return real(cost, bounds=bounds, **kwargs)
 
-    monkeypatch.setattr(solve.optimize, "milp", milp)
+    monkeypatch.setattr(optimize, "milp", milp)
     m = _odd_cycle()
     y = m.var(1e-6, integral=True)         # a column the relaxation settles (0): fixed there
     m.row([(y, 1.0)], 0.0, 1.0)
