@@ -75,20 +75,18 @@ def plan(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links=None) -> tuple:
     """Steps converting a ``dtype[shape]`` value from ``src`` to ``dst`` (both NdSbp): the
     direct plan, or with ``links`` (a LinkModel) the cheaper of it and the shortest route
     through NdSbps between (``_route``)."""
-    return _priced(shape, dtype, src, dst, mesh, links)[0]
-
-
-def _priced(shape, dtype, src, dst, mesh, links) -> tuple:
-    """(``plan``'s steps, their seconds by ``links``, or None without)."""
     src, dst = tuple(src), tuple(dst)
     if src == dst:
-        return (), 0.0
-    shape, dtype, mesh = tuple(shape), as_dtype(dtype), _MeshShape(tuple(mesh.axis_names), tuple(mesh.devices.shape))
+        return ()
+    shape, dtype, mesh = _normalized(shape, dtype, mesh)
     direct = _plan(shape, dtype, src, dst, mesh)
-    if links is None:
-        return direct, None
-    direct_seconds = steps_seconds(direct, links)
-    return _route(shape, dtype, src, dst, mesh, links, direct_seconds) or (direct, direct_seconds)
+    routed = None if links is None else _route(shape, dtype, src, dst, mesh, links, steps_seconds(direct, links))
+    return direct if routed is None else routed[0]
+
+
+def _normalized(shape, dtype, mesh) -> tuple:
+    """(shape, dtype, mesh) as the caches key them."""
+    return tuple(shape), as_dtype(dtype), _MeshShape(tuple(mesh.axis_names), tuple(mesh.devices.shape))
 
 
 class _MeshShape(NamedTuple):
@@ -125,6 +123,18 @@ def _block(shape, sbp, sizes) -> tuple:
 
 def _free(n, before, after) -> float:
     return 0.0
+
+
+def _scattered(n, before, after) -> float:     # reduce_scatter, all_to_all
+    return (n - 1) / n * before
+
+
+def _reduced(n, before, after) -> float:       # all_reduce
+    return 2 * (n - 1) / n * before
+
+
+def _gathered(n, before, after) -> float:      # all_gather
+    return (n - 1) / n * after
 
 
 @functools.lru_cache(maxsize=16384)
@@ -170,16 +180,16 @@ def _steps(rank, src, dst, mesh) -> tuple:
     for a in names:  # P(sum) -> S: reduce_scatter
         if isinstance(cur[a], Partial) and cur[a].op == "sum" and isinstance(want[a], Split) \
                 and can_append(a, want[a].dim):
-            step("reduce_scatter", {a: want[a]}, dim=want[a].dim, cost=lambda n, b, _: (n - 1) / n * b)
+            step("reduce_scatter", {a: want[a]}, dim=want[a].dim, cost=_scattered)
     for a in names:  # S(i) -> S(j) on one axis: all_to_all
         s, t = cur[a], want[a]
         if isinstance(s, Split) and isinstance(t, Split) and s.dim != t.dim \
                 and _axes_on(now(), s.dim, names)[-1] == a and can_append(a, t.dim):
-            step("all_to_all", {a: t}, dim=t.dim, src_dim=s.dim, cost=lambda n, b, _: (n - 1) / n * b)
+            step("all_to_all", {a: t}, dim=t.dim, src_dim=s.dim, cost=_scattered)
     for op in ("sum", "max", "min"):  # P -> B: all_reduce, one collective over all such axes
         group = [a for a in names if cur[a] == Partial(op) and want[a] != cur[a]]
         if group:
-            step("all_reduce", {a: B for a in group}, op=op, cost=lambda n, b, _: 2 * (n - 1) / n * b)
+            step("all_reduce", {a: B for a in group}, op=op, cost=_reduced)
     for a in names:  # S -> P(sum): own shard in place, zeros elsewhere
         s, t = cur[a], want[a]
         if isinstance(s, Split) and t == Partial("sum") and _axes_on(now(), s.dim, names)[-1] == a:
@@ -190,7 +200,7 @@ def _steps(rank, src, dst, mesh) -> tuple:
         while k < min(len(have), len(goal)) and have[k] == goal[k]:
             k += 1
         if have[k:]:
-            step("all_gather", {a: B for a in have[k:]}, dim=dim, cost=lambda n, _, after: (n - 1) / n * after)
+            step("all_gather", {a: B for a in have[k:]}, dim=dim, cost=_gathered)
     slices()
     for a in names:  # B -> P: keep the value on index 0 of the axis
         if isinstance(want[a], Partial) and cur[a] != want[a]:
@@ -210,8 +220,46 @@ def steps_seconds(steps, links) -> float:
 
 
 def seconds(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links) -> float:
-    """The one pricer: modelled seconds of the plan that converts ``src`` to ``dst``."""
-    return _priced(shape, dtype, src, dst, mesh, links)[1]
+    """The one pricer: modelled seconds of the plan that converts ``src`` to ``dst`` — what
+    ``steps_seconds(plan(...))`` gives, without building the plan's Steps where it goes direct."""
+    src, dst = tuple(src), tuple(dst)
+    if src == dst:
+        return 0.0
+    shape, dtype, mesh = _normalized(shape, dtype, mesh)
+    direct = 0.0
+    for step in _sizes(len(shape), src, dst, mesh):     # summed in steps_seconds's order: equal to it
+        if step is None:
+            direct += EPSILON
+            continue
+        axes, n, cost, before, after = step
+        sent = cost(n, _block_bytes(shape, before, dtype.itemsize), _block_bytes(shape, after, dtype.itemsize))
+        direct += links.seconds(axes, int(round(sent)))
+    routed = _route(shape, dtype, src, dst, mesh, links, direct)
+    return direct if routed is None else routed[1]
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _sizes(rank, src, dst, mesh) -> tuple:
+    """``_steps`` as ``seconds`` needs them, small enough (~0.6 KB an entry) to cache by the
+    hundred thousand: the 1b step pipelined on {pipe: 2, data: 2, model: 2} prices 230k
+    (rank, src, dst), and with ``_steps``'s cache thrashing, half its integer program's build
+    went to planning them again. Per step None where it is local, else a collective's axes and
+    device count, its bytes as a function of those, and per dim how many ways the NdSbps before
+    and after it split that dim."""
+    def ways(sbp):
+        key = tuple(math.prod(n for n, s in zip(mesh.shape, sbp) if type(s) is Split and s.dim == d)
+                    for d in range(rank))
+        return _WAYS.setdefault(key, key)
+    return tuple((axes, n, cost, ways(before), ways(after)) if kind in COLLECTIVES else None
+                 for kind, axes, n, _, _, _, before, after, cost in _steps(rank, src, dst, mesh))
+
+
+_WAYS = {}     # interned: a few dozen distinct tuples among ``_sizes``'s entries
+
+
+def _block_bytes(shape, ways, itemsize) -> int:
+    """Bytes of the local block, a dim of ``shape`` split ``ways[dim]`` ways (``_block``'s)."""
+    return math.prod(d // k for d, k in zip(shape, ways)) * itemsize
 
 
 # ------------------------------------------------------------------------------ routes

@@ -48,7 +48,8 @@ def conversions(draw):
 @settings(max_examples=150, **SETTINGS)
 @given(conversions())
 def test_propagation_prices_the_plan_that_runs(case):
-    """What propagation pays for a conversion is the plan boxing inserts, priced by the links."""
+    """What propagation pays for a conversion is the plan boxing inserts, priced by the links —
+    to the last bit, though the pricer builds no Steps where the plan goes direct."""
     axes, shape, src, dst = case
     mesh = sf.make_mesh(MESHES[axes])
     if not (sf.specs.divides(shape, src, mesh) and sf.specs.divides(shape, dst, mesh)):
@@ -58,7 +59,7 @@ def test_propagation_prices_the_plan_that_runs(case):
     aval = jax.core.ShapedArray(shape, np.float32)
     steps = conversion.plan(shape, np.float32, src, dst, mesh, links)
     expected = sum(links.seconds(s.axes, s.bytes) if s.is_collective else conversion.EPSILON for s in steps)
-    assert Propagation(program).seconds(aval, src, dst) == pytest.approx(expected, rel=1e-12, abs=0)
+    assert Propagation(program).seconds(aval, src, dst) == expected
 
 
 def test_the_issue_example_is_priced_as_the_plan_that_runs():
