@@ -259,7 +259,7 @@ class _Model:
 
 
 def _relaxation(cost, a, lb, ub, time_limit, warm: dict | None = None):
-    """The LP min cost·x, lb <= a x <= ub, 0 <= x <= 1 by HiGHS's dual simplex: an
+    """The LP min cost·x, lb <= a x <= ub, 0 <= x <= 1 by HiGHS's dual simplex: a result
     (x, fun, status 0), or None where it did not solve in time.
     ``warm`` (a dict, or None): the HiGHS instance of the last relaxation solved and its
     constraints, stored there; where this one has the same constraints (a program solved again
