@@ -20,7 +20,6 @@ result is deterministic.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 
 from jax import lax
@@ -84,16 +83,13 @@ class Propagation:
     def seconds(self, aval, src, dst) -> float:
         return self.pricer(aval)(tuple(src), tuple(dst))
 
-    def pricer(self, aval):
+    def pricer(self, aval) -> conversion.Pricer:
         """``seconds`` for values of ``aval``'s shape and dtype, as a function of (src, dst)
         NdSbp tuples: the same conversion of same-shaped values priced once."""
-        return functools.partial(self._price, self._prices.setdefault((aval.shape, aval.dtype), {}), aval)
-
-    def _price(self, table, aval, src, dst) -> float:
-        got = table.get((src, dst))
-        if got is None:
-            got = table[src, dst] = conversion.seconds(aval.shape, aval.dtype, src, dst, self.mesh, self.program.links)
-        return got
+        key = (aval.shape, aval.dtype)
+        if key not in self._prices:
+            self._prices[key] = conversion.Pricer(aval.shape, aval.dtype, self.mesh, self.program.links)
+        return self._prices[key]
 
     def use_seconds(self, x, src, dst) -> float:
         """Converting ``x`` to ``dst``, from ``src`` or from a conversion of it already made."""

@@ -74,14 +74,17 @@ def _axes_on(sbp, dim, names):
 def plan(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links=None) -> tuple:
     """Steps converting a ``dtype[shape]`` value from ``src`` to ``dst`` (both NdSbp): the
     direct plan, or with ``links`` (a LinkModel) the cheaper of it and the shortest route
-    through NdSbps between (``_route``)."""
+    through NdSbps between (``Pricer.route``)."""
     src, dst = tuple(src), tuple(dst)
     if src == dst:
         return ()
     shape, dtype, mesh = _normalized(shape, dtype, mesh)
     direct = _plan(shape, dtype, src, dst, mesh)
-    routed = None if links is None else _route(shape, dtype, src, dst, mesh, links, steps_seconds(direct, links))
-    return direct if routed is None else routed[0]
+    routed = None if links is None else Pricer(shape, dtype, mesh, links).route(src, dst, steps_seconds(direct, links))
+    if routed is None:
+        return direct
+    states = routed[0]
+    return tuple(step for u, v in zip(states, states[1:]) for step in _plan(shape, dtype, u, v, mesh))
 
 
 def _normalized(shape, dtype, mesh) -> tuple:
@@ -220,27 +223,81 @@ def steps_seconds(steps, links) -> float:
 
 
 def seconds(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links) -> float:
-    """The one pricer: modelled seconds of the plan that converts ``src`` to ``dst`` — what
-    ``steps_seconds(plan(...))`` gives, without building the plan's Steps where it goes direct."""
-    src, dst = tuple(src), tuple(dst)
-    if src == dst:
-        return 0.0
-    shape, dtype, mesh = _normalized(shape, dtype, mesh)
-    direct = 0.0
-    for step in _sizes(len(shape), src, dst, mesh):     # summed in steps_seconds's order: equal to it
-        if step is None:
-            direct += EPSILON
-            continue
-        axes, n, cost, before, after = step
-        sent = cost(n, _block_bytes(shape, before, dtype.itemsize), _block_bytes(shape, after, dtype.itemsize))
-        direct += links.seconds(axes, int(round(sent)))
-    routed = _route(shape, dtype, src, dst, mesh, links, direct)
-    return direct if routed is None else routed[1]
+    """The one pricer: modelled seconds of the plan that converts ``src`` to ``dst``
+    (``Pricer``'s, for one conversion)."""
+    return Pricer(shape, dtype, mesh, links)(tuple(src), tuple(dst))
+
+
+class Pricer:
+    """``seconds`` of conversions of a ``dtype[shape]`` value on ``mesh`` under ``links``, as a
+    function of (src, dst) NdSbp tuples: what ``steps_seconds(plan(...))`` gives, to the bit,
+    without building the plan's Steps (``_sizes``); each pair priced once, and what a pricing
+    loop would redo per pair — the axes' speeds and layouts — once."""
+
+    def __init__(self, shape, dtype, mesh, links):
+        self.shape, self.dtype, self.mesh = _normalized(shape, dtype, mesh)
+        self.links = links
+        self.speeds = tuple((links.per_axis_alpha.get(a, links.alpha), links.per_axis_beta.get(a, links.beta))
+                            for a in self.mesh.axis_names)
+        self.layouts = tuple(_whole_or_split(self.shape, n) for n in self.mesh.shape)
+        self.routed = math.prod(len(o) for o in self.layouts) <= ROUTED_LAYOUTS
+        self.memo = {}
+
+    def __call__(self, src: tuple, dst: tuple) -> float:
+        got = self.memo.get((src, dst))
+        if got is None:
+            got = self.memo[src, dst] = self._seconds(src, dst)
+        return got
+
+    def _seconds(self, src, dst) -> float:
+        if src == dst:
+            return 0.0
+        direct = self._add(src, dst, 0.0)
+        routed = self.route(src, dst, direct)
+        return direct if routed is None else routed[1]
+
+    def _add(self, src, dst, total: float) -> float:
+        """``total`` plus the seconds of the direct plan from ``src`` to ``dst``, step by step as
+        ``steps_seconds`` adds them (so equal to it, to the bit)."""
+        shape, itemsize = self.shape, self.dtype.itemsize
+        for step in _sizes(len(shape), src, dst, self.mesh):
+            if step is None:
+                total += EPSILON
+                continue
+            axes, n, cost, before, after = step
+            sent = cost(n, _block_bytes(shape, before, itemsize), _block_bytes(shape, after, itemsize))
+            total += self.links.seconds(axes, int(round(sent)))
+        return total
+
+    def route(self, src, dst, direct: float) -> tuple | None:
+        """(The NdSbps of the shortest route from ``src`` to ``dst``, both included, and its
+        seconds) where it is cheaper than ``direct`` seconds, else None: each hop one direct plan
+        of one step, over the NdSbps each axis may hold on the way (``_options``), only where
+        they are at most ``ROUTED_LAYOUTS``."""
+        if not self.routed:
+            return None
+        options = self.layouts
+        if any(type(a) is Partial for a in src + dst):
+            options = tuple(_options(o, s, t) for o, s, t in zip(options, src, dst))
+            if math.prod(len(o) for o in options) > ROUTED_LAYOUTS:
+                return None
+        graph = _graph(self.shape, self.dtype.itemsize, options, self.mesh, self.speeds)
+        i, j = graph.index.get(src), graph.index.get(dst)
+        if i is None or j is None:        # priced before being found not to divide
+            return None
+        if not graph.dist[i, j] < direct * (1 - 1e-9):
+            return None
+        states, total = [src], 0.0
+        while i != j:
+            i = graph.next[i, j]
+            total = self._add(states[-1], graph.states[i], total)
+            states.append(graph.states[i])
+        return (states, total) if total < direct * (1 - 1e-9) else None
 
 
 @functools.lru_cache(maxsize=1 << 17)
 def _sizes(rank, src, dst, mesh) -> tuple:
-    """``_steps`` as ``seconds`` needs them, small enough (~0.6 KB an entry) to cache by the
+    """``_steps`` as ``Pricer`` needs them, small enough (~0.6 KB an entry) to cache by the
     hundred thousand: the 1b step pipelined on {pipe: 2, data: 2, model: 2} prices 230k
     (rank, src, dst), and with ``_steps``'s cache thrashing, half its integer program's build
     went to planning them again. Per step None where it is local, else a collective's axes and
@@ -264,38 +321,14 @@ def _block_bytes(shape, ways, itemsize) -> int:
 
 # ------------------------------------------------------------------------------ routes
 
-def _route(shape, dtype, src, dst, mesh, links, direct: float) -> tuple | None:
-    """(The steps of the shortest route from ``src`` to ``dst``, their seconds) where it is
-    cheaper than ``direct`` seconds, else None: each hop one direct plan of one step."""
-    speeds = tuple((links.per_axis_alpha.get(a, links.alpha), links.per_axis_beta.get(a, links.beta))
-                   for a in mesh.axis_names)
-    options = tuple(_options(shape, n, s, t) for n, s, t in zip(mesh.shape, src, dst))
-    if math.prod(len(o) for o in options) > ROUTED_LAYOUTS:
-        return None
-    graph = _graph(shape, dtype.itemsize, options, mesh, speeds)
-    if src not in graph.index or dst not in graph.index:      # priced before being found not to divide
-        return None
-    i, j = graph.index[src], graph.index[dst]
-    if not graph.dist[i, j] < direct * (1 - 1e-9):
-        return None
-    steps = []
-    while i != j:
-        k = graph.next[i, j]
-        steps += _plan(shape, dtype, graph.states[i], graph.states[k], mesh)
-        i = k
-    routed = steps_seconds(steps, links)
-    return (tuple(steps), routed) if routed < direct * (1 - 1e-9) else None
-
-
-def _options(shape, n, src, dst) -> tuple:
-    """What a mesh axis of ``n`` devices may hold on a route from ``src`` to ``dst``: B, a split
-    of any dim it divides, and a partial value only where the route starts or ends as one."""
-    options = _whole_or_split(shape, n)
+def _options(layouts, src, dst) -> tuple:
+    """What a mesh axis may hold on a route from ``src`` to ``dst``: its ``layouts`` (B and a
+    split of any dim it divides), and a partial value only where the route starts or ends as one."""
     if type(src) is Partial:
-        options += (src,)
+        layouts += (src,)
     if type(dst) is Partial and dst != src:
-        options += (dst,)
-    return options
+        layouts += (dst,)
+    return layouts
 
 
 @functools.lru_cache(maxsize=4096)

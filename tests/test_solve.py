@@ -652,12 +652,12 @@ def test_the_solves_of_one_program_price_each_conversion_once_and_the_second_sta
     from shardflow import conversion
 
     priced, solves, inside, lps = [], [], [False], []
-    seconds, choose, relaxation = conversion.seconds, solve.choose, solve._relaxation
+    seconds, choose, relaxation = conversion.Pricer._seconds, solve.choose, solve._relaxation
 
-    def counted_seconds(*args):
+    def counted_seconds(pricer, src, dst):
         if inside[0]:
-            priced.append(args[:4])
-        return seconds(*args)
+            priced.append((pricer.shape, pricer.dtype, src, dst))
+        return seconds(pricer, src, dst)
 
     def counted_choose(*args, **kwargs):
         solves.append(1)
@@ -674,7 +674,7 @@ def test_the_solves_of_one_program_price_each_conversion_once_and_the_second_sta
         lps.append((before, warm["highs"], warm["highs"].getInfo().simplex_iteration_count))
         return result
 
-    monkeypatch.setattr(conversion, "seconds", counted_seconds)
+    monkeypatch.setattr(conversion.Pricer, "_seconds", counted_seconds)
     monkeypatch.setattr(solve, "choose", counted_choose)
     monkeypatch.setattr(solve, "_relaxation", counted_relaxation)
     _, run, state, batch = tiny_tp_train_step()
