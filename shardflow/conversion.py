@@ -252,22 +252,22 @@ class Pricer:
     def _seconds(self, src, dst) -> float:
         if src == dst:
             return 0.0
-        direct = self._add(src, dst, 0.0)
+        direct = sum(self._terms(src, dst))
         routed = self.route(src, dst, direct)
         return direct if routed is None else routed[1]
 
-    def _add(self, src, dst, total: float) -> float:
-        """``total`` plus the seconds of the direct plan from ``src`` to ``dst``, step by step as
-        ``steps_seconds`` adds them (so equal to it, to the bit)."""
+    def _terms(self, src, dst):
+        """The seconds of each step of the direct plan from ``src`` to ``dst``, in order: summed
+        by ``sum`` as ``steps_seconds`` sums them, equal to it to the bit (``sum`` of floats is
+        compensated from Python 3.12 on; a loop of ``+=`` is not)."""
         shape, itemsize = self.shape, self.dtype.itemsize
         for step in _sizes(len(shape), src, dst, self.mesh):
             if step is None:
-                total += EPSILON
+                yield EPSILON
                 continue
             axes, n, cost, before, after = step
             sent = cost(n, _block_bytes(shape, before, itemsize), _block_bytes(shape, after, itemsize))
-            total += self.links.seconds(axes, int(round(sent)))
-        return total
+            yield self.links.seconds(axes, int(round(sent)))
 
     def route(self, src, dst, direct: float) -> tuple | None:
         """(The NdSbps of the shortest route from ``src`` to ``dst``, both included, and its
@@ -287,11 +287,11 @@ class Pricer:
             return None
         if not graph.dist[i, j] < direct * (1 - 1e-9):
             return None
-        states, total = [src], 0.0
+        states = [src]
         while i != j:
             i = graph.next[i, j]
-            total = self._add(states[-1], graph.states[i], total)
             states.append(graph.states[i])
+        total = sum(t for u, v in zip(states, states[1:]) for t in self._terms(u, v))
         return (states, total) if total < direct * (1 - 1e-9) else None
 
 
