@@ -146,6 +146,7 @@ class _Model:
         self.rows, self.cols, self.vals, self.lb, self.ub = [], [], [], [], []
         self.overlapped = []     # (column, seconds, scan eqn): a cost times the share that loop leaves exposed
         self.matrix = None       # the rows as a sparse matrix, once built (``solve``)
+        self.lazy = []           # rows the relaxation adds only where its optimum without them breaks them
 
     def var(self, cost=0.0, integral=False) -> int:
         self.cost.append(cost)
@@ -240,7 +241,17 @@ class _Model:
                                  constraints=optimize.LinearConstraint(a, lb, ub),
                                  options={"time_limit": left, "presolve": True, "mip_rel_gap": 1e-7})
 
-        relaxed = _relaxation(cost, a, lb, ub, time_limit, warm)
+        relaxed = None
+        if self.lazy:    # a memory budget's dense row: 1b tp's relaxation 40 s with it, 6 s without
+            eager = np.ones(len(lb), bool)
+            eager[self.lazy] = False
+            relaxed = _relaxation(cost, a[eager], lb[eager], ub[eager], time_limit, warm)
+            if relaxed is not None:
+                lazy = a[~eager] @ relaxed.x
+                if np.any(lazy > ub[~eager] + 1e-9) or np.any(lazy < lb[~eager] - 1e-9):
+                    relaxed = None
+        if relaxed is None:
+            relaxed = _relaxation(cost, a, lb, ub, time_limit, warm)
         if relaxed is not None and np.all(np.abs(relaxed.x[integral] - np.round(relaxed.x[integral])) < 1e-6):
             relaxed.bound = relaxed.fun
             return relaxed
@@ -696,6 +707,7 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
                for v, options, cols in auto for a, c in zip(options, cols)]
               + [(c, nbytes / 1e6) for c, nbytes in b.held + _taken(b, jaxpr)],
               -math.inf, float(budget - _fixed_input_bytes(prop)) / 1e6)
+        m.lazy.append(len(m.lb) - 1)
     unspecified = set()
     for v, want in zip(jaxpr.outvars, out_sbp):
         if is_literal(v):
