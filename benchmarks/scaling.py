@@ -236,6 +236,8 @@ def time_steps(run, row, global_batch, seq, args, traced=None):
         elapsed = time.perf_counter() - start
         loss = float(out["loss"])
         row["compiled_gb_per_device"] = train_mfu.compiled_bytes(step_fn, params, opt_state, data) / 1e9
+        if hasattr(step_fn, "program"):  # shardflow's: which planner ran, and how long it took
+            row["planner"] = step_fn.program(params, opt_state, data).planner
         if traced is not None:
             row.update(traced(step_fn, params, opt_state, data))
     except Exception as e:  # noqa: BLE001 - report the config and go on with the others
