@@ -37,6 +37,7 @@ comes from the device kind (n/a on CPU unless --peak-flops). Only steady-state s
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import datetime
 import gc
@@ -140,6 +141,12 @@ def merged(spans) -> list[list]:
     return out
 
 
+def covered(spans, start, end) -> int:
+    """How much of [start, end) the sorted disjoint ``spans`` cover."""
+    first = max(bisect.bisect_left(spans, [start]) - 1, 0)
+    return sum(max(0, min(b, end) - max(a, start)) for a, b in spans[first:bisect.bisect_left(spans, [end])])
+
+
 def traced_kernels(step_fn, params, opt_state, data) -> list[list[tuple]]:
     """One traced step: per GPU (in device order), its kernels as (start ns, end ns, name), from
     the profiler's stream lines; [] without a GPU (CPU runs)."""
@@ -167,7 +174,8 @@ def kernel_time(step_fn, params, opt_state, data) -> dict:
     """One traced step, per GPU: its span, the milliseconds of kernels of each kind (KINDS, then
     "other"), the time no kernel runs, the largest "other" kernels, the NCCL kernels' time by
     collective (``nccl_ms_by_kind``, from the kernel names) and the time an NCCL kernel runs
-    with no other kernel beside it (``nccl_exposed_ms``); {} without a GPU."""
+    with no other kernel beside it (``nccl_exposed_ms``; by collective ``nccl_exposed_ms_by_kind``);
+    {} without a GPU."""
     import collections
 
     per_gpu = []
@@ -181,17 +189,25 @@ def kernel_time(step_fn, params, opt_state, data) -> dict:
             if kind == "nccl":
                 nccl[next((k for k in NCCL_KINDS if k.lower() in name.lower()), name[:40])] += (end - start) / 1e6
         busy = sum(b - a for a, b in merged((start, end) for start, end, _ in kernels))
-        computing = sum(b - a for a, b in merged((start, end) for start, end, name in kernels
-                                                  if "nccl" not in name.lower()))
+        compute = merged((start, end) for start, end, name in kernels if "nccl" not in name.lower())
+        computing = sum(b - a for a, b in compute)
+        exposed = collections.Counter()   # per collective: its time with no compute kernel beside it
+        for start, end, name in kernels:
+            if "nccl" in name.lower():
+                beside = covered(compute, start, end)
+                kind = next((k for k in NCCL_KINDS if k.lower() in name.lower()), name[:40])
+                exposed[kind] += (end - start - beside) / 1e6
         span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1e6
         per_gpu.append({"span_ms": span, "no_kernel_ms": span - busy / 1e6, **{f"{k}_ms": v for k, v in ms.items()},
                         "nccl_exposed_ms": (busy - computing) / 1e6,
-                        "top_other_ms": other.most_common(8), "nccl_ms_by_kind": dict(nccl.most_common())})
+                        "top_other_ms": other.most_common(8), "nccl_ms_by_kind": dict(nccl.most_common()),
+                        "nccl_exposed_ms_by_kind": dict(exposed.most_common())})
     if per_gpu:
         g = per_gpu[0]
         print("  GPU0: " + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in g.items() if isinstance(v, float))
               + "; other: " + "; ".join(f"{n} {t:.1f}" for n, t in g["top_other_ms"])
-              + "; nccl: " + "; ".join(f"{n} {t:.1f}" for n, t in g["nccl_ms_by_kind"].items()), flush=True)
+              + "; nccl: " + "; ".join(f"{n} {t:.1f} ({g['nccl_exposed_ms_by_kind'].get(n, 0):.1f} exposed)"
+                                       for n, t in g["nccl_ms_by_kind"].items()), flush=True)
     return {"kernel_time_per_gpu": per_gpu} if per_gpu else {}
 
 

@@ -9,6 +9,7 @@ from shardflow import conversion, registry
 from shardflow.primitives import box_p
 from shardflow.program import (REMAT_PRIMITIVES, Program, all_eqns, is_literal, named_bodies, open_jaxpr, scan_arity,
                                source_line)
+from shardflow.rules.control import overlappable
 from shardflow.specs import B, Split, as_dtype, describe, format_sbp
 
 
@@ -99,11 +100,9 @@ def hideable(program: Program, eqn) -> tuple[float, float]:
     regions included), per execution. Collectives on the layer's own critical path (a
     tensor-parallel all-reduce) hide nothing."""
     body = open_jaxpr(eqn.params["jaxpr"])
-    nc, nk = scan_arity(eqn.params)
-    ahead, behind = set(body.invars[nc + nk:]), {v for v in body.outvars[nk:] if not is_literal(v)}
+    ahead, behind = overlappable(body, *scan_arity(eqn.params))
     comm = sum(conversion.steps_seconds([s for s in e.params["steps"] if s.is_collective], program.links)
-               for e in body.eqns if e.primitive is box_p
-               and (not is_literal(e.invars[0]) and e.invars[0] in ahead or e.outvars[0] in behind))
+               for e in (*ahead, *behind))
     return comm, _matmul_seconds(program, body)
 
 
