@@ -20,11 +20,6 @@ from shardflow.program import Program, is_literal
 from shardflow.specs import axis_sizes, local_shape, split_axes, to_partition_spec
 
 
-def read(env: dict, a):
-    """A var's value in ``env``; a literal as an array of its aval's dtype (rules read .shape / .dtype)."""
-    return np.asarray(a.val, a.aval.dtype) if is_literal(a) else env[a]
-
-
 class Local:
     """Evaluates a boxed jaxpr on local blocks inside shard_map; what a rule's ``lower`` sees."""
 
@@ -48,16 +43,15 @@ class Local:
         return idx, count
 
     def eval(self, jaxpr: Jaxpr, consts, args):
-        env = dict(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, args))
-        self.run(jaxpr.eqns, env)
-        return [read(env, a) for a in jaxpr.outvars]
+        env = {}
 
-    def run(self, eqns, env: dict) -> dict:
-        """Evaluates ``eqns`` in order on the local values in ``env`` (var -> value), adding
-        their outputs to it; a part of a body (a loop's conversions, run apart: ``_lower_scan``)."""
-        for eqn in eqns:
-            ins = [read(env, a) for a in eqn.invars]
+        def read(a):   # a literal as an array of its aval's dtype (rules read .shape / .dtype)
+            return np.asarray(a.val, a.aval.dtype) if is_literal(a) else env[a]
+
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        for eqn in jaxpr.eqns:
+            ins = [read(a) for a in eqn.invars]
             rule = registry.rule_of(eqn.primitive)
             if rule is not None and rule.lower is not None:
                 outs = rule.lower(self, eqn, ins)
@@ -68,7 +62,7 @@ class Local:
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, DropVar):
                     env[v] = x
-        return env
+        return [read(a) for a in jaxpr.outvars]
 
     def body_fn(self, jaxpr):
         closed = jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, ())

@@ -469,70 +469,10 @@ def reorder(shape, dtype, sbp: NdSbp, dim: int, order: tuple, mesh, *, to_mesh_o
 # ------------------------------------------------------------------------------ running a plan
 
 def run(steps, x, sizes: dict):
-    """Execute ``steps`` on the local block ``x`` inside shard_map (``sizes``: mesh axis sizes).
-    Consecutive all-gathers (or reduce-scatters) over different axes run as one collective over
-    all their axes, the blocks rearranged locally (``_gathered_many`` / ``_scattered_many``):
-    a weight split on two dims over two axes is gathered by one NCCL call, not two in a chain,
-    which XLA can overlap with compute only one at a time. The bytes are the same; the model
-    prices each step as planned (one α more per fused step)."""
-    for group in _fusable(steps):
-        if len(group) == 1:
-            x = _RUN[group[0].kind](group[0], x, sizes)
-        elif group[0].kind == "all_gather":
-            x = _gathered_many(group, x, sizes)
-        else:
-            x = _scattered_many(group, x, sizes)
-    return x
-
-
-def _fusable(steps) -> list[list]:
-    """``steps`` as runs of consecutive all-gathers (or reduce-scatters of a sum) over disjoint
-    axes, every other step alone."""
-    groups = []
+    """Execute ``steps`` on the local block ``x`` inside shard_map (``sizes``: mesh axis sizes)."""
     for st in steps:
-        last = groups[-1] if groups else None
-        if (last and st.kind in ("all_gather", "reduce_scatter") and last[0].kind == st.kind
-                and st.op == "sum" and not set(st.axes) & {a for s in last for a in s.axes}):
-            last.append(st)
-        else:
-            groups.append([st])
-    return groups
-
-
-def _factors(group, sizes) -> list[int]:
-    return [math.prod(sizes[a] for a in st.axes) for st in group]
-
-
-def _gathered_many(group, x, sizes):
-    """``group``'s all-gathers in one: every block over all their axes (the first step's axes
-    major), each step's index then moved before the dim it gathers (a later step's outermost)."""
-    axes = tuple(a for st in group for a in st.axes)
-    n = _factors(group, sizes)
-    y = lax.all_gather(x, axes, axis=0, tiled=False).reshape(*n, *x.shape)
-    order, shape = [], []
-    for k, size in enumerate(x.shape):
-        here = [j for j in reversed(range(len(group))) if group[j].dim == k]
-        order += here + [len(group) + k]
-        shape.append(size * math.prod(n[j] for j in here))
-    return jnp.transpose(y, order).reshape(shape)
-
-
-def _scattered_many(group, x, sizes):
-    """``group``'s reduce-scatters in one: each dim split into the scattering steps' indices (an
-    earlier step's outermost) and moved to the front, summed and scattered over all their axes."""
-    axes = tuple(a for st in group for a in st.axes)
-    n = _factors(group, sizes)
-    split, where, rest = [], {}, []
-    for k, size in enumerate(x.shape):
-        here = [j for j in range(len(group)) if group[j].dim == k]
-        for j in here:
-            where[j] = len(split)
-            split.append(n[j])
-        rest.append(len(split))
-        split.append(size // math.prod(n[j] for j in here))
-    y = jnp.transpose(x.reshape(split), [where[j] for j in range(len(group))] + rest)
-    y = lax.psum_scatter(y.reshape(math.prod(n), *y.shape[len(group):]), axes, scatter_dimension=0, tiled=True)
-    return y.reshape([split[i] for i in rest])
+        x = _RUN[st.kind](st, x, sizes)
+    return x
 
 
 def _all_gather(st, x, sizes):

@@ -9,7 +9,6 @@ from shardflow import conversion, registry
 from shardflow.primitives import box_p
 from shardflow.program import (REMAT_PRIMITIVES, Program, all_eqns, is_literal, named_bodies, open_jaxpr, scan_arity,
                                source_line)
-from shardflow.rules.control import overlappable
 from shardflow.specs import B, Split, as_dtype, describe, format_sbp
 
 
@@ -97,12 +96,23 @@ def hideable(program: Program, eqn) -> tuple[float, float]:
     """(seconds of the conversions XLA may run ahead of or behind a boxed scan body's compute —
     of its sliced inputs (a layer's weights, gathered ahead) and to its stacked outputs (a
     layer's gradient, reduced behind the next layer) —, seconds of its matmuls' flops, remat
-    regions included), per execution. Collectives on the layer's own critical path (a
-    tensor-parallel all-reduce) hide nothing."""
+    regions included), per execution; a remat's conversions of a sliced operand count as the
+    weight's own (the solver prices them so: ``passes.solve``). Collectives on the layer's own
+    critical path (a tensor-parallel all-reduce) hide nothing. No schedule is imposed: within an
+    iteration XLA's latency-hiding scheduler places them (moving them an iteration early or late
+    in the lowering measured 1-1.5 % slower on 7b FSDP, 2 x H200: benchmarks/results/scaling.md)."""
     body = open_jaxpr(eqn.params["jaxpr"])
-    ahead, behind = overlappable(body, *scan_arity(eqn.params))
+    nc, nk = scan_arity(eqn.params)
+    ahead, behind = set(body.invars[nc + nk:]), {v for v in body.outvars[nk:] if not is_literal(v)}
+    boxes = [(e, ahead) for e in body.eqns]
+    for e in body.eqns:      # a remat's body converting a sliced operand (a backward's recomputed forward)
+        if e.primitive in REMAT_PRIMITIVES:
+            inner = open_jaxpr(e.params["jaxpr"])
+            sliced = {v for x, v in zip(e.invars, inner.invars) if not is_literal(x) and x in ahead}
+            boxes += [(b, sliced) for b in inner.eqns]
     comm = sum(conversion.steps_seconds([s for s in e.params["steps"] if s.is_collective], program.links)
-               for e in (*ahead, *behind))
+               for e, sliced in boxes if e.primitive is box_p
+               and (not is_literal(e.invars[0]) and e.invars[0] in sliced or e.outvars[0] in behind))
     return comm, _matmul_seconds(program, body)
 
 

@@ -294,35 +294,3 @@ def test_gradient_accumulation_reduces_once_after_the_loop():
     expected = jax.jit(accumulate)(params, toks, tgts)
     for a, e in zip(jax.tree.leaves(f(params, toks, tgts)), jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)
-
-
-# ------------------------------------------------------------------------------ fused steps
-
-
-
-@pytest.mark.parametrize("axes, dims", [(("a", "b"), (0, 1)), (("b", "a"), (0, 1)), (("a", "b"), (1, 0)),
-                                        (("b", "a"), (2, 0))])
-def test_a_value_split_on_two_dims_is_gathered_by_one_collective(axes, dims):
-    mesh = sf.make_mesh({"a": 2, "b": 4})
-    spec = [None] * 3
-    for axis, dim in zip(axes, dims):
-        spec[dim] = axis
-    x = jnp.arange(8 * 8 * 4, dtype=jnp.float32).reshape(8, 8, 4)
-    f = sf.parallelize(lambda x: sf.constrain(x * 2, PS(*spec)), mesh=mesh, in_specs=(PS(*spec),), out_specs=PS())
-    plan = check(f, x)
-    assert [c.kind for c in plan.collectives] == ["all_gather", "all_gather"]    # planned as two steps
-    assert len(re.findall(r"all-gather(-start)?\(", f.lower(x).compile().as_text())) == 1   # run as one
-    np.testing.assert_array_equal(f(x), x * 2)
-
-
-@pytest.mark.parametrize("out", [PS("a", "b"), PS("b", "a"), PS(("a", "b"), None)])
-def test_a_sum_scattered_over_two_axes_is_one_reduce_scatter(out):
-    mesh = sf.make_mesh({"a": 2, "b": 4})
-    x = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 7
-    w = jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8) / 5
-    f = sf.parallelize(lambda x, w: x @ w, mesh=mesh, in_specs=(PS(None, ("a", "b")), PS(("a", "b"), None)),
-                       out_specs=out)
-    plan = check(f, x, w)
-    assert [c.kind for c in plan.collectives if c.shape] in (["reduce_scatter"], ["reduce_scatter"] * 2)
-    assert len(re.findall(r"reduce-scatter(-start)?\(", f.lower(x, w).compile().as_text())) == 1
-    np.testing.assert_allclose(f(x, w), x @ w, rtol=1e-6)

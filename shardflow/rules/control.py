@@ -5,7 +5,6 @@ Decision; each lower rule runs the equation on local blocks."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, primitives as prims
 
@@ -101,37 +100,11 @@ def _propagate_scan(prop, eqn):
     return prop.decide(eqn, decision, src, jaxpr=rebody(closed, annotated[-1]))
 
 
-def overlappable(body, nc: int, nk: int) -> tuple[list, list]:
-    """(ahead, behind): the conversions of a scan body that may run an iteration early or late,
-    beside another iteration's compute — each a box with a collective, ahead of a sliced input
-    (a layer's weight, gathered for the next layer while this one computes), behind to a stacked
-    output made in the body and used nowhere else (a layer's gradient, reduced while the next
-    layer computes). ``_lower_scan`` runs them so; ``explain.hideable`` prices them hidden."""
-    sliced = set(body.invars[nc + nk:])
-    inner = set(body.invars)
-    stacked = [v for v in body.outvars[nk:] if not is_literal(v)]
-    used = {a for e in body.eqns for a in e.invars if not is_literal(a)}
-    used |= {v for v in body.outvars[:nk] if not is_literal(v)}
-    ahead, behind = [], []
-    for e in body.eqns:
-        if e.primitive is not box_p or not any(s.is_collective for s in e.params["steps"]):
-            continue
-        x, (y,) = e.invars[0], e.outvars
-        if not is_literal(x) and x in sliced:
-            ahead.append(e)
-        elif y in stacked and y not in used and (is_literal(x) or x not in inner):
-            behind.append(e)
-    return ahead, behind
-
-
 def _lower_scan(local, eqn, ins):
     p = eqn.params
     nc, nk = scan_arity(p)
-    consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
-    ahead, behind = overlappable(open_jaxpr(p["jaxpr"]), nc, nk) if p["length"] > 1 else ((), ())
-    if ahead or behind:
-        return _lower_overlapped_scan(local, eqn, consts, init, xs, ahead, behind)
     body = local.body_fn(p["jaxpr"])
+    consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
 
     def step(carry, x):
         out = body(*consts, *carry, *x)
@@ -140,65 +113,6 @@ def _lower_scan(local, eqn, ins):
     carry, ys = lax.scan(step, list(init), list(xs), length=p["length"], reverse=p["reverse"],
                          unroll=p["unroll"])
     return list(carry) + list(ys)
-
-
-def _lower_overlapped_scan(local, eqn, consts, init, xs, ahead, behind):
-    """The scan with its ``overlappable`` conversions moved one iteration: iteration i gathers
-    the sliced inputs of iteration i+1 (the first's before the loop) and reduces the stacked
-    outputs of iteration i-1 (the last's after the loop) — data independent of its own compute,
-    so XLA's scheduler runs them beside it, which it cannot within one iteration (a layer's
-    first matmul waits for its weight). The same values: each conversion runs on the same
-    operand, at another time. The price: one more layer of gathered weights and one of unreduced
-    gradients held, and one wasted conversion each way (the last iteration gathers its own
-    slice again, the first reduces a zero block), where a peeled iteration would double the
-    body's code. "Next" is i-1 in a reversed scan (a backward)."""
-    p = eqn.params
-    nc, nk, n = *scan_arity(p), p["length"]
-    closed = p["jaxpr"]
-    body = open_jaxpr(closed)
-    skipped = {id(e) for e in (*ahead, *behind)}
-    core = [e for e in body.eqns if id(e) not in skipped]
-    sliced = body.invars[nc + nk:]
-    gathered = [e.outvars[0] for e in ahead]
-    raw, reduced = [e.invars[0] for e in behind], [e.outvars[0] for e in behind]
-    step_back, first, last = (1, n - 1, 0) if p["reverse"] else (-1, 0, n - 1)
-    env0 = dict(zip(body.constvars, getattr(closed, "consts", ())))
-
-    def converted(eqns, env, outs):
-        local.run(eqns, env)
-        return [env[v] for v in outs]
-
-    def gather(i):
-        return converted(ahead, {v: lax.dynamic_index_in_dim(x, i, keepdims=False) for v, x in zip(sliced, xs)},
-                         gathered)
-
-    def reduce(pending):
-        return converted(behind, dict(zip(raw, pending)), reduced)
-
-    def step(state, i_x):
-        carry, now, pending, done = state
-        i, x = i_x
-        after = jnp.clip(i - step_back, 0, n - 1)
-        env = {**env0, **dict(zip(body.invars, [*consts, *carry, *x])), **dict(zip(gathered, now))}
-        local.run(core, env)
-        before = jnp.clip(i + step_back, 0, n - 1)
-        done = [lax.dynamic_update_index_in_dim(d, r, before, 0) for d, r in zip(done, reduce(pending))]
-        carry = [read(env, v) for v in body.outvars[:nk]]
-        ys = [read(env, v) for v in body.outvars[nk:] if is_literal(v) or v not in reduced]
-        return (carry, gather(after), [env[v] for v in raw], done), ys
-
-    zeros = [jnp.zeros(local.shape(v), v.aval.dtype) for v in raw]
-    stacks = [jnp.zeros((n, *local.shape(v)), v.aval.dtype) for v in reduced]
-    (carry, _, pending, done), ys = lax.scan(
-        step, (list(init), gather(first), zeros, stacks), (jnp.arange(n), list(xs)), length=n,
-        reverse=p["reverse"], unroll=p["unroll"])
-    done = [lax.dynamic_update_index_in_dim(d, r, last, 0) for d, r in zip(done, reduce(pending))]
-    ys, done = iter(ys), dict(zip(reduced, done))
-    return list(carry) + [done[v] if not is_literal(v) and v in done else next(ys) for v in body.outvars[nk:]]
-
-
-def read(env, a):
-    return a.val if is_literal(a) else env[a]
 
 
 defrule(lax.scan_p, propagate=_propagate_scan, lower=_lower_scan, trips=lambda eqn, body, mesh: eqn.params["length"])
