@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import itertools
 import math
 import os
@@ -59,11 +60,11 @@ from shardflow.explain import hideable, make_plan
 from shardflow.passes.boxing import boxing
 from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, _adoptable, propagate, reduced
 from shardflow.pipelining import Bodies, operand_groups, outer_sbp, pipeline_axis, pipeline_p
-from shardflow.program import REMAT_PRIMITIVES, Program, is_literal, open_jaxpr, scan_arity, source_line
+from shardflow.program import REMAT_PRIMITIVES, Program, all_eqns, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import DECISION, Decision, Sig
 from shardflow.rules.control import rebody, stacked, unstacked
 from shardflow.rules.elementwise import SHAPE_KEEPING
-from shardflow.specs import B, P, Partial, ShardingError, Split
+from shardflow.specs import B, P, Partial, ShardingError, Split, format_sbp
 
 TIME_LIMIT = 60.0      # seconds HiGHS may take, per attempt, before greedy runs instead
 GAP = 1e-7             # a plan within this fraction of the lower bound is optimal
@@ -957,6 +958,36 @@ def _loop_shares(boxed: Program, jaxpr) -> dict:
 
 
 def solve(program: Program, time_limit: float | None = None) -> Program:
+    return _agreed(_solve(program, time_limit))
+
+
+def _agreed(program: Program) -> Program:
+    """``program``, where every process of a multi-process run planned the same one. Each
+    process solves the program itself (deterministically), but a time limit is a clock: a solve
+    it cut short on one host and not on another would lower different programs, whose
+    collectives would not match. The plans' fingerprints (every value's NdSbp) are compared
+    across the processes; a difference is a ShardingError."""
+    import jax
+    if jax.process_count() == 1:
+        return program
+    from jax.experimental import multihost_utils
+    layouts = [format_sbp(s) for s in (*program.in_sbp, *program.out_sbp)]
+    layouts += [format_sbp(program.sbp.get(v)) if program.sbp.get(v) is not None else "-"
+                for eqn in all_eqns(program.jaxpr.jaxpr) for v in eqn.outvars]
+    digest = np.frombuffer(hashlib.sha256("|".join(layouts).encode()).digest()[:8], np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, digest.size)
+    differ = [i for i, d in enumerate(every) if not np.array_equal(d, every[0])]
+    if differ:
+        raise ShardingError(
+            f"the {len(every)} processes planned different programs (processes {differ} differ from process 0; "
+            f"process {jax.process_index()}'s planner: {program.planner}). Each process solves the program "
+            f"itself; where the solver's time limit ({TIME_LIMIT:.0f} s per attempt) runs out on some hosts and "
+            f"not on others, their plans differ. Give the solver more time (passes.solve.TIME_LIMIT) or plan "
+            f"with the greedy planner (the default passes)")
+    return program
+
+
+def _solve(program: Program, time_limit: float | None) -> Program:
     # Scans and remats are solved with their bodies. Other control flow (while, cond, a
     # pipeline, attention with its own context) is laid out as greedy lays it out — its bodies
     # propagated from the operands greedy gave it — and the solver chooses every other

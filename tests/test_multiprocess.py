@@ -71,3 +71,59 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(data_
     assert restored["start_step"] == 3 and restored["losses"] == {}
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  jax.device_get(one["params"]), jax.device_get(restored["params"]))
+
+
+PLAN_IN_EACH_PROCESS = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from shardflow import train
+train.maybe_initialize_distributed()
+import shardflow as sf
+from shardflow.passes import solve
+if sys.argv[1] == "cut" and jax.process_index() == 1:       # this host's solve runs out of time
+    def out_of_time(*args, **kwargs):
+        raise solve.Unsolvable("time limit (simulated)")
+    solve._solved = out_of_time
+grad = jax.grad(lambda x, w1, w2: jnp.sum((jnp.tanh(x @ w1) @ w2) ** 2), argnums=(1, 2))
+mesh = sf.make_mesh({"data": 2, "model": 4})
+f = sf.parallelize(grad, mesh=mesh, passes=sf.passes.SOLVER,
+                   in_specs=(jax.P("data"), jax.P(None, "model"), jax.P("model")),
+                   out_specs=(jax.P(None, "model"), jax.P("model")))
+args = [jax.ShapeDtypeStruct(s, np.float32) for s in ((16, 32), (32, 64), (64, 32))]
+try:
+    print("PLANNER", f.explain(*args).planner[:40])
+except sf.ShardingError as e:
+    print("REFUSED", e)
+"""
+
+
+def run_script(tmp_path, script: str, arg: str, n_processes=2, devices_each=4, timeout=300) -> list[str]:
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(
+        [sys.executable, str(path), arg],
+        env=dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=coordinator,
+                 JAX_NUM_PROCESSES=str(n_processes), JAX_PROCESS_ID=str(i),
+                 XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(n_processes)]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return outputs
+
+
+def test_processes_whose_solves_end_differently_are_refused_not_run(tmp_path):
+    """Each process solves the program itself; where the time limit cuts one host's solve short
+    (simulated) its plan is greedy's, the others' the solver's — a ShardingError in every
+    process, not two programs whose collectives do not match. Where all solve, all agree."""
+    agreed = run_script(tmp_path, PLAN_IN_EACH_PROCESS, "whole")
+    assert all("PLANNER solver (optimal" in out for out in agreed), agreed
+    cut = run_script(tmp_path, PLAN_IN_EACH_PROCESS, "cut")
+    for out in cut:
+        assert "REFUSED script.py:19: the 2 processes planned different programs (processes [1] differ from process 0" in out, out
+    assert "planner: greedy (the solver did not run: time limit (simulated))" in cut[1]
