@@ -27,15 +27,20 @@ def run_processes(cfg, n_processes: int, devices_each: int, timeout: float = 900
     os.makedirs(cfg.out, exist_ok=True)
     with open(path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f)
+    return launch([sys.executable, "-m", "shardflow.train", "--config", path, "--no-progress"],
+                  n_processes, devices_each, timeout)
+
+
+def launch(command, n_processes: int, devices_each: int, timeout: float) -> list[str]:
+    """``command`` run as ``n_processes`` processes of ``devices_each`` CPU devices joined by
+    jax.distributed; their outputs, each having exited 0."""
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []
     for i in range(n_processes):
         env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=coordinator,
                    JAX_NUM_PROCESSES=str(n_processes), JAX_PROCESS_ID=str(i),
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "shardflow.train", "--config", path, "--no-progress"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
         for p in procs:
@@ -97,24 +102,10 @@ except sf.ShardingError as e:
 """
 
 
-def run_script(tmp_path, script: str, arg: str, n_processes=2, devices_each=4, timeout=300) -> list[str]:
+def run_script(tmp_path, script: str, arg: str) -> list[str]:
     path = tmp_path / "script.py"
     path.write_text(script)
-    coordinator = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen(
-        [sys.executable, str(path), arg],
-        env=dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=coordinator,
-                 JAX_NUM_PROCESSES=str(n_processes), JAX_PROCESS_ID=str(i),
-                 XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(n_processes)]
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
-    return outputs
+    return launch([sys.executable, str(path), arg], n_processes=2, devices_each=4, timeout=300)
 
 
 def test_processes_whose_solves_end_differently_are_refused_not_run(tmp_path):
