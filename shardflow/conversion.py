@@ -301,9 +301,9 @@ def _sizes(rank, src, dst, mesh) -> tuple:
     hundred thousand: the 1b step pipelined on {pipe: 2, data: 2, model: 2} prices 230k
     (rank, src, dst), and with ``_steps``'s cache thrashing, half its integer program's build
     went to planning them again (at 131k entries this cache thrashed too: build 27.1 s and
-    297k misses, against 24.5 s, 230k, and 43 MB more peak memory, at 524k). Per step None where it is local, else a collective's axes and
-    device count, its bytes as a function of those, and per dim how many ways the NdSbps before
-    and after it split that dim."""
+    297k misses, against 24.5 s, 230k, and 43 MB more peak memory, at 524k). Per step None
+    where it is local, else a collective's axes and device count, its bytes as a function of
+    those, and per dim how many ways the NdSbps before and after it split that dim."""
     def ways(sbp):
         key = tuple(math.prod(n for n, s in zip(mesh.shape, sbp) if type(s) is Split and s.dim == d)
                     for d in range(rank))
