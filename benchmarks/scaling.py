@@ -170,6 +170,11 @@ def traced_kernels(step_fn, params, opt_state, data) -> list[list[tuple]]:
 NCCL_KINDS = ("AllGather", "ReduceScatter", "AllReduce", "SendRecv", "AllToAll", "Broadcast")
 
 
+def nccl_kind(name: str) -> str:
+    """The collective an NCCL kernel runs (NCCL_KINDS), from its name."""
+    return next((k for k in NCCL_KINDS if k.lower() in name.lower()), name[:40])
+
+
 def kernel_time(step_fn, params, opt_state, data) -> dict:
     """One traced step, per GPU: its span, the milliseconds of kernels of each kind (KINDS, then
     "other"), the time no kernel runs, the largest "other" kernels, the NCCL kernels' time by
@@ -187,16 +192,14 @@ def kernel_time(step_fn, params, opt_state, data) -> dict:
             if kind == "other":
                 other[name[:50]] += (end - start) / 1e6
             if kind == "nccl":
-                nccl[next((k for k in NCCL_KINDS if k.lower() in name.lower()), name[:40])] += (end - start) / 1e6
+                nccl[nccl_kind(name)] += (end - start) / 1e6
         busy = sum(b - a for a, b in merged((start, end) for start, end, _ in kernels))
         compute = merged((start, end) for start, end, name in kernels if "nccl" not in name.lower())
         computing = sum(b - a for a, b in compute)
         exposed = collections.Counter()   # per collective: its time with no compute kernel beside it
         for start, end, name in kernels:
             if "nccl" in name.lower():
-                beside = covered(compute, start, end)
-                kind = next((k for k in NCCL_KINDS if k.lower() in name.lower()), name[:40])
-                exposed[kind] += (end - start - beside) / 1e6
+                exposed[nccl_kind(name)] += (end - start - covered(compute, start, end)) / 1e6
         span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1e6
         per_gpu.append({"span_ms": span, "no_kernel_ms": span - busy / 1e6, **{f"{k}_ms": v for k, v in ms.items()},
                         "nccl_exposed_ms": (busy - computing) / 1e6,

@@ -51,6 +51,7 @@ import time
 from types import SimpleNamespace
 from typing import NamedTuple
 
+import jax
 import numpy as np
 from jax import lax
 from scipy import sparse
@@ -967,14 +968,13 @@ def _agreed(program: Program) -> Program:
     it cut short on one host and not on another would lower different programs, whose
     collectives would not match. The plans' fingerprints (every value's NdSbp) are compared
     across the processes; a difference is a ShardingError."""
-    import jax
     if jax.process_count() == 1:
         return program
     from jax.experimental import multihost_utils
-    layouts = [format_sbp(s) for s in (*program.in_sbp, *program.out_sbp)]
-    layouts += [format_sbp(program.sbp.get(v)) if program.sbp.get(v) is not None else "-"
-                for eqn in all_eqns(program.jaxpr.jaxpr) for v in eqn.outvars]
-    digest = np.frombuffer(hashlib.sha256("|".join(layouts).encode()).digest()[:8], np.uint32)
+    layouts = (*program.in_sbp, *program.out_sbp,
+               *(program.sbp.get(v) for eqn in all_eqns(program.jaxpr.jaxpr) for v in eqn.outvars))
+    text = "|".join("-" if s is None else format_sbp(s) for s in layouts)
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.uint32)
     every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, digest.size)
     differ = [i for i, d in enumerate(every) if not np.array_equal(d, every[0])]
     if differ:
