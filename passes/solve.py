@@ -5,8 +5,8 @@ Requires "inlined"; ensures "sharded", as ``passes.propagate`` does, so ``passes
 after either. Scans, remats and sf.pipeline are solved with their bodies. Partial, and said so:
 any other equation whose rule chooses for itself (while, cond, attention with an explicit
 ``context``) is laid out as greedy ``propagate`` lays it out — one fixed strategy, priced 0 —
-and the rest solved around it; the time limit hands the loops (pipelines among them) to
-greedy, then the whole program. The solved plan and greedy's are then priced as boxed, and the cheaper
+and the rest solved around it; running out of its limits (simplex iterations, branch and
+bound's seconds) hands the loops (pipelines among them) to greedy, then the whole program. The solved plan and greedy's are then priced as boxed, and the cheaper
 kept (the model prices a value's conversions each from where it is made; boxing chains them).
 The Program records which ran (``program.planner``), and explain prints it. ``sf.AUTO`` inputs
 are one more choice each. A memory budget (``memory_budget``, else a GPU's memory) bounds
@@ -54,6 +54,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from scipy import sparse
 
 from shardflow import conversion, registry
@@ -67,7 +68,8 @@ from shardflow.rules.control import rebody, stacked, unstacked
 from shardflow.rules.elementwise import SHAPE_KEEPING
 from shardflow.specs import B, P, Partial, ShardingError, Split, format_sbp
 
-TIME_LIMIT = 60.0      # seconds HiGHS may take, per attempt, before greedy runs instead
+ITERATION_LIMIT = 500_000  # dual simplex iterations an LP relaxation may take (work: the same on any machine)
+TIME_LIMIT = 60.0          # seconds branch and bound may take, per attempt
 GAP = 1e-7             # a plan within this fraction of the lower bound is optimal
 COARSEN = 100_000      # transportation edges from which a program's pinned tail is coarsened (``pinned_tail``)
 
@@ -217,16 +219,18 @@ class _Model:
         return cost
 
     def solve(self, time_limit, warm: dict | None = None, exposed: dict | None = None):
-        """The optimum — or, where the time limit stops the proof, the best plan found — as a
-        result (x, fun, status 0: scipy.optimize.milp's fields) with ``bound``, a lower bound on the
-        optimum (``fun`` where proven). By the LP relaxation where its x come out integral (a
+        """The optimum — or, where a limit stops the proof, the best plan found — as a result
+        (x, fun, status 0: scipy.optimize.milp's fields) with ``bound``, a lower bound on the
+        optimum (``fun`` where proven); status 2 where no plan meets the constraints, 1 (x None)
+        where the relaxation ran out of ``ITERATION_LIMIT``. By the LP relaxation where its x come out integral (a
         lower bound that is feasible: the optimum), which they often are here. Else relax and
         fix first — the integer columns the relaxation settled fixed there, the few fractional
         ones branched on (muon's Newton-Schulz step under tp: 81 of 2,150, 0.15 s). Where that
         plan costs what the relaxation does, it is optimal (the 1b tensor-parallel step on
         {data: 1, model: 4}: 2,079 fractional, fixed 0.6 s, where the whole program's branch
         and bound took 13 s to prove the same, 36 s under a memory budget); else branch and
-        bound on the whole program in the time left: a time limit keeps the better of the two.
+        bound on the whole program in the time left of ``time_limit`` seconds: running out keeps
+        the better of the two plans.
         The relaxation goes to HiGHS's own interface (highspy): its dual simplex solved the
         1b tensor-parallel step's in 8 s where scipy's milp took 40 s. ``warm``: the last
         relaxation solved for this program (``_relaxation``), kept there for the next;
@@ -237,7 +241,6 @@ class _Model:
         # in microseconds: seconds-sized costs sit below HiGHS's tolerances
         cost, integral = self.costs(exposed) * 1e6, np.asarray(self.integral) == 1
         lb, ub = np.asarray(self.lb, float), np.asarray(self.ub, float)
-        start = time.perf_counter()
 
         def branch(lo, hi):
             from scipy import optimize   # 0.2 s to import, and rarely needed: not at the top
@@ -250,36 +253,43 @@ class _Model:
         if self.lazy:    # a memory budget's dense row: 1b tp's relaxation 40 s with it, 6 s without
             eager = np.ones(len(lb), bool)
             eager[self.lazy] = False
-            relaxed = _relaxation(cost, a[eager], lb[eager], ub[eager], time_limit, warm)
-            if relaxed is not None:
+            relaxed = _relaxation(cost, a[eager], lb[eager], ub[eager], warm)
+            if relaxed.status == 0:
                 lazy = a[~eager] @ relaxed.x
                 if np.any(lazy > ub[~eager] + 1e-9) or np.any(lazy < lb[~eager] - 1e-9):
                     relaxed = None
         if relaxed is None:
-            relaxed = _relaxation(cost, a, lb, ub, time_limit, warm)
-        if relaxed is not None and np.all(np.abs(relaxed.x[integral] - np.round(relaxed.x[integral])) < 1e-6):
+            relaxed = _relaxation(cost, a, lb, ub, warm)
+        if relaxed.status != 0:        # no plan meets the constraints, or out of iterations: nothing to branch from
+            return relaxed
+        start = time.perf_counter()    # branch and bound's clock
+        if np.all(np.abs(relaxed.x[integral] - np.round(relaxed.x[integral])) < 1e-6):
             relaxed.bound = relaxed.fun
             return relaxed
-        fixed = SimpleNamespace(x=None)
-        if relaxed is not None:                                  # relax and fix
-            lo, hi = np.zeros(len(cost)), np.ones(len(cost))
-            lo[integral & (relaxed.x > 1 - 1e-6)], hi[integral & (relaxed.x < 1e-6)] = 1.0, 0.0
-            fixed = branch(lo, hi)
-            if fixed.x is not None and fixed.fun <= relaxed.fun + GAP * abs(fixed.fun):
-                fixed.bound = relaxed.fun      # as low as the relaxation: optimal, no search needed
-                return fixed
-        whole = branch(np.zeros(len(cost)), np.ones(len(cost)))  # infeasible (a budget) is said here
-        if whole.status in (0, 2) or fixed.x is None:       # proven, infeasible, or nothing else found
+        lo, hi = np.zeros(len(cost)), np.ones(len(cost))         # relax and fix
+        lo[integral & (relaxed.x > 1 - 1e-6)], hi[integral & (relaxed.x < 1e-6)] = 1.0, 0.0
+        fixed = branch(lo, hi)
+        if fixed.x is not None and fixed.fun <= relaxed.fun + GAP * abs(fixed.fun):
+            fixed.bound = relaxed.fun      # as low as the relaxation: optimal, no search needed
+            return fixed
+        whole = branch(np.zeros(len(cost)), np.ones(len(cost)))
+        if whole.status == 0:
             whole.bound = whole.fun
             return whole
-        best = fixed if whole.x is None or fixed.fun < whole.fun else whole
+        found = [r for r in (whole, fixed) if r.x is not None]
+        if not found:                  # no integral plan meets the constraints (status 2), or out of time
+            return whole
+        best = min(found, key=lambda r: r.fun)
         best.bound, best.status = max(relaxed.fun, getattr(whole, "mip_dual_bound", None) or -math.inf), 0
         return best
 
 
-def _relaxation(cost, a, lb, ub, time_limit, warm: dict | None = None):
+def _relaxation(cost, a, lb, ub, warm: dict | None = None):
     """The LP min cost·x, lb <= a x <= ub, 0 <= x <= 1 by HiGHS's dual simplex: a result
-    (x, fun, status 0), or None where it did not solve in time.
+    (x, fun, status 0); status 2 where it is infeasible, 1 where it ran out of
+    ``ITERATION_LIMIT`` (x None, the reason in ``message``). Work, not seconds: the same
+    plan on a loaded machine as on an idle one (the bytes table's lm step under tp, 102k
+    iterations, ran out of a 60 s clock on a slower 2-core machine and went to greedy).
     ``warm`` (a dict, or None): the HiGHS instance of the last relaxation solved and its
     constraints, stored there; where this one has the same constraints (a program solved again
     at other overlap shares: only costs differ) the simplex starts from that optimal basis
@@ -306,15 +316,19 @@ def _relaxation(cost, a, lb, ub, time_limit, warm: dict | None = None):
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
         lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
         h.passModel(lp)
-    h.setOptionValue("time_limit", float(time_limit))
+    h.setOptionValue("simplex_iteration_limit", ITERATION_LIMIT)   # counted per run, from 0
     h.setOptionValue("dual_simplex_cost_perturbation_multiplier", 0.0)
     h.setOptionValue("presolve", "off")
     with _heap_kept():
         h.run()
     if warm is not None:
         warm.update(highs=h, a=a, lb=lb, ub=ub)
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return None
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return SimpleNamespace(x=None, status=2, message="the LP relaxation is infeasible")
+    if status != highspy.HighsModelStatus.kOptimal:
+        return SimpleNamespace(x=None, status=1, message=f"the LP relaxation stopped: {h.modelStatusToString(status)} "
+                                                         f"after {h.getInfo().simplex_iteration_count:,} iterations")
     return SimpleNamespace(x=np.asarray(h.getSolution().col_value), fun=h.getInfo().objective_function_value,
                            status=0, message="")
 
@@ -799,7 +813,8 @@ def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, g
         model, entries, auto = build(prop, jaxpr, out_sbp, given)
         if built is not None:
             built[key] = model, entries, auto, list(prop.fallbacks)
-    result = model.solve(TIME_LIMIT if time_limit is None else time_limit, warm, exposed)
+    result = _process_0s(lambda: model.solve(TIME_LIMIT if time_limit is None else time_limit, warm, exposed),
+                         len(model.cost))
     if result.status == 2:     # scipy's milp: infeasible
         raise Infeasible(result.message.strip())
     if result.status != 0 or result.x is None:
@@ -812,6 +827,31 @@ def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, g
     for v, s in chosen_auto.items():
         prop.set(v, s, "sf.AUTO")
     return _assemble(prop, entries, pick, given or {}), chosen_auto, result.fun / 1e6, result.bound / 1e6
+
+
+def _process_0s(solve, columns: int):
+    """``solve()``'s result — status, x (as chosen: 0 or 1), fun, bound, message — as process 0
+    found it, on every process of a multi-process run; the others do not run HiGHS. Every
+    process builds the same model (the build is deterministic), but branch and bound stops at
+    a clock, which runs differently on each host: taken from one process, the plan is the same
+    everywhere whatever the clocks did."""
+    if jax.process_count() == 1:
+        return solve()
+    head, bits = np.zeros(24 + 256, np.uint8), np.zeros((columns + 7) // 8, np.uint8)
+    if jax.process_index() == 0:
+        result = solve()
+        found = result.x is not None
+        head[:2] = result.status, found
+        head[8:24] = np.array([result.fun if found else math.nan, getattr(result, "bound", math.nan)]).view(np.uint8)
+        message = result.message.encode()[:256]
+        head[24:24 + len(message)] = np.frombuffer(message, np.uint8)
+        if found:
+            bits = np.packbits(np.asarray(result.x) > 0.5)
+    head, bits = (np.asarray(v).astype(np.uint8) for v in multihost_utils.broadcast_one_to_all((head, bits)))
+    fun, bound = head[8:24].copy().view(np.float64)
+    return SimpleNamespace(status=int(head[0]), fun=fun, bound=bound,
+                           message=head[24:].tobytes().rstrip(b"\0").decode(errors="replace"),
+                           x=np.unpackbits(bits, count=columns).astype(float) if head[1] else None)
 
 
 def _assemble(prop: Propagation, entries, pick, given) -> list:
@@ -922,9 +962,9 @@ def _solved(program: Program, greedy: Program | None, exposed: dict | None, time
     hideable conversions are priced at; ``prices``: the conversions priced so far
     (``Propagation.seconds``'s memo), ``built``, the models built (``choose``), and ``warm``,
     the last LP relaxation solved (``_relaxation``): shared by the solves of one program. A loop's carries make the LP
-    relaxation fractional at times and branch and bound slow: where the time limit runs out,
-    the loops are laid out as greedy laid them out and the rest solved, in a second time limit
-    (where greedy ran: not with sf.AUTO inputs)."""
+    relaxation fractional at times and branch and bound slow: where the solve runs out of its
+    limits, the loops are laid out as greedy laid them out and the rest solved, under the same
+    limits again (where greedy ran: not with sf.AUTO inputs)."""
     attempts = (True,) if greedy is None else (True, False)
     for loops in attempts:
         given = None if greedy is None else _laid_out(program.jaxpr.jaxpr, greedy.jaxpr.jaxpr, loops, {})
@@ -964,13 +1004,13 @@ def solve(program: Program, time_limit: float | None = None) -> Program:
 
 def _agreed(program: Program) -> Program:
     """``program``, where every process of a multi-process run planned the same one. Each
-    process solves the program itself (deterministically), but a time limit is a clock: a solve
-    it cut short on one host and not on another would lower different programs, whose
-    collectives would not match. The plans' fingerprints (every value's NdSbp) are compared
-    across the processes; a difference is a ShardingError."""
+    process plans the program itself, with HiGHS's results taken from process 0
+    (``_process_0s``), so their plans agree unless something else in planning is not
+    deterministic — which would lower programs whose collectives do not match. The plans'
+    fingerprints (every value's NdSbp) are compared across the processes; a difference is a
+    ShardingError."""
     if jax.process_count() == 1:
         return program
-    from jax.experimental import multihost_utils
     layouts = (*program.in_sbp, *program.out_sbp,
                *(program.sbp.get(v) for eqn in all_eqns(program.jaxpr.jaxpr) for v in eqn.outvars))
     text = "|".join("-" if s is None else format_sbp(s) for s in layouts)
@@ -980,10 +1020,9 @@ def _agreed(program: Program) -> Program:
     if differ:
         raise ShardingError(
             f"the {len(every)} processes planned different programs (processes {differ} differ from process 0; "
-            f"process {jax.process_index()}'s planner: {program.planner}). Each process solves the program "
-            f"itself; where the solver's time limit ({TIME_LIMIT:.0f} s per attempt) runs out on some hosts and "
-            f"not on others, their plans differ. Give the solver more time (passes.solve.TIME_LIMIT) or plan "
-            f"with the greedy planner (the default passes)")
+            f"process {jax.process_index()}'s planner: {program.planner}), though the solver's results are "
+            f"process 0's: planning was not deterministic here, which is a bug in shardflow. Plan with the greedy "
+            f"planner (the default passes) meanwhile")
     return program
 
 

@@ -79,42 +79,54 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(data_
 
 
 PLAN_IN_EACH_PROCESS = r"""
-import sys
 import jax, jax.numpy as jnp, numpy as np
+from types import SimpleNamespace
 from shardflow import train
 train.maybe_initialize_distributed()
 import shardflow as sf
 from shardflow.passes import solve
-if sys.argv[1] == "cut" and jax.process_index() == 1:       # this host's solve runs out of time
-    def out_of_time(*args, **kwargs):
-        raise solve.Unsolvable("time limit (simulated)")
-    solve._solved = out_of_time
+
 grad = jax.grad(lambda x, w1, w2: jnp.sum((jnp.tanh(x @ w1) @ w2) ** 2), argnums=(1, 2))
 mesh = sf.make_mesh({"data": 2, "model": 4})
-f = sf.parallelize(grad, mesh=mesh, passes=sf.passes.SOLVER,
-                   in_specs=(jax.P("data"), jax.P(None, "model"), jax.P("model")),
-                   out_specs=(jax.P(None, "model"), jax.P("model")))
 args = [jax.ShapeDtypeStruct(s, np.float32) for s in ((16, 32), (32, 64), (64, 32))]
-try:
-    print("PLANNER", f.explain(*args).planner[:40])
-except sf.ShardingError as e:
-    print("REFUSED", e)
+real_relaxation, real_solve = solve._relaxation, solve._solve
+
+
+def out_of_iterations(*args, **kwargs):
+    return SimpleNamespace(x=None, status=1, message="out of iterations (simulated)")
+
+
+def greedy_here(program, time_limit):      # planning that is not deterministic (simulated)
+    real_solve(program, time_limit)
+    return solve.propagate(program).replace(planner="greedy (simulated)")
+
+
+for case in ("whole", "cut on 0", "cut on 1", "differ on 1"):
+    here = case.endswith(str(jax.process_index()))
+    solve._relaxation = out_of_iterations if case.startswith("cut") and here else real_relaxation
+    solve._solve = greedy_here if case.startswith("differ") and here else real_solve
+    f = sf.parallelize(grad, mesh=mesh, passes=sf.passes.SOLVER,
+                       in_specs=(jax.P("data"), jax.P(None, "model"), jax.P("model")),
+                       out_specs=(jax.P(None, "model"), jax.P("model")))
+    try:
+        print(case, "PLANNER", f.explain(*args).planner[:90])
+    except sf.ShardingError as e:
+        print(case, "REFUSED", e)
 """
 
 
-def run_script(tmp_path, script: str, arg: str) -> list[str]:
+def test_processes_plan_with_process_0s_solve_and_refuse_plans_that_differ(tmp_path):
+    """Each process plans the program itself, with HiGHS's results taken from process 0: where
+    a solve would have stopped on one host only (simulated), every process plans what process
+    0's solve gave — greedy's plan where process 0's stopped, the solver's where process 1's
+    would have. Where planning differs anyway (simulated), a ShardingError in every process,
+    not two programs whose collectives do not match."""
     path = tmp_path / "script.py"
-    path.write_text(script)
-    return launch([sys.executable, str(path), arg], n_processes=2, devices_each=4, timeout=300)
-
-
-def test_processes_whose_solves_end_differently_are_refused_not_run(tmp_path):
-    """Each process solves the program itself; where the time limit cuts one host's solve short
-    (simulated) its plan is greedy's, the others' the solver's — a ShardingError in every
-    process, not two programs whose collectives do not match. Where all solve, all agree."""
-    agreed = run_script(tmp_path, PLAN_IN_EACH_PROCESS, "whole")
-    assert all("PLANNER solver (optimal" in out for out in agreed), agreed
-    cut = run_script(tmp_path, PLAN_IN_EACH_PROCESS, "cut")
-    for out in cut:
-        assert "REFUSED script.py:19: the 2 processes planned different programs (processes [1] differ from process 0" in out, out
-    assert "planner: greedy (the solver did not run: time limit (simulated))" in cut[1]
+    path.write_text(PLAN_IN_EACH_PROCESS)
+    outputs = launch([sys.executable, str(path)], n_processes=2, devices_each=4, timeout=300)
+    for out in outputs:
+        assert "whole PLANNER solver (optimal" in out, out
+        assert "cut on 0 PLANNER greedy (the solver did not run: out of iterations (simulated))" in out, out
+        assert "cut on 1 PLANNER solver (optimal" in out, out
+        assert "differ on 1 REFUSED script.py:32: the 2 processes planned different programs (processes [1] " \
+               "differ from process 0" in out, out
