@@ -651,11 +651,13 @@ def gspmd(fn, in_specs, out_specs):
 
 def flops(compiled) -> float | None:
     """Per-device flops of a compiled program by XLA's cost analysis (a while loop's body
-    counted once, whatever its trip count), or None where the backend gives none."""
+    counted once, whatever its trip count), or None where the backend gives none — or gives
+    -1, its "cannot cost this" (XLA:CPU for the TopK custom call: the whole analysis -1)."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
-    return float(cost["flops"]) if cost and "flops" in cost else None
+    flops = float(cost["flops"]) if cost and "flops" in cost else None
+    return None if flops is None or flops < 0 else flops
 
 
 def run_shardflow(fn, args, in_specs, out_specs, planner="greedy"):
