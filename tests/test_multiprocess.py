@@ -101,9 +101,14 @@ def greedy_here(program, time_limit):      # planning that is not deterministic 
     return solve.propagate(program).replace(planner="greedy (simulated)")
 
 
-for case in ("whole", "cut on 0", "cut on 1", "differ on 1"):
+def crash(*args, **kwargs):
+    raise RuntimeError("HiGHS crashed (simulated)")
+
+
+for case in ("whole", "cut on 0", "cut on 1", "differ on 1", "raise on 0"):
     here = case.endswith(str(jax.process_index()))
     solve._relaxation = out_of_iterations if case.startswith("cut") and here else real_relaxation
+    solve._relaxation = crash if case.startswith("raise") and here else solve._relaxation
     solve._solve = greedy_here if case.startswith("differ") and here else real_solve
     f = sf.parallelize(grad, mesh=mesh, passes=sf.passes.SOLVER,
                        in_specs=(jax.P("data"), jax.P(None, "model"), jax.P("model")),
@@ -112,6 +117,8 @@ for case in ("whole", "cut on 0", "cut on 1", "differ on 1"):
         print(case, "PLANNER", f.explain(*args).planner[:90])
     except sf.ShardingError as e:
         print(case, "REFUSED", e)
+    except RuntimeError as e:
+        print(case, "RAISED", e)
 """
 
 
@@ -120,7 +127,8 @@ def test_processes_plan_with_process_0s_solve_and_refuse_plans_that_differ(tmp_p
     a solve would have stopped on one host only (simulated), every process plans what process
     0's solve gave — greedy's plan where process 0's stopped, the solver's where process 1's
     would have. Where planning differs anyway (simulated), a ShardingError in every process,
-    not two programs whose collectives do not match."""
+    not two programs whose collectives do not match; where process 0's solve raises, it raises
+    there and the others refuse, rather than wait for its result."""
     path = tmp_path / "script.py"
     path.write_text(PLAN_IN_EACH_PROCESS)
     outputs = launch([sys.executable, str(path)], n_processes=2, devices_each=4, timeout=300)
@@ -128,5 +136,8 @@ def test_processes_plan_with_process_0s_solve_and_refuse_plans_that_differ(tmp_p
         assert "whole PLANNER solver (optimal" in out, out
         assert "cut on 0 PLANNER greedy (the solver did not run: out of iterations (simulated))" in out, out
         assert "cut on 1 PLANNER solver (optimal" in out, out
-        assert "differ on 1 REFUSED script.py:32: the 2 processes planned different programs (processes [1] " \
+        assert "differ on 1 REFUSED script.py:37: the 2 processes planned different programs (processes [1] " \
                "differ from process 0" in out, out
+    assert "raise on 0 RAISED HiGHS crashed (simulated)" in outputs[0], outputs[0]
+    assert "raise on 0 REFUSED script.py:37: the solve on process 0, whose result every process plans with, " \
+           "raised RuntimeError: HiGHS crashed (simulated)" in outputs[1], outputs[1]
