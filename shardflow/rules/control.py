@@ -110,6 +110,7 @@ def _lower_scan(local, eqn, ins):
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
     n = p["length"]
     ys = [None if isinstance(v, DropVar) else lax.empty(local.shape(v), v.aval.dtype) for v in eqn.outvars[nk:]]
+    assert all(y is None or y.shape[0] == n for y in ys), "a scan's stacked dim is never split (``stacked``)"
 
     def step(i, state):
         carry, ys = state
