@@ -222,7 +222,7 @@ class _Model:
         """The optimum — or, where a limit stops the proof, the best plan found — as a result
         (x, fun, status 0: scipy.optimize.milp's fields) with ``bound``, a lower bound on the
         optimum (``fun`` where proven); status 2 where no plan meets the constraints, 1 (x None)
-        where the relaxation ran out of ``ITERATION_LIMIT``. By the LP relaxation where its x come out integral (a
+        where a limit came before any plan. By the LP relaxation where its x come out integral (a
         lower bound that is feasible: the optimum), which they often are here. Else relax and
         fix first — the integer columns the relaxation settled fixed there, the few fractional
         ones branched on (muon's Newton-Schulz step under tp: 81 of 2,150, 0.15 s). Where that
@@ -815,7 +815,7 @@ def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, g
             built[key] = model, entries, auto, list(prop.fallbacks)
     result = _process_0s(lambda: model.solve(TIME_LIMIT if time_limit is None else time_limit, warm, exposed),
                          len(model.cost))
-    if result.status == 2:     # scipy's milp: infeasible
+    if result.status == 2:     # infeasible (the relaxation's or scipy's milp's)
         raise Infeasible(result.message.strip())
     if result.status != 0 or result.x is None:
         raise Unsolvable(result.message.strip())

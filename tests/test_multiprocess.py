@@ -106,10 +106,9 @@ def crash(*args, **kwargs):
 
 
 for case in ("whole", "cut on 0", "cut on 1", "differ on 1", "raise on 0"):
-    here = case.endswith(str(jax.process_index()))
-    solve._relaxation = out_of_iterations if case.startswith("cut") and here else real_relaxation
-    solve._relaxation = crash if case.startswith("raise") and here else solve._relaxation
-    solve._solve = greedy_here if case.startswith("differ") and here else real_solve
+    kind = case.split()[0] if case.endswith(str(jax.process_index())) else None
+    solve._relaxation = {"cut": out_of_iterations, "raise": crash}.get(kind, real_relaxation)
+    solve._solve = greedy_here if kind == "differ" else real_solve
     f = sf.parallelize(grad, mesh=mesh, passes=sf.passes.SOLVER,
                        in_specs=(jax.P("data"), jax.P(None, "model"), jax.P("model")),
                        out_specs=(jax.P(None, "model"), jax.P("model")))
@@ -136,8 +135,8 @@ def test_processes_plan_with_process_0s_solve_and_refuse_plans_that_differ(tmp_p
         assert "whole PLANNER solver (optimal" in out, out
         assert "cut on 0 PLANNER greedy (the solver did not run: out of iterations (simulated))" in out, out
         assert "cut on 1 PLANNER solver (optimal" in out, out
-        assert "differ on 1 REFUSED script.py:37: the 2 processes planned different programs (processes [1] " \
+        assert "differ on 1 REFUSED script.py:36: the 2 processes planned different programs (processes [1] " \
                "differ from process 0" in out, out
     assert "raise on 0 RAISED HiGHS crashed (simulated)" in outputs[0], outputs[0]
-    assert "raise on 0 REFUSED script.py:37: the solve on process 0, whose result every process plans with, " \
+    assert "raise on 0 REFUSED script.py:36: the solve on process 0, whose result every process plans with, " \
            "raised RuntimeError: HiGHS crashed (simulated)" in outputs[1], outputs[1]
