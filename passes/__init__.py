@@ -175,6 +175,7 @@ BOXED = Fact("boxed", _check_boxed)
 
 def _passes():
     from shardflow.passes.boxing import boxing
+    from shardflow.passes.cse import cse
     from shardflow.passes.inline import inline
     from shardflow.passes.propagate import propagate
 
@@ -183,13 +184,14 @@ def _passes():
         return solve(program)
 
     return (Pass("inline", inline, ensures=(INLINED,)),
+            Pass("cse", cse, requires=(INLINED,), ensures=(INLINED,)),
             Pass("propagate", propagate, requires=(INLINED,), ensures=(SHARDED,)),
             Pass("solve", solve, requires=(INLINED,), ensures=(SHARDED,)),
             Pass("boxing", boxing, requires=(SHARDED,), ensures=(BOXED,)))
 
 
-_INLINE, _PROPAGATE, _SOLVE, _BOXING = _passes()
-DEFAULT = (_INLINE, _PROPAGATE, _BOXING)
+_INLINE, _CSE, _PROPAGATE, _SOLVE, _BOXING = _passes()
+DEFAULT = (_INLINE, _CSE, _PROPAGATE, _BOXING)
 # The whole-program integer program instead of greedy propagation (passes/solve.py): straight-
 # line programs only so far; anything else falls back to greedy, and explain says so.
-SOLVER = (_INLINE, _SOLVE, _BOXING)
+SOLVER = (_INLINE, _CSE, _SOLVE, _BOXING)

@@ -1,0 +1,71 @@
+"""cse: one equation per computation — a second equation of the same primitive, params and
+operands reads the first one's results.
+
+Before: the jaxpr as inlined. A training step computes some values twice: optax's
+``clip_by_global_norm`` squares every gradient for the norm it clips by, and the step squares
+them again for the norm it logs; JAX's transposes broadcast the same cotangent once per use.
+After: each such repeat is gone and its uses read the first; nested bodies are done alike,
+each on its own. XLA merges them too when it compiles, but the planner sees the jaxpr: the 7b
+step's duplicated squares alone cost its integer program 10k rows (every gradient converted
+to every layout, once per square) and the greedy planner a conversion chosen twice.
+
+Not merged: equations with effects; equations whose params do not hash (compared by value
+they could be, but none of the repeats seen has them); and expansions — an equation whose
+result has more elements than its largest operand (a broadcast of a scalar, an iota): made
+again where used, as XLA's fusion makes them, rather than one big value every use converts.
+The program computes the same values.
+"""
+from __future__ import annotations
+
+import math
+
+from jax.extend.core import DropVar, Jaxpr
+
+from shardflow.program import Program, is_literal, map_subjaxprs
+
+
+def _operand_key(x, env):
+    if is_literal(x):
+        return ("literal", x.aval, repr(x.val))
+    return env.get(x, x)
+
+
+def _key(eqn, env):
+    """What makes ``eqn``'s results: hashable, or None where it may not be merged."""
+    if eqn.effects:
+        return None
+    sizes = [math.prod(x.aval.shape) for x in eqn.invars if not is_literal(x) and hasattr(x.aval, "shape")]
+    made = [math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")]
+    if not sizes or max(made, default=0) > max(sizes):
+        return None
+    key = (eqn.primitive, tuple(_operand_key(x, env) for x in eqn.invars), tuple(sorted(eqn.params.items())))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _cse(jaxpr: Jaxpr) -> Jaxpr:
+    env, seen, eqns = {}, {}, []
+    for eqn in jaxpr.eqns:
+        eqn = map_subjaxprs(eqn, lambda _, body: _cse(body))
+        key = _key(eqn, env)
+        first = seen.get(key) if key is not None else None
+        if first is not None and all(isinstance(v, DropVar) or not isinstance(u, DropVar)
+                                     for u, v in zip(first.outvars, eqn.outvars)):
+            for u, v in zip(first.outvars, eqn.outvars):
+                if not isinstance(v, DropVar):
+                    env[v] = u
+            continue
+        eqn = eqn.replace(invars=[x if is_literal(x) else env.get(x, x) for x in eqn.invars])
+        if key is not None:
+            seen.setdefault(key, eqn)
+        eqns.append(eqn)
+    outvars = [x if is_literal(x) else env.get(x, x) for x in jaxpr.outvars]
+    return jaxpr.replace(eqns=eqns, outvars=outvars)
+
+
+def cse(program: Program) -> Program:
+    closed = program.jaxpr
+    return program.replace(jaxpr=closed.replace(jaxpr=_cse(closed.jaxpr)))
