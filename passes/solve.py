@@ -29,7 +29,7 @@ The model (Alpa's intra-operator ILP, with conversions shared as boxing shares t
   rather than strategy pairs).
 - ``q[v, a, r]`` >= every use's e[use, a, r]: ``v`` is converted from ``a`` to ``r`` once,
   however many users want ``r`` (boxing converts once), at ``conversion.seconds`` (the plan
-  boxing will run). A value of one use prices its edges directly (q = e).
+  boxing will run). A layout only one use wants is priced on that use's edges (q = e).
 
 Minimised: sum q * seconds(a -> r) + sum x * (the strategy's local work — bytes and flops on the
 local blocks, ``conversion.local_work`` — and its own collectives, e.g. a pad's halo)
@@ -39,6 +39,7 @@ optimum is exact.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import hashlib
@@ -771,7 +772,8 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
     """Columns and rows pricing ``v``'s conversions: per use, a transportation edge e[a, r]
     (sum_r e = z[a], the columns producing ``v`` at a — None: fixed there, the constant 1 —,
     sum_a e = the use's choice of r: tight for one edge); per conversion
-    a -> r, q >= every use's e[a, r], paid once (boxing converts once for all users). A
+    a -> r to a layout several uses may want, q >= every use's e[a, r], paid once (boxing
+    converts once for all users; 6k of the 7b step's 92k rows are of layouts one use wants). A
     conversion a loop may overlap with its compute (``hideable``: by var, or by id of a use)
     is priced at the share of it the loop leaves exposed, given when the model is solved."""
     uses = [use for use in uses if not all(a == r for a in z for r in use)]
@@ -781,17 +783,17 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
     price = prop.pricer(v.aval)
     seconds = {(a, r): 0.0 if a == r else price(a, r) * scale for r in {r for use in uses for r in use} for a in here}
     shared = {}
+    wanters = collections.Counter(r for use in uses for r in use)
     for use in uses:
         loop = None if hideable is None else hideable.get(v, hideable.get(id(use)))
         wanted = list(use)
-        prices = np.array([[seconds[a, r] for r in wanted] for a in here])
-        # one use: its edges carry the price themselves (q = e)
-        edges = m.vars(prices, loop) if len(uses) == 1 else m.vars(np.zeros_like(prices))
+        # a layout no other use wants: its edges carry the price themselves (q = e)
+        prices = np.array([[seconds[a, r] if wanters[r] == 1 else 0.0 for r in wanted] for a in here])
+        edges = m.vars(prices, loop)
         m.balance(edges, [z[a] for a in here])
         m.balance(edges.T, [use[r] for r in wanted])
-        if len(uses) == 1:
-            continue
-        converted = [(i, j) for (i, a), (j, r) in itertools.product(enumerate(here), enumerate(wanted)) if a != r]
+        converted = [(i, j) for (i, a), (j, r) in itertools.product(enumerate(here), enumerate(wanted))
+                     if a != r and wanters[r] > 1]
         new = list(dict.fromkeys((here[i], wanted[j]) for i, j in converted if (here[i], wanted[j]) not in shared))
         shared.update(zip(new, m.vars(np.array([seconds[pair] for pair in new]), loop).tolist()))
         m.at_least([shared[here[i], wanted[j]] for i, j in converted], [int(edges[i, j]) for i, j in converted])
