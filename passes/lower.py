@@ -9,6 +9,8 @@ unchanged. Nothing is decided here.
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr
 
 from shardflow import registry
 from shardflow.program import Program, is_literal
+from shardflow.rules.control import Slices
 from shardflow.specs import axis_sizes, local_shape, split_axes, to_partition_spec
 
 
@@ -27,6 +30,15 @@ class Local:
         self.p = program
         self.names = program.axis_names
         self.sizes = axis_sizes(program.mesh)
+        self.in_loop = False      # evaluating a loop's body (a loop inside it stays rolled)
+
+    @contextlib.contextmanager
+    def looping(self):
+        outer, self.in_loop = self.in_loop, True
+        try:
+            yield
+        finally:
+            self.in_loop = outer
 
     def sbp(self, var) -> tuple:
         return self.p.sbp[var]
@@ -46,12 +58,20 @@ class Local:
         env = {}
 
         def read(a):   # a literal as an array of its aval's dtype (rules read .shape / .dtype)
-            return np.asarray(a.val, a.aval.dtype) if is_literal(a) else env[a]
+            if is_literal(a):
+                return np.asarray(a.val, a.aval.dtype)
+            return env[a]
+
+        def stacked(a):
+            x = read(a)
+            if isinstance(x, Slices):
+                x = env[a] = x.stacked()
+            return x
 
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         for eqn in jaxpr.eqns:
-            ins = [read(a) for a in eqn.invars]
+            ins = [read(a) if eqn.primitive is lax.scan_p else stacked(a) for a in eqn.invars]
             rule = registry.rule_of(eqn.primitive)
             if rule is not None and rule.lower is not None:
                 outs = rule.lower(self, eqn, ins)
@@ -62,7 +82,7 @@ class Local:
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, DropVar):
                     env[v] = x
-        return [read(a) for a in jaxpr.outvars]
+        return [stacked(a) for a in jaxpr.outvars]
 
     def body_fn(self, jaxpr):
         closed = jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, ())

@@ -128,6 +128,13 @@ def _matmul_seconds(program: Program, jaxpr) -> float:
     return total
 
 
+def collectives(program: Program, jaxpr) -> list:
+    """The collectives one run of ``jaxpr`` (a boxed program's, or a body of it) runs."""
+    out = []
+    _collectives(program, jaxpr, 1, out)
+    return out
+
+
 def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float, float, float]:
     """The collectives of ``jaxpr`` (into ``out``): each box's plan, and those a rule's own
     lowering runs. Returns the modelled local work of its equations, the seconds its loops
@@ -233,12 +240,12 @@ def gathered_inputs(program: Program) -> list:
 
 def make_plan(program: Program) -> Plan:
     jaxpr, arg_names = program.jaxpr.jaxpr, program.arg_names
-    collectives = []
-    work, hidden, flops = _collectives(program, jaxpr, 1, collectives)
+    found = []
+    work, hidden, flops = _collectives(program, jaxpr, 1, found)
     inputs = [(n, tuple(v.aval.shape), program.sbp[v]) for n, v in zip(arg_names, jaxpr.invars)]
     outputs = [(i, tuple(v.aval.shape), s) for i, (v, s) in enumerate(zip(jaxpr.outvars, program.out_sbp))]
     values = [(e.primitive.name, source_line(e), describe(v.aval), program.sbp.get(v))
               for e in all_eqns(jaxpr) for v in e.outvars if v in program.sbp]
     input_bytes = sum(conversion.local_bytes(v.aval, program.sbp[v], program.mesh) for v in jaxpr.invars)
-    return Plan(collectives, inputs, outputs, values, list(program.fallbacks), program.planner, work, hidden,
+    return Plan(found, inputs, outputs, values, list(program.fallbacks), program.planner, work, hidden,
                 flops, input_bytes, held_bytes(program, jaxpr), gathered_inputs(program))

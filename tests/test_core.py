@@ -191,6 +191,30 @@ def test_a_computation_repeated_runs_once(mesh):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+def _layers_step(spec):
+    def loss(ws, x):
+        def layer(h, w):
+            return jnp.tanh(h @ w), None
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
+
+    ws = np.random.default_rng(0).standard_normal((3, 16, 16)).astype(np.float32) / 4
+    x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    return jax.grad(loss), (ws, x), (spec, PS("x"))
+
+
+@pytest.mark.parametrize("spec, unrolled", [(PS(), True), (PS(None, None, "y"), False)])
+def test_a_layer_loop_is_lowered_unrolled_unless_its_body_communicates(mesh, spec, unrolled):
+    """Data parallel, the layers run no collective: the forward and backward loops are lowered
+    unrolled (no while loop in the HLO), the forward's residuals handed to the backward block
+    by block. Tensor parallel, each layer all-reduces: rolled, so XLA cannot merge the
+    backward's collectives with the forward's. Both equal to one device."""
+    fn, args, in_specs = _layers_step(spec)
+    f = sf.parallelize(fn, mesh=mesh, in_specs=in_specs)
+    hlo = f.lower(*args).as_text()
+    assert ("while" not in hlo) is unrolled
+    np.testing.assert_allclose(np.asarray(f(*args)), np.asarray(jax.jit(fn)(*args)), rtol=1e-5, atol=1e-6)
+
+
 def test_with_sharding_constraint_is_a_pin(mesh):
     """It failed with "contains a manual axes ... not allowed"; now it pins like sf.constrain."""
     def fn(x):

@@ -208,7 +208,9 @@ def test_jits_closing_over_constants_inside_loops_branches_and_remat(mesh):
         value, grad = g(a, pred)
         ref_value, ref_grad = jax.jit(jax.value_and_grad(loss))(a, pred)
         np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-5)
-        np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=1e-5, atol=1e-6)
+        # the scans lowered unrolled round in another order than jit's rolled ones (gradients
+        # up to 2.5, 3e-6 apart in float32; in float64 2e-16 apart)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=1e-5, atol=1e-5)
 
 
 def test_keyword_arguments_are_refused_with_the_way_out(mesh):

@@ -5,10 +5,11 @@ Decision; each lower rule runs the equation on local blocks."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar, primitives as prims
 
-from shardflow import _compat, conversion
+from shardflow import _compat, conversion, explain
 from shardflow.primitives import box_p, constrain_p
 from shardflow.program import REMAT_PRIMITIVES, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import Decision, defrule
@@ -100,15 +101,42 @@ def _propagate_scan(prop, eqn):
     return prop.decide(eqn, decision, src, jaxpr=rebody(closed, annotated[-1]))
 
 
+UNROLLED_TRIPS = 128    # loops of at most this many trips (not nested, no collectives) are lowered unrolled
+
+
+class Slices(list):
+    """A stacked output of a loop lowered unrolled: its blocks, one per trip, in index order.
+    An unrolled loop takes them as its sliced input as they are; anything else reads them
+    stacked (``Local.eval`` stacks them once, on first use)."""
+
+    def stacked(self):
+        return jnp.stack(self)
+
+
 def _lower_scan(local, eqn, ins):
-    """A loop whose stacked outputs start as uninitialised buffers (``lax.empty``), each trip
-    writing its slice in place. ``lax.scan`` starts them as zeros, which XLA materialises:
-    48 GB of writes a step for the 1b train step's residuals on one H200."""
+    """A layer loop — at most ``UNROLLED_TRIPS`` trips, not inside another loop, its body
+    running no collective — unrolled, its stacked outputs kept as one block per trip
+    (``Slices``) that the next unrolled loop (the backward's) takes as they are. Rolled, a loop
+    writes each trip's results into a stack and the next loop reads them back: XLA copies a
+    slice in or out for every result a custom call (a matmul, an attention kernel) makes or
+    takes, and a stack lives whole until the loop that reads it ends. On one H200 the 1b train
+    step ran 658 such copies, 21 ms a step, and held 82.3 GB; unrolled, 54.1 GB and 12 % more
+    tokens/s, compiled in the same time (benchmarks/results/scaling.md, session 33). Partial,
+    and said so: a body that runs collectives stays rolled — unrolled, XLA merges a backward's
+    collective with the forward's of the same operand (a ring's gathered K and V; an FSDP
+    weight), holding its result from the forward to the backward and moving fewer bytes than
+    the plan says (tests/test_ring_attention.py); not yet measured on several GPUs. A longer
+    or nested loop stays rolled too: a ``fori_loop`` whose stacked outputs start as
+    uninitialised buffers (``lax.empty``) and take one slice a trip; ``lax.scan`` starts them
+    as zeros, which XLA materialises (48 GB of writes a step for the 1b step's residuals)."""
     p = eqn.params
     nc, nk = scan_arity(p)
     body = local.body_fn(p["jaxpr"])
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
     n = p["length"]
+    if n <= UNROLLED_TRIPS and not local.in_loop and not explain.collectives(local.p, open_jaxpr(p["jaxpr"])):
+        return _lower_unrolled(local, body, eqn, consts, init, xs)
+    xs = [x.stacked() if isinstance(x, Slices) else x for x in xs]
     ys = [None if isinstance(v, DropVar) else lax.empty(local.shape(v), v.aval.dtype) for v in eqn.outvars[nk:]]
     assert all(y is None or y.shape[0] == n for y in ys), "a scan's stacked dim is never split (``stacked``)"
 
@@ -119,8 +147,24 @@ def _lower_scan(local, eqn, ins):
         ys = [y if y is None else lax.dynamic_update_index_in_dim(y, o, k, 0) for y, o in zip(ys, out[nk:])]
         return list(out[:nk]), ys
 
-    carry, ys = lax.fori_loop(0, n, step, (list(init), ys), unroll=p["unroll"])
+    with local.looping():
+        carry, ys = lax.fori_loop(0, n, step, (list(init), ys), unroll=p["unroll"])
     return list(carry) + list(ys)
+
+
+def _lower_unrolled(local, body, eqn, consts, init, xs):
+    p = eqn.params
+    nk, n = len(init), p["length"]
+    carry, ys = list(init), [{} for _ in eqn.outvars[nk:]]
+    with local.looping():
+        for i in range(n):
+            k = n - 1 - i if p["reverse"] else i
+            out = body(*consts, *carry, *(x[k] if isinstance(x, Slices) else lax.index_in_dim(x, k, keepdims=False)
+                                          for x in xs))
+            carry = list(out[:nk])
+            for y, o in zip(ys, out[nk:]):
+                y[k] = o
+    return carry + [Slices(y[k] for k in range(n)) for y in ys]
 
 
 defrule(lax.scan_p, propagate=_propagate_scan, lower=_lower_scan, trips=lambda eqn, body, mesh: eqn.params["length"])
@@ -156,7 +200,8 @@ def _lower_while(local, eqn, ins):
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     cond, body = local.body_fn(p["cond_jaxpr"]), local.body_fn(p["body_jaxpr"])
     cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
-    return lax.while_loop(lambda c: cond(*cconsts, *c)[0], lambda c: body(*bconsts, *c), list(init))
+    with local.looping():
+        return lax.while_loop(lambda c: cond(*cconsts, *c)[0], lambda c: body(*bconsts, *c), list(init))
 
 
 defrule(lax.while_p, propagate=_propagate_while, lower=_lower_while)
