@@ -11,7 +11,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, primitives as prims
 
 from shardflow import _compat, conversion, explain
 from shardflow.primitives import box_p, constrain_p
-from shardflow.program import REMAT_PRIMITIVES, is_literal, open_jaxpr, scan_arity, source_line
+from shardflow.program import REMAT_PRIMITIVES, all_eqns, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import Decision, defrule
 from shardflow.specs import B, ShardingError, Split, describe, format_sbp, to_sbp
 
@@ -101,7 +101,7 @@ def _propagate_scan(prop, eqn):
     return prop.decide(eqn, decision, src, jaxpr=rebody(closed, annotated[-1]))
 
 
-UNROLLED_TRIPS = 128    # loops of at most this many trips (not nested, no collectives) are lowered unrolled
+UNROLLED_TRIPS = 128    # loops of at most this many trips (and ``_straight_line``) are lowered unrolled
 
 
 class Slices(list):
@@ -115,17 +115,15 @@ class Slices(list):
 
 def _lower_scan(local, eqn, ins):
     """A layer loop — at most ``UNROLLED_TRIPS`` trips, not inside another loop, its body
-    running no collective — unrolled, its stacked outputs kept as one block per trip
+    running no collective and recomputing nothing (``_straight_line``) — unrolled, its stacked outputs kept as one block per trip
     (``Slices``) that the next unrolled loop (the backward's) takes as they are. Rolled, a loop
     writes each trip's results into a stack and the next loop reads them back: XLA copies a
     slice in or out for every result a custom call (a matmul, an attention kernel) makes or
     takes, and a stack lives whole until the loop that reads it ends. On one H200 the 1b train
     step ran 658 such copies, 21 ms a step, and held 82.3 GB; unrolled, 54.1 GB and 12 % more
     tokens/s, compiled in the same time (benchmarks/results/scaling.md, session 33). Partial,
-    and said so: a body that runs collectives stays rolled — unrolled, XLA merges a backward's
-    collective with the forward's of the same operand (a ring's gathered K and V; an FSDP
-    weight), holding its result from the forward to the backward and moving fewer bytes than
-    the plan says (tests/test_ring_attention.py); not yet measured on several GPUs. A longer
+    and said so: a body that runs collectives or recomputes stays rolled (``_straight_line``);
+    not yet measured on several GPUs. A longer
     or nested loop stays rolled too: a ``fori_loop`` whose stacked outputs start as
     uninitialised buffers (``lax.empty``) and take one slice a trip; ``lax.scan`` starts them
     as zeros, which XLA materialises (48 GB of writes a step for the 1b step's residuals)."""
@@ -134,7 +132,7 @@ def _lower_scan(local, eqn, ins):
     body = local.body_fn(p["jaxpr"])
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
     n = p["length"]
-    if n <= UNROLLED_TRIPS and not local.in_loop and not explain.collectives(local.p, open_jaxpr(p["jaxpr"])):
+    if n <= UNROLLED_TRIPS and not local.in_loop and _straight_line(local.p, open_jaxpr(p["jaxpr"])):
         return _lower_unrolled(local, body, eqn, consts, init, xs)
     xs = [x.stacked() if isinstance(x, Slices) else x for x in xs]
     ys = [None if isinstance(v, DropVar) else lax.empty(local.shape(v), v.aval.dtype) for v in eqn.outvars[nk:]]
@@ -150,6 +148,16 @@ def _lower_scan(local, eqn, ins):
     with local.looping():
         carry, ys = lax.fori_loop(0, n, step, (list(init), ys), unroll=p["unroll"])
     return list(carry) + list(ys)
+
+
+def _straight_line(program, body) -> bool:
+    """Whether a loop with this body may be lowered unrolled: it runs no collective and
+    recomputes nothing (no remat). Unrolled, XLA merges what a layer's backward repeats of its
+    forward — a collective of the same operand (a ring's K and V gathered again: half the bytes
+    explain lists ran, tests/test_ring_attention.py), a remat's recomputation (jax puts no
+    optimization barrier on it inside a scan) — and holds the forward's results to the backward:
+    the 7b step with full remat ran out of an H200's memory unrolled."""
+    return not explain.collectives(program, body) and not any(e.primitive in REMAT_PRIMITIVES for e in all_eqns(body))
 
 
 def _lower_unrolled(local, body, eqn, consts, init, xs):
