@@ -241,6 +241,20 @@ def test_a_layer_loop_that_recomputes_stays_rolled_and_its_remat_saves_memory():
     assert held[True] < 0.5 * held[False], held
 
 
+def test_a_remat_outside_loops_keeps_its_optimization_barrier():
+    """jax.checkpoint's prevent_cse (on by default): the backward's recomputation takes its
+    operands through an optimization barrier in the lowered program, as in jax.jit's, so XLA
+    cannot merge it with the forward it repeats. Equal to one device."""
+    block = jax.checkpoint(lambda h, w: jnp.tanh(jnp.tanh(h @ w) @ w.T))
+    fn = jax.grad(lambda w, x: jnp.sum(block(x, w) ** 2))
+    w = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32) / 8
+    x = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32)
+    f = sf.parallelize(fn, mesh=sf.make_mesh({"x": 1}), in_specs=(PS(), PS()))
+    assert "optimization_barrier" in jax.jit(fn).lower(w, x).as_text()
+    assert "optimization_barrier" in f.lower(w, x).as_text()
+    np.testing.assert_allclose(np.asarray(f(w, x)), np.asarray(jax.jit(fn)(w, x)), rtol=1e-5, atol=1e-6)
+
+
 def test_with_sharding_constraint_is_a_pin(mesh):
     """It failed with "contains a manual axes ... not allowed"; now it pins like sf.constrain."""
     def fn(x):

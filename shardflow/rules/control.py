@@ -246,9 +246,20 @@ def _propagate_remat(prop, eqn):
 
 
 def _lower_remat(local, eqn, ins):
-    body = local.body_fn(open_jaxpr(eqn.params["jaxpr"]))
-    return jax.checkpoint(lambda *a: body(*a), prevent_cse=eqn.params["prevent_cse"],
-                          policy=eqn.params["policy"])(*ins)
+    """A backward's recomputation (``differentiated``) takes the operands the user asked for
+    (``prevent_cse``) through an optimization barrier, as jax's own lowering does: else XLA
+    merges it with the forward it repeats and the remat saves nothing. (Re-binding the body as
+    ``jax.checkpoint`` did not: a new remat is not ``differentiated``, and jax lowers it bare.)
+    A forward's remat is re-bound so, for whoever differentiates the lowered program."""
+    p = eqn.params
+    body = local.body_fn(open_jaxpr(p["jaxpr"]))
+    if not p["differentiated"]:     # a forward: still a remat for whoever differentiates the program
+        return jax.checkpoint(lambda *a: body(*a), prevent_cse=p["prevent_cse"], policy=p["policy"])(*ins)
+    guarded = p["prevent_cse"] if isinstance(p["prevent_cse"], tuple) else (p["prevent_cse"],) * len(ins)
+    if any(guarded):
+        barred = iter(lax.optimization_barrier([x for x, g in zip(ins, guarded) if g]))
+        ins = [next(barred) if g else x for x, g in zip(ins, guarded)]
+    return body(*ins)
 
 
 defrule(*REMAT_PRIMITIVES, propagate=_propagate_remat, lower=_lower_remat)
