@@ -58,9 +58,7 @@ class Local:
         env = {}
 
         def read(a):   # a literal as an array of its aval's dtype (rules read .shape / .dtype)
-            if is_literal(a):
-                return np.asarray(a.val, a.aval.dtype)
-            return env[a]
+            return np.asarray(a.val, a.aval.dtype) if is_literal(a) else env[a]
 
         def stacked(a):
             x = read(a)

@@ -115,16 +115,15 @@ class Slices(list):
 
 def _lower_scan(local, eqn, ins):
     """A layer loop — at most ``UNROLLED_TRIPS`` trips, not inside another loop, its body
-    running no collective and recomputing nothing (``_straight_line``) — unrolled, its stacked outputs kept as one block per trip
-    (``Slices``) that the next unrolled loop (the backward's) takes as they are. Rolled, a loop
-    writes each trip's results into a stack and the next loop reads them back: XLA copies a
-    slice in or out for every result a custom call (a matmul, an attention kernel) makes or
-    takes, and a stack lives whole until the loop that reads it ends. On one H200 the 1b train
-    step ran 658 such copies, 21 ms a step, and held 82.3 GB; unrolled, 54.1 GB and 12 % more
-    tokens/s, compiled in the same time (benchmarks/results/scaling.md, session 33). Partial,
-    and said so: a body that runs collectives or recomputes stays rolled (``_straight_line``);
-    not yet measured on several GPUs. A longer
-    or nested loop stays rolled too: a ``fori_loop`` whose stacked outputs start as
+    running no collective and recomputing nothing (``_straight_line``) — unrolled, its stacked
+    outputs kept as one block per trip (``Slices``) that the next unrolled loop (the
+    backward's) takes as they are. Rolled, a loop writes each trip's results into a stack and
+    the next loop reads them back: XLA copies a slice in or out for every result a custom call
+    (a matmul, an attention kernel) makes or takes, and a stack lives whole until the loop
+    that reads it ends. On one H200 the 1b train step ran 658 such copies, 21 ms a step, and
+    held 82.3 GB; unrolled, 54.1 GB and 12 % more tokens/s, compiled in the same time
+    (benchmarks/results/scaling.md, session 33). Partial, and said so: not yet measured on
+    several GPUs. Any other loop stays rolled: a ``fori_loop`` whose stacked outputs start as
     uninitialised buffers (``lax.empty``) and take one slice a trip; ``lax.scan`` starts them
     as zeros, which XLA materialises (48 GB of writes a step for the 1b step's residuals)."""
     p = eqn.params
@@ -157,7 +156,8 @@ def _straight_line(program, body) -> bool:
     explain lists ran, tests/test_ring_attention.py), a remat's recomputation (jax puts no
     optimization barrier on it inside a scan) — and holds the forward's results to the backward:
     the 7b step with full remat ran out of an H200's memory unrolled."""
-    return not explain.collectives(program, body) and not any(e.primitive in REMAT_PRIMITIVES for e in all_eqns(body))
+    recomputes = any(e.primitive in REMAT_PRIMITIVES for e in all_eqns(body))
+    return not recomputes and not explain.collectives(program, body)
 
 
 def _lower_unrolled(local, body, eqn, consts, init, xs):
