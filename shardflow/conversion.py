@@ -22,9 +22,11 @@ That direct plan is not always the cheapest: (B, P) -> (B, B) all-reduces the wh
 over the second axis where slicing it over the first, all-reducing the half and gathering it
 back moves 1.25 T instead of 1.5 T on {2, 4} devices, and (S(0), S(1)) -> (S(1), S(0)) gathers
 twice where a gather and an all-to-all do. Priced by a link model, ``plan`` takes the
-cheaper of the direct plan and the shortest route over one-step changes of one mesh axis
-(``_graph``: every NdSbp of the value's shape, all pairs by Floyd-Warshall, once per shape;
-only where a value has at most ``ROUTED_LAYOUTS`` of them).
+cheaper of the direct plan and the shortest route over the steps plans take — one mesh
+axis changed, or several by one collective (a gather, all-reduce or reduce-scatter over them)
+— (``_graph``: every NdSbp of the value's shape, all pairs by Floyd-Warshall, once per shape;
+only where a value has at most ``ROUTED_LAYOUTS`` of them). Every step of a direct plan being
+such a hop, the price is a shortest path: no chain of conversions is priced below the one.
 """
 from __future__ import annotations
 
@@ -169,9 +171,10 @@ def _steps(rank, src, dst, mesh) -> tuple:
         n = math.prod(sizes[a] for a in changes)
         steps.append((kind, tuple(changes), n, dim, src_dim, op, before, now(), cost))
 
-    def can_append(axis, dim):
-        """May ``axis`` split ``dim`` next, as its minor-most axis, on the way to ``dst``?"""
-        have = [a for a in _axes_on(now(), dim, names) if a != axis]
+    def can_append(axis, dim, also=()):
+        """May ``axis`` split ``dim`` next, as its minor-most axis (after those of ``also``), on
+        the way to ``dst``?"""
+        have = [a for a in _axes_on(now(), dim, names) if a != axis] + list(also)
         return have == [a for a in _axes_on(dst, dim, names) if order[a] < order[axis]]
 
     def slices():
@@ -180,10 +183,13 @@ def _steps(rank, src, dst, mesh) -> tuple:
                 step("slice", {a: want[a]}, dim=want[a].dim)
 
     slices()
-    for a in names:  # P(sum) -> S: reduce_scatter
-        if isinstance(cur[a], Partial) and cur[a].op == "sum" and isinstance(want[a], Split) \
-                and can_append(a, want[a].dim):
-            step("reduce_scatter", {a: want[a]}, dim=want[a].dim, cost=_scattered)
+    for dim in range(rank):  # P(sum) -> S: reduce_scatter, one over the axes that scatter a dim
+        group = []
+        for a in names:
+            if cur[a] == Partial("sum") and want[a] == Split(dim) and can_append(a, dim, group):
+                group.append(a)
+        if group:
+            step("reduce_scatter", {a: want[a] for a in group}, dim=dim, cost=_scattered)
     for a in names:  # S(i) -> S(j) on one axis: all_to_all
         s, t = cur[a], want[a]
         if isinstance(s, Split) and isinstance(t, Split) and s.dim != t.dim \
@@ -347,22 +353,27 @@ class _Graph(NamedTuple):
 @functools.lru_cache(maxsize=4096)
 def _graph(shape, itemsize, options, mesh, speeds) -> _Graph:
     """All-pairs shortest routes (Floyd-Warshall) between the NdSbps of a ``shape`` value whose
-    axes hold ``options``, over hops that change one mesh axis in one step."""
+    axes hold ``options``, over hops that are one step of ``_plan`` (``_moves``): every step a
+    direct plan takes is a hop, so a route is never dearer than the direct plan, and a chain of
+    routes never cheaper than the route. Each hop costs EPSILON more than its step: fewer steps
+    on a tie."""
     states = [s for s in itertools.product(*options) if divides(shape, s, mesh)]
     index = {s: i for i, s in enumerate(states)}
-    n = len(states)
+    n, position = len(states), {a: k for k, a in enumerate(mesh.axis_names)}
     dist = np.full((n, n), np.inf)
     np.fill_diagonal(dist, 0.0)
     for i, u in enumerate(states):
-        block = math.prod(local_shape(shape, u, mesh)) * itemsize
-        for a, (size, (alpha, beta)) in enumerate(zip(mesh.shape, speeds)):
-            for t in options[a]:
-                v = u[:a] + (t,) + u[a + 1:]
-                if t == u[a] or v not in index:
-                    continue
-                sent = _hop_bytes(u, a, t, size, block)
-                if sent is not None:
-                    dist[i, index[v]] = EPSILON + (sent and alpha + sent / beta)   # fewer steps on a tie
+        for v in _moves(u, options, len(shape)):
+            j = index.get(v)
+            steps = () if j is None else _sizes(len(shape), u, v, mesh)
+            if j is None or len(steps) > 1:
+                continue
+            seconds = EPSILON
+            for axes, k, cost, before, after in filter(None, steps):
+                sent = round(cost(k, _block_bytes(shape, before, itemsize), _block_bytes(shape, after, itemsize)))
+                alpha = max(speeds[position[a]][0] for a in axes)
+                seconds += sent and alpha + sent / min(speeds[position[a]][1] for a in axes)
+            dist[i, j] = min(dist[i, j], seconds)
     hop = np.where(np.isfinite(dist), np.arange(n)[None, :], -1)
     for k in range(n):
         via = dist[:, k:k + 1] + dist[k:k + 1, :]
@@ -372,38 +383,19 @@ def _graph(shape, itemsize, options, mesh, speeds) -> _Graph:
     return _Graph(states, index, dist, hop)
 
 
-def _hop_bytes(u, a, t, n, block) -> float | None:
-    """Bytes per device that changing mesh axis ``a`` of ``u`` to ``t`` sends in one step of
-    ``_plan`` (0: a local step), or None where ``_plan`` needs more than one (a dim's split
-    order broken) or has no step for it."""
-    s = u[a]
-
-    def splitters(dim):
-        return [b for b, x in enumerate(u) if isinstance(x, Split) and x.dim == dim]
-
-    def minor_most(dim):          # a splits dim, after every other axis that does
-        return splitters(dim)[-1:] == [a]
-
-    def appendable(dim):          # a may split dim next: every axis splitting it comes before a
-        return all(b < a for b in splitters(dim))
-
-    if isinstance(s, Broadcast):
-        if isinstance(t, Split):
-            return 0 if appendable(t.dim) else None
-        return 0                                                   # mask
-    if isinstance(s, Partial):
-        if isinstance(t, Broadcast):
-            return 2 * (n - 1) / n * block                         # all_reduce
-        if isinstance(t, Split) and s.op == "sum" and appendable(t.dim):
-            return (n - 1) / n * block                             # reduce_scatter
-        return None
-    if not minor_most(s.dim):
-        return None
-    if isinstance(t, Broadcast):
-        return (n - 1) * block                                     # all_gather
-    if isinstance(t, Split):
-        return (n - 1) / n * block if appendable(t.dim) else None  # all_to_all
-    return 0 if t == Partial("sum") else None                      # pad
+def _moves(u, options, rank):
+    """The NdSbps one step of ``_plan`` may take ``u`` to: one mesh axis changed (a slice,
+    reduce-scatter, all-to-all, pad, mask, or a gather or all-reduce over it), or several
+    changed alike, by one collective over them (a gather of a dim's minor axes, an all-reduce
+    of the axes of one partial op, a reduce-scatter of partial sums into one dim)."""
+    for a, held in enumerate(options):
+        for t in held:
+            if t != u[a]:
+                yield u[:a] + (t,) + u[a + 1:]
+    for k in range(2, len(u) + 1):
+        for axes in itertools.combinations(range(len(u)), k):
+            for t in (B,) + tuple(Split(d) for d in range(rank)):
+                yield tuple(t if a in axes else s for a, s in enumerate(u))
 
 
 def local_bytes(aval, sbp: NdSbp, mesh) -> int:
@@ -476,8 +468,12 @@ def run(steps, x, sizes: dict):
     return x
 
 
+def _axis_names(axes):
+    return axes if len(axes) > 1 else axes[0]
+
+
 def _all_gather(st, x, sizes):
-    return lax.all_gather(x, st.axes if len(st.axes) > 1 else st.axes[0], axis=st.dim, tiled=True)
+    return lax.all_gather(x, _axis_names(st.axes), axis=st.dim, tiled=True)
 
 
 def _all_reduce(st, x, sizes):
@@ -521,7 +517,8 @@ def _mask(st, x, sizes):
 _RUN = {
     "all_gather": _all_gather,
     "all_reduce": _all_reduce,
-    "reduce_scatter": lambda st, x, sizes: lax.psum_scatter(x, st.axes[0], scatter_dimension=st.dim, tiled=True),
+    "reduce_scatter": lambda st, x, sizes: lax.psum_scatter(x, _axis_names(st.axes), scatter_dimension=st.dim,
+                                                            tiled=True),
     "all_to_all": lambda st, x, sizes: lax.all_to_all(x, st.axes[0], st.dim, st.src_dim, tiled=True),
     "ppermute": lambda st, x, sizes: lax.ppermute(x, st.axes, perm=st.perm),
     "slice": _slice,
