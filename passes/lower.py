@@ -30,15 +30,15 @@ class Local:
         self.p = program
         self.names = program.axis_names
         self.sizes = axis_sizes(program.mesh)
-        self.in_loop = False      # evaluating a loop's body (a loop inside it stays rolled)
+        self.loop = None          # the loop whose body is being evaluated: "rolled" or "unrolled"
 
     @contextlib.contextmanager
-    def looping(self):
-        outer, self.in_loop = self.in_loop, True
+    def looping(self, kind: str = "rolled"):
+        outer, self.loop = self.loop, kind
         try:
             yield
         finally:
-            self.in_loop = outer
+            self.loop = outer
 
     def sbp(self, var) -> tuple:
         return self.p.sbp[var]

@@ -11,7 +11,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, primitives as prims
 
 from shardflow import _compat, conversion, explain
 from shardflow.primitives import box_p, constrain_p
-from shardflow.program import REMAT_PRIMITIVES, all_eqns, is_literal, open_jaxpr, scan_arity, source_line
+from shardflow.program import REMAT_PRIMITIVES, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import Decision, defrule
 from shardflow.specs import B, ShardingError, Split, describe, format_sbp, to_sbp
 
@@ -115,7 +115,7 @@ class Slices(list):
 
 def _lower_scan(local, eqn, ins):
     """A layer loop — at most ``UNROLLED_TRIPS`` trips, not inside another loop, its body
-    running no collective and recomputing nothing (``_straight_line``) — unrolled, its stacked
+    running no collective (``_straight_line``) — unrolled, its stacked
     outputs kept as one block per trip (``Slices``) that the next unrolled loop (the
     backward's) takes as they are. Rolled, a loop writes each trip's results into a stack and
     the next loop reads them back: XLA copies a slice in or out for every result a custom call
@@ -131,7 +131,7 @@ def _lower_scan(local, eqn, ins):
     body = local.body_fn(p["jaxpr"])
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
     n = p["length"]
-    if n <= UNROLLED_TRIPS and not local.in_loop and _straight_line(local.p, open_jaxpr(p["jaxpr"])):
+    if n <= UNROLLED_TRIPS and local.loop is None and _straight_line(local.p, open_jaxpr(p["jaxpr"])):
         return _lower_unrolled(local, body, eqn, consts, init, xs)
     xs = [x.stacked() if isinstance(x, Slices) else x for x in xs]
     ys = [None if isinstance(v, DropVar) else lax.empty(local.shape(v), v.aval.dtype) for v in eqn.outvars[nk:]]
@@ -150,21 +150,20 @@ def _lower_scan(local, eqn, ins):
 
 
 def _straight_line(program, body) -> bool:
-    """Whether a loop with this body may be lowered unrolled: it runs no collective and
-    recomputes nothing (no remat). Unrolled, XLA merges what a layer's backward repeats of its
-    forward — a collective of the same operand (a ring's K and V gathered again: half the bytes
-    explain lists ran, tests/test_ring_attention.py), a remat's recomputation (jax puts no
-    optimization barrier on it inside a scan) — and holds the forward's results to the backward:
-    the 7b step with full remat ran out of an H200's memory unrolled."""
-    recomputes = any(e.primitive in REMAT_PRIMITIVES for e in all_eqns(body))
-    return not recomputes and not explain.collectives(program, body)
+    """Whether a loop with this body may be lowered unrolled: it runs no collective. Unrolled,
+    XLA merges a collective the backward repeats of its forward (a ring's K and V gathered
+    again: half the bytes explain lists ran, tests/test_ring_attention.py) and holds its result
+    from the forward to the backward. (A remat's recomputation would be merged so too — jax
+    puts no optimization barrier on a remat inside a scan, ``prevent_cse=False`` there — but
+    in an unrolled body ``_lower_remat`` bars every recomputation's operands.)"""
+    return not explain.collectives(program, body)
 
 
 def _lower_unrolled(local, body, eqn, consts, init, xs):
     p = eqn.params
     nk, n = len(init), p["length"]
     carry, ys = list(init), [{} for _ in eqn.outvars[nk:]]
-    with local.looping():
+    with local.looping("unrolled"):
         for i in range(n):
             k = n - 1 - i if p["reverse"] else i
             out = body(*consts, *carry, *(x[k] if isinstance(x, Slices) else lax.index_in_dim(x, k, keepdims=False)
@@ -250,12 +249,18 @@ def _lower_remat(local, eqn, ins):
     (``prevent_cse``) through an optimization barrier, as jax's own lowering does: else XLA
     merges it with the forward it repeats and the remat saves nothing. (Re-binding the body as
     ``jax.checkpoint`` did not: a new remat is not ``differentiated``, and jax lowers it bare.)
-    A forward's remat is re-bound so, for whoever differentiates the lowered program."""
+    In a loop lowered unrolled every operand is barred: the loop no longer keeps its trips
+    apart, so ``prevent_cse=False``, as a remat in a scan is written, no longer holds. (A
+    layer loop's backward trip is one such remat, the cotangent handed down among its
+    operands: barred with them, its recomputation waits for the layer above's backward.) A
+    forward's remat is re-bound so, for whoever differentiates the lowered program."""
     p = eqn.params
     body = local.body_fn(open_jaxpr(p["jaxpr"]))
     if not p["differentiated"]:     # a forward: still a remat for whoever differentiates the program
         return jax.checkpoint(lambda *a: body(*a), prevent_cse=p["prevent_cse"], policy=p["policy"])(*ins)
     guarded = p["prevent_cse"] if isinstance(p["prevent_cse"], tuple) else (p["prevent_cse"],) * len(ins)
+    if local.loop == "unrolled":
+        guarded = (True,) * len(ins)
     if any(guarded):
         barred = iter(lax.optimization_barrier([x for x, g in zip(ins, guarded) if g]))
         ins = [next(barred) if g else x for x, g in zip(ins, guarded)]
