@@ -353,7 +353,7 @@ class _Graph(NamedTuple):
 @functools.lru_cache(maxsize=4096)
 def _graph(shape, itemsize, options, mesh, speeds) -> _Graph:
     """All-pairs shortest routes (Floyd-Warshall) between the NdSbps of a ``shape`` value whose
-    axes hold ``options``, over hops that are one step of ``_plan`` (``_moves``): every step a
+    axes hold ``options``, over hops that are one step of ``_plan`` (``_hops``): every step a
     direct plan takes is a hop, so a route is never dearer than the direct plan, and a chain of
     routes never cheaper than the route. Each hop costs EPSILON more than its step: fewer steps
     on a tie."""
@@ -362,18 +362,17 @@ def _graph(shape, itemsize, options, mesh, speeds) -> _Graph:
     n, position = len(states), {a: k for k, a in enumerate(mesh.axis_names)}
     dist = np.full((n, n), np.inf)
     np.fill_diagonal(dist, 0.0)
-    for i, u in enumerate(states):
-        for v in _moves(u, options, len(shape)):
-            j = index.get(v)
-            steps = () if j is None else _sizes(len(shape), u, v, mesh)
-            if j is None or len(steps) > 1:
-                continue
-            seconds = EPSILON
-            for axes, k, cost, before, after in filter(None, steps):
-                sent = round(cost(k, _block_bytes(shape, before, itemsize), _block_bytes(shape, after, itemsize)))
-                alpha = max(speeds[position[a]][0] for a in axes)
-                seconds += sent and alpha + sent / min(speeds[position[a]][1] for a in axes)
-            dist[i, j] = min(dist[i, j], seconds)
+    for u, v, step in _hops(len(shape), options, mesh):
+        i, j = index.get(u), index.get(v)
+        if i is None or j is None:
+            continue
+        seconds = EPSILON
+        if step is not None:
+            axes, k, cost, before, after = step
+            sent = round(cost(k, _block_bytes(shape, before, itemsize), _block_bytes(shape, after, itemsize)))
+            alpha = max(speeds[position[a]][0] for a in axes)
+            seconds += sent and alpha + sent / min(speeds[position[a]][1] for a in axes)
+        dist[i, j] = min(dist[i, j], seconds)
     hop = np.where(np.isfinite(dist), np.arange(n)[None, :], -1)
     for k in range(n):
         via = dist[:, k:k + 1] + dist[k:k + 1, :]
@@ -381,6 +380,21 @@ def _graph(shape, itemsize, options, mesh, speeds) -> _Graph:
         dist = np.where(better, via, dist)
         hop = np.where(better, hop[:, k:k + 1], hop)
     return _Graph(states, index, dist, hop)
+
+
+@functools.lru_cache(maxsize=1024)
+def _hops(rank, options, mesh) -> tuple:
+    """(u, v, its ``_sizes`` step, None where local) of every change from an NdSbp u to v whose
+    axes hold ``options`` that ``_plan`` makes in at most one step (``_moves``): what a route may
+    take, whatever the shape's sizes (the graph keeps the states a shape divides)."""
+    out = []
+    for u in itertools.product(*options):
+        for v in _moves(u, options, rank):
+            if all(t in held for t, held in zip(v, options)):
+                steps = _sizes(rank, u, v, mesh)
+                if len(steps) <= 1:
+                    out.append((u, v, steps[0] if steps else None))
+    return tuple(out)
 
 
 def _moves(u, options, rank):
