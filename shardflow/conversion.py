@@ -247,7 +247,7 @@ class Pricer:
                             for a in self.mesh.axis_names)
         self.layouts = tuple(_whole_or_split(self.shape, n) for n in self.mesh.shape)
         self.routed = math.prod(len(o) for o in self.layouts) <= ROUTED_LAYOUTS
-        self.memo = {}
+        self.memo, self.legs = {}, {}
 
     def __call__(self, src: tuple, dst: tuple) -> float:
         got = self.memo.get((src, dst))
@@ -275,6 +275,13 @@ class Pricer:
             sent = cost(n, _block_bytes(shape, before, itemsize), _block_bytes(shape, after, itemsize))
             yield self.links.seconds(axes, int(round(sent)))
 
+    def _leg(self, u, v) -> tuple:
+        """``_terms`` of a hop, once per Pricer: routes of one value share their hops."""
+        got = self.legs.get((u, v))
+        if got is None:
+            got = self.legs[u, v] = tuple(self._terms(u, v))
+        return got
+
     def route(self, src, dst, direct: float) -> tuple | None:
         """(The NdSbps of the shortest route from ``src`` to ``dst``, both included, and its
         seconds) where it is cheaper than ``direct`` seconds, else None: each hop one direct plan
@@ -297,7 +304,7 @@ class Pricer:
         while i != j:
             i = graph.next[i, j]
             states.append(graph.states[i])
-        total = sum(t for u, v in zip(states, states[1:]) for t in self._terms(u, v))
+        total = sum(t for u, v in zip(states, states[1:]) for t in self._leg(u, v))
         return (states, total) if total < direct * (1 - 1e-9) else None
 
 
