@@ -396,8 +396,8 @@ def _hops(rank, options, mesh) -> tuple:
     take, whatever the shape's sizes (the graph keeps the states a shape divides)."""
     out = []
     for u in itertools.product(*options):
-        for v in _moves(u, options, rank):
-            if all(t in held for t, held in zip(v, options)):
+        for v in dict.fromkeys(_moves(u, options, rank)):
+            if v != u and all(t in held for t, held in zip(v, options)):
                 steps = _sizes(rank, u, v, mesh)
                 if len(steps) <= 1:
                     out.append((u, v, steps[0] if steps else None))

@@ -1,6 +1,5 @@
 """Hypothesis: random small programs under random specs equal themselves on one device, and
 every conversion between two NdSbps preserves the value and costs what the table says."""
-import itertools
 import os
 
 import jax
