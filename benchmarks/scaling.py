@@ -245,8 +245,10 @@ def time_steps(run, row, global_batch, seq, args, traced=None):
         sharding = run.shardings(run.batch_spec)
         data = {"inputs": jax.device_put(tokens[..., :-1].astype(np.int32), sharding),
                 "targets": jax.device_put(tokens[..., 1:].astype(np.int32), sharding)}
-        for _ in range(args.warmup):
+        for i in range(args.warmup):
             params, opt_state, out = step_fn(params, opt_state, data)
+            if i == 0:   # from the same state and batch in every engine: the losses to compare
+                row["first_loss"] = float(out["loss"])
         jax.block_until_ready((params, opt_state, out))
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -359,7 +361,7 @@ def main(argv=None) -> list[dict]:
             rows.append(row)
             gc.collect()
             jax.clear_caches()
-            done = (f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['loss']:.3f}"
+            done = (f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['first_loss']:.4f} first, {row['loss']:.3f} last"
                     if row["status"] == "ok" else row["status"])
             print(f"{preset:5s} {strategy:8s} {fmt_mesh(row['mesh']):16s} {engine:9s} {done}",
                   flush=True)

@@ -19,6 +19,9 @@ def test_scaling_tiny_tp_both_engines(tmp_path):
         assert r["status"] == "ok", r
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
         assert math.isfinite(r["loss"]) and r["mfu"] is None  # CPU: no known peak
+    # a strategy's first step runs from the same state on the same batch in both engines
+    for ours, jits in (rows[:2], rows[2:]):
+        assert math.isclose(ours["first_loss"], jits["first_loss"], rel_tol=1e-3), (ours, jits)
     tp = rows[2]
     # tiny has 4 kv heads: 8-way TP does not divide them, so the model axis shrinks to 4.
     assert tp["mesh"] == {"data": 2, "model": 4} and tp["global_batch"] == 2
