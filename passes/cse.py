@@ -13,7 +13,10 @@ Not merged: equations with effects; equations whose params do not hash (compared
 they could be, but none of the repeats seen has them); and expansions — an equation whose
 result has more elements than its largest operand (a broadcast of a scalar, an iota): made
 again where used, as XLA's fusion makes them, rather than one big value every use converts.
-The program computes the same values.
+Two equal expansions are still the same operand to what reads them: optax's norm squares
+each gradient's imaginary part, a broadcast zero, once per norm, and adds it to the square of
+the real part — with that, one sum per gradient, not two. Equations whose results nobody
+reads any more are then dropped. The program computes the same values.
 """
 from __future__ import annotations
 
@@ -24,33 +27,47 @@ from jax.extend.core import DropVar, Jaxpr
 from shardflow.program import Program, is_literal, map_subjaxprs
 
 
-def _operand_key(x, env):
+def _operand_key(x, env, expanded):
     if is_literal(x):
         return ("literal", x.aval, repr(x.val))
-    return env.get(x, x)
+    x = env.get(x, x)
+    return expanded.get(x, x)
 
 
-def _key(eqn, env):
-    """What makes ``eqn``'s results: hashable, or None where it may not be merged."""
+def _key(eqn, env, expanded):
+    """(what makes ``eqn``'s results, hashable — or None where it does not hash —, whether it
+    is an expansion)."""
     if eqn.effects:
-        return None
+        return None, False
     sizes = [math.prod(x.aval.shape) for x in eqn.invars if not is_literal(x) and hasattr(x.aval, "shape")]
     made = [math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")]
-    if not sizes or max(made, default=0) > max(sizes):
-        return None
-    key = (eqn.primitive, tuple(_operand_key(x, env) for x in eqn.invars), tuple(sorted(eqn.params.items())))
+    key = (eqn.primitive, tuple(_operand_key(x, env, expanded) for x in eqn.invars), tuple(sorted(eqn.params.items())))
     try:
         hash(key)
     except TypeError:
-        return None
-    return key
+        return None, False
+    return key, not sizes or max(made, default=0) > max(sizes)
+
+
+def _read(eqns: list, outvars) -> list:
+    """``eqns`` without those whose results nothing reads (effects kept)."""
+    read, kept = {x for x in outvars if not is_literal(x)}, []
+    for eqn in reversed(eqns):
+        if eqn.effects or any(v in read for v in eqn.outvars):
+            read.update(x for x in eqn.invars if not is_literal(x))
+            kept.append(eqn)
+    return kept[::-1]
 
 
 def _cse(jaxpr: Jaxpr) -> Jaxpr:
-    env, seen, eqns = {}, {}, []
+    env, seen, expanded, eqns = {}, {}, {}, []
     for eqn in jaxpr.eqns:
         eqn = map_subjaxprs(eqn, lambda _, body: _cse(body))
-        key = _key(eqn, env)
+        key, expansion = _key(eqn, env, expanded)
+        if expansion:
+            if len(eqn.outvars) == 1:
+                expanded[eqn.outvars[0]] = ("expanded", key)
+            key = None
         first = seen.get(key) if key is not None else None
         if first is not None and all(isinstance(v, DropVar) or not isinstance(u, DropVar)
                                      for u, v in zip(first.outvars, eqn.outvars)):
@@ -63,7 +80,7 @@ def _cse(jaxpr: Jaxpr) -> Jaxpr:
             seen.setdefault(key, eqn)
         eqns.append(eqn)
     outvars = [x if is_literal(x) else env.get(x, x) for x in jaxpr.outvars]
-    return jaxpr.replace(eqns=eqns, outvars=outvars)
+    return jaxpr.replace(eqns=_read(eqns, outvars), outvars=outvars)
 
 
 def cse(program: Program) -> Program:
