@@ -632,9 +632,11 @@ def pinned_tail(jaxpr, in_sbp, out_sbp) -> dict:
     rest of the program — a gradient — where it enters: coarsening, as Alpa's followers and
     XLA's auto-sharding do, for the part of a training step with the most columns and the
     least choice. Not a cast to a narrower type (its result converts cheaper than its
-    operand), and not an equation that combines two values of which neither is anchored — an
-    argument at that spec, or a result of such an equation with an anchored operand —: two
-    gradients added where they are and converted once would be cheaper.
+    operand), and not an equation that combines two values entering from the rest of the
+    program, neither anchored — an argument at that spec, or a result of such an equation with
+    an anchored operand —: two gradients added where they are and converted once would be
+    cheaper. Two values made in the tail from the one value entering it are one (a gradient
+    and its clipped copy, selected between: the one gradient converted once either way).
 
     Not exact, and said so: where the spec leaves a mesh axis whole (tp's weights, over
     `data`), an update split further and gathered after (ZeRO-1) computes less; and a gradient
@@ -671,16 +673,18 @@ def pinned_tail(jaxpr, in_sbp, out_sbp) -> dict:
                 wanted.add(tail.get(user))
             if len(wanted) == 1 and None not in wanted:
                 tail[eqn] = wanted.pop()
-        anchored, combining = set(), set()
+        anchored, sources, combining = set(), {}, set()   # sources: tail result -> what entered it
         for eqn in jaxpr.eqns:
             if eqn in tail:
                 shape, pin = eqn.outvars[0].aval.shape, tail[eqn]
                 operands = {x for x in eqn.invars if not is_literal(x) and x.aval.shape == shape}
                 anchors = {x for x in operands if x in anchored or given.get(x) == pin}
-                if len(operands - anchors) > 1:
+                entered = set().union(*(sources.get(x, {x}) for x in operands - anchors))
+                if len(entered) > 1:
                     combining.add(eqn)
                 if anchors:
                     anchored.add(eqn.outvars[0])
+                sources[eqn.outvars[0]] = entered
         if not combining:
             return tail
         excluded |= combining
