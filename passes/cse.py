@@ -11,12 +11,14 @@ to every layout, once per square) and the greedy planner a conversion chosen twi
 
 Not merged: equations with effects; equations whose params do not hash (compared by value
 they could be, but none of the repeats seen has them); and expansions — an equation whose
-result has more elements than its largest operand (a broadcast of a scalar, an iota): made
-again where used, as XLA's fusion makes them, rather than one big value every use converts.
-Two equal expansions are still the same operand to what reads them: optax's norm squares
-each gradient's imaginary part, a broadcast zero, once per norm, and adds it to the square of
-the real part — with that, one sum per gradient, not two. Equations whose results nobody
-reads any more are then dropped. The program computes the same values.
+result has more elements than its largest operand (a broadcast of a scalar, an iota), or
+computed from expansions alone: made again where used, as XLA's fusion makes them, rather
+than one big value every use converts (and every gradient of one shape would add the same
+squared zero, laid out for the first). Two equal expansions are still the same operand to
+what reads them: optax's norm squares each gradient's imaginary part, a broadcast zero, once
+per norm, and adds it to the square of the real part — with that, one sum per gradient, not
+two. Equations whose results nobody reads any more are then dropped. The program computes
+the same values.
 """
 from __future__ import annotations
 
@@ -34,19 +36,21 @@ def _operand_key(x, env, expanded):
     return expanded.get(x, x)
 
 
-def _key(eqn, env, expanded):
+def _key(eqn, env, expanded, constant):
     """(what makes ``eqn``'s results, hashable — or None where it does not hash —, whether it
-    is an expansion)."""
+    is an expansion — larger than its operands, or a constant —, whether it is a constant:
+    computed from literals alone, as a broadcast zero and its square)."""
     if eqn.effects:
-        return None, False
+        return None, False, False
     sizes = [math.prod(x.aval.shape) for x in eqn.invars if not is_literal(x) and hasattr(x.aval, "shape")]
     made = [math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")]
     key = (eqn.primitive, tuple(_operand_key(x, env, expanded) for x in eqn.invars), tuple(sorted(eqn.params.items())))
     try:
         hash(key)
     except TypeError:
-        return None, False
-    return key, not sizes or max(made, default=0) > max(sizes)
+        return None, False, False
+    from_literals = all(env.get(x, x) in constant for x in eqn.invars if not is_literal(x))
+    return key, from_literals or max(made, default=0) > max(sizes, default=0), from_literals
 
 
 def _read(eqns: list, outvars) -> list:
@@ -60,13 +64,15 @@ def _read(eqns: list, outvars) -> list:
 
 
 def _cse(jaxpr: Jaxpr) -> Jaxpr:
-    env, seen, expanded, eqns = {}, {}, {}, []
+    env, seen, expanded, constant, eqns = {}, {}, {}, set(), []
     for eqn in jaxpr.eqns:
         eqn = map_subjaxprs(eqn, lambda _, body: _cse(body))
-        key, expansion = _key(eqn, env, expanded)
+        key, expansion, from_literals = _key(eqn, env, expanded, constant)
         if expansion:
             if len(eqn.outvars) == 1:
                 expanded[eqn.outvars[0]] = ("expanded", key)
+            if from_literals:
+                constant.update(eqn.outvars)
             key = None
         first = seen.get(key) if key is not None else None
         if first is not None and all(isinstance(v, DropVar) or not isinstance(u, DropVar)

@@ -39,18 +39,23 @@ def _same_values(before: Program, after: Program, *args):
 def test_two_norms_of_the_gradients_square_and_sum_each_once():
     """optax clips by the gradients' global norm and the step logs it again: each norm squares
     every gradient's real part and its imaginary part (a broadcast zero, made once per norm)
-    and sums them. One square of each part and one sum per gradient are left; the zeros are
-    made again where read (an expansion is never one value every use converts), here once."""
-    grads = {"a": np.arange(12.0, dtype=np.float32).reshape(3, 4), "b": np.ones((5,), np.float32)}
+    and sums them. One square of each part and one sum per gradient are left. A zero and its
+    square are made again where read, not shared: two gradients of one shape each add their
+    own (one value, it would be laid out for the first gradient and converted for the other)."""
+    grads = {"a": np.arange(12.0, dtype=np.float32).reshape(3, 4), "b": np.ones((5,), np.float32),
+             "c": np.ones((3, 4), np.float32)}
 
     def fn(g):
         return optax.tree.norm(g), optax.tree.norm(g) * 2.0
 
     before = _program(fn, grads)
     after = cse(before)
-    assert _counts(before)["reduce_sum"] == 4 and _counts(before)["square"] == 8
-    assert _counts(after)["reduce_sum"] == 2 and _counts(after)["square"] == 4
-    assert _counts(after)["broadcast_in_dim"] == 2           # one zero per gradient's shape
+    assert _counts(before)["reduce_sum"] == 6 and _counts(before)["square"] == 12
+    assert _counts(after)["reduce_sum"] == 3 and _counts(after)["square"] == 6
+    assert _counts(after)["broadcast_in_dim"] == 3
+    zeros_squared = [eqn.invars[1] for eqn in after.jaxpr.jaxpr.eqns if eqn.primitive.name == "add"
+                     and len(eqn.outvars[0].aval.shape) > 0]
+    assert len(zeros_squared) == len(set(zeros_squared)) == 3
     _same_values(before, after, *jax.tree.leaves(grads))
 
 
