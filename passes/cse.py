@@ -11,14 +11,15 @@ to every layout, once per square) and the greedy planner a conversion chosen twi
 
 Not merged: equations with effects; equations whose params do not hash (compared by value
 they could be, but none of the repeats seen has them); and expansions — an equation whose
-result has more elements than its largest operand (a broadcast of a scalar, an iota), or
-computed from expansions alone: made again where used, as XLA's fusion makes them, rather
-than one big value every use converts (and every gradient of one shape would add the same
-squared zero, laid out for the first). Two equal expansions are still the same operand to
-what reads them: optax's norm squares each gradient's imaginary part, a broadcast zero, once
-per norm, and adds it to the square of the real part — with that, one sum per gradient, not
-two. Equations whose results nobody reads any more are then dropped. The program computes
-the same values.
+result has more elements than its largest operand (a broadcast of a scalar, an iota): made
+again where used, as XLA's fusion makes them, rather than one big value every use converts.
+Two equal expansions are still the same operand to what reads them: optax's norm squares
+each gradient's imaginary part, a broadcast zero made once per norm, and adds it to the
+square of the real part — with that, one add and one sum per gradient, not two. A constant
+(computed from literals alone: that zero's square) is merged only with one computed from the
+same operands, as any value: were equal constants one, every gradient of a shape would add
+the same squared zero, laid out for the first. Equations whose results nobody reads any
+more are then dropped. The program computes the same values.
 """
 from __future__ import annotations
 
@@ -29,28 +30,27 @@ from jax.extend.core import DropVar, Jaxpr
 from shardflow.program import Program, is_literal, map_subjaxprs
 
 
-def _operand_key(x, env, expanded):
-    if is_literal(x):
-        return ("literal", x.aval, repr(x.val))
-    x = env.get(x, x)
-    return expanded.get(x, x)
-
-
-def _key(eqn, env, expanded, constant):
-    """(what makes ``eqn``'s results, hashable — or None where it does not hash —, whether it
-    is an expansion — larger than its operands, or a constant —, whether it is a constant:
-    computed from literals alone, as a broadcast zero and its square)."""
+def _key(eqn, env, named):
+    """What makes ``eqn``'s results — its primitive, params and operands, an operand named as
+    ``named`` names it (an expansion by what it computes) —, hashable; None where it may not
+    be merged (effects, params that do not hash)."""
     if eqn.effects:
-        return None, False, False
-    sizes = [math.prod(x.aval.shape) for x in eqn.invars if not is_literal(x) and hasattr(x.aval, "shape")]
-    made = [math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")]
-    key = (eqn.primitive, tuple(_operand_key(x, env, expanded) for x in eqn.invars), tuple(sorted(eqn.params.items())))
+        return None
+    operands = tuple(("literal", x.aval, repr(x.val)) if is_literal(x) else named.get(env.get(x, x), env.get(x, x))
+                     for x in eqn.invars)
+    key = (eqn.primitive, operands, tuple(sorted(eqn.params.items())))
     try:
         hash(key)
     except TypeError:
-        return None, False, False
-    from_literals = all(env.get(x, x) in constant for x in eqn.invars if not is_literal(x))
-    return key, from_literals or max(made, default=0) > max(sizes, default=0), from_literals
+        return None
+    return key
+
+
+def _grows(eqn) -> bool:
+    """Whether ``eqn`` is an expansion: a result larger than its largest operand."""
+    sizes = [math.prod(x.aval.shape) for x in eqn.invars if not is_literal(x) and hasattr(x.aval, "shape")]
+    return max((math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")), default=0) > \
+        max(sizes, default=0)
 
 
 def _read(eqns: list, outvars) -> list:
@@ -64,16 +64,19 @@ def _read(eqns: list, outvars) -> list:
 
 
 def _cse(jaxpr: Jaxpr) -> Jaxpr:
-    env, seen, expanded, constant, eqns = {}, {}, {}, set(), []
+    env, seen, eqns = {}, {}, []
+    expanded = {}       # an expansion or a constant -> the key of what it computes
+    constant = set()    # values computed from literals alone
     for eqn in jaxpr.eqns:
         eqn = map_subjaxprs(eqn, lambda _, body: _cse(body))
-        key, expansion, from_literals = _key(eqn, env, expanded, constant)
-        if expansion:
+        key = _key(eqn, env, expanded)
+        from_literals = all(env.get(x, x) in constant for x in eqn.invars if not is_literal(x))
+        if key is not None and (from_literals or _grows(eqn)):
             if len(eqn.outvars) == 1:
                 expanded[eqn.outvars[0]] = ("expanded", key)
             if from_literals:
                 constant.update(eqn.outvars)
-            key = None
+            key = None if _grows(eqn) else _key(eqn, env, {})
         first = seen.get(key) if key is not None else None
         if first is not None and all(isinstance(v, DropVar) or not isinstance(u, DropVar)
                                      for u, v in zip(first.outvars, eqn.outvars)):

@@ -60,17 +60,19 @@ def test_two_norms_of_the_gradients_square_and_sum_each_once():
 
 
 def test_expansions_are_made_where_read_and_nothing_read_is_kept():
-    """Two equal broadcasts both read stay two equations; a value nothing reads goes, an
-    effect stays."""
+    """Two equal broadcasts both read stay two equations; a constant computed twice from the
+    same operands (a RoPE table's cosine) is one; a value nothing reads goes, an effect stays."""
     def fn(x):
         unused = jnp.sin(x)                                   # noqa: F841 (dropped)
         jax.debug.callback(lambda: None)                      # an effect: kept
-        return x + jnp.zeros_like(x), x * jnp.zeros_like(x)
+        t = jnp.arange(6, dtype=jnp.float32)
+        return x + jnp.zeros_like(x) + jnp.cos(t), x * jnp.zeros_like(x) * jnp.cos(t)
 
     x = np.arange(6.0, dtype=np.float32)
     before = _program(fn, x)
     after = cse(before)
     assert _counts(after)["broadcast_in_dim"] == 2
+    assert (_counts(before)["cos"], _counts(after)["cos"]) == (2, 1)
     assert _counts(after)["sin"] == 0 and _counts(after)["debug_callback"] == 1
     _same_values(before, after, x)
 
