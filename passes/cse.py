@@ -69,14 +69,14 @@ def _cse(jaxpr: Jaxpr) -> Jaxpr:
     constant = set()    # values computed from literals alone
     for eqn in jaxpr.eqns:
         eqn = map_subjaxprs(eqn, lambda _, body: _cse(body))
-        key = _key(eqn, env, expanded)
+        key, grows = _key(eqn, env, expanded), _grows(eqn)
         from_literals = all(env.get(x, x) in constant for x in eqn.invars if not is_literal(x))
-        if key is not None and (from_literals or _grows(eqn)):
+        if key is not None and (from_literals or grows):
             if len(eqn.outvars) == 1:
                 expanded[eqn.outvars[0]] = ("expanded", key)
             if from_literals:
                 constant.update(eqn.outvars)
-            key = None if _grows(eqn) else _key(eqn, env, {})
+            key = None if grows else _key(eqn, env, {})
         first = seen.get(key) if key is not None else None
         if first is not None and all(isinstance(v, DropVar) or not isinstance(u, DropVar)
                                      for u, v in zip(first.outvars, eqn.outvars)):
