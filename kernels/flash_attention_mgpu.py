@@ -23,6 +23,7 @@ for CUDA.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import NamedTuple
 
 import jax
@@ -341,6 +342,14 @@ def supports_backward(q, k, segment_ids, offset_delta, *, causal: bool, scale: f
           and k.shape[1] % (2 * BWD_BLOCK_KV) == 0)
 
 
+def _load_whole(plgpu, ref, layout):
+  """All of ``ref`` loaded at ``layout``: jax 0.11 takes the ref alone (an index beside it is
+  deprecated there); 0.10 requires the index, ``()``."""
+  if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
 def backward_grid(batch, kv_len, heads_q, heads_kv, head_dim, *, causal: bool, sm_count: int):
   """(per_q_head, the plgpu.Mesh grid arguments) of the backward: a CTA per (head, 2 *
   BWD_BLOCK_KV kv rows, batch).
@@ -470,10 +479,10 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
 
         def compute_pt_dpt(st_ref, dpt_ref):
           # s^T and dp^T back to back: the softmax runs while the tensor cores do dp^T.
-          plgpu.wgmma(st_ref, k_w, plgpu.transpose_ref(q_s, (1, 0)))
-          plgpu.wgmma(dpt_ref, v_w, plgpu.transpose_ref(do_s, (1, 0)))
+          plgpu.wgmma(st_ref, k_w, q_s.transpose((1, 0)))
+          plgpu.wgmma(dpt_ref, v_w, do_s.transpose((1, 0)))
           st = plgpu.wgmma_accumulator_load(st_ref, wait_n=1)
-          lse = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+          lse = _load_whole(plgpu, lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
           logits = st * logit_scale - lax.broadcast_in_dim(lse, (bkv, bq), [1])
           if masked:
             kv_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
@@ -484,7 +493,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
 
         acc = plgpu.ACC((bkv, bq), jnp.float32)
         pt, dpt = pl.run_scoped(compute_pt_dpt, acc, acc)
-        delta = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        delta = _load_whole(plgpu, delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
 
         # dq for this q block, in 64-column tiles: both warpgroups publish their ds^T tile,
         # then column tile c of dq = ds k (over all 2 * bkv kv rows) is computed by warpgroup
@@ -498,7 +507,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
           """dq[:, c-th 64 columns] += ds k, over both warpgroups' ds^T tiles."""
           def compute_dq(dq_acc):
             for h in range(2):
-              plgpu.wgmma(dq_acc, plgpu.transpose_ref(ds_smem.at[ds_slot, h], (1, 0)),
+              plgpu.wgmma(dq_acc, ds_smem.at[ds_slot, h].transpose((1, 0)),
                           k_smem.at[h + zero, :, pl.ds(c * DQ_COLUMNS, DQ_COLUMNS)])
             return dq_acc[...]
 
