@@ -6,6 +6,11 @@
 tokens per step), explain only (trace, plan, boxing; no XLA compile). Per row: each planner's
 wall time and its plan's modelled seconds (collectives and local work, explain's
 `modelled_seconds`), and the solver's own line (what it solved, how long HiGHS took).
+
+The same 2-core machine runs HiGHS up to twice as slowly in some hours (solve_time.md), so the
+script first times a fixed LP that depends on nothing in shardflow — a seeded 600 x 600
+transportation problem, 1,702 dual simplex iterations — and prints it beside the rows: the
+machine's speed in this run, to compare runs by.
 """
 import argparse
 import os
@@ -22,9 +27,11 @@ import _checkout  # noqa: E402,F401
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from scipy import sparse  # noqa: E402
 
 import shardflow as sf  # noqa: E402
 from shardflow import train  # noqa: E402
+from shardflow.passes import solve  # noqa: E402
 from shardflow.train import config, data  # noqa: E402
 
 
@@ -46,13 +53,42 @@ def measure(preset, strategy, data_dir, batch=8, seq=2048):
     return out
 
 
+def reference_seconds(n=600, seed=0) -> float:
+    """HiGHS's dual simplex on a seeded n x n transportation LP: the fastest of three runs."""
+    import highspy
+    rng = np.random.default_rng(seed)
+    cost = rng.random(n * n) * 1e3
+    supply = rng.integers(1, 100, n).astype(float)
+    sides = np.concatenate([supply, supply[rng.permutation(n)]])
+    rows = np.concatenate([np.repeat(np.arange(n), n), n + np.tile(np.arange(n), n)])
+    a = sparse.csc_array((np.ones(2 * n * n), (rows, np.tile(np.arange(n * n), 2))), shape=(2 * n, n * n))
+    best = np.inf
+    for _ in range(3):
+        with solve._quiet_stdout():        # HiGHS's banner
+            h = highspy.Highs()
+        h.silent()
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = n * n, 2 * n
+        lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.zeros(n * n), np.full(n * n, np.inf)
+        lp.row_lower_, lp.row_upper_ = sides, sides
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
+        h.passModel(lp)
+        h.setOptionValue("presolve", "off")
+        t = time.perf_counter()
+        h.run()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default="1b,7b")
     parser.add_argument("--strategies", default="fsdp,tp,2d")
     args = parser.parse_args()
     data_dir = data.prepare(data.stdlib_sources(max_bytes=200_000)[:5], tempfile.mkdtemp())
-    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, mesh data=2 x model=4")
+    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, mesh data=2 x model=4; "
+          f"the machine's reference LP: {reference_seconds():.2f} s")
     print("| preset | strategy | greedy s | greedy ms modelled | solver s | solver ms modelled | solver |")
     print("|---|---|---:|---:|---:|---:|---|")
     for preset in args.presets.split(","):
