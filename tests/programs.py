@@ -41,6 +41,17 @@ def rng(seed=0):
     return np.random.default_rng(seed)
 
 
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
+    """Leaf by leaf, with ``atol`` relative to the leaf's largest magnitude (above 1): what
+    summation order moves in a sum of terms that large."""
+    actual_leaves, expected_leaves = jax.tree.leaves(actual), jax.tree.leaves(expected)
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(actual_leaves, expected_leaves):
+        e = np.asarray(e)
+        scale = max(1.0, float(np.max(np.abs(e)))) if e.size else 1.0
+        np.testing.assert_allclose(np.asarray(a), e, rtol=rtol, atol=atol * scale)
+
+
 # ------------------------------------------------------------------------------ the model
 
 def rmsnorm(x, g):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import shardflow as sf
-from programs import CASES, STRATEGIES
+from programs import CASES, STRATEGIES, assert_trees_close
 
 MESHES = {"8": {"data": 8}, "2x4": {"data": 2, "model": 4}, "4x2": {"data": 4, "model": 2},
           "2x2x2": {"pod": 2, "data": 2, "model": 2}}
@@ -12,15 +12,6 @@ MESHES = {"8": {"data": 8}, "2x4": {"data": 2, "model": 4}, "4x2": {"data": 4, "
 # near zero that ratio turns summation-order noise into a visible fraction of lr (1e-3). Train
 # steps are therefore compared to 2 % of one step (2e-5) absolute; everything else at 1e-6.
 TRAIN_STEPS = {"llama_step", "scan"}
-
-
-def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
-    actual_leaves, expected_leaves = jax.tree.leaves(actual), jax.tree.leaves(expected)
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(actual_leaves, expected_leaves):
-        e = np.asarray(e)
-        scale = max(1.0, float(np.max(np.abs(e)))) if e.size else 1.0
-        np.testing.assert_allclose(np.asarray(a), e, rtol=rtol, atol=atol * scale)
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)

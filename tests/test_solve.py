@@ -22,6 +22,7 @@ from shardflow.passes import inline, solve
 from shardflow.passes.propagate import Propagation, reduced
 from shardflow.program import Program, is_literal
 from shardflow.specs import B, S, Split
+from programs import assert_trees_close
 from test_random_programs import BINARY, UNARY, build, nd_sbp
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -466,7 +467,7 @@ def test_loops_laid_out_by_greedy_after_a_time_limit_are_said_to_be_left_out(mon
     planner = step.explain(ws, x).planner
     assert planner.startswith("solver (optimal"), planner
     assert "the loops among them: solving them ran out of time, and the optimum leaves out" in planner, planner
-    np.testing.assert_allclose(np.asarray(step(ws, x)), np.asarray(jax.jit(_layers_grad)(ws, x)), rtol=1e-5, atol=1e-6)
+    assert_trees_close(step(ws, x), jax.jit(_layers_grad)(ws, x))
 
 
 def _layers_grad(ws, x):
@@ -496,7 +497,7 @@ def test_a_memory_budget_bounds_what_the_layer_loops_hold():
     assert tight.planner.startswith("solver (optimal")
     assert tight.memory_bytes < free.memory_bytes and tight.loop_bytes < ws.nbytes
     assert tight.modelled_seconds > free.modelled_seconds
-    np.testing.assert_allclose(np.asarray(step(ws, x)), np.asarray(jax.jit(_layers_grad)(ws, x)), rtol=1e-5, atol=1e-6)
+    assert_trees_close(step(ws, x), jax.jit(_layers_grad)(ws, x))
     with pytest.raises(sf.ShardingError, match=r"memory_budget=70,000 bytes: the solver did not run \(the LP "
                                                r"relaxation is infeasible.*of which the inputs with specs take 67,584"):
         sf.parallelize(_layers_grad, memory_budget=70_000, **kw).explain(ws, x)
@@ -512,7 +513,7 @@ def test_a_loop_hides_its_gradient_reductions_behind_its_matmuls():
     kw = dict(mesh=mesh("2x4"), in_specs=(jax.P(), jax.P(("data", "model"))), out_specs=jax.P())
     slow = sf.LinkModel(flops=1e9)               # matmuls slow enough to hide every reduction
     step = sf.parallelize(_layers_grad, passes=sf.passes.SOLVER, links=slow, **kw)
-    np.testing.assert_allclose(np.asarray(step(ws, x)), np.asarray(jax.jit(_layers_grad)(ws, x)), rtol=1e-5, atol=1e-6)
+    assert_trees_close(step(ws, x), jax.jit(_layers_grad)(ws, x))
     plan = step.explain(ws, x)
     in_loop = sum(c.seconds * c.count for c in plan.collectives if c.count == 4)
     assert in_loop > 0 and plan.hidden_seconds == pytest.approx(in_loop)
