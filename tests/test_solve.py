@@ -591,17 +591,18 @@ def test_tensor_parallel_attention_runs_batch_split_where_its_weights_are_cheape
 
 
 @functools.lru_cache(maxsize=None)
-def llama_1b_plan(strategy):
-    """(plan, layers, state) of the 1b preset's train step under the solver with one 2048-token
-    sequence per data replica on {data: 2, model: 4}: a layer's weights (100 MB in bf16) outweigh
-    its activations (8 MB), the size tensor parallelism is for."""
+def llama_1b_plan(strategy, mesh=(("data", 2), ("model", 4)), batch=2):
+    """(plan, layers, state) of the 1b preset's train step under the solver, ``batch`` sequences
+    of 2048 tokens on ``mesh``. By default one sequence per data replica on {data: 2, model: 4}:
+    a layer's weights (100 MB in bf16) outweigh its activations (8 MB), the size tensor
+    parallelism is for."""
     from shardflow import train
 
-    cfg = tiny_config(strategy, batch_size=2)
+    cfg = tiny_config(strategy, dict(mesh), batch_size=batch)
     cfg.model, cfg.data.seq_len = {"preset": "1b"}, 2048
     run = train.setup(cfg)
     state = jax.eval_shape(lambda: train.init_state(run))
-    tokens = jax.ShapeDtypeStruct((1, 2, 2048), np.int32)
+    tokens = jax.ShapeDtypeStruct((1, batch, 2048), np.int32)
     plan = run.train_step().explain(*state, {"inputs": tokens, "targets": tokens})
     return plan, len(state[0]["layers"]["attn"]["wq"]), state
 
@@ -651,6 +652,32 @@ def test_tensor_parallel_llama_layers_move_megatrons_bytes_at_the_1b_preset():
         str(plan)
     assert not [c for c in plan.collectives if c.kind == "all_to_all"], str(plan)
     assert not plan.gathered, plan.gathered
+
+
+def test_fully_sharded_llama_layers_run_fsdps_collectives_at_the_1b_preset():
+    """Issue 18's criterion 2 for fsdp on the 1b preset (8 x 2048 tokens on {data: 8}): per
+    layer, each of its seven weights all-gathered once in the forward and once in the
+    backward, in bf16, and each gradient reduce-scattered once; the two RMSNorm scales
+    (replicated) all-reduced. No all_to_all in the layers, no layer weight gathered ahead of
+    them. Outside the layers: lm_head gathered once, for the forward and the backward, its
+    gradient reduce-scattered; and the embedding looked up where its table lies, split along D,
+    on all the tokens (their ids gathered, 57 KB), the [B, S, D] result then taken to the batch
+    split by one all_to_all (7 MB) and its gradient back by another, where gathering the table
+    would send 115 MB."""
+    plan, layers, state = llama_1b_plan("fsdp", (("data", 8),), 8)
+    assert plan.planner.startswith("solver (optimal"), plan.planner
+    weights = sorted(leaf.shape[1:] for block in state[0]["layers"].values() for leaf in block.values()
+                     if leaf.ndim > 2)
+    per_layer = [c for c in plan.collectives if c.count == layers]
+    assert all(c.axes == ("data",) for c in per_layer), str(plan)
+    assert sorted(c.shape for c in per_layer if c.kind == "all_gather") == sorted(2 * weights), str(plan)
+    assert all(c.dtype == "bfloat16" for c in per_layer if c.kind == "all_gather"), str(plan)
+    assert sorted(c.shape for c in per_layer if c.kind == "reduce_scatter") == weights, str(plan)
+    assert [c.shape for c in per_layer if c.kind == "all_reduce"] == [(2048,)] * 2, str(plan)
+    a2a = [c for c in plan.collectives if c.kind == "all_to_all"]
+    assert [(c.shape, c.count) for c in a2a] == [((8, 2048, 2048), 1)] * 2, str(plan)
+    assert [name for name, *_ in plan.gathered if not name.endswith("[layer]")] == ["args[0]['lm_head']"], \
+        plan.gathered
 
 
 def test_fsdp_gathers_each_layer_weight_per_layer_where_the_whole_weights_do_not_fit():
