@@ -42,10 +42,13 @@ def runnable(path: Path):
             if lang == "python" and excerpt is None]
 
 
-def cpu_only_env() -> dict:
-    """The environment of a fresh `python` on a CPU-only machine: no forced device count."""
+def cpu_only_env(devices: int | None = None) -> dict:
+    """The environment of a fresh `python` on a CPU-only machine: no forced device count, or
+    ``devices`` simulated ones (the suite's other XLA flags kept)."""
     env = dict(os.environ)
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.pop("XLA_FLAGS", ""))
+    if devices is not None:
+        flags += f" --xla_force_host_platform_device_count={devices}"
     if flags.strip():
         env["XLA_FLAGS"] = flags.strip()
     env["JAX_PLATFORMS"] = "cpu"

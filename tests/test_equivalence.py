@@ -1,6 +1,5 @@
 """The oracle: a parallelized program equals the same program on one device."""
 import jax
-import numpy as np
 import pytest
 
 import shardflow as sf

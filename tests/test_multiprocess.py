@@ -3,7 +3,6 @@ of 4 CPU devices each, joined by jax.distributed (gloo collectives), must train 
 process of 8 devices, and the checkpoint they write together must restore in one process."""
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import numpy as np
 import yaml
 
 from shardflow import train
+from test_docs import cpu_only_env
 from test_models import small_config
 from test_train import data_dir  # noqa: F401  (fixture)
 
@@ -36,12 +36,10 @@ def launch(command, n_processes: int, devices_each: int, timeout: float) -> list
     """``command`` run as ``n_processes`` processes of ``devices_each`` CPU devices joined by
     jax.distributed; their outputs, each having exited 0."""
     coordinator = f"127.0.0.1:{free_port()}"
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))   # conftest's
     procs = []
     for i in range(n_processes):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=coordinator,
-                   JAX_NUM_PROCESSES=str(n_processes), JAX_PROCESS_ID=str(i),
-                   XLA_FLAGS=f"{flags.strip()} --xla_force_host_platform_device_count={devices_each}".strip())
+        env = dict(cpu_only_env(devices_each), JAX_COORDINATOR_ADDRESS=coordinator,
+                   JAX_NUM_PROCESSES=str(n_processes), JAX_PROCESS_ID=str(i))
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:

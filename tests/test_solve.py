@@ -523,33 +523,32 @@ def test_a_loop_hides_its_gradient_reductions_behind_its_matmuls():
     assert free.explain(ws, x).hidden_seconds == 0.0
 
 
-def tiny_config(strategy="tp", mesh={"data": 2, "model": 4}, batch_size=16):
-    """The trainer's config of the tiny preset under the solver, ``batch_size`` x 128 tokens,
-    tensor-parallel on {data: 2, model: 4} unless said."""
+def train_config(strategy="tp", mesh={"data": 2, "model": 4}, batch_size=16, preset="tiny", seq=128):
+    """The trainer's config of a preset (tiny unless said) under the solver, ``batch_size`` x
+    ``seq`` tokens, tensor-parallel on {data: 2, model: 4} unless said."""
     from shardflow.train import config
 
     cfg = config.Config(engine="shardflow", strategy=strategy, mesh=mesh, planner="solver", batch_size=batch_size)
-    cfg.model = {"preset": "tiny"}
-    cfg.data.seq_len = 128
+    cfg.model = {"preset": preset}
+    cfg.data.seq_len = seq
     return cfg
 
 
-def tiny_tp_train_step(strategy="tp", mesh={"data": 2, "model": 4}, batch_size=16):
-    """(config, run, state shapes, batch shapes) of ``tiny_config``'s train step."""
+def train_step_shapes(strategy="tp", mesh={"data": 2, "model": 4}, batch_size=16, preset="tiny", seq=128):
+    """(config, run, state shapes, batch shapes) of ``train_config``'s train step."""
     from shardflow import train
 
-    cfg = tiny_config(strategy, mesh, batch_size)
+    cfg = train_config(strategy, mesh, batch_size, preset, seq)
     run = train.setup(cfg)
     state = jax.eval_shape(lambda: train.init_state(run))
-    batch = {"inputs": jax.ShapeDtypeStruct((1, batch_size, 128), np.int32),
-             "targets": jax.ShapeDtypeStruct((1, batch_size, 128), np.int32)}
-    return cfg, run, state, batch
+    tokens = jax.ShapeDtypeStruct((1, batch_size, seq), np.int32)
+    return cfg, run, state, {"inputs": tokens, "targets": tokens}
 
 
 @functools.lru_cache(maxsize=None)
 def tiny_tp_plan():
-    """The solver's explain plan of ``tiny_tp_train_step`` (one solve per test process)."""
-    _, run, state, batch = tiny_tp_train_step()
+    """The solver's explain plan of ``train_step_shapes`` (one solve per test process)."""
+    _, run, state, batch = train_step_shapes()
     return run.train_step().explain(*state, batch)
 
 
@@ -565,7 +564,7 @@ def test_tensor_parallel_llama_layers_run_megatrons_forward_where_weights_outwei
     gathered two residual stacks for the backward: 0.6 µs dearer by the model). The weight
     gradients are all-reduced over 'data' once, stacked, after the loop. No layer weight
     gathered, no all_to_all."""
-    _, run, state, batch = tiny_tp_train_step(batch_size=2)
+    _, run, state, batch = train_step_shapes(batch_size=2)
     plan = run.train_step().explain(*state, batch)
     assert plan.planner.startswith("solver (optimal"), plan.planner
     layer = [c for c in plan.collectives if c.count == 4]
@@ -596,14 +595,8 @@ def llama_1b_plan(strategy, mesh=(("data", 2), ("model", 4)), batch=2):
     of 2048 tokens on ``mesh``. By default one sequence per data replica on {data: 2, model: 4}:
     a layer's weights (100 MB in bf16) outweigh its activations (8 MB), the size tensor
     parallelism is for."""
-    from shardflow import train
-
-    cfg = tiny_config(strategy, dict(mesh), batch_size=batch)
-    cfg.model, cfg.data.seq_len = {"preset": "1b"}, 2048
-    run = train.setup(cfg)
-    state = jax.eval_shape(lambda: train.init_state(run))
-    tokens = jax.ShapeDtypeStruct((1, batch, 2048), np.int32)
-    plan = run.train_step().explain(*state, {"inputs": tokens, "targets": tokens})
+    _, run, state, tokens = train_step_shapes(strategy, dict(mesh), batch, preset="1b", seq=2048)
+    plan = run.train_step().explain(*state, tokens)
     return plan, len(state[0]["layers"]["attn"]["wq"]), state
 
 
@@ -689,7 +682,7 @@ def test_fsdp_gathers_each_layer_weight_per_layer_where_the_whole_weights_do_not
     plan's memory the whole weights do not fit, and the solved plan is FSDP's: per layer weight
     one all-gather in the forward and one in the backward, one reduce-scatter per gradient, no
     all-to-all."""
-    cfg, run, state, batch = tiny_tp_train_step("fsdp", {"data": 8})
+    cfg, run, state, batch = train_step_shapes("fsdp", {"data": 8})
     n_layers, weights = 4, ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
     free = run.train_step().explain(*state, batch)
     hoisted = [name for name, *_ in free.gathered if "['layers']" in name]
@@ -729,7 +722,7 @@ def test_a_plan_leaning_on_hiding_is_solved_again_at_its_own_overlap_shares():
     2 % of its cost as boxed, and cheaper than greedy's."""
     from shardflow import train
 
-    cfg, run, state, batch = tiny_tp_train_step()
+    cfg, run, state, batch = train_step_shapes()
     plan = tiny_tp_plan()
     assert plan.planner.startswith("solver (optimal"), plan.planner
     modelled = float(plan.planner.split("optimal: ")[1].split(" us")[0]) * 1e-6
@@ -773,7 +766,7 @@ def test_the_solves_of_one_program_price_each_conversion_once_and_the_second_sta
     monkeypatch.setattr(conversion.Pricer, "_seconds", counted_seconds)
     monkeypatch.setattr(solve, "choose", counted_choose)
     monkeypatch.setattr(solve, "_relaxation", counted_relaxation)
-    _, run, state, batch = tiny_tp_train_step()
+    _, run, state, batch = train_step_shapes()
     assert run.train_step().explain(*state, batch).planner.startswith("solver (optimal")
     assert len(solves) == 2
     assert priced and len(set(priced)) == len(priced)
@@ -906,7 +899,7 @@ def test_the_solved_train_step_with_attention_equals_jits(strategy):
 
     outs = {}
     for engine in ("jit", "shardflow"):
-        cfg = tiny_config(strategy, batch_size=8)
+        cfg = train_config(strategy, batch_size=8)
         cfg.engine, cfg.compute_dtype = engine, "float32"
         run = train.setup(cfg)
         tokens = np.random.default_rng(0).integers(0, 256, (1, 8, 128)).astype(np.int32)
@@ -927,7 +920,7 @@ def test_every_process_solves_a_program_to_the_same_plan():
     import subprocess
     import sys
     script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_solve; "
-              "_, run, state, batch = test_solve.tiny_tp_train_step('2d'); "
+              "_, run, state, batch = test_solve.train_step_shapes('2d'); "
               "plan = run.train_step().explain(*state, batch); "
               "import re; print(re.sub(r'solved in [0-9.]+ s', '', plan.planner)); print(plan.modelled_seconds); "
               "print(*[(c.kind, c.axes, c.shape, c.count, c.source) for c in plan.collectives], sep='\\n')")
