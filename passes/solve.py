@@ -285,6 +285,28 @@ class _Model:
         return best
 
 
+_SHARED_BASES: dict | None = None    # (the LP's shape and bounds) -> HiGHS's last optimal basis; see shared_bases
+
+
+@contextlib.contextmanager
+def shared_bases():
+    """Within it, each LP relaxation starts from the optimal basis of the last one solved with
+    the same shape and bounds — programs alike but for some layouts, as ``sf.alternatives``
+    plans them —, where it would start from the slack basis. The optimum is the same; HiGHS
+    gets there in a fraction of the iterations (1b step: from the tp step's basis, the fsdp
+    step's relaxation took 3,504 dual simplex iterations against 26,480; 7b fsdp 8,309
+    against 28,931). Among tied plans it may end at another vertex, so a plan can depend on
+    what was solved before it in the block: only calls whose every process solves the same
+    sequence (one ``alternatives`` or ``plan`` call) use it. Re-entrant."""
+    global _SHARED_BASES
+    outer = _SHARED_BASES
+    _SHARED_BASES = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _SHARED_BASES = outer
+
+
 def _relaxation(cost, a, lb, ub, warm: dict | None = None):
     """The LP min cost·x, lb <= a x <= ub, 0 <= x <= 1 by HiGHS's dual simplex: a result
     (x, fun, status 0); status 2 where it is infeasible, 1 where it ran out of
@@ -317,6 +339,8 @@ def _relaxation(cost, a, lb, ub, warm: dict | None = None):
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
         lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
         h.passModel(lp)
+        if _SHARED_BASES is not None and (shape := _lp_shape(a, lb, ub)) in _SHARED_BASES:
+            h.setBasis(_SHARED_BASES[shape])
     h.setOptionValue("simplex_iteration_limit", ITERATION_LIMIT)   # counted per run, from 0
     h.setOptionValue("dual_simplex_cost_perturbation_multiplier", 0.0)
     h.setOptionValue("presolve", "off")
@@ -330,8 +354,15 @@ def _relaxation(cost, a, lb, ub, warm: dict | None = None):
     if status != highspy.HighsModelStatus.kOptimal:
         return SimpleNamespace(x=None, status=1, message=f"the LP relaxation stopped: {h.modelStatusToString(status)} "
                                                          f"after {h.getInfo().simplex_iteration_count:,} iterations")
+    if _SHARED_BASES is not None:
+        _SHARED_BASES[_lp_shape(a, lb, ub)] = h.getBasis()
     return SimpleNamespace(x=np.asarray(h.getSolution().col_value), fun=h.getInfo().objective_function_value,
                            status=0, message="")
+
+
+def _lp_shape(a, lb, ub) -> tuple:
+    bounds = np.ascontiguousarray(lb).tobytes() + np.ascontiguousarray(ub).tobytes()
+    return a.shape, a.nnz, hashlib.sha1(bounds).digest()
 
 
 @contextlib.contextmanager

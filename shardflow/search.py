@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 from shardflow.api import Parallelized, _definition, _spec_of_each_leaf, parallelize
 from shardflow.explain import Plan
 from shardflow.mesh import LinkModel, make_mesh
+from shardflow.passes.solve import shared_bases
 from shardflow.specs import AUTO, ShardingError, to_sbp
 
 
@@ -52,18 +53,23 @@ def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "mo
     from shardflow import passes as passes_lib
     devices = list(jax.devices() if devices is None else devices)
     shapes = [dict(s) for s in mesh_shapes] if mesh_shapes is not None else factorings(len(devices), tuple(axes))
+    with shared_bases():
+        return sorted(_plans(fn, args, in_specs, out_specs, shapes, devices, links, memory_budget,
+                             passes_lib.SOLVER if passes is None else passes), key=lambda c: c.seconds)
+
+
+def _plans(fn, args, in_specs, out_specs, shapes, devices, links, memory_budget, passes) -> list[Candidate]:
     out = []
     for shape in shapes:
         try:
             step = parallelize(fn, mesh=make_mesh(shape, devices=devices), in_specs=in_specs,
-                               out_specs=out_specs, links=links, memory_budget=memory_budget,
-                               passes=passes_lib.SOLVER if passes is None else passes)
+                               out_specs=out_specs, links=links, memory_budget=memory_budget, passes=passes)
             explained = step.explain(*args)
         except ShardingError as e:
             out.append(Candidate(shape, math.inf, None, None, refused=str(e)))
             continue
         out.append(Candidate(shape, explained.modelled_seconds, step, explained))
-    return sorted(out, key=lambda c: c.seconds)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +96,13 @@ def alternatives(step: Parallelized, *args, only: str | None = None, top: int | 
     ``top`` of them (None: all). ``only``: a regular expression an argument's name
     (``args[0]['w1']``) must match. An ``sf.AUTO`` argument is the planner's to choose and is
     not varied. One plan per candidate: on a large program, narrow it with ``only``."""
+    with shared_bases():
+        out = _alternatives(step, args, only)
+    out.sort(key=lambda a: (a.seconds, a.argument, str(a.spec)))
+    return out if top is None else out[:top]
+
+
+def _alternatives(step: Parallelized, args, only: str | None) -> list[Alternative]:
     in_tree = jax.tree.structure(args)
     given = [spec for _, spec in _spec_of_each_leaf(step.in_specs, args, "in_specs", "args", "argument",
                                                     _definition(step.fn))]
@@ -114,8 +127,7 @@ def alternatives(step: Parallelized, *args, only: str | None = None, top: int | 
                 continue
             out.append(Alternative(name, candidate, explained.modelled_seconds, explained.modelled_seconds - base,
                                    explained.memory_bytes))
-    out.sort(key=lambda a: (a.seconds, a.argument, str(a.spec)))
-    return out if top is None else out[:top]
+    return out
 
 
 def _layouts(shape, mesh) -> list[PartitionSpec]:

@@ -2,6 +2,7 @@
 its model on small random programs; what it chooses runs equal to one device and costs, as
 explain prices the plan, no more than greedy propagation; what it does not model goes to
 greedy, and explain says which planner ran."""
+import contextlib
 import math
 import functools
 import itertools
@@ -933,3 +934,33 @@ def test_every_process_solves_a_program_to_the_same_plan():
         plans.append(done.stdout)
     assert plans[0].startswith("solver (optimal"), plans[0][:300]
     assert plans[0] == plans[1]
+
+
+def test_one_alternatives_call_starts_each_relaxation_from_the_last_optimal_basis(monkeypatch):
+    """Within one sf.alternatives call (``solve.shared_bases``) a candidate's LP relaxation
+    starts from the optimal basis of the last one of its shape: fewer dual simplex iterations,
+    and every figure the same as each annotation planned on its own, from the slack basis."""
+    from shardflow import search
+    iterations = []
+    relaxation = solve._relaxation
+
+    def counted(cost, a, lb, ub, warm=None):
+        result = relaxation(cost, a, lb, ub, warm)
+        iterations.append(warm["highs"].getInfo().simplex_iteration_count)
+        return result
+
+    monkeypatch.setattr(solve, "_relaxation", counted)
+    step = sf.parallelize(mlp_grad, mesh=sf.make_mesh({"data": 2, "model": 4}), passes=sf.passes.SOLVER,
+                          in_specs=(jax.P(), jax.P(), jax.P("data")), out_specs=(jax.P(), jax.P()))
+    step.explain(*MLP_ARGS)
+
+    def figures():
+        iterations.clear()
+        found = sf.alternatives(step, *MLP_ARGS, only=r"args\[[01]\]", top=None)
+        return [(a.argument, str(a.spec), a.seconds) for a in found], sum(iterations)
+
+    shared, warm = figures()
+    monkeypatch.setattr(search, "shared_bases", contextlib.nullcontext)
+    alone, cold = figures()
+    assert len(shared) > 10 and shared == alone
+    assert warm < cold / 2, (warm, cold)
