@@ -296,8 +296,8 @@ def shared_bases():
     gets there in a fraction of the iterations (1b step: from the tp step's basis, the fsdp
     step's relaxation took 3,504 dual simplex iterations against 26,480; 7b fsdp 8,309
     against 28,931). Among tied plans it may end at another vertex, so a plan can depend on
-    what was solved before it in the block: only calls whose every process solves the same
-    sequence (one ``alternatives`` or ``plan`` call) use it. Re-entrant."""
+    what was solved before it in the block: only a call whose every process solves the same
+    sequence (one ``alternatives`` call, on one mesh) uses it. Re-entrant."""
     global _SHARED_BASES
     outer = _SHARED_BASES
     _SHARED_BASES = {} if outer is None else outer

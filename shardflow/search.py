@@ -53,12 +53,7 @@ def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "mo
     from shardflow import passes as passes_lib
     devices = list(jax.devices() if devices is None else devices)
     shapes = [dict(s) for s in mesh_shapes] if mesh_shapes is not None else factorings(len(devices), tuple(axes))
-    with shared_bases():
-        return sorted(_plans(fn, args, in_specs, out_specs, shapes, devices, links, memory_budget,
-                             passes_lib.SOLVER if passes is None else passes), key=lambda c: c.seconds)
-
-
-def _plans(fn, args, in_specs, out_specs, shapes, devices, links, memory_budget, passes) -> list[Candidate]:
+    passes = passes_lib.SOLVER if passes is None else passes
     out = []
     for shape in shapes:
         try:
@@ -69,7 +64,7 @@ def _plans(fn, args, in_specs, out_specs, shapes, devices, links, memory_budget,
             out.append(Candidate(shape, math.inf, None, None, refused=str(e)))
             continue
         out.append(Candidate(shape, explained.modelled_seconds, step, explained))
-    return out
+    return sorted(out, key=lambda c: c.seconds)
 
 
 @dataclasses.dataclass(frozen=True)
