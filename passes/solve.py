@@ -293,9 +293,9 @@ def shared_bases():
     """Within it, each LP relaxation starts from the optimal basis of the last one solved with
     the same shape and bounds — programs alike but for some layouts, as ``sf.alternatives``
     plans them —, where it would start from the slack basis. The optimum is the same; HiGHS
-    gets there in a fraction of the iterations (1b step: from the tp step's basis, the fsdp
-    step's relaxation took 3,504 dual simplex iterations against 26,480; 7b fsdp 8,309
-    against 28,931). Among tied plans it may end at another vertex, so a plan can depend on
+    gets there in a fraction of the iterations (from the 1b tp step's basis, the 1b fsdp
+    step's relaxation took 3,504 dual simplex iterations against 26,480, the 7b fsdp step's
+    8,309 against 28,931). Among tied plans it may end at another vertex, so a plan can depend on
     what was solved before it in the block: only a call whose every process solves the same
     sequence (one ``alternatives`` call, on one mesh) uses it. Re-entrant."""
     global _SHARED_BASES
