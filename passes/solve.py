@@ -285,26 +285,28 @@ class _Model:
         return best
 
 
-_SHARED_BASES: dict | None = None    # (the LP's shape and bounds) -> HiGHS's last optimal basis; see shared_bases
+_SHARED: SimpleNamespace | None = None    # what the solves in ``shared_solves`` share
 
 
 @contextlib.contextmanager
-def shared_bases():
-    """Within it, each LP relaxation starts from the optimal basis of the last one solved with
-    the same shape and bounds — programs alike but for some layouts, as ``sf.alternatives``
-    plans them —, where it would start from the slack basis. The optimum is the same; HiGHS
-    gets there in a fraction of the iterations (from the 1b tp step's basis, the 1b fsdp
-    step's relaxation took 3,504 dual simplex iterations against 26,480, the 7b fsdp step's
-    8,309 against 28,931). Among tied plans it may end at another vertex, so a plan can depend on
-    what was solved before it in the block: only a call whose every process solves the same
-    sequence (one ``alternatives`` call, on one mesh) uses it. Re-entrant."""
-    global _SHARED_BASES
-    outer = _SHARED_BASES
-    _SHARED_BASES = {} if outer is None else outer
+def shared_solves():
+    """Within it, solves share what carries over between programs alike but for some layouts,
+    as ``sf.alternatives`` plans them. The conversions priced so far (``Propagation``'s memo,
+    per mesh and link model) are pure, so sharing them changes no plan. Each LP relaxation also
+    starts from the optimal basis of the last one solved with the same shape and bounds, where
+    it would start from the slack basis. The optimum is the same; HiGHS gets there in a fraction
+    of the iterations (from the 1b tp step's basis, the 1b fsdp step's relaxation took 3,504
+    dual simplex iterations against 26,480, the 7b fsdp step's 8,309 against 28,931). Among tied
+    plans it may end at another vertex, so a plan can depend on what was solved before it in
+    the block: only a call whose every process solves the same sequence (one ``alternatives``
+    call, on one mesh) uses it. Re-entrant."""
+    global _SHARED
+    outer = _SHARED
+    _SHARED = outer or SimpleNamespace(bases={}, prices={})
     try:
         yield
     finally:
-        _SHARED_BASES = outer
+        _SHARED = outer
 
 
 def _relaxation(cost, a, lb, ub, warm: dict | None = None):
@@ -339,8 +341,8 @@ def _relaxation(cost, a, lb, ub, warm: dict | None = None):
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
         lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
         h.passModel(lp)
-        if _SHARED_BASES is not None and (shape := _lp_shape(a, lb, ub)) in _SHARED_BASES:
-            h.setBasis(_SHARED_BASES[shape])
+        if _SHARED is not None and (shape := _lp_shape(a, lb, ub)) in _SHARED.bases:
+            h.setBasis(_SHARED.bases[shape])
     h.setOptionValue("simplex_iteration_limit", ITERATION_LIMIT)   # counted per run, from 0
     h.setOptionValue("dual_simplex_cost_perturbation_multiplier", 0.0)
     h.setOptionValue("presolve", "off")
@@ -354,8 +356,8 @@ def _relaxation(cost, a, lb, ub, warm: dict | None = None):
     if status != highspy.HighsModelStatus.kOptimal:
         return SimpleNamespace(x=None, status=1, message=f"the LP relaxation stopped: {h.modelStatusToString(status)} "
                                                          f"after {h.getInfo().simplex_iteration_count:,} iterations")
-    if _SHARED_BASES is not None:
-        _SHARED_BASES[_lp_shape(a, lb, ub)] = h.getBasis()
+    if _SHARED is not None:
+        _SHARED.bases[_lp_shape(a, lb, ub)] = h.getBasis()
     return SimpleNamespace(x=np.asarray(h.getSolution().col_value), fun=h.getInfo().objective_function_value,
                            status=0, message="")
 
@@ -1085,7 +1087,8 @@ def _solve(program: Program, time_limit: float | None) -> Program:
     greedy = None if program.auto_inputs else propagate(program.replace(memory_budget=None))
     boxed = None if greedy is None else boxing(greedy)
     shares = None if boxed is None else _loop_shares(boxed, program.jaxpr.jaxpr)
-    prices, warm, built = {}, {}, {}
+    prices = {} if _SHARED is None else _SHARED.prices.setdefault((program.mesh, repr(program.links)), {})
+    warm, built = {}, {}
     start, solves = time.perf_counter(), 1
     try:
         solution = _solved(program, greedy, shares, limit, prices, warm, built)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 from shardflow.api import Parallelized, _definition, _spec_of_each_leaf, parallelize
 from shardflow.explain import Plan
 from shardflow.mesh import LinkModel, make_mesh
-from shardflow.passes.solve import shared_bases
+from shardflow.passes.solve import shared_solves
 from shardflow.specs import AUTO, ShardingError, to_sbp
 
 
@@ -91,7 +91,7 @@ def alternatives(step: Parallelized, *args, only: str | None = None, top: int | 
     ``top`` of them (None: all). ``only``: a regular expression an argument's name
     (``args[0]['w1']``) must match. An ``sf.AUTO`` argument is the planner's to choose and is
     not varied. One plan per candidate: on a large program, narrow it with ``only``."""
-    with shared_bases():
+    with shared_solves():
         out = _alternatives(step, args, only)
     out.sort(key=lambda a: (a.seconds, a.argument, str(a.spec)))
     return out if top is None else out[:top]

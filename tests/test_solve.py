@@ -937,7 +937,7 @@ def test_every_process_solves_a_program_to_the_same_plan():
 
 
 def test_one_alternatives_call_starts_each_relaxation_from_the_last_optimal_basis(monkeypatch):
-    """Within one sf.alternatives call (``solve.shared_bases``) a candidate's LP relaxation
+    """Within one sf.alternatives call (``solve.shared_solves``) a candidate's LP relaxation
     starts from the optimal basis of the last one of its shape: fewer dual simplex iterations,
     and every figure the same as each annotation planned on its own, from the slack basis."""
     from shardflow import search
@@ -960,7 +960,7 @@ def test_one_alternatives_call_starts_each_relaxation_from_the_last_optimal_basi
         return [(a.argument, str(a.spec), a.seconds) for a in found], sum(iterations)
 
     shared, warm = figures()
-    monkeypatch.setattr(search, "shared_bases", contextlib.nullcontext)
+    monkeypatch.setattr(search, "shared_solves", contextlib.nullcontext)
     alone, cold = figures()
     assert len(shared) > 10 and shared == alone
     assert warm < cold / 2, (warm, cold)
