@@ -323,8 +323,10 @@ def _relaxation(cost, a, lb, ub, warm: dict | None = None):
     a layer loop's all-gathers), and perturbed, the 1b tensor-parallel step's relaxation took
     36,947 dual simplex iterations, 5.2 s, where unperturbed it takes 31,848, 2.3 s, to the
     same optimum (and its second relaxation 35k iterations, though warm); and without presolve,
-    whose reductions (a fifth of the rows) cost more than they save here, 1.5 s."""
+    whose reductions (a fifth of the rows) cost more than they save here, 1.5 s. Else, within
+    ``shared_solves``, from the last optimal basis of an LP of this shape and bounds."""
     import highspy
+    shape = None if _SHARED is None else _lp_shape(a, lb, ub)
     if warm and warm["a"].shape == a.shape and all(
             np.array_equal(x, y) for x, y in ((warm["a"].indptr, a.indptr), (warm["a"].indices, a.indices),
                                               (warm["a"].data, a.data), (warm["lb"], lb), (warm["ub"], ub))):
@@ -341,7 +343,7 @@ def _relaxation(cost, a, lb, ub, warm: dict | None = None):
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
         lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
         h.passModel(lp)
-        if _SHARED is not None and (shape := _lp_shape(a, lb, ub)) in _SHARED.bases:
+        if shape and shape in _SHARED.bases:        # within shared_solves
             h.setBasis(_SHARED.bases[shape])
     h.setOptionValue("simplex_iteration_limit", ITERATION_LIMIT)   # counted per run, from 0
     h.setOptionValue("dual_simplex_cost_perturbation_multiplier", 0.0)
@@ -356,8 +358,8 @@ def _relaxation(cost, a, lb, ub, warm: dict | None = None):
     if status != highspy.HighsModelStatus.kOptimal:
         return SimpleNamespace(x=None, status=1, message=f"the LP relaxation stopped: {h.modelStatusToString(status)} "
                                                          f"after {h.getInfo().simplex_iteration_count:,} iterations")
-    if _SHARED is not None:
-        _SHARED.bases[_lp_shape(a, lb, ub)] = h.getBasis()
+    if shape:
+        _SHARED.bases[shape] = h.getBasis()
     return SimpleNamespace(x=np.asarray(h.getSolution().col_value), fun=h.getInfo().objective_function_value,
                            status=0, message="")
 
