@@ -398,7 +398,7 @@ def test_argmax_over_a_split_dim_gathers_each_blocks_winner_not_the_operand(spec
 
 def test_the_lowered_program_asks_gpus_for_no_dynamic_slice_fusion(mesh):
     """XLA's dynamic-slice fusion cloned the Pallas attention forward whose results a layer scan
-    stacks (two forwards per layer on GPUs: benchmarks/results/scaling.md, session 14): the
+    stacks (two forwards per layer on GPUs: benchmarks/results/scaling.md): the
     lowered program turns it off on GPU meshes and passes nothing elsewhere (an option XLA:CPU
     does not know would be an error)."""
     import types

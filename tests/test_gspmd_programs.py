@@ -12,7 +12,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _load(name):
-    if name not in sys.modules:  # by path: benchmarks/ is not put on sys.path for the whole session
+    if name not in sys.modules:  # by path: benchmarks/ is not put on sys.path for the whole test run
         spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module

@@ -1,4 +1,4 @@
-"""NaN, ±inf and ±0 through every reduction and comparison on split dims (issue 14): sharded
+"""NaN, ±inf and ±0 through every reduction and comparison on split dims: sharded
 equals one device, NaN for NaN.
 
 XLA's CPU all-reduce max drops NaN (pmax of [nan, 1] over two devices is 1), where jnp.max on
@@ -126,7 +126,7 @@ def test_comparison_on_split_dims_keeps_nonfinite(name, data):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
 def test_max_over_devices_returns_nan(dtype):
-    """The issue's case: one NaN on one device of a split dim; and ±0 / ±inf stay ordered."""
+    """One NaN on one device of a split dim; and ±0 / ±inf stay ordered."""
     x = np.arange(64, dtype=np.float32).reshape(8, 8)
     x[5, 1] = np.nan
     x[6, 2] = -np.nan

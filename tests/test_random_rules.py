@@ -1,4 +1,4 @@
-"""Random numbers under parallelize (issue 14): each device generates its own slice of the bits
+"""Random numbers under parallelize: each device generates its own slice of the bits
 (threefry is counter based with jax_threefry_partitionable), bit-identical to one device."""
 import re
 

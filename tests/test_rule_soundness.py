@@ -1,4 +1,4 @@
-"""Per-rule soundness (issue 14): for every signature of every rule, the equation run on local
+"""Per-rule soundness: for every signature of every rule, the equation run on local
 blocks equals the equation run whole — the way JAX tests its batching rules against vmap.
 
 A catalog holds small jnp/lax functions, one or more per primitive with signatures. For each

@@ -146,8 +146,7 @@ def test_solved_programs_equal_one_device_and_cost_no_more_than_greedy(steps, sp
 
 
 def test_an_mlp_gradient_under_tensor_parallelism_beats_greedy():
-    """The case that opened the issue's list: greedy gathers where the solver keeps the
-    Megatron layout; both equal one device."""
+    """Greedy gathers where the solver keeps the Megatron layout; both equal one device."""
     def loss(x, w1, w2):
         return jnp.sum((jnp.tanh(x @ w1) @ w2) ** 2)
 
@@ -554,7 +553,7 @@ def tiny_tp_plan():
 
 
 def test_tensor_parallel_llama_layers_run_megatrons_forward_where_weights_outweigh_activations():
-    """Issue 18's criterion 2 for tp, as far as the cost model bears it out. With one 128-token
+    """Megatron's collectives for tp, as far as the cost model bears it out. With one 128-token
     sequence per data replica of the tiny preset (a layer's weights larger than its
     activations) the solved layer is Megatron's: per layer one all-reduce after attention and
     one after the MLP in the forward, in the activations' bf16, and the same two for the input
@@ -608,7 +607,7 @@ def _per_layer(plan, layers, shape):
 
 
 def test_sequence_parallel_llama_layers_run_megatron_sp_at_the_1b_preset():
-    """Issue 18's criterion 2 for tp_sp on the Llama 1b preset (explain on 8 simulated devices):
+    """Megatron-SP's collectives for tp_sp on the Llama 1b preset (explain on 8 simulated devices):
     per layer, Megatron-SP's collectives over 'model' on the [B, S, D] activations, in program
     order — forward all-gather before attention, reduce-scatter after it, the same around the
     MLP; backward the same four. Everything else per layer is data parallelism's gradient
@@ -628,7 +627,7 @@ def test_sequence_parallel_llama_layers_run_megatron_sp_at_the_1b_preset():
 
 
 def test_tensor_parallel_llama_layers_move_megatrons_bytes_at_the_1b_preset():
-    """Issue 18's criterion 2 for tp on the 1b preset, as far as the cost model bears it out.
+    """Megatron's bytes for tp on the 1b preset, as far as the cost model bears it out.
     Per layer the [B, S, D] activations move exactly Megatron's bytes over 'model' — four
     all-reduces' worth, two in the forward and two in the backward — but not all as
     all-reduces: after attention the solver reduce-scatters the residual, runs the MLP's RMSNorm
@@ -649,7 +648,7 @@ def test_tensor_parallel_llama_layers_move_megatrons_bytes_at_the_1b_preset():
 
 
 def test_fully_sharded_llama_layers_run_fsdps_collectives_at_the_1b_preset():
-    """Issue 18's criterion 2 for fsdp on the 1b preset (8 x 2048 tokens on {data: 8}): per
+    """FSDP's collectives on the 1b preset (8 x 2048 tokens on {data: 8}): per
     layer, each of its seven weights all-gathered once in the forward and once in the
     backward, in bf16, and each gradient reduce-scattered once; the two RMSNorm scales
     (replicated) all-reduced. No all_to_all in the layers, no layer weight gathered ahead of
@@ -675,7 +674,7 @@ def test_fully_sharded_llama_layers_run_fsdps_collectives_at_the_1b_preset():
 
 
 def test_fsdp_gathers_each_layer_weight_per_layer_where_the_whole_weights_do_not_fit():
-    """Issue 18's criterion 2 for fsdp (the tiny preset's train step on {data: 8}). With no
+    """FSDP's collectives (the tiny preset's train step on {data: 8}). With no
     budget the solver gathers each stacked weight once, before the layer loops, for the forward
     and the backward, and reduce-scatters each stacked gradient once, after them: one collective
     where FSDP has one per layer, the whole weights and the partial gradients held across the
