@@ -248,15 +248,16 @@ def gather_dims(eqn):
 
 def _local_indices(local, eqn, table, block, indices, index_map, dims):
     """Indices into ``table``'s split ``dims`` made local to this device's ``block``, and which
-    of them fall in it (the others are clipped and must be masked out by the caller). Under
-    mode CLIP an index is first clamped into the whole table, as the whole op would."""
-    clip = eqn.params["mode"] == lax.GatherScatterMode.CLIP
+    of them fall in it (the others are clipped and must be masked out by the caller). Unless
+    the mode fills (FILL_OR_DROP), an index is first clamped into the whole table, as XLA runs
+    the whole gather under CLIP and PROMISE_IN_BOUNDS alike."""
+    clamp = eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP
     in_range = jnp.ones(indices.shape[:-1], bool)
     for k in dims:
         pos = index_map.index(k)
         idx, _ = local.shard_index(table, k)
         component = indices[..., pos]
-        if clip:
+        if clamp:
             component = jnp.clip(component, 0, table.aval.shape[k] - 1)
         component = component - (idx * block.shape[k]).astype(indices.dtype)
         in_range &= (component >= 0) & (component < block.shape[k])

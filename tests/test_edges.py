@@ -1,0 +1,94 @@
+"""Edge cases of the compiler that must either agree with ``jax.jit`` on one device or be
+refused with an ``sf.ShardingError`` that says what to change."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as PS
+
+import shardflow as sf
+from shardflow.registry import decision_of
+from shardflow.specs import Partial
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return sf.make_mesh({"data": 2, "model": 4})
+
+
+# ------------------------------------------------------------------------------ out-of-range lookups
+# A table split on its indexed dim (an embedding's vocabulary) is looked up block by block: each
+# device gathers the rows it holds. An id outside the table must still give what the whole
+# lookup gives under its mode: clamped (CLIP, PROMISE_IN_BOUNDS, as XLA runs it) or the fill value.
+
+VOCAB, WIDTH = 4096, 8
+TABLE = (np.arange(VOCAB * WIDTH, dtype=np.float32).reshape(VOCAB, WIDTH) + 1)   # no row is zero
+IDS = np.array([[-VOCAB - 3, -1, 0, 5], [VOCAB - 1, VOCAB, VOCAB + 1, 10 * VOCAB]], np.int32)
+
+
+def _lax_gather(mode, fill_value=None):
+    dn = lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0,), start_index_map=(0,))
+    return lambda table, ids: lax.gather(table, ids[..., None], dn, (1, WIDTH), mode=mode, fill_value=fill_value)
+
+
+LOOKUPS = {
+    "index": lambda table, ids: table[ids],
+    "take": lambda table, ids: jnp.take(table, ids, axis=0),
+    "take-clip": lambda table, ids: jnp.take(table, ids, axis=0, mode="clip"),
+    "at-get-promise": lambda table, ids: table.at[ids].get(mode="promise_in_bounds"),
+    "at-get-clip": lambda table, ids: table.at[ids].get(mode="clip"),
+    "at-get-fill": lambda table, ids: table.at[ids].get(mode="fill"),
+    "at-get-fill-value": lambda table, ids: table.at[ids].get(mode="fill", fill_value=-7.0),
+    "lax-default": _lax_gather(None),
+    "lax-promise": _lax_gather(lax.GatherScatterMode.PROMISE_IN_BOUNDS),
+    "lax-clip": _lax_gather(lax.GatherScatterMode.CLIP),
+    "lax-fill": _lax_gather(lax.GatherScatterMode.FILL_OR_DROP),
+    "lax-fill-value": _lax_gather(lax.GatherScatterMode.FILL_OR_DROP, fill_value=3.0),
+}
+
+
+def _vocab_split(step, *args) -> bool:
+    """Whether the plan looks the table up block by block (the lookup's result partial over 'model')."""
+    return any(primitive == "gather" and isinstance(sbp[1], Partial)
+               for primitive, _, _, sbp in step.explain(*args).values)
+
+
+@pytest.mark.parametrize("name", LOOKUPS)
+def test_out_of_range_lookup_in_a_vocab_split_table_agrees_with_jit(mesh, name):
+    fn = LOOKUPS[name]
+    step = sf.parallelize(fn, mesh=mesh, in_specs=(PS("model"), PS()))
+    assert _vocab_split(step, TABLE, IDS)
+    np.testing.assert_array_equal(np.asarray(step(TABLE, IDS)), np.asarray(jax.jit(fn)(TABLE, IDS)))
+
+
+UPDATES = np.arange(IDS.size * WIDTH, dtype=np.float32).reshape(IDS.shape + (WIDTH,)) + 1
+
+
+def _lax_scatter_add(mode):
+    dn = lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(0,),
+                                     scatter_dims_to_operand_dims=(0,))
+    return lambda table, ids, updates: lax.scatter_add(table, ids[..., None], updates, dn, mode=mode)
+
+
+SCATTER_ADDS = {
+    "at-add": lambda table, ids, updates: table.at[ids].add(updates),
+    "at-add-clip": lambda table, ids, updates: table.at[ids].add(updates, mode="clip"),
+    "at-add-drop": lambda table, ids, updates: table.at[ids].add(updates, mode="drop"),
+    "at-add-promise": lambda table, ids, updates: table.at[ids].add(updates, mode="promise_in_bounds"),
+    "lax-default": _lax_scatter_add(None),
+    "lax-promise": _lax_scatter_add(lax.GatherScatterMode.PROMISE_IN_BOUNDS),
+    "lax-clip": _lax_scatter_add(lax.GatherScatterMode.CLIP),
+    "lax-drop": _lax_scatter_add(lax.GatherScatterMode.FILL_OR_DROP),
+}
+
+
+@pytest.mark.parametrize("name", SCATTER_ADDS)
+def test_out_of_range_scatter_add_into_a_vocab_split_table_agrees_with_jit(mesh, name):
+    fn = SCATTER_ADDS[name]
+    step = sf.parallelize(fn, mesh=mesh, in_specs=(PS("model"), PS(), PS()), out_specs=PS("model"))
+    program = step.program(TABLE, IDS, UPDATES)
+    scatters = [e for e in program.jaxpr.jaxpr.eqns if e.primitive is lax.scatter_add_p]
+    assert scatters and all(decision_of(e).named("vocab") for e in scatters), program
+    np.testing.assert_array_equal(np.asarray(step(TABLE, IDS, UPDATES)),
+                                  np.asarray(jax.jit(fn)(TABLE, IDS, UPDATES)))
