@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 
 import _checkout  # noqa: F401,E402
+import _results  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -155,18 +156,18 @@ def run_table(args):
         except Exception as e:  # report and go on: one failing contender must not hide the rest
           print(f"{name} failed on {row['shape']} causal={causal}: {type(e).__name__}: "
                 f"{str(e)[:300]}", flush=True)
-          row[name] = (float("nan"), float("nan"))
+          row[name] = {"fwd": float("nan"), "fwd_bwd": float("nan")}
       calls = {}
       for name, (fwd, fwd_bwd) in timed.items():
         calls[name, "fwd"] = fwd, (q, k, v)
         calls[name, "fwd_bwd"] = fwd_bwd, (q, k, v, dout)
       device_ms = interleaved_medians(calls, partial(device_ms_samples, iters=args.iters))
       seconds = interleaved_medians(calls, partial(time_samples, iters=args.iters))
-      for name in timed:
-        row[name] = (flops / device_ms[name, "fwd"] / 1e9,
-                     3.5 * flops / device_ms[name, "fwd_bwd"] / 1e9)
-        row[name, "wall"] = (flops / seconds[name, "fwd"] / 1e12,
-                             3.5 * flops / seconds[name, "fwd_bwd"] / 1e12)
+      for name in timed:  # TFLOP/s: from device time, and from wall clock ("wall_")
+        row[name] = {"fwd": flops / device_ms[name, "fwd"] / 1e9,
+                     "fwd_bwd": 3.5 * flops / device_ms[name, "fwd_bwd"] / 1e9,
+                     "wall_fwd": flops / seconds[name, "fwd"] / 1e12,
+                     "wall_fwd_bwd": 3.5 * flops / seconds[name, "fwd_bwd"] / 1e12}
       print(row, flush=True)
       rows.append(row)
 
@@ -176,14 +177,22 @@ def run_table(args):
   lines = [header, "|" + "---|" * (header.count("|") - 1)]
   for r in rows:
     o, c, m = r["ours"], r["cudnn"], r["triton_mha"]
-    wo, wc = r.get(("ours", "wall"), (np.nan,) * 2), r.get(("cudnn", "wall"), (np.nan,) * 2)
-    lines.append(f"| {r['shape']} | {'yes' if r['causal'] else 'no'} | {o[0]:.0f} | {c[0]:.0f} "
-                 f"| {m[0]:.0f} | {o[0] / c[0]:.2f} | {o[1]:.0f} | {c[1]:.0f} | {m[1]:.0f} | "
-                 f"{o[1] / c[1]:.2f} | {o[1] / m[1]:.2f} | {wo[0] / wc[0]:.2f} | "
-                 f"{wo[1] / wc[1]:.2f} |")
+    wall = lambda x, key: x.get("wall_" + key, np.nan)
+    lines.append(f"| {r['shape']} | {'yes' if r['causal'] else 'no'} | {o['fwd']:.0f} | "
+                 f"{c['fwd']:.0f} | {m['fwd']:.0f} | {o['fwd'] / c['fwd']:.2f} | "
+                 f"{o['fwd_bwd']:.0f} | {c['fwd_bwd']:.0f} | {m['fwd_bwd']:.0f} | "
+                 f"{o['fwd_bwd'] / c['fwd_bwd']:.2f} | {o['fwd_bwd'] / m['fwd_bwd']:.2f} | "
+                 f"{wall(o, 'fwd') / wall(c, 'fwd'):.2f} | "
+                 f"{wall(o, 'fwd_bwd') / wall(c, 'fwd_bwd'):.2f} |")
   print("\nTFLOP/s from device time, bf16, " + jax.devices()[0].device_kind + ", jax "
         + jax.__version__)
   print("\n".join(lines))
+  if args.out:
+    finite = lambda x: x if not isinstance(x, float) or np.isfinite(x) else None
+    _results.write_json(args.out, [
+        {key: ({k: finite(v) for k, v in value.items()} if isinstance(value, dict) else value)
+         for key, value in r.items()} for r in rows],
+        warmup=args.warmup, iters=args.iters, units="TFLOP/s")
 
 
 # ------------------------------------------------------------------------------------------
@@ -520,6 +529,7 @@ def main():
   parser.add_argument("--table", action="store_true", help="the benchmark table (default)")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--out", help="with the table: write its rows as JSON to this file")
   args = parser.parse_args()
   args.causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
   args.shapes = ([tuple(int(n) for n in s.split(",")) for s in args.shapes] if args.shapes

@@ -39,15 +39,14 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
-import datetime
 import gc
-import json
 import math
 import os
 import time
 import traceback
 
 import _checkout  # noqa: F401
+import _results
 import train_mfu
 from shardflow.train import configure_host_platform
 
@@ -382,13 +381,8 @@ def main(argv=None) -> list[dict]:
 
 
 def write_json(path, rows, args) -> None:
-    """``rows`` with the date, jax version and devices of this run."""
-    import jax
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "jax": jax.__version__, "devices": jax.device_count(),
-            "device_kind": jax.devices()[0].device_kind, "steps": args.steps, "warmup": args.warmup}
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    """``rows`` with this run's meta (_results.run_meta) and its step counts."""
+    _results.write_json(path, rows, steps=args.steps, warmup=args.warmup)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 import traceback
 
 import _checkout  # noqa: F401
+import _results
 from shardflow.train import configure_host_platform
 
 CASES = {  # preset -> (batch, seq, remat), the ../shared/ANCHORS.md rows
@@ -100,11 +101,13 @@ def main(argv=None):
     parser.add_argument("--peak-flops", type=float, help="per-device peak (default: known GPUs)")
     parser.add_argument("--engines", default="reference,shardflow",
                         help="comma-separated: reference, shardflow, shardflow-cudnn")
+    parser.add_argument("--out", help="write all rows as JSON to this file")
     args = parser.parse_args(argv)
     configure_host_platform()
     import jax
 
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}")
+    rows = []
     for preset in args.preset or ["1b", "3b"]:
         batch, seq, remat = CASES[preset]
         batch, seq = args.batch or batch, args.seq or seq
@@ -130,6 +133,11 @@ def main(argv=None):
             if engine != "reference" and "error" not in r and "error" not in reference and reference:
                 ratio = r["tokens_per_s"] / reference["tokens_per_s"]
                 print(f"  ratio {engine} / reference: {ratio:.3f}")
+        rows += [{"preset": preset, "batch": batch, "seq": seq, "remat": remat, "engine": engine,
+                  **r} for engine, r in results.items()]
+    if args.out:
+        _results.write_json(args.out, rows, steps=args.steps, warmup=args.warmup)
+    return rows
 
 
 if __name__ == "__main__":
