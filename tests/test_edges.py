@@ -92,3 +92,33 @@ def test_out_of_range_scatter_add_into_a_vocab_split_table_agrees_with_jit(mesh,
     assert scatters and all(decision_of(e).named("vocab") for e in scatters), program
     np.testing.assert_array_equal(np.asarray(step(TABLE, IDS, UPDATES)),
                                   np.asarray(jax.jit(fn)(TABLE, IDS, UPDATES)))
+
+
+# ------------------------------------------------------------------------------ a loop of no trips
+
+def _scan_over_no_rows(x):
+    def body(carry, row):
+        return carry * 2 + row.sum(), carry * row
+    return jax.lax.scan(body, x.sum(0), jnp.zeros((0, x.shape[1])), length=0)
+
+
+def _scan_of_no_trips(x):
+    def body(carry, _):
+        return jnp.tanh(carry) @ jnp.ones((x.shape[1], x.shape[1])), carry.sum(0)
+    return jax.lax.scan(body, x, None, length=0)
+
+
+@pytest.mark.parametrize("passes", ["greedy", "solver"])
+@pytest.mark.parametrize("fn", [_scan_over_no_rows, _scan_of_no_trips])
+def test_a_scan_of_length_zero_agrees_with_jit(mesh, fn, passes):
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    step = sf.parallelize(fn, mesh=mesh, in_specs=PS("data", "model"),
+                          passes=sf.passes.SOLVER if passes == "solver" else None)
+    grad = sf.parallelize(jax.grad(lambda x: sum(jnp.sum(y) for y in jax.tree.leaves(fn(x)))), mesh=mesh,
+                          in_specs=PS("data"))
+    for f, ref in [(step, fn), (grad, grad.fn)]:
+        got, want = f(x), jax.jit(ref)(x)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w))

@@ -131,6 +131,9 @@ def _lower_scan(local, eqn, ins):
     body = local.body_fn(p["jaxpr"])
     consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
     n = p["length"]
+    if n == 0:   # no trips: the carries as they came, the stacked outputs empty
+        return list(init) + [None if isinstance(v, DropVar) else jnp.zeros(local.shape(v), v.aval.dtype)
+                             for v in eqn.outvars[nk:]]
     if n <= UNROLLED_TRIPS and local.loop is None and _straight_line(local.p, open_jaxpr(p["jaxpr"])):
         return _lower_unrolled(local, body, eqn, consts, init, xs)
     xs = [x.stacked() if isinstance(x, Slices) else x for x in xs]
