@@ -25,6 +25,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False   # gpt2 always ties
+    # Mistral's sliding window (llama only): a query sees at most this many tokens back. The
+    # attention has no window, so sequences longer than it are refused, not approximated.
+    sliding_window: int | None = None
     remat: str = "none"            # see REMAT_POLICIES
     attention_impl: str = "ops"    # "ops" (shardflow.ops.attention); "jax"/"cudnn": reference only
     # A sequence split over a mesh axis: attention by "ring", "all_gather", "ulysses" or the
@@ -58,6 +61,11 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads ({self.n_heads}) must be a multiple of "
                              f"model.n_kv_heads ({self.n_kv_heads})")
+        if self.sliding_window is not None and self.family != "llama":
+            raise ValueError(f"model.sliding_window is a llama-family setting, not {self.family}'s")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"model.sliding_window must be a positive number of tokens (or None), "
+                             f"got {self.sliding_window}")
         if self.family == "gpt2" and self.n_heads * self.head_dim != self.d_model:
             raise ValueError("gpt2: n_heads * head_dim must equal d_model")
 

@@ -120,6 +120,7 @@ class Llama(nnx.Module):
     def __call__(self, tokens):
         """tokens [batch, seq] int → logits [batch, seq, vocab] in the compute dtype."""
         cfg = self.cfg
+        self._check_window(tokens.shape[1])
         x = self._embed(tokens)
         cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.layout)
         x = scan_layers(self.layers, x, cfg.remat, cos, sin)
@@ -132,12 +133,21 @@ class Llama(nnx.Module):
         cfg = self.cfg
         if pipeline is None:
             return cross_entropy(self(tokens), targets)
+        self._check_window(tokens.shape[1])
         with jax.ensure_compile_time_eval():  # constants the pipelined layer closes over
             cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.layout)
         head, head_params = self._head()
         return pipelined_loss(self.layers, self._embed(tokens), targets, pipeline=pipeline,
                               remat=cfg.remat, layer_args=(cos, sin), head=head,
                               head_params=head_params)
+
+    def _check_window(self, seq_len: int):
+        window = self.cfg.sliding_window
+        if window is not None and seq_len > window:
+            raise ValueError(
+                f"a sequence of {seq_len} tokens is longer than model.sliding_window ({window}): "
+                "this attention has no window, so it computes a sliding-window model only on "
+                "sequences within the window")
 
     def _embed(self, tokens):
         return constrain(jnp.take(self.embedding[...], tokens, axis=0), RESIDUAL)

@@ -1,0 +1,230 @@
+"""models.hf against transformers itself: tiny random Llama / Mistral / GPT-2 checkpoints built
+locally, imported (whole, from sharded files, onto a mesh) and exported, logits compared with
+transformers' own float32 logits; unsupported checkpoints refused with the key named."""
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from shardflow.models import hf
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB, SEQ = 128, 16
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def hf_libs():
+    """(transformers, torch), imported on first use. transformers imports Hugging Face's
+    `kernels` package, which the repository's own top-level kernels/ folder (the source of
+    shardflow.kernels) shadows while the repository root is on sys.path, as under
+    `python -m pytest`: the first import runs with the root off the path."""
+    if "transformers" not in sys.modules:
+        saved = list(sys.path)
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+        try:
+            import transformers
+            transformers.LlamaForCausalLM, transformers.GPT2LMHeadModel  # load the lazy modules
+        finally:
+            sys.path[:] = saved
+    import torch
+    import transformers
+    return transformers, torch
+
+
+def make_hf_model(kind: str, **overrides):
+    """A transformers model with every parameter random (norm scales and biases too, so a
+    mapping that dropped one would show)."""
+    transformers, torch = hf_libs()
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                         n_positions=64, **overrides)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
+        model = cls[1](cls[0](**{**TINY, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_scale = p.ndim == 1 and ("norm" in name or "ln_" in name) and name.endswith("weight")
+            p.copy_((1.0 if is_scale else 0.0) + 0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    _, torch = hf_libs()
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def random_tokens(seq=SEQ, seed=0):
+    return np.random.default_rng(seed).integers(0, VOCAB, (2, seq))
+
+
+CASES = {
+    "llama": ("llama", dict(rope_theta=5000.0, rms_norm_eps=1e-5)),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(sliding_window=SEQ)),
+    "gpt2": ("gpt2", {}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def saved(request, tmp_path_factory):
+    """(transformers model, its save_pretrained directory)."""
+    kind, overrides = CASES[request.param]
+    model = make_hf_model(kind, **overrides)
+    directory = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(directory)
+    return model, directory
+
+
+def test_imported_logits_equal_transformers(saved):
+    model, directory = saved
+    tokens = random_tokens()
+    ours = np.asarray(hf.load_model(directory)(jnp.asarray(tokens)))
+    reference = hf_logits(model, tokens)
+    assert np.abs(reference).max() > 1.0    # logits large enough for 1e-4 to mean something
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+
+
+def test_exported_directory_loads_in_transformers_with_our_logits(saved, tmp_path):
+    transformers, _ = hf_libs()
+    model, directory = saved
+    ours = hf.load_model(directory)
+    hf.save(tmp_path, ours)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is type(model)
+    tokens = random_tokens(seed=1)
+    np.testing.assert_allclose(hf_logits(loaded, tokens), np.asarray(ours(jnp.asarray(tokens))),
+                               atol=1e-4, rtol=0)
+    assert hf.read_config(tmp_path) == ours.cfg
+
+
+def test_sharded_files_import_and_export(tmp_path):
+    """save_pretrained's several files with their index in; several files of ours out."""
+    transformers, _ = hf_libs()
+    model = make_hf_model("llama")
+    model.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 1
+    tokens = random_tokens()
+    ours = hf.load_model(tmp_path / "hf")
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(model, tokens),
+                               atol=1e-4, rtol=0)
+    hf.save(tmp_path / "ours", ours, max_shard_bytes=40_000)
+    files = sorted((tmp_path / "ours").glob("model-*-of-*.safetensors"))
+    assert len(files) > 1 and not (tmp_path / "ours" / hf.SINGLE_FILE).exists()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
+    np.testing.assert_allclose(hf_logits(loaded, tokens), hf_logits(model, tokens), atol=1e-4,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("kind,strategy,mesh_shape", [
+    ("llama", "tp", {"data": 4, "model": 2}),
+    ("llama", "2d", {"data": 2, "model": 4}),
+    ("gpt2", "tp", {"data": 2, "model": 4}),
+])
+def test_import_onto_a_mesh_places_each_parameter_and_keeps_the_logits(kind, strategy,
+                                                                       mesh_shape, tmp_path):
+    transformers, _ = hf_libs()
+    overrides = {"num_key_value_heads": 4} if mesh_shape.get("model") == 4 and kind == "llama" else {}
+    model = make_hf_model(kind, **overrides)
+    model.save_pretrained(tmp_path / "hf")
+    mesh = Mesh(np.asarray(jax.devices()).reshape(tuple(mesh_shape.values())), tuple(mesh_shape))
+    cfg, params = hf.load(tmp_path / "hf", mesh=mesh, rules=strategy)
+
+    from flax import nnx
+    from shardflow import models
+    specs = models.param_specs(nnx.eval_shape(lambda: models.build(cfg)),
+                               models.get_rules(strategy), mesh)
+    arrays = jax.tree.leaves(params)
+    assert all(x.sharding.mesh == mesh for x in arrays)
+    assert all(jax.tree.leaves(jax.tree.map(lambda x, spec: x.sharding.spec == spec, params, specs)))
+    assert any(any(axis is not None for axis in x.sharding.spec) for x in arrays)  # some split
+
+    sharded = hf.load_model(tmp_path / "hf", mesh=mesh, rules=strategy)
+    tokens = random_tokens()
+    np.testing.assert_allclose(np.asarray(sharded(jnp.asarray(tokens))), hf_logits(model, tokens),
+                               atol=1e-4, rtol=0)
+    hf.save(tmp_path / "out", sharded)     # gathered from the mesh
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    np.testing.assert_allclose(hf_logits(loaded, tokens), hf_logits(model, tokens), atol=1e-4,
+                               rtol=0)
+
+
+def test_a_split_that_does_not_divide_is_an_error_naming_the_parameter(tmp_path):
+    make_hf_model("llama").save_pretrained(tmp_path)   # 2 kv heads
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "model"))
+    with pytest.raises(ValueError, match=r"layers/attn/wk: dimension 2 \(size 2\) is split over "
+                                         r"mesh axes \('model',\) \(4 ways\)"):
+        hf.load(tmp_path, mesh=mesh, rules="tp")
+
+
+def test_mistral_refuses_sequences_longer_than_its_window(tmp_path):
+    make_hf_model("mistral", sliding_window=SEQ).save_pretrained(tmp_path)
+    model = hf.load_model(tmp_path)
+    assert model.cfg.sliding_window == SEQ
+    model(jnp.asarray(random_tokens(SEQ)))
+    with pytest.raises(ValueError, match=rf"a sequence of {SEQ + 1} tokens is longer than "
+                                         rf"model.sliding_window \({SEQ}\)"):
+        model(jnp.asarray(random_tokens(SEQ + 1)))
+
+
+def test_mistral_without_a_window_is_plain_attention(tmp_path):
+    model = make_hf_model("mistral", sliding_window=None)
+    model.save_pretrained(tmp_path)
+    ours = hf.load_model(tmp_path)
+    assert ours.cfg.sliding_window is None
+    tokens = random_tokens(40)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(model, tokens),
+                               atol=1e-4, rtol=0)
+
+
+def test_an_unsupported_architecture_is_named(tmp_path):
+    transformers, _ = hf_libs()
+    transformers.Qwen2Config(**TINY).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(hf.HFCheckpointError, match="architecture Qwen2ForCausalLM is not "
+                                                   "supported; shardflow.models.hf reads"):
+        hf.load(tmp_path)
+
+
+@pytest.mark.parametrize("kind,overrides,message", [
+    ("llama", dict(attention_bias=True), "attention_bias = true is not supported"),
+    ("llama", dict(hidden_act="gelu"), 'hidden_act = "gelu" is not supported'),
+    ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     r'rope_parameters.rope_type = "linear" is not supported|rope_scaling = \{'),  # 5.x | 4.x
+    ("gpt2", dict(activation_function="relu"), 'activation_function = "relu" is not supported'),
+])
+def test_an_unsupported_config_value_is_named(kind, overrides, message, tmp_path):
+    make_hf_model(kind, **overrides).save_pretrained(tmp_path)
+    with pytest.raises(hf.HFCheckpointError, match=message):
+        hf.load(tmp_path)
+
+
+def test_an_unknown_config_key_is_named(tmp_path):
+    make_hf_model("llama").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(hf.HFCheckpointError, match="key 'quantization_config'"):
+        hf.read_config(tmp_path)
+
+
+def test_a_tensor_of_another_shape_is_named(tmp_path):
+    make_hf_model("llama").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(hf.HFCheckpointError, match=r"tensor 'model.layers.0.mlp.gate_proj.weight' "
+                                                   r"has shape \(96, 64\), but config.json makes "
+                                                   r"it \(128, 64\)"):
+        hf.load(tmp_path)
