@@ -80,8 +80,12 @@ def check_mesh(mesh, where: str) -> Mesh:
     """``mesh`` if it is a Mesh shardflow can run on, else a ShardingError naming ``where`` (the
     user's function) that says how to make one."""
     if isinstance(mesh, Mesh):
-        for name, size in zip(mesh.axis_names, mesh.devices.shape):
+        names = tuple(mesh.axis_names)
+        for name, size in zip(names, mesh.devices.shape):
             _check_axis(name, size, f"mesh= of {where}")
+            if names.count(name) > 1:
+                raise ShardingError(f"mesh= of {where}: mesh axis {name!r} is named {names.count(name)} times in "
+                                    f"{names}; each mesh axis needs its own name, e.g. {_EXAMPLE}")
         return mesh
     if isinstance(mesh, Mapping):
         how = f"make one with sf.make_mesh({dict(mesh)!r})"
