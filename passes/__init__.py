@@ -190,7 +190,8 @@ def _passes():
             Pass("boxing", boxing, requires=(SHARDED,), ensures=(BOXED,)))
 
 
-_INLINE, _CSE, _PROPAGATE, _SOLVE, _BOXING = _passes()
+ALL = _passes()      # every pass shardflow has, by name: ``passes=["inline", "cse", "solve", "boxing"]``
+_INLINE, _CSE, _PROPAGATE, _SOLVE, _BOXING = ALL
 DEFAULT = (_INLINE, _CSE, _PROPAGATE, _BOXING)
 # The whole-program integer program instead of greedy propagation (passes/solve.py): straight-
 # line programs only so far; anything else falls back to greedy, and explain says so.

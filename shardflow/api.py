@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import functools
 import os
+import re
 from typing import Any, Callable
 
 import jax
@@ -11,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.tree_util import keystr, tree_flatten_with_path
 
-from shardflow.passes import DEFAULT as DEFAULT_PASSES, run as run_passes
+from shardflow.passes import ALL as ALL_PASSES, DEFAULT as DEFAULT_PASSES, Pass, run as run_passes
 from shardflow.passes.lower import lower
 from shardflow.explain import Plan, make_plan
 from shardflow.mesh import LinkModel, check_mesh
@@ -87,13 +89,13 @@ class Parallelized:
     def __init__(self, fn, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,
                  donate_argnums=(), passes=None, memory_budget: int | None = None):
         self.fn = fn
-        self.memory_budget = memory_budget
+        self.memory_budget = memory_budget_bytes(memory_budget, _definition(fn))
         self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self.mesh = check_mesh(mesh, _definition(fn))
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.links = links or LinkModel()
-        self.passes = DEFAULT_PASSES if passes is None else tuple(passes)
+        self.passes = DEFAULT_PASSES if passes is None else pass_list(passes, _definition(fn))
         self._cache: dict = {}
         functools.update_wrapper(self, fn)
 
@@ -198,6 +200,75 @@ def _definition(fn) -> str:
 
 def _dtype(x):
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_AMOUNT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+_BUDGET_FORMS = ("an int of bytes (40_000_000_000, 40e9) or a string with units: '40GB' (10^9 bytes) or "
+                 "'40GiB' (2^30 bytes); B, KB, MB, GB, TB and KiB, MiB, GiB, TiB")
+
+
+def memory_budget_bytes(budget, where: str) -> int | None:
+    """``memory_budget`` in bytes: an int of bytes (a float of a whole number, ``40e9``, too) or
+    a string of a number and a unit — ``"40GB"`` (decimal: KB, MB, GB, TB are 10^3 .. 10^12
+    bytes), ``"40GiB"`` (binary: KiB .. TiB are 2^10 .. 2^40), ``"4096"`` or ``"4096B"`` bytes —,
+    units in any case, rounded down to whole bytes; None stays None. Anything else, or a budget
+    under one byte, is a ShardingError naming ``where`` (the user's function)."""
+    what = f"memory_budget={budget!r} of {where}"
+    if budget is None:
+        return None
+    if isinstance(budget, str):
+        amount = _AMOUNT.fullmatch(budget)
+        if amount is None or amount.group(2).lower() not in _UNITS:
+            raise ShardingError(f"{what}: cannot read it as a memory size; a memory budget is {_BUDGET_FORMS}")
+        nbytes = int(fractions.Fraction(amount.group(1)) * _UNITS[amount.group(2).lower()])
+    elif isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (int, float, np.integer, np.floating)):
+        raise ShardingError(f"{what} is a {type(budget).__name__}; a memory budget is {_BUDGET_FORMS}")
+    elif not float(budget).is_integer():
+        raise ShardingError(f"{what}: not a whole number of bytes; a memory budget is {_BUDGET_FORMS}")
+    else:
+        nbytes = int(budget)
+    if nbytes < 1:
+        raise ShardingError(f"{what} is {nbytes:,} bytes; a memory budget is a positive number of bytes per "
+                            f"device: {_BUDGET_FORMS}")
+    return nbytes
+
+
+def pass_list(passes, where: str) -> tuple:
+    """``passes`` as a tuple of Pass objects, each named one (``"solve"``) resolved to the pass
+    of that name; a ShardingError naming ``where`` for an unknown name, an entry of another
+    type, or a list in which a pass runs before the facts it requires or which never boxes
+    (what lowering requires)."""
+    known = {p.name: p for p in ALL_PASSES}
+    if isinstance(passes, (str, Pass)):
+        passes = (passes,)
+    out = []
+    for i, p in enumerate(passes):
+        if isinstance(p, str):
+            if p not in known:
+                raise ShardingError(f"passes[{i}] {p!r} of {where}: no pass is named {p!r}; the passes are "
+                                    f"{', '.join(map(repr, known))}, or Pass objects (sf.passes.DEFAULT, "
+                                    "sf.passes.SOLVER)")
+            p = known[p]
+        elif not isinstance(p, Pass):
+            raise ShardingError(f"passes[{i}] {p!r} of {where}: neither a Pass nor a pass's name; the passes are "
+                                f"{', '.join(map(repr, known))}, or Pass objects (sf.passes.DEFAULT, sf.passes.SOLVER)")
+        out.append(p)
+    names = tuple(p.name for p in out)
+    facts: set = set()
+    for p in out:
+        missing = [f.name for f in p.requires if f.name not in facts]
+        if missing:
+            raise ShardingError(f"passes {names} of {where}: {p.name!r} requires {missing}, which no pass before "
+                                f"it ensures; the default order is {tuple(q.name for q in DEFAULT_PASSES)} "
+                                "(sf.passes.DEFAULT)")
+        facts = (facts - {f.name for f in p.invalidates}) | {f.name for f in p.ensures}
+    if "boxed" not in facts:
+        raise ShardingError(f"passes {names} of {where}: end without 'boxed', which lowering requires; end the "
+                            f"list with 'boxing', as sf.passes.DEFAULT {tuple(q.name for q in DEFAULT_PASSES)} "
+                            "does")
+    return tuple(out)
 
 
 def parallelize(fn=None, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 import jax
 from jax.sharding import PartitionSpec
 
-from shardflow.api import Parallelized, _definition, _spec_of_each_leaf, parallelize
+from shardflow.api import Parallelized, _definition, _spec_of_each_leaf, memory_budget_bytes, parallelize
 from shardflow.explain import Plan
 from shardflow.mesh import LinkModel, make_mesh
 from shardflow.passes.solve import shared_solves
@@ -49,22 +49,74 @@ def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "mo
     """``fn`` on ``args`` (arrays or ShapeDtypeStructs) solved on each mesh shape — by default
     every factoring of the device count into ``axes`` — best first. ``in_specs`` and
     ``out_specs`` as for ``parallelize`` (``sf.AUTO`` leaves: the solver chooses); ``passes``
-    defaults to the solver's; ``memory_budget`` as for ``parallelize``."""
+    defaults to the solver's; ``memory_budget`` as for ``parallelize``. A mesh shape with no
+    plan is a Candidate with ``step=None`` and why in ``refused``; when every mesh shape is
+    refused, a ShardingError says why for each — under a memory budget, how many bytes the
+    leanest plan found without it holds."""
     from shardflow import passes as passes_lib
+    where = _definition(fn)
+    memory_budget = memory_budget_bytes(memory_budget, where)
     devices = list(jax.devices() if devices is None else devices)
-    shapes = [dict(s) for s in mesh_shapes] if mesh_shapes is not None else factorings(len(devices), tuple(axes))
+    shapes = _mesh_shapes(axes, mesh_shapes, len(devices), f"sf.plan of {where}")
     passes = passes_lib.SOLVER if passes is None else passes
-    out = []
+
+    def planned(shape, budget):
+        step = parallelize(fn, mesh=make_mesh(shape, devices=devices), in_specs=in_specs,
+                           out_specs=out_specs, links=links, memory_budget=budget, passes=passes)
+        return step, step.explain(*args)
+
+    out, why = [], {}
     for shape in shapes:
         try:
-            step = parallelize(fn, mesh=make_mesh(shape, devices=devices), in_specs=in_specs,
-                               out_specs=out_specs, links=links, memory_budget=memory_budget, passes=passes)
-            explained = step.explain(*args)
+            step, explained = planned(shape, memory_budget)
         except ShardingError as e:
             out.append(Candidate(shape, math.inf, None, None, refused=str(e)))
+            why[repr(shape)] = e.message
             continue
         out.append(Candidate(shape, explained.modelled_seconds, step, explained))
+    if all(c.step is None for c in out):
+        raise ShardingError(f"sf.plan of {where}: " + _every_mesh_refused(shapes, why, memory_budget, planned))
     return sorted(out, key=lambda c: c.seconds)
+
+
+def _mesh_shapes(axes, mesh_shapes, n: int, what: str) -> list[dict]:
+    if mesh_shapes is not None:
+        shapes = [dict(s) for s in mesh_shapes]
+        if not shapes:
+            raise ShardingError(f"{what}: mesh_shapes={mesh_shapes!r} names no mesh shape; give one or more, "
+                                f"e.g. mesh_shapes=[{{'data': {n}}}], or leave it None for every factoring of the "
+                                f"{n} devices into axes")
+        return shapes
+    axes = tuple(axes)
+    if not axes:
+        raise ShardingError(f"{what}: axes=() names no mesh axis to lay the {n} devices out on; name one or more, "
+                            "e.g. axes=('data', 'model')")
+    for name in axes:
+        if axes.count(name) > 1:
+            raise ShardingError(f"{what}: mesh axis {name!r} is named {axes.count(name)} times in axes={axes!r}; "
+                                "each mesh axis needs its own name")
+    return factorings(n, axes)
+
+
+def _every_mesh_refused(shapes, why: dict, budget: int | None, planned) -> str:
+    """Why no mesh shape has a plan: each one's refusal; under a memory budget, the bytes the
+    leanest plan without it holds (explain's ``memory_bytes``), on which mesh shape."""
+    reasons = "; ".join(f"on {shape}: {why[repr(shape)]}" for shape in shapes)
+    if budget is None:
+        return f"every mesh shape tried is refused: {reasons}"
+    needs = []
+    for shape in shapes:
+        try:
+            needs.append((planned(shape, None)[1].memory_bytes, repr(shape)))
+        except ShardingError:
+            continue
+    if not needs:
+        return f"every mesh shape tried is refused, with the memory budget and without it: {reasons}"
+    need, shape = min(needs)
+    return (f"memory_budget={budget:,} bytes per device refuses every mesh shape tried; the leanest plan "
+            f"found without it holds {need:,} bytes per device (explain's memory_bytes: the inputs and what "
+            f"the loops hold), on {shape}: give a budget of at least that, or split the arguments further. "
+            f"The refusals: {reasons}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +131,11 @@ class Alternative:
     def __str__(self):
         if self.refused:
             return f"{self.argument}: {self.spec} refused: {self.refused}"
-        return (f"{self.argument}: {self.spec}  {self.seconds * 1e3:.3f} ms modelled "
-                f"({self.delta * 1e3:+.3f} ms), {self.memory_bytes:,} bytes per device")
+        change = f"{self.delta * 1e3:+.3f} ms"
+        if float(change[1:-3]) == 0:      # a difference under half a microsecond, of either sign
+            change = "same as the step"
+        return (f"{self.argument}: {self.spec}  {self.seconds * 1e3:.3f} ms modelled ({change}), "
+                f"{self.memory_bytes:,} bytes per device")
 
 
 def alternatives(step: Parallelized, *args, only: str | None = None, top: int | None = 10) -> list[Alternative]:
@@ -91,6 +146,12 @@ def alternatives(step: Parallelized, *args, only: str | None = None, top: int | 
     ``top`` of them (None: all). ``only``: a regular expression an argument's name
     (``args[0]['w1']``) must match. An ``sf.AUTO`` argument is the planner's to choose and is
     not varied. One plan per candidate: on a large program, narrow it with ``only``."""
+    if not isinstance(step, Parallelized):
+        name = getattr(step, "__name__", type(step).__name__)
+        kind = "a function" if callable(step) else f"a {type(step).__name__}"
+        raise ShardingError(f"sf.alternatives of {_definition(step)}: {kind}, not a parallelized step; pass the "
+                            f"step sf.parallelize made: sf.alternatives(sf.parallelize({name}, mesh=..., "
+                            "in_specs=...), *args)")
     with shared_solves():
         out = _alternatives(step, args, only)
     out.sort(key=lambda a: (a.seconds, a.argument, str(a.spec)))
@@ -103,9 +164,11 @@ def _alternatives(step: Parallelized, args, only: str | None) -> list[Alternativ
                                                     _definition(step.fn))]
     plan = step.explain(*args)
     base = plan.modelled_seconds
+    varied = [name for (name, _, _), spec in zip(plan.inputs, given) if spec is not AUTO]
+    chosen = _matching(only, varied, f"sf.alternatives of {_definition(step.fn)}")
     out = []
     for i, ((name, shape, current), spec) in enumerate(zip(plan.inputs, given)):
-        if spec is AUTO or (only is not None and not re.search(only, name)):
+        if name not in chosen:
             continue
         for candidate in _layouts(shape, step.mesh):
             if to_sbp(candidate, step.mesh, len(shape)) == current:
@@ -123,6 +186,26 @@ def _alternatives(step: Parallelized, args, only: str | None) -> list[Alternativ
             out.append(Alternative(name, candidate, explained.modelled_seconds, explained.modelled_seconds - base,
                                    explained.memory_bytes))
     return out
+
+
+def _matching(only: str | None, names: list, what: str) -> set:
+    """The argument names the regular expression ``only`` finds (all for None); a ShardingError
+    listing the names when it is not a regular expression or finds none of them."""
+    if only is None:
+        return set(names)
+    listed = f"the arguments whose annotations can vary are {', '.join(names) or 'none'} (sf.AUTO ones are the solver's)"
+    try:
+        pattern = re.compile(only)
+    except (re.error, TypeError) as e:
+        raise ShardingError(f"{what}: only={only!r} is not a regular expression ({e}); {listed}") from None
+    found = {name for name in names if pattern.search(name)}
+    if not found:
+        literal = [name for name in names if only in name]
+        special = "'[' opens a character class" if "[" in only else "its special characters match otherwise"
+        hint = (f"; as a regular expression {special}: for the name as written, use re.escape({only!r}) or "
+                f"{re.escape(only)!r}" if literal and only != re.escape(only) else "")
+        raise ShardingError(f"{what}: only={only!r} matches no argument; {listed}{hint}")
+    return found
 
 
 def _layouts(shape, mesh) -> list[PartitionSpec]:

@@ -82,3 +82,22 @@ def test_an_annotation_over_the_memory_budget_is_listed_as_refused_last(mesh):
     assert "memory_budget" in whole.refused and whole.seconds == math.inf and "refused" in str(whole)
     assert found[-len(refused):] == refused
     assert all(a.memory_bytes <= budget for a in found if not a.refused)
+
+
+@pytest.mark.parametrize("delta, shown", [(0.0, "(same as the step)"), (-1e-9, "(same as the step)"),
+                                          (4e-10, "(same as the step)"), (2e-6, "(+0.002 ms)"),
+                                          (-3.5e-5, "(-0.035 ms)")])
+def test_a_difference_prints_as_its_sign_says(delta, shown):
+    line = str(sf.Alternative("args[1]", P("model"), 1e-3 + delta, delta, 4096))
+    assert line == f"args[1]: {P('model')}  {(1e-3 + delta) * 1e3:.3f} ms modelled {shown}, 4,096 bytes per device"
+    assert "-0.000" not in line
+
+
+def test_only_names_an_argument_as_a_regular_expression(mesh):
+    step = sf.parallelize(mlp, mesh=mesh, in_specs=ROW_SPLIT_W1, out_specs=P())
+    assert {a.argument for a in sf.alternatives(step, *ARGS, only=r"args\[[12]\]", top=None)} == {"args[1]", "args[2]"}
+    with pytest.raises(sf.ShardingError, match=r"only='args\[1\]' matches no argument; the arguments whose "
+                                               r"annotations can vary are args\[0\], args\[1\], args\[2\]"):
+        sf.alternatives(step, *ARGS, only="args[1]")
+    with pytest.raises(sf.ShardingError, match=r"only='w\(' is not a regular expression \(missing \)"):
+        sf.alternatives(step, *ARGS, only="w(")

@@ -122,3 +122,69 @@ def test_a_scan_of_length_zero_agrees_with_jit(mesh, fn, passes):
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert g.shape == w.shape
             np.testing.assert_allclose(np.asarray(g), np.asarray(w))
+
+
+# ------------------------------------------------------------------------------ memory budgets with units
+
+@pytest.mark.parametrize("budget, nbytes", [
+    (4096, 4096), (np.int64(4096), 4096), (40e9, 40_000_000_000), ("4096", 4096), ("4096B", 4096),
+    ("40GB", 40_000_000_000), ("40 GB", 40_000_000_000), ("40gb", 40_000_000_000), ("1.5 GB", 1_500_000_000),
+    ("40GiB", 40 * 2**30), ("0.5 KiB", 512), ("2MB", 2_000_000), ("3 MiB", 3 * 2**20), ("1TB", 10**12),
+    ("1 TiB", 2**40), ("1.1 kB", 1100),
+], ids=str)
+def test_a_memory_budget_is_bytes_or_a_string_with_units(mesh, budget, nbytes):
+    step = sf.parallelize(lambda x: x * 2, mesh=mesh, in_specs=PS("data"), memory_budget=budget)
+    assert step.memory_budget == nbytes and type(step.memory_budget) is int
+
+
+def test_a_memory_budget_string_bounds_the_solver_in_bytes(mesh):
+    def mlp(w, x):
+        return jnp.tanh(x @ w).sum()
+
+    args = (np.ones((64, 64), np.float32), np.ones((8, 64), np.float32))
+    step = sf.parallelize(mlp, mesh=mesh, in_specs=(sf.AUTO, PS("data")), passes=sf.passes.SOLVER,
+                          memory_budget="4KiB")
+    assert step.explain(*args).memory_bytes <= 4096
+    with pytest.raises(sf.ShardingError, match=r"memory_budget=1,024 bytes per device"):
+        sf.parallelize(mlp, mesh=mesh, in_specs=(sf.AUTO, PS("data")), passes=sf.passes.SOLVER,
+                       memory_budget="1KiB").explain(*args)
+
+
+# ------------------------------------------------------------------------------ passes by name
+
+def test_passes_named_by_string_are_the_passes_of_that_name(mesh):
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    fn = lambda x: jnp.tanh(x @ x.T).sum(0)   # noqa: E731
+    named = sf.parallelize(fn, mesh=mesh, in_specs=PS("data"), passes=["inline", "cse", "solve", "boxing"])
+    assert named.passes == sf.passes.SOLVER
+    mixed = sf.parallelize(fn, mesh=mesh, in_specs=PS("data"), passes=[sf.passes.DEFAULT[0], "propagate", "boxing"])
+    assert [p.name for p in mixed.passes] == ["inline", "propagate", "boxing"]
+    for step in (named, mixed):
+        np.testing.assert_allclose(np.asarray(step(x)), np.asarray(jax.jit(fn)(x)), rtol=1e-5)
+    assert named.explain(x).planner.startswith("solver") and mixed.explain(x).planner == "greedy"
+
+
+# ------------------------------------------------------------------------------ sf.plan with nothing to rank
+
+def _mlp(w, x):
+    return jnp.tanh(x @ w).sum()
+
+
+MLP = (np.ones((64, 64), np.float32), np.ones((8, 64), np.float32))
+
+
+def test_a_memory_budget_that_refuses_every_mesh_says_what_the_leanest_plan_holds():
+    free = sf.plan(_mlp, *MLP, in_specs=(sf.AUTO, PS("data")))
+    least = min(c.explain.memory_bytes for c in free)
+    lean = min(free, key=lambda c: c.explain.memory_bytes).mesh_shape
+    with pytest.raises(sf.ShardingError) as refusal:
+        sf.plan(_mlp, *MLP, in_specs=(sf.AUTO, PS("data")), memory_budget="100B")
+    message = str(refusal.value)
+    assert f"memory_budget=100 bytes per device refuses every mesh shape tried; the leanest plan found without " \
+           f"it holds {least:,} bytes per device" in message and f"on {lean}:" in message, message
+    assert message.count("memory_budget=100 bytes per device") == 1 + len(free), message   # and each refusal
+
+
+def test_every_mesh_refused_says_why_for_each():
+    with pytest.raises(sf.ShardingError, match=r"every mesh shape tried is refused: on \{'data': 8\}: .*12"):
+        sf.plan(_mlp, MLP[0], np.ones((12, 64), np.float32), in_specs=(PS(), PS("data")), mesh_shapes=[{"data": 8}])
