@@ -87,7 +87,7 @@ class Compiled:
 
 class Parallelized:
     def __init__(self, fn, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,
-                 donate_argnums=(), passes=None, memory_budget: int | None = None):
+                 donate_argnums=(), passes=None, memory_budget: int | str | None = None):
         self.fn = fn
         self.memory_budget = memory_budget_bytes(memory_budget, _definition(fn))
         self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
@@ -272,18 +272,21 @@ def pass_list(passes, where: str) -> tuple:
 
 
 def parallelize(fn=None, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,
-                donate_argnums=(), passes=None, memory_budget: int | None = None):
+                donate_argnums=(), passes=None, memory_budget: int | str | None = None):
     """Run single-device ``fn`` as one SPMD program on ``mesh``.
 
     ``in_specs`` / ``out_specs`` are pytree prefixes of the arguments / outputs; leaves are SBP
     (``(sf.S(0), sf.B)``, ``"S(0), B"``) or ``PartitionSpec``. ``out_specs=None``: as propagated.
     ``donate_argnums``: as in ``jax.jit`` — a training step donates its parameters and optimizer
     state so their buffers hold the new ones. ``passes``: the pass list (default
-    ``sf.passes.DEFAULT``; see ``shardflow.passes`` to insert one). ``memory_budget``: bytes per
-    device the plan may hold, for the solver (``sf.passes.SOLVER``; default: a GPU's memory):
-    the inputs and what the layer loops hold (their stacked outputs and their operands, a layer's
-    weights as the loop takes them), explain's ``memory_bytes``; partial:
-    other intermediates and temporaries are not counted yet. Usable as a decorator:
+    ``sf.passes.DEFAULT``; see ``shardflow.passes`` to insert one), as Pass objects or their
+    names (``["inline", "cse", "solve", "boxing"]`` is ``sf.passes.SOLVER``). ``memory_budget``:
+    what one device may hold, for the solver (``sf.passes.SOLVER``; default: a GPU's memory):
+    an int of bytes, or a string of a number and a unit — ``"40GB"`` (KB, MB, GB, TB: powers of
+    1000), ``"40GiB"`` (KiB, MiB, GiB, TiB: powers of 1024), units in any case, rounded down to
+    whole bytes. It bounds the inputs and what the layer loops hold (their stacked outputs and
+    their operands, a layer's weights as the loop takes them), explain's ``memory_bytes``;
+    partial: other intermediates and temporaries are not counted yet. Usable as a decorator:
     ``@sf.parallelize(mesh=..., in_specs=...)``.
     """
     kwargs = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, links=links, donate_argnums=donate_argnums,

@@ -45,7 +45,7 @@ def factorings(n: int, axes: Sequence[str]) -> list[dict]:
 
 def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "model"),
          mesh_shapes: Sequence[Mapping[str, int]] | None = None, devices=None,
-         links: LinkModel | None = None, passes=None, memory_budget: int | None = None) -> list[Candidate]:
+         links: LinkModel | None = None, passes=None, memory_budget: int | str | None = None) -> list[Candidate]:
     """``fn`` on ``args`` (arrays or ShapeDtypeStructs) solved on each mesh shape — by default
     every factoring of the device count into ``axes`` — best first. ``in_specs`` and
     ``out_specs`` as for ``parallelize`` (``sf.AUTO`` leaves: the solver chooses); ``passes``
