@@ -47,6 +47,7 @@ if "jax" not in sys.modules:  # run as a script: 8 simulated CPU devices; LLVM a
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _checkout  # noqa: E402,F401  (the repository's shardflow, before any shardflow import)
+import _results  # noqa: E402
 
 TRAIN_STRATEGIES = ("dp", "fsdp", "tp", "tp_sp", "2d")
 
@@ -255,6 +256,19 @@ def plan_line(plan, top=4) -> str:
     return "; ".join(f"{k} {b:,} B at {s} ({r})" for (k, s, r), b in best)
 
 
+def json_row(row: Row) -> dict:
+    """One row of the raw JSON: every figure of the table's row, unformatted. A ratio over zero
+    GSPMD bytes is null where shardflow's are not zero too."""
+    finite = lambda x: None if x is None or x == float("inf") else x  # noqa: E731
+    return {"program": row.program, "strategy": row.strategy, "error": row.error,
+            "failure": row.failure, "expected_failure": row.expected_failure,
+            "fallbacks": list(row.fallbacks), "sf_bytes": row.sf_bytes,
+            "gspmd_bytes": row.gspmd_bytes, "ratio": finite(row.ratio), "sf_flops": row.sf_flops,
+            "gspmd_flops": row.gspmd_flops, "flops_ratio": finite(row.flops_ratio),
+            "planner": None if row.plan is None else row.plan.planner.split()[0],
+            "sf_kinds": row.sf_kinds, "gspmd_kinds": row.gspmd_kinds, "seconds": row.seconds}
+
+
 def worst(rows, n=6):
     ok = [r for r in rows if r.ratio is not None and r.gspmd_bytes]
     return sorted(ok, key=lambda r: -r.ratio)[:n]
@@ -294,6 +308,7 @@ def _table(argv=None):
     parser.add_argument("--full-opt", action="store_true",
                         help="compile with XLA:CPU's default LLVM optimization (same bytes, slower)")
     parser.add_argument("--out", default=None, help="write the table (and the worst rows' collectives) as markdown")
+    parser.add_argument("--json", default=None, help="write the rows as JSON under this run's meta")
     parser.add_argument("--planner", choices=("greedy", "solver", "solver-bytes"), default="greedy",
                         help="shardflow's planner: passes.propagate, or the integer program (passes.solve) "
                              "minimising modelled time (solver) or bytes (solver-bytes: no per-collective latency)")
@@ -337,6 +352,9 @@ def _table(argv=None):
                       f"  - GSPMD: {kinds_line(r.gspmd_kinds)}", f"  - shardflow's costliest: {plan_line(r.plan)}"]
         Path(args.out).write_text("\n".join(lines) + "\n")
         print(f"wrote {args.out}")
+    if args.json:
+        _results.write_json(args.json, [json_row(r) for r in rows], mesh=gp.MESH_SHAPE,
+                            planner=args.planner, cpu_cores=os.cpu_count(), seconds=elapsed)
     return rows
 
 
