@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import fractions
 import functools
-import os
 import re
 from typing import Any, Callable
 
@@ -18,8 +17,8 @@ from shardflow.passes.lower import lower
 from shardflow.explain import Plan, make_plan
 from shardflow.mesh import LinkModel, check_mesh
 from shardflow.program import Program, trace
-from shardflow.specs import (AUTO, Partial, ShardingError, check_divisible, describe, format_sbp, is_spec_leaf,
-                             split_orders, to_sbp)
+from shardflow.specs import (AUTO, Partial, ShardingError, check_divisible, definition, describe, format_sbp,
+                             is_spec_leaf, split_orders, to_sbp)
 
 
 def _spec_of_each_leaf(specs, values, specs_name: str, values_name: str, noun: str, where: str) -> list:
@@ -89,13 +88,13 @@ class Parallelized:
     def __init__(self, fn, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,
                  donate_argnums=(), passes=None, memory_budget: int | str | None = None):
         self.fn = fn
-        self.memory_budget = memory_budget_bytes(memory_budget, _definition(fn))
+        self.memory_budget = memory_budget_bytes(memory_budget, definition(fn))
         self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-        self.mesh = check_mesh(mesh, _definition(fn))
+        self.mesh = check_mesh(mesh, definition(fn))
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.links = links or LinkModel()
-        self.passes = DEFAULT_PASSES if passes is None else pass_list(passes, _definition(fn))
+        self.passes = DEFAULT_PASSES if passes is None else pass_list(passes, definition(fn))
         self._cache: dict = {}
         functools.update_wrapper(self, fn)
 
@@ -104,7 +103,7 @@ class Parallelized:
     def _compile(self, args, kwargs=None) -> Compiled:
         if kwargs:
             raise TypeError(
-                f"{_definition(self.fn)} was called with keyword arguments {sorted(kwargs)}; "
+                f"{definition(self.fn)} was called with keyword arguments {sorted(kwargs)}; "
                 "in_specs are positional, so pass every array positionally, or bind the others "
                 "with functools.partial before parallelize")
         leaves, in_tree = jax.tree.flatten(args)
@@ -116,7 +115,7 @@ class Parallelized:
 
     def _build(self, args, in_tree, avals) -> Compiled:
         names = tuple(f"args{keystr(p)}" for p, _ in tree_flatten_with_path(args)[0])
-        in_specs = _spec_of_each_leaf(self.in_specs, args, "in_specs", "args", "argument", _definition(self.fn))
+        in_specs = _spec_of_each_leaf(self.in_specs, args, "in_specs", "args", "argument", definition(self.fn))
         in_sbp, in_orders = zip(*[self._boundary(spec, aval, f"{spec_path} for argument {name}")
                                   for name, aval, (spec_path, spec) in zip(names, avals, in_specs)]) \
             if avals else ((), ())
@@ -145,7 +144,7 @@ class Parallelized:
         if self.out_specs is None:
             return (None,) * len(outs), ()
         shaped = jax.tree.unflatten(out_tree, [v.aval for v in outs])
-        specs = _spec_of_each_leaf(self.out_specs, shaped, "out_specs", "output", "output", _definition(self.fn))
+        specs = _spec_of_each_leaf(self.out_specs, shaped, "out_specs", "output", "output", definition(self.fn))
         pairs = [self._boundary(spec, v.aval, f"{spec_path} for output {i}")
                  for i, (v, (spec_path, spec)) in enumerate(zip(outs, specs))]
         return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
@@ -153,7 +152,7 @@ class Parallelized:
     def _boundary(self, spec, aval, name: str):
         """(NdSbp, split orders) of an input or output spec; a P there is refused. ``name`` says
         which spec of which value (``in_specs[0] for argument args[0]['w1']``)."""
-        where = _definition(self.fn)
+        where = definition(self.fn)
         what = f"{name} {describe(aval)} of {where}"
         if spec is AUTO:
             if name.startswith("out_specs"):
@@ -187,15 +186,6 @@ class Parallelized:
     def program(self, *args, **kwargs) -> Program:
         """The boxed Program (a jaxpr with explicit ``sf_box`` conversions), for inspection."""
         return self._compile(args, kwargs).program
-
-
-def _definition(fn) -> str:
-    """``name (file.py:LINE)`` of the user's function, for errors about its arguments/outputs."""
-    code = getattr(fn, "__code__", None)
-    name = getattr(fn, "__name__", type(fn).__name__)
-    if code is None:
-        return name
-    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 
 
 def _dtype(x):

@@ -58,7 +58,7 @@ from shardflow import slots
 from shardflow.conversion import Step
 from shardflow.program import open_jaxpr, source_line
 from shardflow.registry import Decision, defrule
-from shardflow.specs import B, Partial, ShardingError, Split, local_shape
+from shardflow.specs import B, Partial, ShardingError, Split, definition, describe, local_shape
 
 from shardflow.schedules import W_SLOTS, Schedule, by_name, steps, with_split_backward
 from shardflow.slots import at, put
@@ -571,6 +571,34 @@ pipeline_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(pipeline_p, mlir.lower_fun(_sequential_impl, multiple_results=True))
 
 
+def _check_layer_and_head(layer_fn, head, layers, x, head_params, head_args, m: int) -> None:
+    """A ShardingError naming ``layer_fn`` or ``head`` unless one layer maps a micro-batch's
+    activations to their own shape and dtype (the stages hand them on) and the head makes a
+    float scalar of them (the loss the schedule differentiates)."""
+    def one_micro_batch(a):
+        return jax.ShapeDtypeStruct((a.shape[0] // m,) + tuple(a.shape[1:]), a.dtype)
+
+    h = one_micro_batch(x)
+    one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
+    got = jax.eval_shape(layer_fn, one_layer, h)
+    if jax.tree.structure(got) != jax.tree.structure(h) or (got.shape, got.dtype) != (h.shape, h.dtype):
+        raise ShardingError(f"sf.pipeline: layer_fn {definition(layer_fn)} must map a micro-batch's activations "
+                            f"h {describe(h)} to the same shape and dtype; it returns {_described(got)}: each "
+                            "stage hands its output to the next as the next one's h")
+    loss = jax.eval_shape(head, head_params, h, jax.tree.map(one_micro_batch, head_args))
+    if not (isinstance(loss, jax.ShapeDtypeStruct) and loss.shape == () and jnp.issubdtype(loss.dtype, jnp.floating)):
+        raise ShardingError(f"sf.pipeline: head {definition(head)} must return a micro-batch's loss, a float "
+                            f"scalar; it returns {_described(loss)} (y {describe(h)}): the schedule "
+                            "differentiates the mean of the micro-batches' losses")
+
+
+def _described(tree) -> str:
+    leaves = jax.tree.leaves(tree)
+    if len(leaves) == 1 and jax.tree.structure(tree).num_leaves == 1 and not isinstance(tree, (tuple, list, dict)):
+        return describe(leaves[0])
+    return str(jax.tree.map(describe, tree)).replace("'", "")
+
+
 def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: int, microbatches: int,
              schedule="1f1b", chunks: int | None = None, layers_per_stage=None, axis: str = "pipe"):
     """``mean_i head(head_params, layers applied to micro-batch i of x, head_args of i)``.
@@ -599,6 +627,7 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
     p, m, v = table.stages, table.microbatches, table.chunks
     if x.shape[0] % m:
         raise ValueError(f"pipeline: a batch of {x.shape[0]} does not split into {m} micro-batches")
+    _check_layer_and_head(layer_fn, head, layers, x, head_params, head_args, m)
     if layers_per_stage is not None:
         device_order, active, layer_fn = _uneven(layer_fn, tuple(layers_per_stage), n_layers, table)
         stage_tree = {"layer": jax.tree.map(device_order, layers), "active": active}

@@ -19,11 +19,11 @@ from typing import Mapping, Sequence
 import jax
 from jax.sharding import PartitionSpec
 
-from shardflow.api import Parallelized, _definition, _spec_of_each_leaf, memory_budget_bytes, parallelize
+from shardflow.api import Parallelized, _spec_of_each_leaf, memory_budget_bytes, parallelize
 from shardflow.explain import Plan
 from shardflow.mesh import LinkModel, make_mesh
 from shardflow.passes.solve import shared_solves
-from shardflow.specs import AUTO, ShardingError, to_sbp
+from shardflow.specs import AUTO, ShardingError, definition, to_sbp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "mo
     refused, a ShardingError says why for each — under a memory budget, how many bytes the
     leanest plan found without it holds."""
     from shardflow import passes as passes_lib
-    where = _definition(fn)
+    where = definition(fn)
     memory_budget = memory_budget_bytes(memory_budget, where)
     devices = list(jax.devices() if devices is None else devices)
     shapes = _mesh_shapes(axes, mesh_shapes, len(devices), f"sf.plan of {where}")
@@ -149,7 +149,7 @@ def alternatives(step: Parallelized, *args, only: str | None = None, top: int | 
     if not isinstance(step, Parallelized):
         name = getattr(step, "__name__", type(step).__name__)
         kind = "a function" if callable(step) else f"a {type(step).__name__}"
-        raise ShardingError(f"sf.alternatives of {_definition(step)}: {kind}, not a parallelized step; pass the "
+        raise ShardingError(f"sf.alternatives of {definition(step)}: {kind}, not a parallelized step; pass the "
                             f"step sf.parallelize made: sf.alternatives(sf.parallelize({name}, mesh=..., "
                             "in_specs=...), *args)")
     with shared_solves():
@@ -161,11 +161,11 @@ def alternatives(step: Parallelized, *args, only: str | None = None, top: int | 
 def _alternatives(step: Parallelized, args, only: str | None) -> list[Alternative]:
     in_tree = jax.tree.structure(args)
     given = [spec for _, spec in _spec_of_each_leaf(step.in_specs, args, "in_specs", "args", "argument",
-                                                    _definition(step.fn))]
+                                                    definition(step.fn))]
     plan = step.explain(*args)
     base = plan.modelled_seconds
     varied = [name for (name, _, _), spec in zip(plan.inputs, given) if spec is not AUTO]
-    chosen = _matching(only, varied, f"sf.alternatives of {_definition(step.fn)}")
+    chosen = _matching(only, varied, f"sf.alternatives of {definition(step.fn)}")
     out = []
     for i, ((name, shape, current), spec) in enumerate(zip(plan.inputs, given)):
         if name not in chosen:

@@ -66,6 +66,15 @@ def user_line() -> str:
     return ""
 
 
+def definition(fn) -> str:
+    """``name (file.py:LINE)`` of a user's function, for errors about it, its arguments and outputs."""
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if code is None:
+        return name
+    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+
 class ShardingError(ValueError):
     """Every refusal of shardflow: names the value, the spec and the user's source line.
 

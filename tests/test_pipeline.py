@@ -320,3 +320,41 @@ def test_the_pipeline_axis_anywhere_in_the_mesh(axes, layer_spec, batch_spec):
     own = "sf_pipeline passes activations"
     assert all(c.reason.startswith(own) for c in step.explain(layers, hp, x, tg).collectives if "pipe" in c.axes)
     assert_close(step(layers, hp, x, tg), want)
+
+
+def widening(w, h):
+    return jnp.concatenate([layer(w, h), h], axis=-1)
+
+
+def to_bf16(w, h):
+    return layer(w, h).astype(jnp.bfloat16)
+
+
+def two_outputs(w, h):
+    return layer(w, h), h
+
+
+def per_row_loss(hp, y, tgt):
+    return jnp.mean((y @ hp - tgt) ** 2, axis=-1)
+
+
+def count_loss(hp, y, tgt):
+    return jnp.sum(y @ hp > tgt)
+
+
+@pytest.mark.parametrize("layer_fn, head, message", [
+    (widening, head_fn, r"layer_fn widening \(test_pipeline.py:\d+\) must map a micro-batch's activations "
+                        r"h float32\[4, 8\] to the same shape and dtype; it returns float32\[4, 16\]"),
+    (to_bf16, head_fn, r"layer_fn to_bf16 \(test_pipeline.py:\d+\) must map .* float32\[4, 8\] .*; "
+                       r"it returns bfloat16\[4, 8\]"),
+    (two_outputs, head_fn, r"layer_fn two_outputs \(test_pipeline.py:\d+\) must map .*; it returns "
+                           r"\(float32\[4, 8\], float32\[4, 8\]\)"),
+    (layer, per_row_loss, r"head per_row_loss \(test_pipeline.py:\d+\) must return a micro-batch's loss, a "
+                          r"float scalar; it returns float32\[4\] \(y float32\[4, 8\]\)"),
+    (layer, count_loss, r"head count_loss \(test_pipeline.py:\d+\) must return .* a float scalar; it returns "
+                        r"int32\[\]"),
+], ids=["shape", "dtype", "tuple", "non-scalar-loss", "integer-loss"])
+def test_a_layer_or_head_of_the_wrong_shape_is_named(layer_fn, head, message):
+    layers, hp, x, tg = model(4, 2)
+    with pytest.raises(sf.ShardingError, match=r"^test_pipeline.py:\d+: sf.pipeline: " + message):
+        sf.pipeline(layer_fn, layers, x, head=head, head_params=hp, head_args=tg, stages=2, microbatches=2)
