@@ -81,7 +81,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--gpus-per-host", type=int, default=4)
     parser.add_argument("--nic-gbps", default="400,200", help="per GPU, across hosts, comma-separated")
     parser.add_argument("--nvlink-gbs", type=float, default=200.0,
-                        help="per GPU inside a host (benchmarks/results/scaling.md: 166-302 by kind)")
+                        help="per GPU inside a host (benchmarks/links.py measures it per kind)")
     parser.add_argument("--tokens-per-gpu", default="", help="comma-separated; the measured one always")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")      # explain only: simulated devices, any machine
