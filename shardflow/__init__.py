@@ -11,11 +11,12 @@ from shardflow.primitives import constrain
 from shardflow import passes
 from shardflow import schedules
 from shardflow.pipelining import pipeline
-from shardflow.api import parallelize, Parallelized
+from shardflow.api import parallelize, Parallelized, ReplicatedAxisWarning
 from shardflow.explain import Plan, Collective
 from shardflow.search import Alternative, Candidate, alternatives, plan
 
 __all__ = ["AUTO", "B", "P", "S", "Broadcast", "Partial", "Split", "ShardingError", "to_partition_spec", "to_sbp",
-           "LinkModel", "make_mesh", "constrain", "pipeline", "schedules", "passes", "parallelize", "Parallelized", "Plan", "Collective",
+           "LinkModel", "make_mesh", "constrain", "pipeline", "schedules", "passes", "parallelize", "Parallelized",
+           "ReplicatedAxisWarning", "Plan", "Collective",
            "plan", "Candidate", "alternatives", "Alternative"]
 __version__ = "0.1.0"

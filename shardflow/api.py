@@ -4,7 +4,10 @@ from __future__ import annotations
 import dataclasses
 import fractions
 import functools
+import math
 import re
+import sys
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -16,9 +19,10 @@ from shardflow.passes import ALL as ALL_PASSES, DEFAULT as DEFAULT_PASSES, Pass,
 from shardflow.passes.lower import lower
 from shardflow.explain import Plan, make_plan
 from shardflow.mesh import LinkModel, check_mesh
-from shardflow.program import Program, trace
-from shardflow.specs import (AUTO, Partial, ShardingError, check_divisible, definition, describe, format_sbp,
-                             is_spec_leaf, split_orders, to_sbp)
+from shardflow.program import Program, all_eqns, trace
+from shardflow.registry import decision_of
+from shardflow.specs import (AUTO, B, Partial, ShardingError, check_divisible, definition, describe, format_sbp,
+                             is_spec_leaf, is_user_file, split_orders, to_sbp)
 
 
 def _spec_of_each_leaf(specs, values, specs_name: str, values_name: str, noun: str, where: str) -> list:
@@ -133,6 +137,17 @@ class Parallelized:
         program = Program(closed, self.mesh, tuple(in_sbp), out_sbp, links=self.links, arg_names=names,
                           in_orders=tuple(in_orders), out_orders=out_orders, memory_budget=self.memory_budget)
         program = run_passes(program, self.passes)
+        replicated = replicated_axes(program)
+        if replicated:
+            one = len(replicated) == 1
+            axes = " and ".join(f"{a!r} ({n} devices)" for a, n in replicated)
+            copies = math.prod(n for _, n in replicated)
+            warnings.warn(ReplicatedAxisWarning(
+                f"mesh {'axis' if one else 'axes'} {axes} of {definition(self.fn)}: no value is split or partial over "
+                f"{'it' if one else 'them'}: every device along {'it' if one else 'them'} runs the same work on the "
+                f"same data. Split an argument over {'it' if one else 'each'} in in_specs, or leave "
+                f"{'it' if one else 'them'} out of the mesh, unless the {copies} copies are intended"),
+                stacklevel=_user_stacklevel())
         donated = tuple(i for i, (path, _) in enumerate(tree_flatten_with_path(args)[0])
                         if path[0].idx in self.donate_argnums)
         fn, in_ps = lower(program, donated)
@@ -186,6 +201,34 @@ class Parallelized:
     def program(self, *args, **kwargs) -> Program:
         """The boxed Program (a jaxpr with explicit ``sf_box`` conversions), for inspection."""
         return self._compile(args, kwargs).program
+
+
+class ReplicatedAxisWarning(UserWarning):
+    """A mesh axis over which the plan splits no value: the whole program repeated on each of
+    its devices (``warnings.simplefilter("ignore", sf.ReplicatedAxisWarning)`` where intended)."""
+
+
+def replicated_axes(program: Program) -> list:
+    """(name, size) of each mesh axis of more than one device on which every value of the
+    planned ``program`` is B, and every operand an equation takes and makes."""
+    used = set()
+    names = program.axis_names
+    layouts = [*program.sbp.values(), *program.in_sbp, *program.out_sbp]
+    for eqn in all_eqns(program.jaxpr.jaxpr):
+        d = decision_of(eqn)
+        if d is not None:
+            layouts += [*d.ins, *d.outs]
+    for sbp in layouts:
+        used.update(a for a, s in zip(names, sbp or ()) if s != B)
+    return [(a, n) for a, n in zip(names, program.mesh.devices.shape) if n > 1 and a not in used]
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised here that points at the innermost frame of user code."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 def _dtype(x):

@@ -10,16 +10,18 @@ the layer loops hold, not the temporaries — and a mesh with no plan within it 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
 import re
+import warnings
 from typing import Mapping, Sequence
 
 import jax
 from jax.sharding import PartitionSpec
 
-from shardflow.api import Parallelized, _spec_of_each_leaf, memory_budget_bytes, parallelize
+from shardflow.api import Parallelized, ReplicatedAxisWarning, _spec_of_each_leaf, memory_budget_bytes, parallelize
 from shardflow.explain import Plan
 from shardflow.mesh import LinkModel, make_mesh
 from shardflow.passes.solve import shared_solves
@@ -63,7 +65,8 @@ def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "mo
     def planned(shape, budget):
         step = parallelize(fn, mesh=make_mesh(shape, devices=devices), in_specs=in_specs,
                            out_specs=out_specs, links=links, memory_budget=budget, passes=passes)
-        return step, step.explain(*args)
+        with _exploring():
+            return step, step.explain(*args)
 
     out, why = [], {}
     for shape in shapes:
@@ -77,6 +80,15 @@ def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "mo
     if all(c.step is None for c in out):
         raise ShardingError(f"sf.plan of {where}: " + _every_mesh_refused(shapes, why, memory_budget, planned))
     return sorted(out, key=lambda c: c.seconds)
+
+
+@contextlib.contextmanager
+def _exploring():
+    """A layout tried, not chosen: a mesh axis it leaves unsplit is one row of the ranking, not
+    a ReplicatedAxisWarning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedAxisWarning)
+        yield
 
 
 def _mesh_shapes(axes, mesh_shapes, n: int, what: str) -> list[dict]:
@@ -179,7 +191,8 @@ def _alternatives(step: Parallelized, args, only: str | None) -> list[Alternativ
                                 out_specs=step.out_specs, links=step.links, passes=step.passes,
                                 memory_budget=step.memory_budget)
             try:
-                explained = tried.explain(*args)
+                with _exploring():
+                    explained = tried.explain(*args)
             except ShardingError as e:
                 out.append(Alternative(name, candidate, math.inf, math.inf, 0, refused=str(e)))
                 continue

@@ -1,5 +1,7 @@
 """Edge cases of the compiler that must either agree with ``jax.jit`` on one device or be
 refused with an ``sf.ShardingError`` that says what to change."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +10,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as PS
 
 import shardflow as sf
+from shardflow.ops import attention
 from shardflow.registry import decision_of
-from shardflow.specs import Partial
+from shardflow.specs import Partial, to_sbp
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +191,77 @@ def test_a_memory_budget_that_refuses_every_mesh_says_what_the_leanest_plan_hold
 def test_every_mesh_refused_says_why_for_each():
     with pytest.raises(sf.ShardingError, match=r"every mesh shape tried is refused: on \{'data': 8\}: .*12"):
         sf.plan(_mlp, MLP[0], np.ones((12, 64), np.float32), in_specs=(PS(), PS("data")), mesh_shapes=[{"data": 8}])
+
+
+# ------------------------------------------------------------------------------ a mesh axis no value uses
+
+def _mlp_grad(w1, w2, x):
+    return jax.grad(lambda w1, w2: jnp.sum(jnp.tanh(x @ w1) @ w2))(w1, w2)
+
+
+MLP_GRAD_ARGS = (np.ones((16, 32), np.float32) / 16, np.ones((32, 16), np.float32) / 32,
+                 np.ones((16, 16), np.float32))
+
+
+def test_a_mesh_axis_no_value_uses_is_warned_of_by_name(mesh):
+    step = sf.parallelize(_mlp_grad, mesh=mesh, in_specs=(PS(), PS(), PS("data")))
+    with pytest.warns(sf.ReplicatedAxisWarning, match=r"mesh axis 'model' \(4 devices\) of _mlp_grad "
+                                                      r"\(test_edges.py:\d+\): no value is split or partial over "
+                                                      r"it: every device along it runs the same work on the same "
+                                                      r"data") as caught:
+        step(*MLP_GRAD_ARGS)
+    assert len(caught) == 1 and "'data'" not in str(caught[0].message), [str(w.message) for w in caught]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(*MLP_GRAD_ARGS)            # once per compiled program, not per call
+        step.explain(*MLP_GRAD_ARGS)
+
+
+def _ring_loss(q, k, v):
+    return jnp.sum(jnp.tanh(attention(q, k, v, causal=True, context="ring")))
+
+
+def _pipelined(layers, hp, x, tg):
+    return sf.pipeline(lambda w, h: jnp.tanh(h @ w), layers, x, head=lambda hp, y, t: jnp.mean((y @ hp - t) ** 2),
+                       head_params=hp, head_args=tg, stages=2, microbatches=2)
+
+
+REPLICATION_FREE = {   # (mesh, fn, in_specs, args): every axis splits some value
+    "dp": ({"data": 8}, _mlp_grad, (PS(), PS(), PS("data")), MLP_GRAD_ARGS),
+    "fsdp": ({"data": 8}, _mlp_grad, (PS("data"), PS(None, "data"), PS("data")), MLP_GRAD_ARGS),
+    "tp": ({"data": 2, "model": 4}, _mlp_grad, (PS(None, "model"), PS("model"), PS("data")), MLP_GRAD_ARGS),
+    "pipeline": ({"data": 2, "pipe": 2}, jax.grad(_pipelined, argnums=(0, 1)), (PS(), PS(), PS("data"), PS("data")),
+                 (np.ones((4, 8, 8), np.float32) / 8, np.ones((8, 3), np.float32), np.ones((8, 8), np.float32),
+                  np.ones((8, 3), np.float32))),
+    "context": ({"data": 2, "context": 4}, jax.grad(_ring_loss, argnums=(0, 1, 2)), PS("data", "context"),
+                tuple(np.ones((2, 32, 4, 8), np.float32) for _ in range(3))),
+}
+
+
+@pytest.mark.parametrize("case", REPLICATION_FREE)
+def test_no_warning_where_every_axis_splits_a_value(case):
+    axes, fn, specs, args = REPLICATION_FREE[case]
+    step = sf.parallelize(fn, mesh=sf.make_mesh(axes), in_specs=specs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sf.ReplicatedAxisWarning)
+        step.explain(*args)
+
+
+def test_the_layouts_plan_and_alternatives_try_are_not_warned_of(mesh):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sf.ReplicatedAxisWarning)
+        ranked = sf.plan(_mlp, *MLP, in_specs=(PS(), PS("data")))
+        step = sf.parallelize(_mlp, mesh=mesh, in_specs=(PS(None, "model"), PS("data")))
+        tried = sf.alternatives(step, *MLP, top=None)
+    assert len(ranked) == 4 and all(c.step is not None for c in ranked)
+    assert any(to_sbp(a.spec, mesh, 2) == (sf.B, sf.B) for a in tried if a.argument == "args[0]")
+
+
+def test_the_axes_no_value_uses_are_named_in_one_warning(mesh):
+    step = sf.parallelize(_mlp_grad, mesh=mesh, in_specs=PS())
+    with pytest.warns(sf.ReplicatedAxisWarning) as caught:
+        step(*MLP_GRAD_ARGS)
+    assert len(caught) == 1 and str(caught[0].message).startswith(
+        "mesh axes 'data' (2 devices) and 'model' (4 devices) of _mlp_grad"), str(caught[0].message)
+    assert "unless the 8 copies are intended" in str(caught[0].message)
+    assert caught[0].filename == __file__
