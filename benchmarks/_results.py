@@ -1,8 +1,9 @@
 """The raw JSON a benchmark writes beside its results table: ``{"meta": ..., "rows": [...]}``.
 
 ``meta`` says what the figures were measured on: the date, the commit, the devices (kind and
-count), the jax version and the full command line. On a machine whose checkout has no git
-metadata, set SHARDFLOW_COMMIT to the commit the tree was copied from.
+count), the jax version and the full command line. The commit is read when the script starts
+(the code it runs), not when it writes. On a machine whose checkout has no git metadata, set
+SHARDFLOW_COMMIT to the commit the tree was copied from.
 """
 import datetime
 import json
@@ -29,10 +30,13 @@ def commit() -> str:
     return head + ("-dirty" if dirty else "")
 
 
+STARTED_AT_COMMIT = commit()
+
+
 def run_meta(**extra) -> dict:
     import jax
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit(), "jax": jax.__version__, "devices": jax.device_count(),
+            "commit": STARTED_AT_COMMIT, "jax": jax.__version__, "devices": jax.device_count(),
             "device_kind": jax.devices()[0].device_kind,
             "command": shlex.join([Path(sys.executable).name, *sys.argv])}
     meta.update(extra)
