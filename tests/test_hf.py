@@ -2,6 +2,7 @@
 locally, imported (whole, from sharded files, onto a mesh) and exported, logits compared with
 transformers' own float32 logits; unsupported checkpoints refused with the key named."""
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -133,7 +134,8 @@ def test_sharded_files_import_and_export(tmp_path):
 def test_import_onto_a_mesh_places_each_parameter_and_keeps_the_logits(kind, strategy,
                                                                        mesh_shape, tmp_path):
     transformers, _ = hf_libs()
-    overrides = {"num_key_value_heads": 4} if mesh_shape.get("model") == 4 and kind == "llama" else {}
+    four_way = mesh_shape.get("model") == 4 and kind == "llama"
+    overrides = {"num_key_value_heads": 4} if four_way else {}
     model = make_hf_model(kind, **overrides)
     model.save_pretrained(tmp_path / "hf")
     mesh = Mesh(np.asarray(jax.devices()).reshape(tuple(mesh_shape.values())), tuple(mesh_shape))
@@ -145,7 +147,7 @@ def test_import_onto_a_mesh_places_each_parameter_and_keeps_the_logits(kind, str
                                models.get_rules(strategy), mesh)
     arrays = jax.tree.leaves(params)
     assert all(x.sharding.mesh == mesh for x in arrays)
-    assert all(jax.tree.leaves(jax.tree.map(lambda x, spec: x.sharding.spec == spec, params, specs)))
+    assert all(jax.tree.leaves(jax.tree.map(lambda x, s: x.sharding.spec == s, params, specs)))
     assert any(any(axis is not None for axis in x.sharding.spec) for x in arrays)  # some split
 
     sharded = hf.load_model(tmp_path / "hf", mesh=mesh, rules=strategy)
@@ -228,3 +230,163 @@ def test_a_tensor_of_another_shape_is_named(tmp_path):
                                                    r"has shape \(96, 64\), but config.json makes "
                                                    r"it \(128, 64\)"):
         hf.load(tmp_path)
+
+
+# --- Hugging Face tokenizers by file, and `shardflow sample` ---------------------------------
+
+from shardflow import train  # noqa: E402
+from shardflow.train import cli, config, data, sample  # noqa: E402
+
+EOT = "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return data.stdlib_sources(max_bytes=300_000)[:10]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(corpus, tmp_path_factory):
+    """A byte-level BPE tokenizer.json of 300 tokens, trained here with the tokenizers library."""
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+    tok = Tokenizer(tok_models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([str(f) for f in corpus], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[EOT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tokenizer_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tokens")
+    assert cli.main(["prepare", "--input", *map(str, corpus), "--out", str(out),
+                     "--tokenizer", str(tokenizer_file)]) == 0
+    return out
+
+
+def test_prepare_encodes_with_a_tokenizer_file(corpus, tokenizer_file, prepared):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    meta = json.loads((prepared / "meta.json").read_text())
+    assert meta["tokenizer"] == "file" and meta["document_separator"] == EOT
+    assert meta["vocab_size"] == tok.get_vocab_size() == 300
+    expected = []
+    for path in corpus:
+        expected += tok.encode(path.read_text(errors="replace"), add_special_tokens=False).ids
+        expected.append(tok.token_to_id(EOT))
+    stored = np.concatenate([np.fromfile(prepared / f"{split}.bin", meta["dtype"])
+                             for split in ("train", "val")])
+    np.testing.assert_array_equal(stored, expected)
+    assert (prepared / "tokenizer.json").read_text() == tokenizer_file.read_text()
+
+
+@pytest.mark.parametrize("tokenizer,message", [
+    ("missing.json", "tokenizer '.*missing.json' is neither 'byte', 'bpe' nor a tokenizer.json"),
+    ("not-a-tokenizer.json", "tokenizer '.*not-a-tokenizer.json' is not a Hugging Face "
+                             "tokenizer.json"),
+])
+def test_prepare_refuses_a_tokenizer_it_cannot_load(tokenizer, message, corpus, tmp_path, capsys):
+    (tmp_path / "not-a-tokenizer.json").write_text('{"vocab": [1, 2]}')
+    argv = ["prepare", "--input", str(corpus[0]), "--out", str(tmp_path / "d"),
+            "--tokenizer", str(tmp_path / tokenizer)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prepare error: ") and re.search(message, err), err
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.fixture(scope="module")
+def run(prepared, tmp_path_factory):
+    """A tiny Llama trained 4 steps on the tokenizer file's tokens: (run dir, final params)."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = config.load(None, [f"data.path={prepared}", "data.seq_len=32", "batch_size=8",
+                             "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8, "
+                             "vocab_size: 384}", "engine=jit", "eval_every=0",
+                             "checkpoint.every=2", "log_every=2"], steps=4, out=str(out))
+    return out, train.train(cfg, progress=False)["params"]
+
+
+def test_sample_restores_the_newest_checkpoints_parameters(run):
+    out, params = run
+    model, step, _ = sample.restore_run(out)
+    from flax import nnx
+    assert step == 4
+    restored = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, restored, jax.device_get(params))
+
+
+def test_sample_prints_the_requested_tokens_greedy_deterministic(run, tokenizer_file, capsys):
+    out, _ = run
+    argv = ["sample", "--checkpoint", str(out), "--prompt", "def main(", "--max-new-tokens", "12",
+            "--temperature", "0"]
+    assert cli.main(argv) == 0
+    first = capsys.readouterr()
+    assert first.out.startswith("def main(") and len(first.out) > len("def main(\n")
+    assert "sampled 12 tokens from step 4 of" in first.err
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == first.out
+
+    model, _, tokenizer = sample.restore_run(out)
+    prompt = tokenizer.encode("def main(")
+    greedy = sample.generate(model, prompt, 12, temperature=0)
+    assert len(greedy) == 12 and tokenizer.decode(prompt + greedy) + "\n" == first.out
+    assert sample.generate(model, prompt, 12, temperature=1.0, top_k=1, seed=5) == greedy
+    draws = {tuple(sample.generate(model, prompt, 12, seed=s)) for s in range(3)}
+    assert len(draws) > 1   # temperature 1 over the whole vocabulary: the seed matters
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-new-tokens", "40"], "make 43 positions, more than the model's 32 \\(max_seq_len\\)"),
+    (["--temperature", "-1"], "--temperature must be a number >= 0, got -1.0"),
+    (["--top-k", "0"], "--top-k must be in \\[1, 128\\]"),
+])
+def test_sample_argument_errors_are_one_line(argv, message, tmp_path, capsys):
+    make_hf_model("llama", max_position_embeddings=32).save_pretrained(tmp_path)
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    words = Tokenizer(tok_models.WordLevel({"a": 0, "b": 1, "c": 2}, unk_token="a"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "tokenizer.json"))
+    capsys.readouterr()
+    assert cli.main(["sample", "--hf", str(tmp_path), "--prompt", "a b c", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sample error: ") and re.search(message, err), err
+
+
+def test_sample_from_a_directory_without_a_run_is_one_line(tmp_path, capsys):
+    assert cli.main(["sample", "--checkpoint", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"sample error: {tmp_path} is not a `shardflow train` run "
+                                       "directory (no config.json)\n")
+
+
+def test_greedy_sampling_from_a_hugging_face_directory_is_transformers_greedy(tokenizer_file,
+                                                                              tmp_path, capsys):
+    _, torch = hf_libs()
+    model = make_hf_model("llama", vocab_size=300)
+    model.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(tokenizer_file.read_text())
+    ours, tokenizer = sample.load_hf(tmp_path)
+    prompt = tokenizer.encode("import os\n")
+    with torch.no_grad():
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+    assert sample.generate(ours, prompt, 10, temperature=0) == reference
+    assert cli.main(["sample", "--hf", str(tmp_path), "--prompt", "import os\n",
+                     "--max-new-tokens", "10", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == tokenizer.decode(prompt + reference) + "\n"
+
+
+@pytest.mark.parametrize("window,message", [
+    (16, "config error: data.seq_len 32 exceeds model.sliding_window 16"),
+    (0, "config error: model.sliding_window must be a positive integer or null, got 0"),
+])
+def test_the_trainer_checks_a_sliding_window_before_it_starts(window, message, tmp_path, capsys):
+    code = cli.main(["train", "--steps", "1", "--out", str(tmp_path / "run"),
+                     "--set", f"model={{preset: tiny, sliding_window: {window}}}",
+                     "--set", "data.seq_len=32"])
+    assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -1,4 +1,4 @@
-"""The `shardflow` command: `shardflow train ...` and `shardflow prepare ...`."""
+"""The `shardflow` command: `shardflow train`, `shardflow prepare` and `shardflow sample`."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +19,7 @@ def _prepare(args) -> int:
 
 
 def main(argv=None) -> int:
-    from shardflow.train import loop
+    from shardflow.train import loop, sample
 
     parser = argparse.ArgumentParser(prog="shardflow")
     commands = parser.add_subparsers(dest="command")
@@ -29,14 +29,20 @@ def main(argv=None) -> int:
     prep = commands.add_parser("prepare", help="tokenise text files into a training data dir")
     prep.add_argument("--input", nargs="+", required=True, metavar="FILE")
     prep.add_argument("--out", required=True, metavar="DIR")
-    prep.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
+    prep.add_argument("--tokenizer", default="byte", metavar="byte|bpe|FILE",
+                      help="byte (default), bpe (trained on the inputs), or a Hugging Face "
+                           "tokenizer.json file")
     prep.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
     prep.add_argument("--val-fraction", type=float, default=0.005)
+    sample.add_arguments(commands.add_parser(
+        "sample", help="generate text from a run's newest checkpoint or a Hugging Face model"))
     args = parser.parse_args(argv)
     if args.command == "train":
         return loop.run_from_args(args)
     if args.command == "prepare":
         return _prepare(args)
+    if args.command == "sample":
+        return sample.run_from_args(args)
     parser.print_help()
     return 2
 

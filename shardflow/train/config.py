@@ -214,6 +214,7 @@ _MODEL_FIELD_CHECKS = {
     float: (lambda x: _is_real(x) and x > 0, "a number > 0"),
     bool: _boolean,
     str: (lambda x: isinstance(x, str), "a string"),
+    type(None): (lambda x: x is None or (_is_int(x) and x >= 1), "a positive integer or null"),
 }
 
 # key -> (test, what it must be), for every numeric and boolean key.
@@ -373,6 +374,10 @@ def validate(cfg: Config, n_devices: int) -> dict:
     mc = model_config(cfg)
     if cfg.data.seq_len > mc.max_seq_len and mc.family == "gpt2":
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds gpt2 max_seq_len {mc.max_seq_len}")
+    if mc.sliding_window is not None and cfg.data.seq_len > mc.sliding_window:
+        raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds model.sliding_window "
+                          f"{mc.sliding_window} (the attention has no window: a sequence must "
+                          "fit in it)")
     if pl.stages is not None:
         _check_pipeline(cfg, micro, batch_axes, ways, mc)
     return mesh

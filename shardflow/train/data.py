@@ -7,6 +7,10 @@ token ids) and ``meta.json`` (vocab size, dtype, tokenizer). Tokenizers:
   which never occurs in text files.
 - ``bpe``: byte-level BPE trained on the inputs with the ``tokenizers`` library; the trained
   ``tokenizer.json`` is saved alongside; documents end with ``<|endoftext|>`` (id 0).
+- a Hugging Face ``tokenizer.json`` file (``tokenizers.Tokenizer.from_file``), copied alongside;
+  text is encoded without the tokenizer's own special tokens, and documents end with its
+  end-of-text token (the first of ``END_OF_TEXT`` in its vocabulary; meta.json's
+  ``document_separator`` names it, or is null where it has none).
 
 With no data path the trainer uses an embedded corpus that exists on every machine: the
 ``.py`` sources of the running Python's standard library, byte-tokenised once into a cache dir.
@@ -77,9 +81,41 @@ def _tokenize_bpe(files, vocab_size: int, out: Path) -> tuple[np.ndarray, int]:
     return np.asarray(ids, _token_dtype(vocab)), vocab
 
 
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+def load_tokenizer_file(path):
+    """A Hugging Face tokenizer.json as a ``tokenizers.Tokenizer``: FileNotFoundError where
+    there is no such file, a ValueError where it is not one."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer {str(path)!r} is neither 'byte', 'bpe' nor a "
+                                "tokenizer.json file")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library's own parse errors
+        raise ValueError(f"tokenizer {str(path)!r} is not a Hugging Face tokenizer.json: "
+                         f"{e}") from None
+
+
+def _tokenize_with(tokenizer, files) -> tuple[np.ndarray, int, str | None]:
+    eot = next((t for t in END_OF_TEXT if tokenizer.token_to_id(t) is not None), None)
+    texts = [Path(f).read_text(errors="replace") for f in files]
+    ids = []
+    for enc in tokenizer.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        if eot is not None:
+            ids.append(tokenizer.token_to_id(eot))
+    vocab = tokenizer.get_vocab_size()
+    return np.asarray(ids, _token_dtype(vocab)), vocab, eot
+
+
 def prepare(inputs, out, *, tokenizer: str = "byte", vocab_size: int = 8192,
             val_fraction: float = 0.005) -> Path:
-    """Tokenise text files into ``out``/{train,val}.bin + meta.json; returns ``out``."""
+    """Tokenise text files into ``out``/{train,val}.bin + meta.json; returns ``out``.
+    ``tokenizer``: "byte", "bpe" or the path of a Hugging Face tokenizer.json."""
     files = [Path(f) for f in inputs]
     missing = [str(f) for f in files if not f.is_file()]
     if not files or missing:
@@ -89,9 +125,16 @@ def prepare(inputs, out, *, tokenizer: str = "byte", vocab_size: int = 8192,
     if tokenizer == "bpe" and vocab_size < 257:
         raise ValueError(f"a BPE vocabulary needs more than the 256 byte tokens, got vocab_size "
                          f"{vocab_size}")
+    from_file = None if tokenizer in ("byte", "bpe") else load_tokenizer_file(tokenizer)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if tokenizer == "byte":
+    extra = {}
+    if from_file is not None:
+        tokens, vocab, eot = _tokenize_with(from_file, files)
+        if Path(tokenizer).resolve() != (out / "tokenizer.json").resolve():
+            shutil.copyfile(tokenizer, out / "tokenizer.json")
+        extra = {"tokenizer_file": str(Path(tokenizer).absolute()), "document_separator": eot}
+    elif tokenizer == "byte":
         tokens, vocab = _tokenize_bytes(files)
     elif tokenizer == "bpe":
         tokens, vocab = _tokenize_bpe(files, vocab_size, out)
@@ -99,14 +142,13 @@ def prepare(inputs, out, *, tokenizer: str = "byte", vocab_size: int = 8192,
             print(f"warning: the text yields a BPE vocabulary of {vocab:,} tokens, fewer than the "
                   f"{vocab_size:,} asked for; meta.json records {vocab:,}, the size training "
                   "checks model.vocab_size against", file=sys.stderr)
-    else:
-        raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {tokenizer!r}")
     n_val = max(int(len(tokens) * val_fraction), 1)
     tokens[:-n_val].tofile(out / "train.bin")
     tokens[-n_val:].tofile(out / "val.bin")
-    meta = {"vocab_size": vocab, "dtype": np.dtype(tokens.dtype).name, "tokenizer": tokenizer,
+    meta = {"vocab_size": vocab, "dtype": np.dtype(tokens.dtype).name,
+            "tokenizer": tokenizer if from_file is None else "file",
             "train_tokens": int(len(tokens) - n_val), "val_tokens": int(n_val),
-            "documents": len(files)}
+            "documents": len(files), **extra}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return out
 
