@@ -29,9 +29,11 @@ class Boxing:
     def of(self, atom):
         return (B,) * len(self.p.axis_names) if is_literal(atom) else self.sbp[atom]
 
-    def jaxpr(self, jaxpr: Jaxpr, wanted, arg_names=None) -> Jaxpr:
+    def jaxpr(self, jaxpr: Jaxpr, wanted, arg_names=None, taken_at: str = "<unknown>") -> Jaxpr:
+        """``jaxpr`` with its conversions boxed; its inputs made at ``arg_names`` (the program's
+        arguments), else where the loop or branch taking them is (``taken_at``, its user line)."""
         for i, v in enumerate(jaxpr.invars):
-            self.made_at.setdefault(v, arg_names[i] if arg_names else "loop/branch input")
+            self.made_at.setdefault(v, arg_names[i] if arg_names else taken_at)
         converted, eqns = {}, []   # x -> {NdSbp: Var holding x converted to it}
 
         def convert(x, want, reason, used_at):
@@ -53,9 +55,9 @@ class Boxing:
 
         for eqn in jaxpr.eqns:
             decision = decision_of(eqn)
-            eqn = map_subjaxprs(eqn, lambda name, body: self.jaxpr(body, decision.body_outs(name)),
-                                names={name for name, _ in decision.bodies})
             used_at = source_line(eqn)
+            eqn = map_subjaxprs(eqn, lambda name, body: self.jaxpr(body, decision.body_outs(name), taken_at=used_at),
+                                names={name for name, _ in decision.bodies})
             invars = list(eqn.invars)
             for k, (x, want) in enumerate(zip(invars, decision.ins)):
                 have = self.of(x)

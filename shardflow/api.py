@@ -271,8 +271,7 @@ def memory_budget_bytes(budget, where: str) -> int | None:
 def pass_list(passes, where: str) -> tuple:
     """``passes`` as a tuple of Pass objects, each named one (``"solve"``) resolved to the pass
     of that name; a ShardingError naming ``where`` for an unknown name, an entry of another
-    type, or a list in which a pass runs before the facts it requires or which never boxes
-    (what lowering requires)."""
+    type, or a list that leaves the program unboxed (lowering requires "boxed")."""
     known = {p.name: p for p in ALL_PASSES}
     if isinstance(passes, (str, Pass)):
         passes = (passes,)
@@ -289,13 +288,8 @@ def pass_list(passes, where: str) -> tuple:
                                 f"{', '.join(map(repr, known))}, or Pass objects (sf.passes.DEFAULT, sf.passes.SOLVER)")
         out.append(p)
     names = tuple(p.name for p in out)
-    facts: set = set()
+    facts: set = set()     # a pass run before the facts it requires is refused as it runs (Pass.__call__)
     for p in out:
-        missing = [f.name for f in p.requires if f.name not in facts]
-        if missing:
-            raise ShardingError(f"passes {names} of {where}: {p.name!r} requires {missing}, which no pass before "
-                                f"it ensures; the default order is {tuple(q.name for q in DEFAULT_PASSES)} "
-                                "(sf.passes.DEFAULT)")
         facts = (facts - {f.name for f in p.invalidates}) | {f.name for f in p.ensures}
     if "boxed" not in facts:
         raise ShardingError(f"passes {names} of {where}: end without 'boxed', which lowering requires; end the "

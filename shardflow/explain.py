@@ -244,8 +244,8 @@ def make_plan(program: Program) -> Plan:
     work, hidden, flops = _collectives(program, jaxpr, 1, found)
     inputs = [(n, tuple(v.aval.shape), program.sbp[v]) for n, v in zip(arg_names, jaxpr.invars)]
     outputs = [(i, tuple(v.aval.shape), s) for i, (v, s) in enumerate(zip(jaxpr.outvars, program.out_sbp))]
-    values = [(e.primitive.name, source_line(e), describe(v.aval), program.sbp.get(v))
-              for e in all_eqns(jaxpr) for v in e.outvars if v in program.sbp]
+    values = [(e.primitive.name, e.params["source"] if e.primitive is box_p else source_line(e), describe(v.aval),
+               program.sbp.get(v)) for e in all_eqns(jaxpr) for v in e.outvars if v in program.sbp]
     input_bytes = sum(conversion.local_bytes(v.aval, program.sbp[v], program.mesh) for v in jaxpr.invars)
     return Plan(found, inputs, outputs, values, list(program.fallbacks), program.planner, work, hidden,
                 flops, input_bytes, held_bytes(program, jaxpr), gathered_inputs(program))

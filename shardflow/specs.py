@@ -13,6 +13,7 @@ named nowhere <-> ``B``; ``unreduced={a}`` <-> ``P`` on ``a``.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -67,7 +68,14 @@ def user_line() -> str:
 
 
 def definition(fn) -> str:
-    """``name (file.py:LINE)`` of a user's function, for errors about it, its arguments and outputs."""
+    """``name (file.py:LINE)`` of a user's function, for errors about it, its arguments and outputs:
+    the function a wrapper wraps (``jax.value_and_grad(loss)``: ``loss``'s line), and a
+    ``functools.partial``'s function."""
+    while True:
+        inner = getattr(fn, "__wrapped__", None) or (fn.func if isinstance(fn, functools.partial) else None)
+        if inner is None or inner is fn:
+            break
+        fn = inner
     code = getattr(fn, "__code__", None)
     name = getattr(fn, "__name__", type(fn).__name__)
     if code is None:
