@@ -70,7 +70,9 @@ class Plan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.append(f"total: {self.total_bytes:,} bytes sent per device in {len(self.collectives)} collectives, "
+        runs = sum(c.count for c in self.collectives)      # a row runs × times a call (a loop's trips)
+        distinct = f" ({len(self.collectives)} distinct)" if runs != len(self.collectives) else ""
+        lines.append(f"total: {self.total_bytes:,} bytes sent per device in {runs:,} collectives{distinct}, "
                      f"{self.total_seconds * 1e6:.1f} µs modelled; planner: {self.planner}")
         if self.fallbacks:
             lines.append("run whole for want of a rule (operands gathered to B): "

@@ -265,3 +265,16 @@ def test_the_axes_no_value_uses_are_named_in_one_warning(mesh):
         "mesh axes 'data' (2 devices) and 'model' (4 devices) of _mlp_grad"), str(caught[0].message)
     assert "unless the 8 copies are intended" in str(caught[0].message)
     assert caught[0].filename == __file__
+
+
+# ------------------------------------------------------------------------------ explain's summary line
+
+def test_explains_total_counts_every_collective_a_call_runs(mesh):
+    def loss(ws, x):
+        return jnp.mean(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0] ** 2)
+
+    plan = sf.parallelize(jax.value_and_grad(loss), mesh=mesh, in_specs=(PS(None, "model"), PS("data"))).explain(
+        np.ones((3, 16, 16), np.float32), np.ones((8, 16), np.float32))
+    runs = sum(c.count for c in plan.collectives)
+    assert runs > len(plan.collectives)            # rows inside the 3-layer loop run 3 times a call
+    assert f"in {runs} collectives ({len(plan.collectives)} distinct), " in str(plan), str(plan)
