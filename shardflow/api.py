@@ -139,15 +139,7 @@ class Parallelized:
         program = run_passes(program, self.passes)
         replicated = replicated_axes(program)
         if replicated:
-            one = len(replicated) == 1
-            axes = " and ".join(f"{a!r} ({n} devices)" for a, n in replicated)
-            copies = math.prod(n for _, n in replicated)
-            warnings.warn(ReplicatedAxisWarning(
-                f"mesh {'axis' if one else 'axes'} {axes} of {definition(self.fn)}: no value is split or partial over "
-                f"{'it' if one else 'them'}: every device along {'it' if one else 'them'} runs the same work on the "
-                f"same data. Split an argument over {'it' if one else 'each'} in in_specs, or leave "
-                f"{'it' if one else 'them'} out of the mesh, unless the {copies} copies are intended"),
-                stacklevel=_user_stacklevel())
+            warnings.warn(_replication(replicated, definition(self.fn)), stacklevel=_user_stacklevel())
         donated = tuple(i for i, (path, _) in enumerate(tree_flatten_with_path(args)[0])
                         if path[0].idx in self.donate_argnums)
         fn, in_ps = lower(program, donated)
@@ -221,6 +213,17 @@ def replicated_axes(program: Program) -> list:
     for sbp in layouts:
         used.update(a for a, s in zip(names, sbp or ()) if s != B)
     return [(a, n) for a, n in zip(names, program.mesh.devices.shape) if n > 1 and a not in used]
+
+
+def _replication(replicated: list, where: str) -> ReplicatedAxisWarning:
+    one = len(replicated) == 1
+    axes = " and ".join(f"{a!r} ({n} devices)" for a, n in replicated)
+    it = "it" if one else "them"
+    return ReplicatedAxisWarning(
+        f"mesh {'axis' if one else 'axes'} {axes} of {where}: no value is split or partial over {it}: every "
+        f"device along {it} runs the same work on the same data. Split an argument over {'it' if one else 'each'} "
+        f"in in_specs, or leave {it} out of the mesh, unless the {math.prod(n for _, n in replicated)} copies are "
+        "intended")
 
 
 def _user_stacklevel() -> int:
