@@ -1,7 +1,7 @@
 """Attention on the GPU: correctness of our Pallas kernels, and TFLOP/s against cuDNN and JAX's
 Pallas Triton `mha`, all in one process.
 
-  python benchmarks/attention.py            # the ANCHORS.md table (fwd and fwd+bwd, ratios)
+  python benchmarks/attention.py            # the table (fwd and fwd+bwd, ratios); --out FILE.json
   python benchmarks/attention.py --check    # compiled kernels vs an fp32 reference
   python benchmarks/attention.py --sweep    # per-kernel times over block-size choices
   python benchmarks/attention.py --bwd      # the two backwards alone: Mosaic GPU vs Triton
@@ -11,12 +11,12 @@ Pallas Triton `mha`, all in one process.
   python benchmarks/attention.py --profile  # device time per kernel of ours' and cuDNN's fwd+bwd
 
 FLOPs: 4*B*S^2*H*D forward (H = q heads), half when causal, x3.5 for forward+backward.
-Times: device time, the sum of a call's kernel durations in a profiler trace of --iters calls
-(v11 on), median of 3 interleaved rounds, after --warmup calls. The table also gives wall-clock
-ratios: calls dispatched 10 at a time and ended by one block_until_ready (v8-v10; until v7
-every call was synced, which added the host's dispatch and sync latency to every call). Wall
-clock has favoured whichever contender was compiled first, by up to 11 % on our kernels and
-not on cuDNN's (results v10); device time does not move with the order.
+Times: device time, the sum of a call's kernel durations in a profiler trace of --iters calls,
+median of 3 interleaved rounds, after --warmup calls. The table also gives wall-clock ratios:
+calls dispatched 10 at a time and ended by one block_until_ready, so the host's dispatch and
+sync latency is not counted per call. Wall clock can favour whichever contender is compiled
+first (by up to 11 % on our kernels, not on cuDNN's); device time does not move with the
+order.
 """
 from __future__ import annotations
 
@@ -121,8 +121,8 @@ def implementations(causal, group):
     return pallas_triton.mha(q, k, v, segment_ids=None, causal=causal,
                              sm_scale=q.shape[-1] ** -0.5)
 
-  # The baseline first: the first-listed contender has measured faster whatever its code (up to
-  # 11 % on our kernels in the table; results v10), so any such bias works against us here.
+  # The baseline first: the first-listed contender can measure faster whatever its code (up to
+  # 11 % on our kernels by wall clock), so any such bias works against us here.
   return {"cudnn": cudnn, "ours": ours, "triton_mha": triton_mha}
 
 

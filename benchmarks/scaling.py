@@ -18,7 +18,7 @@ and each engine also runs one device with one replica's batch under dp. Weak-sca
 efficiency = tokens/s on N devices / (N x tokens/s on one device), per engine; under tp the
 N devices share one replica's batch, so there it is the parallel efficiency of the same work.
 
-Per-replica batch x seq, remat (CASES): 1b 8 x 4096, no remat (the ../shared/ANCHORS.md row).
+Per-replica batch x seq, remat (CASES): 1b 8 x 4096, no remat (train_mfu.py's 1b row).
 7b 4 x 4096 with full remat: configs/7b-2d.yaml's micro-batch per data replica; fp32 weights,
 gradients and Adam moments are 16 bytes/param (107 GB for 6.7 B), so 7b under dp and on one
 device needs more than an 80 GB GPU holds. Such configs are skipped before compiling when the

@@ -7,7 +7,7 @@ shardflow: the `shardflow train` step (fp32 master weights, bf16 compute, AdamW 
 attention through shardflow.ops.attention) run by ``sf.parallelize``.
 reference: the same model and optimizer as one ``jax.jit`` program — scan over layers, cuDNN
 attention called directly (``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU),
-optax — i.e. what the plain-JAX numbers in ../shared/ANCHORS.md measure.
+optax: a plain-JAX program of the same training step.
 shardflow-cudnn (optional): the shardflow engine with the reference's cuDNN attention, which
 separates what the compiler costs from what the attention kernel costs.
 
@@ -25,7 +25,7 @@ import _checkout  # noqa: F401
 import _results
 from shardflow.train import configure_host_platform
 
-CASES = {  # preset -> (batch, seq, remat), the ../shared/ANCHORS.md rows
+CASES = {  # preset -> (batch, seq, remat)
     "1b": (8, 4096, "none"),
     "3b": (8, 4096, "dots"),
     "tiny": (16, 256, "none"),
