@@ -168,6 +168,37 @@ def test_a_split_that_does_not_divide_is_an_error_naming_the_parameter(tmp_path)
         hf.load(tmp_path, mesh=mesh, rules="tp")
 
 
+def test_the_original_gpt2_layout_imports(tmp_path):
+    """Tensor names without the "transformer." prefix, the causal-mask buffers stored, and the
+    tied head stored too, as in the original GPT-2 checkpoints."""
+    from safetensors.numpy import load_file, save_file
+    model = make_hf_model("gpt2")
+    model.save_pretrained(tmp_path)
+    tensors = {name.removeprefix("transformer."): array
+               for name, array in load_file(tmp_path / hf.SINGLE_FILE).items()}
+    tensors["h.0.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.float32))
+    tensors["lm_head.weight"] = tensors["wte.weight"]
+    save_file(tensors, tmp_path / hf.SINGLE_FILE, metadata={"format": "pt"})
+    tokens = random_tokens()
+    np.testing.assert_allclose(np.asarray(hf.load_model(tmp_path)(jnp.asarray(tokens))),
+                               hf_logits(model, tokens), atol=1e-4, rtol=0)
+    tensors["lm_head.weight"] = tensors["wte.weight"] + 1
+    save_file(tensors, tmp_path / hf.SINGLE_FILE, metadata={"format": "pt"})
+    with pytest.raises(hf.HFCheckpointError, match="lm_head.weight differs from the embedding"):
+        hf.load(tmp_path)
+
+
+def test_a_bfloat16_checkpoint_imports_as_float32(tmp_path):
+    transformers, torch = hf_libs()
+    make_hf_model("llama").to(torch.bfloat16).save_pretrained(tmp_path)
+    cfg, params = hf.load(tmp_path)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    tokens = random_tokens()
+    np.testing.assert_allclose(np.asarray(hf.load_model(tmp_path)(jnp.asarray(tokens))),
+                               hf_logits(reference, tokens), atol=1e-4, rtol=0)
+
+
 def test_mistral_refuses_sequences_longer_than_its_window(tmp_path):
     make_hf_model("mistral", sliding_window=SEQ).save_pretrained(tmp_path)
     model = hf.load_model(tmp_path)
