@@ -334,9 +334,6 @@ class _Reader:
     def _stored_name(self, name: str) -> str:
         return name[len(self._prefix):] if self._bare and name.startswith(self._prefix) else name
 
-    def __contains__(self, name: str) -> bool:
-        return self._stored_name(name) in self._where
-
     def get(self, name: str, shape: tuple) -> np.ndarray:
         stored = self._stored_name(name)
         if stored not in self._where:
