@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _checkout  # noqa: E402,F401
+import _results  # noqa: E402
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 
@@ -127,8 +128,8 @@ def main(argv=None):
             print(f"| {axis} ({n}) | {kind} | " + " | ".join(f"{t * 1e3:.3f}" for _, t in points)
                   + f" | {alpha * 1e6:.1f} | {beta / 1e9:.1f} |", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"mesh": shape, "jax": jax.__version__,
-                                              "device": jax.devices()[0].device_kind, "fits": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"meta": _results.run_meta(mesh=shape), "fits": results},
+                                             indent=1))
 
 
 if __name__ == "__main__":
