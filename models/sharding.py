@@ -118,6 +118,27 @@ def check_rules(rules: Rules, mesh_axis_names: Sequence[str]) -> None:
                     f"{tuple(mesh_axis_names)} does not have")
 
 
+# Logical axes the models name on activations only (their parameters name the others).
+ACTIVATION_AXES = ("batch", "seq")
+
+
+def model_logical_axes(model: nnx.Module) -> list[str]:
+    """Every logical axis a rules table can split for ``model``: its parameters' and the
+    activations' (sorted)."""
+    axes_tree, _ = param_logical_axes(model)
+    names = {name for axes in jax.tree.leaves(axes_tree, is_leaf=_is_axes) for name in axes}
+    return sorted((names - {None}) | set(ACTIVATION_AXES))
+
+
+def check_logical_names(rules: Rules, model_axes: Sequence[str]) -> None:
+    """Every logical axis a rule names must be one the model has: a misspelt name would leave
+    the dimension it meant replicated."""
+    for logical in rules:
+        if logical not in model_axes:
+            raise ValueError(f"the rules table names logical axis {logical!r}, which the model does "
+                             f"not have; its logical axes: {', '.join(model_axes)}")
+
+
 def spec_for(axes: LogicalAxes, rules: Rules) -> PartitionSpec:
     """PartitionSpec for a tensor whose dims have the given logical names.
 

@@ -149,6 +149,33 @@ CASES = {
         lambda tmp: ["--set", "strategy=pp", "--set", "mesh={pipe: 8}"],
         "strategy 'pp' puts the stacked layers on mesh axis 'pipe', which only a pipeline runs "
         "them on: set pipeline.stages to its size"),
+    # context parallelism: the sequence split over the mesh axis "context"
+    "sequence not divisible by the context axis": (
+        lambda tmp: ["--set", "mesh={data: 2, context: 4}", "--set", "strategy=cp",
+                     "--set", "data.seq_len=30"],
+        "data.seq_len 30 is not divisible by 4: strategy 'cp' splits the sequence over mesh axes "
+        "('context',) (4 ways)"),
+    "zigzag sequence not in 2 chunks per device": (
+        lambda tmp: ["--set", "mesh={data: 2, context: 4}", "--set", "strategy=cp",
+                     "--set", "model.context=zigzag", "--set", "data.seq_len=12"],
+        "data.seq_len 12 is not divisible by 8: strategy 'cp' splits the sequence over mesh axes "
+        "('context',) (4 ways) (model.context 'zigzag': 2 chunks per device)"),
+    "ulysses with kv heads not divisible by the context axis": (
+        lambda tmp: ["--set", "mesh={data: 1, context: 8}", "--set", "strategy=cp",
+                     "--set", "model.context=ulysses"],
+        "model.context 'ulysses' splits the attention heads over mesh axes ('context',) (8 ways), "
+        "so the kv heads must divide by 8: model.n_kv_heads is 4"),
+    "ulysses over the heads' tensor-parallel axis too": (
+        lambda tmp: ["--set", "mesh={context: 4, model: 2}",
+                     "--set", "strategy={seq: context, heads: model, kv_heads: model}",
+                     "--set", "model.context=ulysses"],
+        "model.context 'ulysses' splits the attention heads over mesh axes ('model', 'context') "
+        "(8 ways), so the kv heads must divide by 8: model.n_kv_heads is 4"),
+    "misspelt logical axis in a strategy table": (
+        lambda tmp: ["--set", "strategy={batch: data, embd: data}"],
+        "strategy {'batch': 'data', 'embd': 'data'}: the rules table names logical axis 'embd', "
+        "which the model does not have; its logical axes: batch, embed, head_dim, heads, "
+        "kv_heads, layers, mlp, norm, seq, vocab"),
     "pipe axis without a pipeline": (
         lambda tmp: ["--set", "mesh={data: 2, pipe: 4}"],
         "mesh axis 'pipe' has 4 devices but no pipeline runs on it (every one would compute the "
@@ -226,3 +253,15 @@ def test_only_numbered_step_folders_count_as_checkpoints_in_the_way(tmp_path):
         config.check_not_overwriting(cfg)
     cfg.checkpoint.resume = True
     config.check_not_overwriting(cfg)
+
+
+@pytest.mark.parametrize("out", ["5", "[runs, a]"])
+def test_out_that_is_not_a_path_is_a_config_error(out, tmp_path, capsys, monkeypatch):
+    (tmp_path / "run.yaml").write_text(f"out: {out}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loop, "parallelize_step", lambda *a, **k: pytest.fail("compiled"))
+    code = cli.main(["train", "--config", "run.yaml", "--steps", "2", *_data()(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"config error: out must be a directory path (a string), got "), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml", "tokens"]

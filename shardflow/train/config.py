@@ -235,6 +235,9 @@ _CHECKS = {
     "optimizer.beta2": (lambda x: _is_real(x) and 0 <= x < 1, "a number in [0, 1)"),
     "optimizer.eps": (lambda x: _is_real(x) and x > 0, "a number > 0"),
     "optimizer.clip_norm": (lambda x: _is_real(x) and x >= 0, "a number >= 0 (0 disables)"),
+    "out": (lambda x: isinstance(x, str) and x != "", "a directory path (a string)"),
+    "data.path": (lambda x: x is None or (isinstance(x, str) and x != ""),
+                  "a `shardflow prepare` directory's path (a string), or null"),
     "checkpoint.every": (lambda x: _is_int(x) and x >= 0, "an integer >= 0 (0 disables)"),
     "checkpoint.keep": _positive_int,
     "checkpoint.async_save": _boolean,
@@ -378,9 +381,38 @@ def validate(cfg: Config, n_devices: int) -> dict:
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds model.sliding_window "
                           f"{mc.sliding_window} (the attention has no window: a sequence must "
                           "fit in it)")
+    _check_context(cfg, mesh, rules, mc)
     if pl.stages is not None:
         _check_pipeline(cfg, micro, batch_axes, ways, mc)
     return mesh
+
+
+def _check_context(cfg: Config, mesh: dict, rules: dict, mc) -> None:
+    """The sequence against the mesh axes that split it, and Ulysses' heads against the axes it
+    moves that split onto."""
+    from shardflow.models.sharding import mesh_axes_of
+    seq_axes = mesh_axes_of(rules.get("seq"))
+    if not seq_axes:
+        return
+    ways = math.prod(mesh[a] for a in seq_axes)
+    chunks = 2 * ways if mc.context.partition("-")[0] == "zigzag" else ways
+    if cfg.data.seq_len % chunks:
+        how = f" (model.context {mc.context!r}: 2 chunks per device)" if chunks != ways else ""
+        raise ConfigError(f"data.seq_len {cfg.data.seq_len} is not divisible by {chunks}: strategy "
+                          f"{cfg.strategy!r} splits the sequence over mesh axes {seq_axes} "
+                          f"({ways} ways){how}")
+    if mc.attention_context not in ("ulysses", "hybrid"):
+        return
+    # Ulysses re-splits q, k and v from the sequence to the heads: over every sequence axis, or
+    # (hybrid) the innermost one, on top of the axes that split the heads already.
+    moved = seq_axes if mc.attention_context == "ulysses" else seq_axes[-1:]
+    axes = tuple(dict.fromkeys(mesh_axes_of(rules.get("kv_heads")) + moved))
+    heads_ways = math.prod(mesh[a] for a in axes)
+    key = "n_kv_heads" if mc.family == "llama" else "n_heads"   # gpt2: as many kv heads as heads
+    if getattr(mc, key) % heads_ways:
+        raise ConfigError(f"model.context {mc.context!r} splits the attention heads over mesh axes "
+                          f"{axes} ({heads_ways} ways), so the kv heads must divide by "
+                          f"{heads_ways}: model.{key} is {getattr(mc, key)}")
 
 
 def _check_pipeline(cfg: Config, micro: int, batch_axes, ways: int, mc) -> None:

@@ -240,6 +240,12 @@ def setup(cfg) -> Run:
 
     abstract_model = nnx.eval_shape(lambda: models.build(model_cfg, cfg.seed))
     graphdef, abstract_params = nnx.split(abstract_model)
+    if isinstance(cfg.strategy, dict):
+        try:
+            model_sharding.check_logical_names(cfg.strategy,
+                                               model_sharding.model_logical_axes(abstract_model))
+        except ValueError as e:
+            raise config_lib.ConfigError(f"strategy {cfg.strategy}: {e}") from None
     try:
         param_specs = models.param_specs(abstract_model, rules, mesh)
     except ValueError as e:
