@@ -18,7 +18,7 @@ from shardflow import schedules as sched
 from shardflow.schedules import Action, Schedule
 
 SIZES = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
-DOC = Path(__file__).resolve().parents[1] / "docs" / "pipeline.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "explanation" / "pipeline-schedules.md"
 
 
 def idle_time(schedule, **kw):
@@ -313,7 +313,7 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 
 
 def schedules_section() -> str:
-    """docs/pipeline.md's section on schedules: from its heading to the next one."""
+    """docs/explanation/pipeline-schedules.md's section on schedules: from its heading to the next one."""
     text = DOC.read_text()
     start = text.index("## Schedules")
     end = text.find("\n## ", start)
