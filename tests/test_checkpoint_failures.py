@@ -3,6 +3,7 @@ with a warning naming the damaged step; nothing restorable or a failed save is o
 `checkpoint error:` line; no exit hangs on orbax's threads."""
 import gc
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -230,3 +231,110 @@ def test_a_failed_background_save_is_a_checkpoint_error(data_dir, tmp_path, monk
     with pytest.raises(CheckpointError, match=r"saving step 2 in .*checkpoints failed: OSError: "
                                               r"\[Errno 28\] No space left on device"):
         train.train(cfg, progress=False)
+
+
+def _incompressible_state(seed):
+    """{"w": float32 [64, 256] of random bits} split over the 8 devices: zstd stores such data
+    as it is, so a flipped bit in its file is a flipped bit of the restored array."""
+    mesh = jax.make_mesh((8,), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    bits = np.random.default_rng(seed).integers(0, 2**32, (64, 256), dtype=np.uint32)
+    return {"w": jax.device_put(bits.view(np.float32), sharding)}
+
+
+def test_one_flipped_bit_in_an_arrays_data_is_refused(tmp_path, capsys):
+    ckpt = Checkpoints(tmp_path / "checkpoints")
+    for step in (1, 2):
+        ckpt.save(step, _incompressible_state(step))
+    ckpt.wait()
+    ckpt.close()
+    saved = np.asarray(_incompressible_state(2)["w"]).tobytes()
+    [(path, offset)] = [(p, p.read_bytes().find(saved[4096:4160]))
+                        for p in _arrays(tmp_path / "checkpoints" / "2")
+                        if saved[4096:4160] in p.read_bytes()]
+    raw = bytearray(path.read_bytes())
+    raw[offset + 10] ^= 0x04
+    path.write_bytes(bytes(raw))
+    state = _incompressible_state(0)
+    target = abstract_like(state, jax.tree.map(lambda x: x.sharding, state))
+    ckpt = Checkpoints(tmp_path / "checkpoints")
+    step, restored = ckpt.restore_latest(target)
+    ckpt.close()
+    assert step == 1
+    assert np.asarray(restored["w"]).tobytes() == np.asarray(_incompressible_state(1)["w"]).tobytes()
+    assert ("warning: checkpoint step 2 is damaged (1 of its 1 arrays do not match their "
+            "checksums in checksums.json: w); resuming from step 1") in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2.damaged"]
+
+
+def test_a_step_whose_checksums_were_not_written_is_set_aside(saved, target, tmp_path, capsys):
+    """What a process killed between orbax's commit of a step and its checksums leaves."""
+    out = _copy(saved, tmp_path)
+    (out / "checkpoints" / "4" / "checksums.json").unlink()
+    ckpt = Checkpoints(out / "checkpoints")
+    step, _ = ckpt.restore_latest(target)
+    ckpt.close()
+    assert step == 2
+    assert (f"warning: checkpoint step 4 is damaged ({out}/checkpoints/4/checksums.json is "
+            "missing: its save did not finish); resuming from step 2") in capsys.readouterr().err
+
+
+def test_a_nan_stop_after_resuming_names_the_step_that_verified(data_dir, saved, target,
+                                                                tmp_path, capsys):
+    """Step 4's files replaced by well-formed ones of NaN parameters, as damage the storage
+    format cannot see: the checksums refuse them, the run resumes from step 2, and the stop
+    that a huge learning rate then causes names step 2 as the last good checkpoint."""
+    out = _copy(saved, tmp_path)
+    ckpt = Checkpoints(out / "checkpoints")
+    state = ckpt.restore(4, target)
+    ckpt.close()
+    state["params"] = jax.tree.map(lambda x: x * np.nan, state["params"])
+    forged = Checkpoints(tmp_path / "forged")
+    forged.save(4, state)
+    forged.wait()
+    forged.close()
+    shutil.rmtree(out / "checkpoints" / "4" / "default")
+    shutil.copytree(tmp_path / "forged" / "4" / "default", out / "checkpoints" / "4" / "default")
+    cfg = _cfg(data_dir, out)
+    cfg.optimizer.lr, cfg.optimizer.clip_norm, cfg.optimizer.warmup_steps = 1e30, 0.0, 0
+    cfg.checkpoint.every = 5    # the loss is NaN at step 5: no save of this run comes first
+    result = train.train(cfg, progress=False)
+    assert result["start_step"] == 2 and not np.isfinite(result["losses"][5])
+    assert result["stopped"] and "last good checkpoint: step 2 in " in result["stopped"], result
+    err = capsys.readouterr().err
+    assert "warning: checkpoint step 4 is damaged (" in err and "do not match their checksums" in err
+
+
+def test_every_finished_save_has_checksums_of_its_arrays(saved):
+    for step in ("2", "4"):
+        checksums = json.loads((saved[0] / "checkpoints" / step / "checksums.json").read_text())
+        assert "params/embedding" in checksums and "opt_state/1/0/mu/embedding" in checksums
+        assert all(len(words) == 2 for words in checksums.values())
+
+
+# Root reads any file whatever its mode; started without the capabilities that allow it, a
+# process of root's is refused by the mode like any user's.
+_WITHOUT_ROOTS_READ_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+                                "--inh-caps=-dac_override,-dac_read_search"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None,
+                    reason="as root, needs setpriv to drop the capability to read any file")
+def test_a_step_this_process_may_not_read_is_a_checkpoint_error(data_dir, saved, tmp_path):
+    """Permission is the process's, not the files': the step is named and left where it is."""
+    out = _copy(saved, tmp_path)
+    step_dir = out / "checkpoints" / "4"
+    before = _tree(out)
+    step_dir.chmod(0)
+    prefix = _WITHOUT_ROOTS_READ_OVERRIDE if os.geteuid() == 0 else []
+    try:
+        result = subprocess.run(prefix + _train_command(data_dir, out) + ["--steps", "6"],
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        step_dir.chmod(0o755)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        f"checkpoint error: {step_dir} cannot be read by this process (Permission denied): give "
+        f"it read permission, or move that step out of {out}/checkpoints to resume from an older "
+        "one"], result.stderr
+    assert _tree(out) == before

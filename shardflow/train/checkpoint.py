@@ -4,20 +4,30 @@ Restoring takes an abstract target — shapes, dtypes and the *current* run's sh
 checkpoint written under one mesh (say 8-way DP) loads straight into another (2×4 DP×TP):
 orbax reads each device's slice of every array from the saved files.
 
-A step whose files are missing or unreadable is *damaged*: resuming falls back to the newest
-step that restores and moves the damaged ones aside (``STEP.damaged``), so the run can save
-those step numbers again.
+Every saved array has a checksum: once a save has finished, ``STEP/checksums.json`` holds
+two position-weighted sums of each array's bits (computed on its devices, so they do not depend
+on the mesh), and a restore recomputes them. A step whose files are missing or unreadable,
+whose arrays do not match their checksums, or without checksums (its save did not finish) is
+*damaged*: resuming falls back to the newest step that restores and moves the damaged ones
+aside (``STEP.damaged``), so the run can save those step numbers again. A step this process
+has no permission to read is not damaged: that is a CheckpointError, and nothing moves.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
+import json
+import os
 import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+
+CHECKSUMS = "checksums.json"
 
 
 class CheckpointError(RuntimeError):
@@ -45,9 +55,12 @@ class Checkpoints:
             # exit. Made in save() instead, the failure is an exception there.
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         self.directory = Path(directory).absolute()
+        _check_readable(self.directory)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_handlers=ocp.StandardCheckpointHandler())
+        self._async = async_save
         self._saving: int | None = None  # the step whose background save may still run
+        self._saving_checksums = None     # its arrays' checksums, written when it finishes
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -56,16 +69,42 @@ class Checkpoints:
         """Starts writing ``state`` (a pytree of jax.Arrays); returns before it is on disk.
         A CheckpointError if this save, or the previous one in the background, failed."""
         self.wait()
+        # Dispatched before the caller's next step can donate the arrays; read when written.
+        checksums = _checksums(state)
         with self._failure(f"saving step {step}"):
             self._manager.save(step, args=ocp.args.StandardSave(state))
-        self._saving = step
+        self._saving, self._saving_checksums = step, checksums
+        if not self._async:
+            self.wait()
 
     def wait(self) -> None:
-        """Blocks until the last save is on disk; a CheckpointError if it failed."""
+        """Blocks until the last save is on disk, then writes its checksums; a CheckpointError
+        if either failed."""
         step, self._saving = self._saving, None
         if step is not None:
             with self._failure(f"saving step {step}"):
                 self._manager.wait_until_finished()
+                self._write_checksums(step, self._saving_checksums)
+
+    def poll(self) -> None:
+        """Writes the checksums of a background save that has finished, so that the step counts
+        as saved without waiting for the next save; a CheckpointError if that save failed."""
+        if self._saving is not None and not self._manager.is_saving_in_progress():
+            self.wait()
+
+    @property
+    def saving(self) -> int | None:
+        """The step whose save has started but whose checksums are not written yet."""
+        return self._saving
+
+    def _write_checksums(self, step: int, checksums) -> None:
+        digests = {name: [int(word) for word in np.asarray(value)]
+                   for name, value in _named_leaves(checksums).items()}
+        if jax.process_index() == 0:
+            path = self.directory / str(step) / CHECKSUMS
+            partial = path.with_name(CHECKSUMS + ".partial")
+            partial.write_text(json.dumps(digests, indent=0, sort_keys=True))
+            os.replace(partial, path)
 
     def close(self) -> None:
         """Releases orbax's threads. Call wait() first to hear about a failed last save."""
@@ -94,9 +133,28 @@ class Checkpoints:
                              f"than this run's ({len(diff)} differ): " + "; ".join(diff[:3]))
         try:
             with _reads_finish_before_their_loop_closes():
-                return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+                state = self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
         except Exception as e:  # tensorstore's and orbax's read errors alike
             raise DamagedCheckpoint(step, self._why(step, e)) from None
+        self._verify(step, state)
+        return state
+
+    def _verify(self, step: int, state) -> None:
+        path = self.directory / str(step) / CHECKSUMS
+        try:
+            saved = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise DamagedCheckpoint(step, f"{path} is missing: its save did not finish") from None
+        except (OSError, ValueError) as e:
+            raise DamagedCheckpoint(step, f"{path} cannot be read: {e}") from None
+        restored = {name: [int(word) for word in np.asarray(value)]
+                    for name, value in _named_leaves(_checksums(state)).items()}
+        wrong = [name for name in sorted(restored.keys() | saved.keys())
+                 if restored.get(name) != saved.get(name)]
+        if wrong:
+            raise DamagedCheckpoint(
+                step, f"{len(wrong)} of its {len(restored)} arrays do not match their checksums "
+                      f"in {path.name}: {', '.join(wrong[:3])}{', ...' * (len(wrong) > 3)}")
 
     def restore_latest(self, abstract_state):
         """(step, state) from the newest step that restores, or None if there are no steps.
@@ -191,12 +249,63 @@ def _reads_finish_before_their_loop_closes():
         asyncio.set_event_loop_policy(previous)
 
 
-def _shapes(tree) -> dict:
-    """'path/to/leaf' -> shape, with dict keys, attributes and indices spelled alike."""
+def _check_readable(directory: Path) -> None:
+    """A CheckpointError naming the first step folder or file of ``directory`` this process may
+    not read. Read permission is the process's, not the files': such a step is not set aside."""
+    if not directory.is_dir():
+        return
+
+    def fail(e: OSError):
+        raise e
+
+    try:
+        steps = [p for p in directory.iterdir() if p.name.isascii() and p.name.isdigit()]
+        for step_dir in steps:
+            for root, _, files in os.walk(step_dir, onerror=fail):
+                for name in files:
+                    with open(os.path.join(root, name), "rb"):
+                        pass
+    except PermissionError as e:
+        raise CheckpointError(
+            f"{e.filename} cannot be read by this process ({e.strerror}): give it read "
+            f"permission, or move that step out of {directory} to resume from an older "
+            "one") from None
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+    """Two sums of ``x``'s bits as 32-bit words, mod 2**32, each word weighted by an odd
+    multiple of its position: one flipped bit changes both, any reordering of words changes
+    them almost surely. Not cryptographic; a check against damage, not tampering."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if x.dtype.itemsize >= 4:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:
+        words = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    words = words.astype(jnp.uint32).ravel()
+    position = jax.lax.iota(jnp.uint32, words.size)
+    rotated = (words << 13) | (words >> 19)
+    return jnp.stack([jnp.sum(words * (position * np.uint32(0x9E3779B1) | 1), dtype=jnp.uint32),
+                      jnp.sum(rotated * (position * np.uint32(0x85EBCA77) | 1), dtype=jnp.uint32)])
+
+
+_checksums = jax.jit(lambda tree: jax.tree.map(_checksum, tree))
+
+
+def _named_leaves(tree) -> dict:
+    """'path/to/leaf' -> leaf, with dict keys, attributes and indices spelled alike."""
+    return {_path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _path_name(path) -> str:
     def name(k):
         for attr in ("key", "name", "idx"):
             if hasattr(k, attr):
                 return str(getattr(k, attr))
         return str(k)
-    return {"/".join(name(k) for k in path): tuple(leaf.shape)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return "/".join(name(k) for k in path)
+
+
+def _shapes(tree) -> dict:
+    """'path/to/leaf' -> shape."""
+    return {name: tuple(leaf.shape) for name, leaf in _named_leaves(tree).items()}

@@ -390,6 +390,8 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
             batch = data_lib.global_batch(run.data, step, (cfg.grad_accum, micro), seq_len,
                                           cfg.data.seed, batch_sharding, order)
             params, opt_state, metrics = step_fn(params, opt_state, batch)
+            if ckpt:
+                ckpt.poll()
             if pending is not None and not check(*pending):
                 break
             pending = (step, metrics)
