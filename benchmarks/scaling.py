@@ -5,7 +5,7 @@
     python benchmarks/scaling.py --preset 1b --strategies dp,fsdp --out scaling.json
 
 For each preset, on N = jax.device_count() devices, the `shardflow train` step (fp32 master
-weights, bf16 compute, AdamW + clipping) runs under each strategy of docs/models.md with two
+weights, bf16 compute, AdamW + clipping) runs under each strategy of docs/reference/config.md with two
 engines: "shardflow" (sf.parallelize) and "jit" (jax.jit with the same specs as
 NamedShardings); `--engines shardflow-solver` adds shardflow with the whole-program solver
 (`sf.passes.SOLVER`, no one-device row of its own). Meshes: dp, fsdp {data: N}; tp, tp_sp {data: 1, model: N}; 2d

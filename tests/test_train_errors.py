@@ -98,7 +98,7 @@ CASES = {
         "{tmp}/run/checkpoints yourself"),
     "boolean a word": (lambda tmp: ["--set", "checkpoint.resume=maybe"],
                        "checkpoint.resume must be true or false, got 'maybe'"),
-    # pipeline parallelism (docs/models.md): mesh {data: 2, pipe: 4}, pipeline.stages=4
+    # pipeline parallelism (docs/tutorials/pipelining.md): mesh {data: 2, pipe: 4}, pipeline.stages=4
     "pipeline stages not the pipe axis's size": (
         _pipeline("stages=2"), "pipeline.stages 2 must equal the size of mesh axis 'pipe' (4, "
                                "mesh {'data': 2, 'pipe': 4})"),
