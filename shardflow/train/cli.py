@@ -1,4 +1,5 @@
-"""The `shardflow` command: `shardflow train`, `shardflow prepare` and `shardflow sample`."""
+"""The `shardflow` command: `shardflow train`, `shardflow explain`, `shardflow prepare` and
+`shardflow sample`."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,9 @@ def main(argv=None) -> int:
     train_parser = commands.add_parser(
         "train", help="pretrain a language model (no arguments: tiny model on the stdlib)")
     loop.add_arguments(train_parser)
+    loop.add_explain_arguments(commands.add_parser(
+        "explain", help="show the training step's plan (collectives, modelled step time and "
+                        "memory per device) without training or writing anything"))
     prep = commands.add_parser("prepare", help="tokenise text files into a training data dir")
     prep.add_argument("--input", nargs="+", required=True, metavar="FILE")
     prep.add_argument("--out", required=True, metavar="DIR")
@@ -39,6 +43,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train":
         return loop.run_from_args(args)
+    if args.command == "explain":
+        return loop.explain_from_args(args)
     if args.command == "prepare":
         return _prepare(args)
     if args.command == "sample":

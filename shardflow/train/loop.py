@@ -270,6 +270,110 @@ def setup(cfg) -> Run:
                optimizer, schedule, n_params, data, val_data, config_lib.pipeline_config(cfg))
 
 
+def abstract_step_args(run: Run):
+    """(params, opt_state, batch) of the training step as ShapeDtypeStructs: what the planner
+    plans for, without allocating anything."""
+    import jax
+    import jax.numpy as jnp
+    params, opt_state = jax.eval_shape(lambda: init_state(run))
+    micro = run.cfg.batch_size // run.cfg.grad_accum
+    tokens = jax.ShapeDtypeStruct((run.cfg.grad_accum, micro, run.cfg.data.seq_len), jnp.int32)
+    return params, opt_state, {"inputs": tokens, "targets": tokens}
+
+
+def device_memory() -> tuple[int | None, str]:
+    """(bytes one device can hold, what that is), or (None, why unknown)."""
+    import jax
+    device = jax.local_devices()[0]
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # a backend without memory statistics
+        limit = None
+    if limit:
+        return limit, f"the {_gib(limit)} of each {device.device_kind}"
+    if device.platform == "cpu":
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        n = jax.local_device_count()
+        return host // n, (f"{_gib(host // n)} each of {n} CPU devices ({_gib(host)} of host "
+                           f"memory shared)")
+    return None, f"{device.device_kind} reports no memory size"
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def _params_text(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def check_memory(run: Run, plan) -> None:
+    """A ConfigError if the planner's estimate of what one device holds during the step exceeds
+    what a device has: before anything is allocated or compiled. The estimate is a lower bound
+    (the planner counts the step's inputs and what its loops hold for the backward, not the
+    other intermediates), so what it refuses cannot fit."""
+    from shardflow.train.config import ConfigError
+    available, what = device_memory()
+    if available is None or plan.memory_bytes <= available:
+        return
+    cfg = run.cfg
+    remedies = ["more devices"]
+    if cfg.strategy not in ("fsdp", "2d") and not isinstance(cfg.strategy, dict):
+        remedies.append("strategy fsdp or 2d (the parameters and optimizer state split)")
+    if run.model_cfg.remat != "full":
+        remedies.append("model.remat=full")
+    remedies.append("a smaller batch_size (or a larger grad_accum) or data.seq_len")
+    where = (" (this machine has CPU devices only)"
+             if run.mesh.devices.flat[0].platform == "cpu" else "")
+    raise ConfigError(
+        f"model {cfg.model} ({_params_text(run.n_params)} parameters) needs an estimated "
+        f"{_gib(plan.memory_bytes)} per device on mesh {dict(run.mesh.shape)} (the {cfg.planner} "
+        f"planner's estimate, a lower bound: {_gib(plan.input_bytes)} of parameters, optimizer "
+        f"state and batch + {_gib(plan.loop_bytes)} of activations the layers keep for the "
+        f"backward), more than {what}. Run it on accelerators with at least "
+        f"{_gib(plan.memory_bytes)} each{where}, or make the step need less per device: "
+        + ", ".join(remedies))
+
+
+def plan_step(run: Run, step_fn):
+    """The Plan of the training step under the shardflow engine (the step's compile is cached:
+    running it afterwards plans nothing again)."""
+    return step_fn.explain(*abstract_step_args(run))
+
+
+def explain(cfg) -> str:
+    """`shardflow explain`: the training step's plan — collectives, modelled time and memory per
+    device — without allocating, compiling or writing anything."""
+    from shardflow.train.config import ConfigError
+    if cfg.engine != "shardflow":
+        raise ConfigError(f"shardflow explain shows the plan of engine 'shardflow'; this config "
+                          f"runs engine {cfg.engine!r} (jax.jit plans its own): --set "
+                          "engine=shardflow")
+    run = setup(cfg)
+    plan = plan_step(run, run.train_step())
+    available, what = device_memory()
+    fits = ("" if available is None else
+            f"; fits in {what}" if plan.memory_bytes <= available else
+            f"; does NOT fit in {what}")
+    pl = run.pipeline
+    pipeline_note = (f" | pipeline {pl.schedule} {pl.stages} stages x {pl.microbatches} "
+                     f"micro-batches" if pl else "")
+    return "\n".join([
+        f"model {cfg.model} {_params_text(run.n_params)} params | mesh {dict(run.mesh.shape)} "
+        f"strategy {cfg.strategy} planner {cfg.planner}{pipeline_note} | batch "
+        f"{cfg.batch_size}x{cfg.data.seq_len} (accum {cfg.grad_accum}) | compute {cfg.compute_dtype}",
+        "",
+        str(plan),
+        "",
+        f"step time, modelled: {plan.modelled_seconds * 1e3:,.3f} ms ({plan.total_seconds * 1e3:,.3f} "
+        f"ms of collectives + {plan.work_seconds * 1e3:,.3f} ms of local work - "
+        f"{plan.hidden_seconds * 1e3:,.3f} ms the layer loop hides)",
+        f"memory per device, modelled: {_gib(plan.memory_bytes)} ({_gib(plan.input_bytes)} of "
+        f"parameters, optimizer state and batch + {_gib(plan.loop_bytes)} the loops hold; "
+        f"other intermediates not counted){fits}",
+    ])
+
+
 def init_state(run: Run):
     """Fresh fp32 parameters and optimizer state, created directly in their shardings."""
     import jax
@@ -300,6 +404,9 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     run = setup(cfg)
     config_lib.check_writable(cfg)
     config_lib.check_not_overwriting(cfg)
+    step_fn = run.train_step()
+    if cfg.engine == "shardflow":
+        check_memory(run, plan_step(run, step_fn))
     main_process = jax.process_index() == 0
     out = Path(cfg.out)
 
@@ -330,7 +437,6 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
 
-    step_fn = run.train_step()
     batch_sharding = run.shardings(run.batch_spec)
     micro = cfg.batch_size // cfg.grad_accum
     if run.val_data is not None:
@@ -456,6 +562,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="total optimizer steps")
     parser.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, tb/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config",
+                        help="YAML file of config keys (see shardflow/train/config.py)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config key, e.g. planner=solver")
+
+
+def explain_from_args(args) -> int:
+    configure_host_platform()
+    import shardflow as sf
+    from shardflow.train import config as config_lib
+    try:
+        cfg = config_lib.load(args.config, args.overrides)
+        maybe_initialize_distributed()
+        print(explain(cfg))
+    except config_lib.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except sf.ShardingError as e:
+        print(f"sharding error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def run_from_args(args) -> int:

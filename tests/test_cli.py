@@ -1,0 +1,106 @@
+"""`shardflow explain` shows the training step's plan without training or writing anything;
+`shardflow train` refuses, before allocating or compiling, a config whose step cannot fit in
+the devices' memory; Ctrl-C ends a run with one line naming its last checkpoint."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from shardflow.train import cli, loop
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+GiB = 2**30
+
+
+@pytest.fixture
+def host_of_32_gib(monkeypatch):
+    """The CPU devices share a host of 32 GiB (4 GiB each of the 8), whatever this machine has."""
+    real_sysconf = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: (
+        32 * GiB // real_sysconf("SC_PAGE_SIZE") if name == "SC_PHYS_PAGES" else real_sysconf(name)))
+
+
+def _nothing_allocated(monkeypatch):
+    """init_state may run only abstractly (under jax.eval_shape)."""
+    real_init_state = loop.init_state
+
+    def abstract_only(run):
+        state = real_init_state(run)
+        if not all(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+            pytest.fail("parameters allocated")
+        return state
+    monkeypatch.setattr(loop, "init_state", abstract_only)
+
+
+@pytest.mark.parametrize("planner", ["greedy", "solver"])
+def test_explain_prints_the_plan_time_and_memory_and_writes_nothing(planner, tmp_path, capsys,
+                                                                    monkeypatch, host_of_32_gib):
+    monkeypatch.chdir(tmp_path)
+    _nothing_allocated(monkeypatch)
+    start = time.perf_counter()
+    code = cli.main(["explain", "--set", "model={preset: tiny, n_layers: 2}",
+                     "--set", "mesh={data: 2, model: 4}", "--set", "strategy=2d",
+                     "--set", f"planner={planner}"])
+    elapsed = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0].startswith("model {'preset': 'tiny', 'n_layers': 2} 1.7M params | mesh "
+                               "{'data': 2, 'model': 4} strategy 2d planner " + planner), lines[0]
+    assert re.search(r"^kind +axes +value +bytes +µs +× +source +reason$", out, re.M), out
+    assert re.search(r"^all_reduce +model ", out, re.M), out    # the tensor-parallel sums
+    assert f"planner: {planner}" in out
+    step_time = re.search(r"^step time, modelled: ([\d.]+) ms \(([\d.]+) ms of collectives \+ "
+                          r"([\d.]+) ms of local work - ([\d.]+) ms the layer loop hides\)$", out, re.M)
+    total, collectives, work, hidden = map(float, step_time.groups())
+    assert total > 0 and abs(total - (collectives + work - hidden)) < 2e-3
+    assert re.search(r"^memory per device, modelled: [\d.]+ MiB \([\d.]+ MiB of parameters, "
+                     r"optimizer state and batch \+ [\d.]+ MiB the loops hold; other intermediates "
+                     r"not counted\); fits in 4.0 GiB each of 8 CPU devices \(32.0 GiB of host "
+                     r"memory shared\)$", out, re.M), out
+    assert list(tmp_path.iterdir()) == []
+    assert elapsed < 60, f"explain took {elapsed:.0f} s"
+
+
+def test_explain_refuses_a_bad_config_like_train(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["explain", "--set", "strategy={batch: data, embd: data}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: strategy {'batch': 'data', 'embd': 'data'}: the rules "
+                          "table names logical axis 'embd'") and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("config,params", [("1b.yaml", "886.1M"), ("3b.yaml", "3.02B"),
+                                           ("7b-2d.yaml", "6.74B")])
+def test_a_model_too_large_for_the_devices_is_refused_before_anything_is_allocated(
+        config, params, tmp_path, capsys, monkeypatch, host_of_32_gib):
+    _nothing_allocated(monkeypatch)
+    out = tmp_path / "run"
+    code = cli.main(["train", "--config", str(CONFIGS / config), "--set", "data.path=null",
+                     "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    needs = re.match(
+        r"config error: model \{.*\} \(" + re.escape(params) + r" parameters\) needs an estimated "
+        r"([\d.]+) GiB per device on mesh \{.*\} \(the greedy planner's estimate, a lower bound: "
+        r"([\d.]+) GiB of parameters, optimizer state and batch \+ [\d.]+ [GM]iB of activations "
+        r"the layers keep for the backward\), more than 4.0 GiB each of 8 CPU devices \(32.0 GiB "
+        r"of host memory shared\)\. Run it on accelerators with at least \1 GiB each \(this "
+        r"machine has CPU devices only\), or make the step need less per device: more devices",
+        err)
+    assert needs, err
+    assert float(needs.group(1)) > 4.0
+    assert not out.exists()
+
+
+def test_the_125m_preset_fits_the_cpu_devices(capsys, monkeypatch, tmp_path, host_of_32_gib):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["explain", "--set", "model=125m"]) == 0
+    assert "; fits in 4.0 GiB each of 8 CPU devices" in capsys.readouterr().out
