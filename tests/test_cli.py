@@ -104,3 +104,35 @@ def test_the_125m_preset_fits_the_cpu_devices(capsys, monkeypatch, tmp_path, hos
     monkeypatch.chdir(tmp_path)
     assert cli.main(["explain", "--set", "model=125m"]) == 0
     assert "; fits in 4.0 GiB each of 8 CPU devices" in capsys.readouterr().out
+
+
+def test_ctrl_c_ends_training_with_one_line_naming_the_last_checkpoint(tmp_path):
+    """SIGINT once the first checkpoint is on disk: exit code 130, no traceback, every step on
+    disk finished (its checksums written), the line names the newest."""
+    out = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "shardflow.train", "--out", str(out), "--steps", "1000",
+         "--no-progress", "--set", "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8, "
+                                   "max_seq_len: 32}",
+         "--set", "batch_size=8", "--set", "data.seq_len=32", "--set", "eval_every=0",
+         "--set", "checkpoint.every=2", "--set", "compute_dtype=float32"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (out / "checkpoints" / "2" / "checksums.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    try:
+        stdout, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"no exit within 60 s of Ctrl-C: {process.communicate()}")
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and all((out / "checkpoints" / str(s) / "checksums.json").exists() for s in steps)
+    last = re.fullmatch(r"interrupted after step (\d+); last checkpoint: step (\d+) in (.+)",
+                        stderr.splitlines()[-1])
+    assert last, stderr
+    assert int(last.group(2)) == steps[-1] <= int(last.group(1)) + 1
+    assert last.group(3) == str(out / "checkpoints")

@@ -18,7 +18,9 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -166,6 +168,50 @@ def parallelize_step(step_fn, engine: str, mesh, rules, in_specs, out_specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
     return jax.jit(step_with_activation_rules, in_shardings=to_sharding(in_specs),
                    out_shardings=to_sharding(out_specs), donate_argnums=donate)
+
+
+class _CtrlC:
+    """While installed, Ctrl-C (SIGINT) sets ``pressed``, which the training loop reads before
+    each step: it stops there and lets the save under way finish. A KeyboardInterrupt raised
+    wherever Python happened to be could be swallowed (in a garbage-collection callback, say)
+    or leave a save half-written. A second Ctrl-C raises KeyboardInterrupt at once."""
+
+    def __init__(self):
+        self.pressed = False
+        self._previous = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._press)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _press(self, signum, frame) -> None:
+        self.pressed = True
+        self.uninstall()
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training, once the save under way (if any) has finished or failed."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step   # the last step run; the resumed step (or 0) before any
+
+
+def last_checkpoint_line(cfg) -> str:
+    """Which step a resume of ``cfg``'s run would start from: the newest step on disk whose
+    save finished (its checksums written)."""
+    from shardflow.train.checkpoint import CHECKSUMS
+    from shardflow.train.config import checkpoint_steps
+    directory = Path(cfg.out).absolute() / "checkpoints"
+    finished = [s for s in checkpoint_steps(directory) if (directory / str(s) / CHECKSUMS).is_file()]
+    if finished:
+        return f"last checkpoint: step {finished[-1]} in {directory}"
+    return f"no checkpoint in {directory}" if cfg.checkpoint.every else "checkpointing is off"
 
 
 @dataclasses.dataclass
@@ -399,7 +445,7 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     from tqdm import tqdm
 
     from shardflow.train import config as config_lib, data as data_lib, metrics as metrics_lib
-    from shardflow.train.checkpoint import Checkpoints, abstract_like
+    from shardflow.train.checkpoint import CheckpointError, Checkpoints, abstract_like
 
     run = setup(cfg)
     config_lib.check_writable(cfg)
@@ -491,8 +537,13 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
         return True
 
     pending = None  # the previous step's metrics: read one step late so dispatch runs ahead
+    done = start
+    ctrl_c = _CtrlC()
     try:
+        ctrl_c.install()
         for step in range(start, min(cfg.steps, until or cfg.steps)):
+            if ctrl_c.pressed:
+                break
             batch = data_lib.global_batch(run.data, step, (cfg.grad_accum, micro), seq_len,
                                           cfg.data.seed, batch_sharding, order)
             params, opt_state, metrics = step_fn(params, opt_state, batch)
@@ -541,12 +592,22 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
             if pending is not None:
                 check(*pending)
         if ckpt:
-            ckpt.wait()  # a failed last save is this run's error
+            ckpt.wait()  # a failed last save is this run's error (after Ctrl-C too)
+    except KeyboardInterrupt:   # a second Ctrl-C
+        if ckpt and ckpt.saving is not None:
+            try:          # the save under way finishes (its checksums written) ...
+                ckpt.wait()
+            except (CheckpointError, KeyboardInterrupt):
+                pass      # ... or stays without checksums: a resume sets it aside
+        raise Interrupted(done) from None
     finally:
+        ctrl_c.uninstall()
         bar.close()
         log.close()
         if ckpt:
             ckpt.close()
+    if ctrl_c.pressed:
+        raise Interrupted(done)
     if summary["stopped"] and main_process:
         print(summary["stopped"], file=sys.stderr)
     summary["params"] = params
@@ -590,8 +651,10 @@ def explain_from_args(args) -> int:
 
 def run_from_args(args) -> int:
     configure_host_platform()
+    import shardflow as sf
     from shardflow.train import config as config_lib
     from shardflow.train.checkpoint import CheckpointError
+    cfg = None
     try:
         cfg = config_lib.load(args.config, args.overrides, steps=args.steps, out=args.out)
         maybe_initialize_distributed()
@@ -602,6 +665,14 @@ def run_from_args(args) -> int:
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 1
+    except sf.ShardingError as e:
+        print(f"sharding error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        at = f" after step {e.step}" if isinstance(e, Interrupted) and e.step else ""
+        print(f"interrupted{at}" + (f"; {last_checkpoint_line(cfg)}" if cfg else ""),
+              file=sys.stderr)
+        return 130
     if summary["stopped"]:
         return 1
     losses = summary["losses"]
