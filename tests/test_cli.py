@@ -136,3 +136,21 @@ def test_ctrl_c_ends_training_with_one_line_naming_the_last_checkpoint(tmp_path)
     assert last, stderr
     assert int(last.group(2)) == steps[-1] <= int(last.group(1)) + 1
     assert last.group(3) == str(out / "checkpoints")
+
+
+def test_a_step_the_planner_refuses_is_one_line_before_anything_is_written(tmp_path, capsys,
+                                                                           monkeypatch):
+    import shardflow as sf
+
+    def refuse(run, step_fn):
+        raise sf.ShardingError("llama.py:66: dim 2 of size 4 is not divisible by 8")
+    monkeypatch.setattr(loop, "plan_step", refuse)
+    out = tmp_path / "run"
+    code = cli.main(["train", "--out", str(out), "--steps", "2", "--no-progress",
+                     "--set", "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8}",
+                     "--set", "data.seq_len=32", "--set", "checkpoint.every=1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sharding error: ") and err.count("\n") == 1, err
+    assert err.endswith("llama.py:66: dim 2 of size 4 is not divisible by 8\n"), err
+    assert not out.exists()
