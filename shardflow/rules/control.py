@@ -122,7 +122,7 @@ def _lower_scan(local, eqn, ins):
     (a matmul, an attention kernel) makes or takes, and a stack lives whole until the loop
     that reads it ends. On one H200 the 1b train step ran 658 such copies, 21 ms a step, and
     held 82.3 GB; unrolled, 54.1 GB and 12 % more tokens/s, compiled in the same time
-    (benchmarks/results/scaling.md, session 33). Partial, and said so: not yet measured on
+    (benchmarks/results/scaling.md). Partial, and said so: not yet measured on
     several GPUs. Any other loop stays rolled: a ``fori_loop`` whose stacked outputs start as
     uninitialised buffers (``lax.empty``) and take one slice a trip; ``lax.scan`` starts them
     as zeros, which XLA materialises (48 GB of writes a step for the 1b step's residuals)."""
