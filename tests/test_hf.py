@@ -421,3 +421,19 @@ def test_the_trainer_checks_a_sliding_window_before_it_starts(window, message, t
                      "--set", "data.seq_len=32"])
     assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_sample_skips_a_step_whose_parameters_do_not_match_their_checksums(run, tmp_path, capsys):
+    import json
+    import shutil
+    out = tmp_path / "run"
+    shutil.copytree(run[0], out)
+    sums_path = out / "checkpoints" / "4" / "checksums.json"
+    sums = json.loads(sums_path.read_text())
+    name = next(n for n in sorted(sums) if n.startswith("params"))
+    sums[name] = [(sums[name][0] + 1) % 2**32, sums[name][1]]
+    sums_path.write_text(json.dumps(sums))
+    _, step, _ = sample.restore_run(out)
+    assert step == 2
+    err = capsys.readouterr().err
+    assert "skipped checkpoint step 4: DamagedCheckpoint" in err and "do not match" in err, err

@@ -140,21 +140,7 @@ class Checkpoints:
         return state
 
     def _verify(self, step: int, state) -> None:
-        path = self.directory / str(step) / CHECKSUMS
-        try:
-            saved = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise DamagedCheckpoint(step, f"{path} is missing: its save did not finish") from None
-        except (OSError, ValueError) as e:
-            raise DamagedCheckpoint(step, f"{path} cannot be read: {e}") from None
-        restored = {name: [int(word) for word in np.asarray(value)]
-                    for name, value in _named_leaves(_checksums(state)).items()}
-        wrong = [name for name in sorted(restored.keys() | saved.keys())
-                 if restored.get(name) != saved.get(name)]
-        if wrong:
-            raise DamagedCheckpoint(
-                step, f"{len(wrong)} of its {len(restored)} arrays do not match their checksums "
-                      f"in {path.name}: {', '.join(wrong[:3])}{', ...' * (len(wrong) > 3)}")
+        verify_checksums(self.directory / str(step), step, state)
 
     def restore_latest(self, abstract_state):
         """(step, state) from the newest step that restores, or None if there are no steps.
@@ -232,6 +218,27 @@ class _DrainingLoop(asyncio.SelectorEventLoop):
 class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
     def new_event_loop(self):
         return _DrainingLoop()
+
+
+def verify_checksums(step_dir: Path, step: int, state, *, partial: bool = False) -> None:
+    """DamagedCheckpoint unless every array of ``state``, restored from ``step_dir``, matches the
+    checksum its save wrote. ``partial``: ``state`` is a part of what was saved (a sampler
+    restores only the parameters), so the saved arrays it lacks are not compared."""
+    path = Path(step_dir) / CHECKSUMS
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DamagedCheckpoint(step, f"{path} is missing: its save did not finish") from None
+    except (OSError, ValueError) as e:
+        raise DamagedCheckpoint(step, f"{path} cannot be read: {e}") from None
+    restored = {name: [int(word) for word in np.asarray(value)]
+                for name, value in _named_leaves(_checksums(state)).items()}
+    names = restored.keys() if partial else restored.keys() | saved.keys()
+    wrong = [name for name in sorted(names) if restored.get(name) != saved.get(name)]
+    if wrong:
+        raise DamagedCheckpoint(
+            step, f"{len(wrong)} of its {len(restored)} arrays do not match their checksums "
+                  f"in {path.name}: {', '.join(wrong[:3])}{', ...' * (len(wrong) > 3)}")
 
 
 @contextlib.contextmanager

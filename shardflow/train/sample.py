@@ -92,7 +92,7 @@ def restore_run(run_dir):
     from flax import nnx
 
     from shardflow import models
-    from shardflow.train import config as config_lib
+    from shardflow.train import checkpoint, config as config_lib
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
@@ -122,7 +122,9 @@ def restore_run(run_dir):
                     args=ocp.args.PyTreeRestore(
                         item=target, partial_restore=True,
                         restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
-            except Exception as e:   # whatever orbax makes of missing or broken files
+                checkpoint.verify_checksums(run_dir / "checkpoints" / str(step), step, restored,
+                                            partial=True)
+            except Exception as e:   # whatever orbax makes of missing, broken or altered files
                 failures.append(f"step {step}: {type(e).__name__}: {str(e).splitlines()[0]}")
                 continue
             for failure in failures:
