@@ -92,7 +92,7 @@ def test_the_convention_finds_every_python_block():
     for p in DOCS:
         python = [b for b in blocks(p) if b.lang == "python"]
         assert len(python) == p.read_text().count("```python"), p.name
-    assert len(runnable(DOCS[0])) >= 2  # README's usage and models blocks
+    assert runnable(DOCS[0])  # README's usage example
     assert CONFIG_REFERENCE in DOCS and any(p.parent.name == "tutorials" for p in DOCS)
 
 
