@@ -219,11 +219,13 @@ def _replication(replicated: list, where: str) -> ReplicatedAxisWarning:
     one = len(replicated) == 1
     axes = " and ".join(f"{a!r} ({n} devices)" for a, n in replicated)
     it = "it" if one else "them"
-    return ReplicatedAxisWarning(
+    warning = ReplicatedAxisWarning(
         f"mesh {'axis' if one else 'axes'} {axes} of {where}: no value is split or partial over {it}: every "
         f"device along {it} runs the same work on the same data. Split an argument over {'it' if one else 'each'} "
         f"in in_specs, or leave {it} out of the mesh, unless the {math.prod(n for _, n in replicated)} copies are "
         "intended")
+    warning.axes = replicated
+    return warning
 
 
 def _user_stacklevel() -> int:

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from shardflow._compat import backends_are_initialized
@@ -383,8 +384,22 @@ def check_memory(run: Run, plan) -> None:
 
 def plan_step(run: Run, step_fn):
     """The Plan of the training step under the shardflow engine (the step's compile is cached:
-    running it afterwards plans nothing again)."""
-    return step_fn.explain(*abstract_step_args(run))
+    running it afterwards plans nothing again). A mesh axis the plan splits nothing over is one
+    warning line in the trainer's terms."""
+    import shardflow as sf
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", sf.ReplicatedAxisWarning)
+        plan = step_fn.explain(*abstract_step_args(run))
+    for w in caught:
+        if not issubclass(w.category, sf.ReplicatedAxisWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            continue
+        for axis, size in w.message.axes:
+            print(f"warning: mesh axis {axis!r} ({size} devices) splits nothing under strategy "
+                  f"{run.cfg.strategy!r}: every device along it repeats the same work on the "
+                  "same data. Use a strategy that names it, or leave it out of the mesh",
+                  file=sys.stderr)
+    return plan
 
 
 def explain(cfg) -> str:
