@@ -67,6 +67,8 @@ RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     # Context parallelism: the sequence split over "context" everywhere (the residual stream,
     # q / k / v); attention then runs as the model's `context` says (ring / all_gather).
     "cp": {"batch": "data", "seq": "context"},
+    # Context x tensor parallelism: the sequence over "context", heads / mlp / vocab over "model".
+    "cp_tp": {"batch": "data", "seq": "context", **_TP},
     # Pipeline parallelism (the loss run by sf.pipeline; the trainer's `pipeline` config):
     # stage s holds layers [s L/p, (s+1) L/p). The other strategies take the pipe axis as well
     # when a pipeline is configured (with_pipeline); these name the meshes without a data axis.

@@ -405,3 +405,34 @@ def test_gathered_kv_bytes_are_the_formula_and_the_compiled_hlos(dtype):
     for kind, want in listed.items():
         ran = sum(c.bytes * c.count for c in compiled if c.kind == kind)
         assert abs(ran - want) <= 0.01 * want, (kind, ran, want)
+
+
+@pytest.mark.parametrize("context", ["ring", "ulysses"])
+def test_the_cp_tp_strategy_trains_context_by_tensor_parallel_on_the_one_device_curve(
+        context, data_dir, tmp_path):
+    """Strategy cp_tp on {data: 2, context: 2, model: 2}: the sequence over `context`, the heads,
+    mlp and vocab over `model` — no explicit table — follows the one-device loss curve, and
+    every parameter the preset names is split over `model`."""
+    import json
+
+    from shardflow import train
+    from shardflow.train import cli
+    from test_models import SMALL_LLAMA, single_device_losses, small_config
+
+    model = ", ".join(f"{k}: {v}" for k, v in {**SMALL_LLAMA, "context": context}.items())
+    out = tmp_path / "run"
+    assert cli.main(["train", "--steps", "3", "--out", str(out), "--no-progress",
+                     "--set", f"data.path={data_dir}", "--set", "data.seq_len=32",
+                     "--set", f"model={{{model}}}", "--set", "batch_size=8", "--set", "log_every=1",
+                     "--set", "compute_dtype=float32", "--set", "checkpoint.every=0",
+                     "--set", "eval_every=0", "--set", "mesh={data: 2, context: 2, model: 2}",
+                     "--set", "strategy=cp_tp"]) == 0
+    got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    cfg = small_config(data_dir, tmp_path)
+    cfg.model = dict(SMALL_LLAMA)
+    np.testing.assert_allclose(got, single_device_losses(cfg), rtol=1e-5)
+    run_cfg = small_config(data_dir, tmp_path, mesh={"data": 2, "context": 2, "model": 2},
+                           strategy="cp_tp")
+    run_cfg.model = {**SMALL_LLAMA, "context": context}
+    specs = train.setup(run_cfg).param_specs
+    assert specs["layers"]["mlp"]["w_up"] == jax.P(None, None, "model")
