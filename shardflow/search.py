@@ -24,7 +24,6 @@ from jax.sharding import PartitionSpec
 from shardflow.api import Parallelized, ReplicatedAxisWarning, _spec_of_each_leaf, memory_budget_bytes, parallelize
 from shardflow.explain import Plan
 from shardflow.mesh import LinkModel, make_mesh
-from shardflow.passes.solve import shared_solves
 from shardflow.specs import AUTO, ShardingError, definition, to_sbp
 
 
@@ -164,6 +163,7 @@ def alternatives(step: Parallelized, *args, only: str | None = None, top: int | 
         raise ShardingError(f"sf.alternatives of {definition(step)}: {kind}, not a parallelized step; pass the "
                             f"step sf.parallelize made: sf.alternatives(sf.parallelize({name}, mesh=..., "
                             "in_specs=...), *args)")
+    from shardflow.passes.solve import shared_solves   # scipy loads only when a program is solved
     with shared_solves():
         out = _alternatives(step, args, only)
     out.sort(key=lambda a: (a.seconds, a.argument, str(a.spec)))
