@@ -630,21 +630,19 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     return summary
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
+    """The config a run is made of: `shardflow explain`'s arguments, and the first of `train`'s."""
     parser.add_argument("--config",
                         help="YAML file of config keys (see shardflow/train/config.py)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a config key, e.g. optimizer.lr=3e-4")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_explain_arguments(parser)
     parser.add_argument("--steps", type=int, help="total optimizer steps")
     parser.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, tb/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config",
-                        help="YAML file of config keys (see shardflow/train/config.py)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key, e.g. planner=solver")
 
 
 def explain_from_args(args) -> int:

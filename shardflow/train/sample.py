@@ -55,8 +55,8 @@ def _load(path: Path):
         raise SampleError(str(e)) from None
 
 
-def _file_tokenizer(path: Path, *, special_tokens: bool, document_start: list[int]) -> Tokenizer:
-    tok = _load(path)
+def _file_tokenizer(tok, *, special_tokens: bool, document_start: list[int]) -> Tokenizer:
+    """``tok``, a loaded ``tokenizers.Tokenizer``, as the sampler's Tokenizer."""
     return Tokenizer(lambda text: tok.encode(text, add_special_tokens=special_tokens).ids,
                      lambda ids: tok.decode(list(ids)), document_start)
 
@@ -82,7 +82,7 @@ def run_tokenizer(cfg) -> Tokenizer:
     tok = _load(path)
     separator = meta.get("document_separator", END_OF_TEXT[0] if kind == "bpe" else None)
     start = [] if separator is None else [tok.token_to_id(separator)]
-    return _file_tokenizer(path, special_tokens=False, document_start=start)
+    return _file_tokenizer(tok, special_tokens=False, document_start=start)
 
 
 def restore_run(run_dir):
@@ -142,7 +142,7 @@ def load_hf(directory):
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise SampleError(f"{directory} has no tokenizer.json to encode the prompt with")
-    return model, _file_tokenizer(path, special_tokens=True, document_start=[])
+    return model, _file_tokenizer(_load(path), special_tokens=True, document_start=[])
 
 
 def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
