@@ -98,8 +98,7 @@ class Checkpoints:
         return self._saving
 
     def _write_checksums(self, step: int, checksums) -> None:
-        digests = {name: [int(word) for word in np.asarray(value)]
-                   for name, value in _named_leaves(checksums).items()}
+        digests = _digests(checksums)
         if jax.process_index() == 0:
             path = self.directory / str(step) / CHECKSUMS
             partial = path.with_name(CHECKSUMS + ".partial")
@@ -231,8 +230,7 @@ def verify_checksums(step_dir: Path, step: int, state, *, partial: bool = False)
         raise DamagedCheckpoint(step, f"{path} is missing: its save did not finish") from None
     except (OSError, ValueError) as e:
         raise DamagedCheckpoint(step, f"{path} cannot be read: {e}") from None
-    restored = {name: [int(word) for word in np.asarray(value)]
-                for name, value in _named_leaves(_checksums(state)).items()}
+    restored = _digests(_checksums(state))
     names = restored.keys() if partial else restored.keys() | saved.keys()
     wrong = [name for name in sorted(names) if restored.get(name) != saved.get(name)]
     if wrong:
@@ -297,6 +295,12 @@ def _checksum(x: jax.Array) -> jax.Array:
 
 
 _checksums = jax.jit(lambda tree: jax.tree.map(_checksum, tree))
+
+
+def _digests(checksums) -> dict:
+    """'path/to/leaf' -> its two checksum words as ints, as checksums.json holds them."""
+    return {name: [int(word) for word in np.asarray(value)]
+            for name, value in _named_leaves(checksums).items()}
 
 
 def _named_leaves(tree) -> dict:
