@@ -142,9 +142,8 @@ class Alternative:
     def __str__(self):
         if self.refused:
             return f"{self.argument}: {self.spec} refused: {self.refused}"
-        change = f"{self.delta * 1e3:+.3f} ms"
-        if float(change[1:-3]) == 0:      # a difference under half a microsecond, of either sign
-            change = "same as the step"
+        # a difference that rounds to 0.000 ms, of either sign, is no difference
+        change = "same as the step" if round(self.delta * 1e3, 3) == 0 else f"{self.delta * 1e3:+.3f} ms"
         return (f"{self.argument}: {self.spec}  {self.seconds * 1e3:.3f} ms modelled ({change}), "
                 f"{self.memory_bytes:,} bytes per device")
 
