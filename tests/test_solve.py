@@ -939,7 +939,6 @@ def test_one_alternatives_call_starts_each_relaxation_from_the_last_optimal_basi
     """Within one sf.alternatives call (``solve.shared_solves``) a candidate's LP relaxation
     starts from the optimal basis of the last one of its shape: fewer dual simplex iterations,
     and every figure the same as each annotation planned on its own, from the slack basis."""
-    from shardflow import search
     iterations = []
     relaxation = solve._relaxation
 
@@ -959,7 +958,7 @@ def test_one_alternatives_call_starts_each_relaxation_from_the_last_optimal_basi
         return [(a.argument, str(a.spec), a.seconds) for a in found], sum(iterations)
 
     shared, warm = figures()
-    monkeypatch.setattr(search, "shared_solves", contextlib.nullcontext)
+    monkeypatch.setattr(solve, "shared_solves", contextlib.nullcontext)   # sf.alternatives imports it per call
     alone, cold = figures()
     assert len(shared) > 10 and shared == alone
     assert warm < cold / 2, (warm, cold)
