@@ -5,6 +5,7 @@ models/, kernels/, as pyproject.toml's package-dir does for an install.
 
     import _checkout  # noqa: F401  (first, before any shardflow import)
 """
+
 import importlib.abc
 import importlib.util
 import sys
@@ -24,7 +25,8 @@ class _PackageDirs(importlib.abc.MetaPathFinder):
         where = ROOT.joinpath(*parts[1:])
         if (where / "__init__.py").exists():
             return importlib.util.spec_from_file_location(
-                fullname, where / "__init__.py", submodule_search_locations=[str(where)])
+                fullname, where / "__init__.py", submodule_search_locations=[str(where)]
+            )
         if where.with_suffix(".py").exists():
             return importlib.util.spec_from_file_location(fullname, where.with_suffix(".py"))
         return None

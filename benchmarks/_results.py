@@ -5,6 +5,7 @@ count), the jax version and the full command line. The commit is read when the s
 (the code it runs), not when it writes. On a machine whose checkout has no git metadata, set
 SHARDFLOW_COMMIT to the commit the tree was copied from.
 """
+
 import datetime
 import json
 import os
@@ -22,8 +23,9 @@ def commit() -> str:
     if os.environ.get("SHARDFLOW_COMMIT"):
         return os.environ["SHARDFLOW_COMMIT"]
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT).returncode
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -35,10 +37,15 @@ STARTED_AT_COMMIT = commit()
 
 def run_meta(**extra) -> dict:
     import jax
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": STARTED_AT_COMMIT, "jax": jax.__version__, "devices": jax.device_count(),
-            "device_kind": jax.devices()[0].device_kind,
-            "command": shlex.join([Path(sys.executable).name, *sys.argv])}
+
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": STARTED_AT_COMMIT,
+        "jax": jax.__version__,
+        "devices": jax.device_count(),
+        "device_kind": jax.devices()[0].device_kind,
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+    }
     meta.update(extra)
     return meta
 

@@ -23,6 +23,7 @@ device, ring-priced, and collectives inside while loops weighted by XLA's known_
 (--xla_backend_optimization_level=0: the HLO passes, SPMD partitioning included, are unchanged,
 so are the bytes; --full-opt for the default).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,17 +57,17 @@ TRAIN_STRATEGIES = ("dp", "fsdp", "tp", "tp_sp", "2d")
 class Row:
     program: str
     strategy: str
-    error: float | None = None          # None: shardflow failed (see failure)
-    fallbacks: tuple = ()               # primitive names, one per fallback
+    error: float | None = None  # None: shardflow failed (see failure)
+    fallbacks: tuple = ()  # primitive names, one per fallback
     sf_bytes: int | None = None
     gspmd_bytes: int | None = None
     sf_flops: float | None = None
     gspmd_flops: float | None = None
     failure: str | None = None
     expected_failure: str | None = None
-    sf_kinds: dict = dataclasses.field(default_factory=dict)     # {kind: (occurrences, bytes)}
+    sf_kinds: dict = dataclasses.field(default_factory=dict)  # {kind: (occurrences, bytes)}
     gspmd_kinds: dict = dataclasses.field(default_factory=dict)
-    plan: object = None                 # shardflow's Plan (for the analysis)
+    plan: object = None  # shardflow's Plan (for the analysis)
     seconds: float = 0.0
 
     @property
@@ -91,9 +92,9 @@ def _failure(e: BaseException) -> str:
 
 def measure(case, references: dict, planner: str = "greedy") -> Row:
     """One row: shardflow's result vs one device, its plan and HLO bytes, GSPMD's HLO bytes."""
-    import jax
 
     import gspmd_programs as gp
+
     from shardflow import hlo
 
     t0 = time.perf_counter()
@@ -119,14 +120,17 @@ def measure(case, references: dict, planner: str = "greedy") -> Row:
 
 # ------------------------------------------------------------------------------ the trainer's rows
 
+
 def _trainer():
     """(config module, trainer module): the shardflow.train package (config, loop), or the
     older single-module layout (shardflow.config, shardflow.train)."""
     try:
         from shardflow.train import config, loop
+
         return config, loop
     except ImportError:
         from shardflow import config, train
+
         return config, train
 
 
@@ -134,6 +138,7 @@ def _call(compiled, args):
     """Run an executable of ``lower(*args).compile()``: jax.jit's takes the argument trees,
     shardflow's the flat leaves; the outputs' leaves either way."""
     import jax
+
     try:
         out = compiled(*args)
     except TypeError:
@@ -148,10 +153,10 @@ def train_row(strategy, preset="tiny", batch=16, seq=128, planner="greedy") -> R
     GSPMD's: the step computes in bf16, so a one-device fp32 run is no yardstick. ``planner``
     other than "greedy": the trainer's `planner: solver` (its objective is the modelled time
     with the default link model; the trainer has no bytes objective)."""
+    import gspmd_programs as gp
     import jax
     import numpy as np
 
-    import gspmd_programs as gp
     from shardflow import hlo
 
     config_lib, train_lib = _trainer()
@@ -190,7 +195,7 @@ def train_row(strategy, preset="tiny", batch=16, seq=128, planner="greedy") -> R
                 raise
     if "shardflow" in outputs:  # new parameters and metrics (the moments of near-zero bf16 gradients are noise)
         n_params, n_opt = len(jax.tree.leaves(state[0])), len(jax.tree.leaves(state[1]))
-        pick = lambda out: out[:n_params] + out[n_params + n_opt:]  # noqa: E731
+        pick = lambda out: out[:n_params] + out[n_params + n_opt :]  # noqa: E731
         row.error = gp.max_rel_error(pick(outputs["shardflow"]), pick(outputs["jit"]))
     row.seconds = time.perf_counter() - t0
     return row
@@ -219,16 +224,27 @@ def cells(row: Row) -> tuple:
     ratio = "—" if row.ratio is None else f"{row.ratio:.2f}"
     flops = "—" if row.flops_ratio is None else f"{row.flops_ratio:.2f}"
     planner = "—" if row.plan is None else row.plan.planner.split()[0]
-    return (row.program, row.strategy, error, _fallbacks(row), fmt(row.sf_bytes), fmt(row.gspmd_bytes), ratio,
-            flops, planner)
+    return (
+        row.program,
+        row.strategy,
+        error,
+        _fallbacks(row),
+        fmt(row.sf_bytes),
+        fmt(row.gspmd_bytes),
+        ratio,
+        flops,
+        planner,
+    )
 
 
 def text_table(rows) -> str:
     table = [COLUMNS] + [cells(r) for r in rows]
     widths = [max(len(t[i]) for t in table) for i in range(len(COLUMNS))]
     right = {4, 5, 6, 7}
-    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(t, widths))).rstrip()
-             for t in table]
+    lines = [
+        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(t, widths))).rstrip()
+        for t in table
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -260,13 +276,24 @@ def json_row(row: Row) -> dict:
     """One row of the raw JSON: every figure of the table's row, unformatted. A ratio over zero
     GSPMD bytes is null where shardflow's are not zero too."""
     finite = lambda x: None if x is None or x == float("inf") else x  # noqa: E731
-    return {"program": row.program, "strategy": row.strategy, "error": row.error,
-            "failure": row.failure, "expected_failure": row.expected_failure,
-            "fallbacks": list(row.fallbacks), "sf_bytes": row.sf_bytes,
-            "gspmd_bytes": row.gspmd_bytes, "ratio": finite(row.ratio), "sf_flops": row.sf_flops,
-            "gspmd_flops": row.gspmd_flops, "flops_ratio": finite(row.flops_ratio),
-            "planner": None if row.plan is None else row.plan.planner.split()[0],
-            "sf_kinds": row.sf_kinds, "gspmd_kinds": row.gspmd_kinds, "seconds": row.seconds}
+    return {
+        "program": row.program,
+        "strategy": row.strategy,
+        "error": row.error,
+        "failure": row.failure,
+        "expected_failure": row.expected_failure,
+        "fallbacks": list(row.fallbacks),
+        "sf_bytes": row.sf_bytes,
+        "gspmd_bytes": row.gspmd_bytes,
+        "ratio": finite(row.ratio),
+        "sf_flops": row.sf_flops,
+        "gspmd_flops": row.gspmd_flops,
+        "flops_ratio": finite(row.flops_ratio),
+        "planner": None if row.plan is None else row.plan.planner.split()[0],
+        "sf_kinds": row.sf_kinds,
+        "gspmd_kinds": row.gspmd_kinds,
+        "seconds": row.seconds,
+    }
 
 
 def worst(rows, n=6):
@@ -276,10 +303,19 @@ def worst(rows, n=6):
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
         return out + (" (with uncommitted changes)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -305,22 +341,28 @@ def _table(argv=None):
     parser.add_argument("--batch", type=int, default=16, help="the train rows' batch")
     parser.add_argument("--seq", type=int, default=128, help="the train rows' sequence length")
     parser.add_argument("--detail", action="store_true", help="per row: collectives of both engines by kind")
-    parser.add_argument("--full-opt", action="store_true",
-                        help="compile with XLA:CPU's default LLVM optimization (same bytes, slower)")
+    parser.add_argument(
+        "--full-opt", action="store_true", help="compile with XLA:CPU's default LLVM optimization (same bytes, slower)"
+    )
     parser.add_argument("--out", default=None, help="write the table (and the worst rows' collectives) as markdown")
     parser.add_argument("--json", default=None, help="write the rows as JSON under this run's meta")
-    parser.add_argument("--planner", choices=("greedy", "solver", "solver-bytes"), default="greedy",
-                        help="shardflow's planner: passes.propagate, or the integer program (passes.solve) "
-                             "minimising modelled time (solver) or bytes (solver-bytes: no per-collective latency)")
+    parser.add_argument(
+        "--planner",
+        choices=("greedy", "solver", "solver-bytes"),
+        default="greedy",
+        help="shardflow's planner: passes.propagate, or the integer program (passes.solve) "
+        "minimising modelled time (solver) or bytes (solver-bytes: no per-collective latency)",
+    )
     args = parser.parse_args(argv)
 
+    import gspmd_programs as gp
     import jax
 
-    import gspmd_programs as gp
-
     started = time.perf_counter()
-    head = (f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, mesh {gp.MESH_SHAPE}, "
-            f"{os.cpu_count()} CPU cores")
+    head = (
+        f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, mesh {gp.MESH_SHAPE}, "
+        f"{os.cpu_count()} CPU cores"
+    )
     print(head, flush=True)
     rows, references = [], {}
     selected = [c for c in gp.CASES if not args.only or re.search(args.only, c.name)]
@@ -339,22 +381,44 @@ def _table(argv=None):
     print(f"\n{len(rows)} rows in {elapsed:.0f} s")
     if args.detail:
         for r in rows:
-            print(f"\n{r.program}-{r.strategy}\n  shardflow: {kinds_line(r.sf_kinds)}\n"
-                  f"  GSPMD:     {kinds_line(r.gspmd_kinds)}\n  plan:      {plan_line(r.plan)}")
+            print(
+                f"\n{r.program}-{r.strategy}\n  shardflow: {kinds_line(r.sf_kinds)}\n"
+                f"  GSPMD:     {kinds_line(r.gspmd_kinds)}\n  plan:      {plan_line(r.plan)}"
+            )
     if args.out:
-        command = "python benchmarks/bytes_vs_gspmd.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
-                                                           ).rstrip()
-        lines = [f"<!-- generated by {command} on {datetime.date.today()}, {platform.machine()}, "
-                 f"jax {jax.__version__}, commit {git_commit()}, {elapsed:.0f} s -->", "", head, "",
-                 markdown_table(rows), "", "Worst rows (highest ratio), collectives by kind:", ""]
+        command = (
+            "python benchmarks/bytes_vs_gspmd.py"
+            + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+        )
+        lines = [
+            f"<!-- generated by {command} on {datetime.date.today()}, {platform.machine()}, "
+            f"jax {jax.__version__}, commit {git_commit()}, {elapsed:.0f} s -->",
+            "",
+            head,
+            "",
+            markdown_table(rows),
+            "",
+            "Worst rows (highest ratio), collectives by kind:",
+            "",
+        ]
         for r in worst(rows):
-            lines += [f"- **{r.program}-{r.strategy}** ({r.ratio:.2f}×)", f"  - shardflow: {kinds_line(r.sf_kinds)}",
-                      f"  - GSPMD: {kinds_line(r.gspmd_kinds)}", f"  - shardflow's costliest: {plan_line(r.plan)}"]
+            lines += [
+                f"- **{r.program}-{r.strategy}** ({r.ratio:.2f}×)",
+                f"  - shardflow: {kinds_line(r.sf_kinds)}",
+                f"  - GSPMD: {kinds_line(r.gspmd_kinds)}",
+                f"  - shardflow's costliest: {plan_line(r.plan)}",
+            ]
         Path(args.out).write_text("\n".join(lines) + "\n")
         print(f"wrote {args.out}")
     if args.json:
-        _results.write_json(args.json, [json_row(r) for r in rows], mesh=gp.MESH_SHAPE,
-                            planner=args.planner, cpu_cores=os.cpu_count(), seconds=elapsed)
+        _results.write_json(
+            args.json,
+            [json_row(r) for r in rows],
+            mesh=gp.MESH_SHAPE,
+            planner=args.planner,
+            cpu_cores=os.cpu_count(),
+            seconds=elapsed,
+        )
     return rows
 
 

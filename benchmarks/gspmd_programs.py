@@ -23,6 +23,7 @@ interest over 'model', and "2d" as both at once (data × model).
 ``Case.xfail`` names the rows shardflow fails today, and why; tests/test_gspmd_programs.py runs
 every row and expects exactly those to fail (strictly: a fixed one flags).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +32,7 @@ import math
 import os
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 if "jax" not in sys.modules:  # 8 simulated CPU devices, when this module is the first to import jax
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -46,13 +47,14 @@ from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as PS  # noqa: E402
 
 MESH_SHAPE = {"data": 2, "model": 4}
-ALL = ("data", "model")          # every device
+ALL = ("data", "model")  # every device
 STRATEGIES = ("dp", "fsdp", "tp", "2d")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mesh():
     import shardflow as sf
+
     return sf.make_mesh(MESH_SHAPE)
 
 
@@ -61,7 +63,7 @@ class Case:
     program: str
     strategy: str
     build: Callable = dataclasses.field(repr=False)  # () -> (fn, args, in_specs, out_specs)
-    xfail: str | None = None                          # why shardflow fails this row today
+    xfail: str | None = None  # why shardflow fails this row today
 
     @property
     def name(self) -> str:
@@ -69,6 +71,7 @@ class Case:
 
 
 # ------------------------------------------------------------------------------ specs
+
 
 def _ways(axes) -> int:
     axes = (axes,) if isinstance(axes, str) else axes
@@ -112,8 +115,9 @@ def param_spec(path: str, shape, strategy: str, tp_rules=()) -> PS:
 
 def param_specs(params, strategy, tp_rules=()):
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: param_spec(jax.tree_util.keystr(p, simple=True, separator="/"), np.shape(x), strategy,
-                                tp_rules), params)
+        lambda p, x: param_spec(jax.tree_util.keystr(p, simple=True, separator="/"), np.shape(x), strategy, tp_rules),
+        params,
+    )
 
 
 def _fits(spec: PS, shape) -> bool:
@@ -132,8 +136,9 @@ def opt_specs(opt_state, params, p_specs):
     factored, scalar or count state is replicated. (Path matching rather than
     optax.tree_map_params, which does not see through every optimizer's state: muon's.)"""
     by_path = {}
-    for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                               jax.tree.leaves(p_specs, is_leaf=lambda s: isinstance(s, PS))):
+    for (path, x), spec in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(p_specs, is_leaf=lambda s: isinstance(s, PS))
+    ):
         by_path[_keys(path)] = (np.shape(x), spec)
 
     def spec_of(path, leaf):
@@ -163,6 +168,7 @@ def normal(r, shape, scale=1.0):
 class Program:
     """A single-device function, its arguments (the same under every strategy), and
     ``specs(strategy) -> (in_specs, out_specs)``."""
+
     fn: Callable
     args: tuple
     specs: Callable
@@ -196,6 +202,7 @@ def train_program(params, optimizer, loss_fn, batch, tp_rules=(), aux_specs=None
 
 
 # ------------------------------------------------------------------------------ flax NNX models
+
 
 class CNN(nnx.Module):
     """MNIST-like: conv, max-pool, conv, max-pool, dense."""
@@ -248,8 +255,9 @@ class ViT(nnx.Module):
         self.ln1 = nnx.LayerNorm(dim, rngs=rngs)
         # no q/k/v biases: a key bias has a zero gradient in exact arithmetic, so Adam would turn
         # its rounding noise into O(lr) updates of either sign, on every engine alike
-        self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=dim, decode=False, keep_rngs=False,
-                                           use_bias=False, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(
+            num_heads=heads, in_features=dim, decode=False, keep_rngs=False, use_bias=False, rngs=rngs
+        )
         self.ln2 = nnx.LayerNorm(dim, rngs=rngs)
         self.fc1 = nnx.Linear(dim, mlp, rngs=rngs)
         self.fc2 = nnx.Linear(mlp, dim, rngs=rngs)
@@ -285,7 +293,7 @@ ATTN_TP = ((r"(query|key|value)/kernel", 1), (r"out/kernel", 0))
 MLP_TP = ((r"fc1/kernel", -1), (r"fc1/bias", 0), (r"fc2/kernel", 0))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def program_cnn() -> Program:
     graphdef, (params,) = _pure(CNN(nnx.Rngs(0)), nnx.Param)
     r = rng(1)
@@ -298,7 +306,7 @@ def program_cnn() -> Program:
     return train_program(params, optax.sgd(0.1, momentum=0.9), loss, (images, labels), CONV_TP)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def program_resnet() -> Program:
     graphdef, (params, stats) = _pure(ResNet(nnx.Rngs(0)), nnx.Param, nnx.BatchStat)
     r = rng(2)
@@ -311,12 +319,18 @@ def program_resnet() -> Program:
         new_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), new_stats
 
-    return train_program(params, optax.sgd(0.05, momentum=0.9, nesterov=True), loss, (stats, images, labels),
-                         CONV_TP, aux_specs=stats_specs,
-                         batch_specs=lambda s: (stats_specs(s), batch_spec(s, 4), batch_spec(s, 1)))
+    return train_program(
+        params,
+        optax.sgd(0.05, momentum=0.9, nesterov=True),
+        loss,
+        (stats, images, labels),
+        CONV_TP,
+        aux_specs=stats_specs,
+        batch_specs=lambda s: (stats_specs(s), batch_spec(s, 4), batch_spec(s, 1)),
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def program_vit() -> Program:
     graphdef, (params,) = _pure(ViT(nnx.Rngs(0)), nnx.Param)
     r = rng(3)
@@ -329,11 +343,18 @@ def program_vit() -> Program:
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     opt = optax.adamw(optax.warmup_cosine_decay_schedule(1e-4, 1e-3, 10, 100), weight_decay=0.01)
-    return train_program(params, opt, loss, (images, labels, key), CONV_TP + ATTN_TP + MLP_TP,
-                         batch_specs=lambda s: (batch_spec(s, 4), batch_spec(s, 1), PS()))  # key replicated
+    return train_program(
+        params,
+        opt,
+        loss,
+        (images, labels, key),
+        CONV_TP + ATTN_TP + MLP_TP,
+        batch_specs=lambda s: (batch_spec(s, 4), batch_spec(s, 1), PS()),
+    )  # key replicated
 
 
 # ------------------------------------------------------------------------------ flax Linen models
+
 
 class LinenLM(nn.Module):
     vocab: int = 128
@@ -355,7 +376,7 @@ class LinenLM(nn.Module):
 LM_TP = ((r"embed/embedding", 0), (r"head/kernel", -1), (r"head/bias", 0)) + ATTN_TP + MLP_TP
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def program_lm() -> Program:
     model = LinenLM()
     r = rng(4)
@@ -367,8 +388,10 @@ def program_lm() -> Program:
         logits = model.apply({"params": params}, tokens)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    opt = optax.chain(optax.clip_by_global_norm(1.0),
-                      optax.adamw(optax.warmup_cosine_decay_schedule(1e-4, 1e-3, 10, 100), weight_decay=0.1))
+    opt = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(optax.warmup_cosine_decay_schedule(1e-4, 1e-3, 10, 100), weight_decay=0.1),
+    )
     return train_program(params, opt, loss, (tokens, targets), LM_TP)
 
 
@@ -384,7 +407,7 @@ class LinenLSTM(nn.Module):
 LSTM_TP = ((r"cell/i[ifgo]/kernel", -1), (r"cell/h[ifgo]/kernel", -1), (r"cell/h[ifgo]/bias", 0))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def program_lstm() -> Program:
     model = LinenLSTM()
     r = rng(5)
@@ -399,6 +422,7 @@ def program_lstm() -> Program:
 
 
 # ------------------------------------------------------------------------------ optax optimizers
+
 
 def _optimizer(name):
     clip = optax.clip_by_global_norm(1.0)
@@ -417,7 +441,7 @@ def _optimizer(name):
     return optax.chain(clip, inner)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def program_optimizer(name) -> Program:
     graphdef, (params,) = _pure(MLP(nnx.Rngs(0)), nnx.Param)
     r = rng(6)
@@ -432,6 +456,7 @@ def program_optimizer(name) -> Program:
 
 # ------------------------------------------------------------------------------ optax losses
 
+
 def _logits_spec(strategy):
     return {"dp": PS(ALL, None, None), "tp": PS(None, None, "model"), "2d": PS("data", None, "model")}[strategy]
 
@@ -442,8 +467,7 @@ def case_ce_integer(strategy):
     logits, labels = normal(r, (8, 16, 128), 3.0), r.integers(0, 128, (8, 16)).astype(np.int32)
 
     def fn(logits, labels):
-        return jax.value_and_grad(
-            lambda z: optax.softmax_cross_entropy_with_integer_labels(z, labels).mean())(logits)
+        return jax.value_and_grad(lambda z: optax.softmax_cross_entropy_with_integer_labels(z, labels).mean())(logits)
 
     spec = _logits_spec(strategy)
     return fn, (logits, labels), (spec, PS(*spec[:2])), (PS(), spec)
@@ -465,25 +489,26 @@ def case_ce_onehot(strategy):
 
 # ------------------------------------------------------------------------------ MoE (plain jnp)
 
+
 def moe_layer(p, x, k=2, capacity_factor=1.25):
     """Top-k routing with per-expert capacity (Switch/GShard style), dispatch and combine by
     one-hot einsums; returns (y, load-balancing loss). x: [tokens, dim]."""
     t, _ = x.shape
     e = p["router"].shape[1]
     capacity = int(math.ceil(k * t / e * capacity_factor))
-    probs = jax.nn.softmax(x @ p["router"], axis=-1)                      # [t, e]
-    gates, experts = lax.top_k(probs, k)                                  # [t, k]
+    probs = jax.nn.softmax(x @ p["router"], axis=-1)  # [t, e]
+    gates, experts = lax.top_k(probs, k)  # [t, k]
     gates = gates / gates.sum(-1, keepdims=True)
-    mask = jax.nn.one_hot(experts, e, dtype=x.dtype)                      # [t, k, e]
+    mask = jax.nn.one_hot(experts, e, dtype=x.dtype)  # [t, k, e]
     # position of each (token, choice) in its expert's queue: choices in order, then tokens
     flat = mask.transpose(1, 0, 2).reshape(k * t, e)
     pos = (jnp.cumsum(flat, axis=0) - 1.0) * flat
-    pos = pos.reshape(k, t, e).transpose(1, 0, 2)                         # [t, k, e]
+    pos = pos.reshape(k, t, e).transpose(1, 0, 2)  # [t, k, e]
     keep = mask * (pos < capacity)
     slot = jax.nn.one_hot(pos.sum(-1).astype(jnp.int32), capacity, dtype=x.dtype)  # [t, k, c]
-    dispatch = jnp.einsum("tke,tkc->tec", keep, slot)                     # [t, e, c]
+    dispatch = jnp.einsum("tke,tkc->tec", keep, slot)  # [t, e, c]
     combine = jnp.einsum("tk,tke,tkc->tec", gates, keep, slot)
-    xin = jnp.einsum("tec,td->ecd", dispatch, x)                          # [e, c, d]
+    xin = jnp.einsum("tec,td->ecd", dispatch, x)  # [e, c, d]
     h = jax.nn.gelu(jnp.einsum("ecd,edh->ech", xin, p["w1"]))
     out = jnp.einsum("ech,ehd->ecd", h, p["w2"])
     y = jnp.einsum("tec,ecd->td", combine, out)
@@ -505,13 +530,14 @@ def case_moe(strategy):
         def loss(p):
             y, aux = moe_layer(p, x)
             return jnp.mean((x + y) ** 2) + 0.01 * aux
+
         return jax.value_and_grad(loss)(params)
 
     if strategy == "dp":
         ps, xs = {"router": PS(), "w1": PS(), "w2": PS()}, PS(ALL, None)
-    elif strategy == "ep":   # experts over 'model', tokens over 'data'
+    elif strategy == "ep":  # experts over 'model', tokens over 'data'
         ps, xs = {"router": PS(), "w1": PS("model"), "w2": PS("model")}, PS("data", None)
-    else:                    # 2d: experts over 'model', their hidden dim over 'data' too
+    else:  # 2d: experts over 'model', their hidden dim over 'data' too
         ps = {"router": PS(), "w1": PS("model", None, "data"), "w2": PS("model", "data", None)}
         xs = PS("data", None)
     return fn, (params, x), (ps, xs), (PS(), ps)
@@ -519,17 +545,28 @@ def case_moe(strategy):
 
 # ------------------------------------------------------------------------------ single ops (pjit-test style)
 
+
 def _op_spec(strategy, ndim=2):
-    return {"dp": PS(ALL, *([None] * (ndim - 1))), "tp": PS(None, "model", *([None] * (ndim - 2))),
-            "2d": PS("data", "model", *([None] * (ndim - 2)))}[strategy]
+    return {
+        "dp": PS(ALL, *([None] * (ndim - 1))),
+        "tp": PS(None, "model", *([None] * (ndim - 2))),
+        "2d": PS("data", "model", *([None] * (ndim - 2))),
+    }[strategy]
 
 
 def case_reductions(strategy):
     x = normal(rng(10), (16, 64))
 
     def fn(x):
-        return (x.sum(0), x.max(1), jnp.mean(x), jax.nn.logsumexp(x, axis=1), jnp.argmax(x, axis=0),
-                jnp.var(x, axis=0), jnp.min(x))
+        return (
+            x.sum(0),
+            x.max(1),
+            jnp.mean(x),
+            jax.nn.logsumexp(x, axis=1),
+            jnp.argmax(x, axis=0),
+            jnp.var(x, axis=0),
+            jnp.min(x),
+        )
 
     return fn, (x,), (_op_spec(strategy),), PS()  # every result replicated
 
@@ -549,7 +586,7 @@ def case_dynamic_slice(strategy):
     i = np.int32(5)
 
     def fn(x, i):
-        window = lax.dynamic_slice(x, (i, i * 2), (8, 16))           # a traced offset on both dims
+        window = lax.dynamic_slice(x, (i, i * 2), (8, 16))  # a traced offset on both dims
         return window, lax.dynamic_update_slice(x, window * 0.0 + 1.0, (i + 3, i))
 
     spec = _op_spec(strategy)
@@ -565,8 +602,10 @@ def case_scan(strategy):
             def body(h, x):
                 h = jnp.tanh(h @ w + x)
                 return h, h.sum(-1)
+
             h, ys = lax.scan(body, jnp.zeros(xs.shape[1:]), xs)
-            return jnp.mean(h ** 2) + jnp.mean(ys)
+            return jnp.mean(h**2) + jnp.mean(ys)
+
         return jax.value_and_grad(loss)(w)
 
     xs_spec = {"dp": PS(None, ALL, None), "tp": PS(), "2d": PS(None, "data", None)}[strategy]
@@ -603,8 +642,12 @@ def case_user_shard_map(strategy):
     x = normal(rng(16), (16, 32))
 
     def fn(x):
-        inner = jax.shard_map(lambda b: lax.psum(b.sum(0, keepdims=True), "data"), mesh=mesh(),
-                              in_specs=PS("data", None), out_specs=PS(None, None))
+        inner = jax.shard_map(
+            lambda b: lax.psum(b.sum(0, keepdims=True), "data"),
+            mesh=mesh(),
+            in_specs=PS("data", None),
+            out_specs=PS(None, None),
+        )
         return inner(jnp.tanh(x)) * 2.0
 
     return fn, (x,), (PS("data", None),), PS()
@@ -612,9 +655,11 @@ def case_user_shard_map(strategy):
 
 # ------------------------------------------------------------------------------ running a case
 
+
 def shardings(specs):
     """NamedShardings of a PartitionSpec tree on the mesh (None stays None)."""
     from jax.sharding import NamedSharding
+
     return jax.tree.map(lambda s: NamedSharding(mesh(), s), specs, is_leaf=lambda x: isinstance(x, PS))
 
 
@@ -623,7 +668,7 @@ def reference(fn, args):
     return jax.device_get(jax.jit(fn)(*args))
 
 
-TIE_BREAK = 1e4   # "solver-bytes": how much cheaper than modelled the local work is priced
+TIE_BREAK = 1e4  # "solver-bytes": how much cheaper than modelled the local work is priced
 
 
 def parallelized(fn, in_specs, out_specs, planner="greedy"):
@@ -631,6 +676,7 @@ def parallelized(fn, in_specs, out_specs, planner="greedy"):
     (passes.solve, modelled time) or "solver-bytes" (passes.solve, modelled time without the
     collectives' latency)."""
     import shardflow as sf
+
     passes = sf.passes.DEFAULT if planner == "greedy" else sf.passes.SOLVER
     # Without the per-collective latency the collectives cost their bytes over bandwidth: the
     # table's measure. The local work is priced at 1/TIE_BREAK of its modelled time: among
@@ -638,8 +684,13 @@ def parallelized(fn, in_specs, out_specs, planner="greedy"):
     # block rather than whole, then sliced), where priced in full a plan would move more
     # bytes to read and write less memory.
     modelled = sf.LinkModel()
-    links = sf.LinkModel(alpha=0.0, flops=modelled.flops * TIE_BREAK,
-                         memory_bandwidth=modelled.memory_bandwidth * TIE_BREAK) if planner == "solver-bytes" else None
+    links = (
+        sf.LinkModel(
+            alpha=0.0, flops=modelled.flops * TIE_BREAK, memory_bandwidth=modelled.memory_bandwidth * TIE_BREAK
+        )
+        if planner == "solver-bytes"
+        else None
+    )
     return sf.parallelize(fn, mesh=mesh(), in_specs=in_specs, out_specs=out_specs, passes=passes, links=links)
 
 
@@ -721,9 +772,14 @@ def _cases():
     add("ce_integer", case_ce_integer, ("dp", "tp", "2d"))
     add("ce_onehot", case_ce_onehot, ("dp", "tp", "2d"))
     add("moe", case_moe, ("dp", "ep", "2d"))
-    for program, builder in (("reductions", case_reductions), ("pad", case_pad),
-                             ("dynamic_slice", case_dynamic_slice), ("scan", case_scan),
-                             ("top_k", case_top_k), ("scatter_add", case_scatter_add)):
+    for program, builder in (
+        ("reductions", case_reductions),
+        ("pad", case_pad),
+        ("dynamic_slice", case_dynamic_slice),
+        ("scan", case_scan),
+        ("top_k", case_top_k),
+        ("scatter_add", case_scatter_add),
+    ):
         add(program, builder, ("dp", "tp", "2d"))
     add("user_shard_map", case_user_shard_map, ("dp",))
     return out

@@ -11,9 +11,9 @@ the block, all_gather (n-1)/n of its result, reduce_scatter and all_to_all (n-1)
 ppermute the block). Per (axis, kind) the least-squares α and β of time = α + sent / β, beside
 the default LinkModel's. The fit is what the planner would price; the table is what ran.
 """
+
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,10 +32,10 @@ def sent_bytes(kind: str, block: int, n: int) -> float:
     if kind == "all_reduce":
         return 2 * (n - 1) / n * block
     if kind == "all_gather":
-        return (n - 1) * block          # (n-1)/n of the n-block result
+        return (n - 1) * block  # (n-1)/n of the n-block result
     if kind in ("reduce_scatter", "all_to_all"):
         return (n - 1) / n * block
-    return block                        # ppermute
+    return block  # ppermute
 
 
 def collective(kind: str, axis: str, n: int):
@@ -45,9 +45,9 @@ def collective(kind: str, axis: str, n: int):
 
     if kind == "all_reduce":
         return lambda x: lax.psum(x, axis)
-    if kind == "all_gather":            # gather n blocks, keep one: the loop's carry stays a block
+    if kind == "all_gather":  # gather n blocks, keep one: the loop's carry stays a block
         return lambda x: lax.all_gather(x, axis, tiled=True)[: x.shape[0]]
-    if kind == "reduce_scatter":        # scatter the block, tile it back (local)
+    if kind == "reduce_scatter":  # scatter the block, tile it back (local)
         return lambda x: jnp.tile(lax.psum_scatter(x, axis, tiled=True), (n, 1))
     if kind == "all_to_all":
         return lambda x: lax.all_to_all(x, axis, 0, 0, tiled=True)
@@ -60,18 +60,28 @@ def measure(mesh, axis: str, kind: str, mb: float, iters: int, rounds: int) -> f
     import jax.numpy as jnp
     import numpy as np
     from jax import lax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     n = mesh.shape[axis]
     cols = 1024
-    rows = max(n, int(mb * 2**20 / 2 / cols) // n * n)      # bf16, divisible by n
+    rows = max(n, int(mb * 2**20 / 2 / cols) // n * n)  # bf16, divisible by n
     body = collective(kind, axis, n)
     others = tuple(a for a in mesh.axis_names if a != axis)
     spec = P((axis, *others) if others else axis)
-    fn = jax.jit(jax.shard_map(lambda x: lax.fori_loop(0, iters, lambda _, v: body(v), x),
-                               mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-    x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((rows * mesh.size, cols)),
-                                   jnp.bfloat16), NamedSharding(mesh, spec))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda x: lax.fori_loop(0, iters, lambda _, v: body(v), x),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+            check_vma=False,
+        )
+    )
+    x = jax.device_put(
+        jnp.asarray(np.random.default_rng(0).standard_normal((rows * mesh.size, cols)), jnp.bfloat16),
+        NamedSharding(mesh, spec),
+    )
     jax.block_until_ready(fn(x))
     samples = []
     for _ in range(rounds):
@@ -93,8 +103,9 @@ def fit(points):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mesh", default=None, help='JSON axis sizes (default: {"data": all devices})')
-    parser.add_argument("--sizes-mb", type=float, nargs="*", default=[1, 4, 16, 64, 256],
-                        help="per-device block sizes, MB of bf16")
+    parser.add_argument(
+        "--sizes-mb", type=float, nargs="*", default=[1, 4, 16, 64, 256], help="per-device block sizes, MB of bf16"
+    )
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
@@ -104,6 +115,7 @@ def main(argv=None):
     import jax
 
     from shardflow import LinkModel, make_mesh
+
     shape = json.loads(args.mesh) if args.mesh else {"data": jax.device_count()}
     mesh = make_mesh(shape)
     default = LinkModel()
@@ -122,14 +134,26 @@ def main(argv=None):
                 seconds = measure(mesh, axis, kind, mb, args.iters, args.rounds)
                 points.append((sent_bytes(kind, int(mb * 2**20), n), seconds))
             alpha, beta = fit(points)
-            results.append({"axis": axis, "size": n, "kind": kind, "alpha_s": alpha, "beta_Bps": beta,
-                            "points": [{"block_mb": mb, "sent_bytes": s, "seconds": t}
-                                       for mb, (s, t) in zip(args.sizes_mb, points)]})
-            print(f"| {axis} ({n}) | {kind} | " + " | ".join(f"{t * 1e3:.3f}" for _, t in points)
-                  + f" | {alpha * 1e6:.1f} | {beta / 1e9:.1f} |", flush=True)
+            results.append(
+                {
+                    "axis": axis,
+                    "size": n,
+                    "kind": kind,
+                    "alpha_s": alpha,
+                    "beta_Bps": beta,
+                    "points": [
+                        {"block_mb": mb, "sent_bytes": s, "seconds": t} for mb, (s, t) in zip(args.sizes_mb, points)
+                    ],
+                }
+            )
+            print(
+                f"| {axis} ({n}) | {kind} | "
+                + " | ".join(f"{t * 1e3:.3f}" for _, t in points)
+                + f" | {alpha * 1e6:.1f} | {beta / 1e9:.1f} |",
+                flush=True,
+            )
     if args.out:
-        Path(args.out).write_text(json.dumps({"meta": _results.run_meta(mesh=shape), "fits": results},
-                                             indent=1))
+        Path(args.out).write_text(json.dumps({"meta": _results.run_meta(mesh=shape), "fits": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ not divide into the schedule's virtual stages (3b's 28 in 4 stages x 2 chunks) t
 as evenly as they go (`pipeline.layers_per_stage`, the padding skipped), recorded in the row.
 benchmarks/pipeline_hosts.py turns a result into a prediction across hosts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,10 +36,15 @@ import _checkout  # noqa: F401
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import scaling  # noqa: E402  (after the NCCL setting)
+
 from shardflow.models.config import PRESETS, REMAT_POLICIES  # noqa: E402
 
-CASES = {"1b": (64, 2048, "none"), "3b": (32, 2048, "full"), "7b": (32, 2048, "full"),
-         "tiny": (16, 128, "none")}   # preset -> (global batch, seq, remat)
+CASES = {
+    "1b": (64, 2048, "none"),
+    "3b": (32, 2048, "full"),
+    "7b": (32, 2048, "full"),
+    "tiny": (16, 128, "none"),
+}  # preset -> (global batch, seq, remat)
 SCHEDULES = ("gpipe", "1f1b", "1f1b-fused", "zb-h1", "interleaved", "zb-v", "zb-fused")
 
 
@@ -48,10 +54,16 @@ def configs(n: int, schedules, microbatches: int):
     for pipe in sorted({n, n // 2} - {0, 1}, reverse=True):
         mesh = {"pipe": pipe} if pipe == n else {"pipe": pipe, "data": n // pipe}
         # with a data axis: replicated stages (dp), or their weights and Adam state split over it (fsdp)
-        for name, strategy in ([("", "pp")] if pipe == n else [("dp", "pp_dp"), ("fsdp", "fsdp")]):
+        for name, strategy in [("", "pp")] if pipe == n else [("dp", "pp_dp"), ("fsdp", "fsdp")]:
             for schedule in schedules:
-                out.append((f"pp{pipe}" + (f"x{name}{n // pipe}" if name else "") + f" {schedule}", mesh, strategy,
-                            {"stages": pipe, "microbatches": microbatches, "schedule": schedule}))
+                out.append(
+                    (
+                        f"pp{pipe}" + (f"x{name}{n // pipe}" if name else "") + f" {schedule}",
+                        mesh,
+                        strategy,
+                        {"stages": pipe, "microbatches": microbatches, "schedule": schedule},
+                    )
+                )
     return out
 
 
@@ -75,18 +87,29 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
 
     if pipeline:
         table = schedules.with_split_backward(
-            schedules.by_name(pipeline["schedule"], pipeline["stages"], pipeline["microbatches"]))
+            schedules.by_name(pipeline["schedule"], pipeline["stages"], pipeline["microbatches"])
+        )
         n_layers, parts = PRESETS[preset]["n_layers"], table.stages * table.chunks
-        if n_layers % parts and n_layers > parts:      # e.g. 3b's 28 layers in 4 stages x 2 chunks: 4 or 3 a virtual stage
-            pipeline = dict(pipeline, layers_per_stage=[n_layers // parts + (k < n_layers % parts)
-                                                        for k in range(parts)])
-    row = {"preset": preset, "config": name, "mesh": mesh, "strategy": strategy, "global_batch": batch,
-           "seq": seq, "remat": remat, "pipeline": pipeline}
+        if n_layers % parts and n_layers > parts:  # e.g. 3b's 28 layers in 4 stages x 2 chunks: 4 or 3 a virtual stage
+            pipeline = dict(
+                pipeline, layers_per_stage=[n_layers // parts + (k < n_layers % parts) for k in range(parts)]
+            )
+    row = {
+        "preset": preset,
+        "config": name,
+        "mesh": mesh,
+        "strategy": strategy,
+        "global_batch": batch,
+        "seq": seq,
+        "remat": remat,
+        "pipeline": pipeline,
+    }
     if pipeline:
-        costs = {"F": 1, "B": 2 if remat == "full" else 1, "W": 1}     # B recomputes its forward under remat
+        costs = {"F": 1, "B": 2 if remat == "full" else 1, "W": 1}  # B recomputes its forward under remat
         row["predicted_bubble"] = float(schedules.bubble_fraction(table, costs, lockstep=True))  # equal stages
-    cfg = train_config(preset, mesh, strategy, pipeline, batch, seq, remat,
-                       steps=args.warmup + args.steps, peak_flops=args.peak_flops)
+    cfg = train_config(
+        preset, mesh, strategy, pipeline, batch, seq, remat, steps=args.warmup + args.steps, peak_flops=args.peak_flops
+    )
     try:
         run = train.setup(cfg)
     except config.ConfigError as e:
@@ -97,7 +120,7 @@ def measure(preset, name, mesh, strategy, pipeline, batch, seq, remat, args):
     return row
 
 
-WAIT_NS = 1_000_000     # a gap this long is a device waiting for work, not a kernel launch
+WAIT_NS = 1_000_000  # a gap this long is a device waiting for work, not a kernel launch
 
 
 def idle_fraction(kernels, min_gap: float = 0) -> float:
@@ -121,28 +144,51 @@ def profiled_bubble(step_fn, params, opt_state, data) -> dict:
     """One traced step: per GPU, the bubble (``idle_fraction`` counting waits of at least
     ``WAIT_NS``) and all its idle time, from the profiler's stream lines; None where the trace
     has no GPU (CPU runs)."""
-    per_gpu = [(idle_fraction(kernels, WAIT_NS), idle_fraction(kernels))
-               for kernels in scaling.traced_kernels(step_fn, params, opt_state, data)]
+    per_gpu = [
+        (idle_fraction(kernels, WAIT_NS), idle_fraction(kernels))
+        for kernels in scaling.traced_kernels(step_fn, params, opt_state, data)
+    ]
     mean = lambda k: sum(g[k] for g in per_gpu) / len(per_gpu) if per_gpu else None
-    return {"measured_bubble_per_gpu": [g[0] for g in per_gpu] or None, "measured_bubble": mean(0),
-            "idle_per_gpu": [g[1] for g in per_gpu] or None, "idle": mean(1)}
+    return {
+        "measured_bubble_per_gpu": [g[0] for g in per_gpu] or None,
+        "measured_bubble": mean(0),
+        "idle_per_gpu": [g[1] for g in per_gpu] or None,
+        "idle": mean(1),
+    }
 
 
 def print_table(rows) -> None:
     base = {r["preset"]: r for r in rows if r["config"] == "fsdp" and r["status"] == "ok"}
-    header = ("preset", "config", "remat", "tokens/s", "MFU", "x fsdp", "x fsdp, bubble only", "compiled GB",
-              "predicted bubble", "measured bubble", "idle")
+    header = (
+        "preset",
+        "config",
+        "remat",
+        "tokens/s",
+        "MFU",
+        "x fsdp",
+        "x fsdp, bubble only",
+        "compiled GB",
+        "predicted bubble",
+        "measured bubble",
+        "idle",
+    )
     lines = [header]
     for r in rows:
         ok, b = r["status"] == "ok", base.get(r["preset"])
-        lines.append((r["preset"], r["config"], r["remat"],
-                      f"{r['tokens_per_s']:,.0f}" if ok else r["status"].split(":")[0],
-                      scaling.pct(r["mfu"]) if ok else "-",
-                      f"{r['tokens_per_s'] / b['tokens_per_s']:.3f}" if ok and b else "-",
-                      f"{1 - r['predicted_bubble']:.3f}" if r.get("predicted_bubble") is not None else "-",
-                      f"{r['compiled_gb_per_device']:.1f}" if ok and r.get("compiled_gb_per_device") else "-",
-                      scaling.pct(r.get("predicted_bubble")) if r.get("predicted_bubble") is not None else "-",
-                      *(scaling.pct(r.get(k)) if r.get(k) is not None else "-" for k in ("measured_bubble", "idle"))))
+        lines.append(
+            (
+                r["preset"],
+                r["config"],
+                r["remat"],
+                f"{r['tokens_per_s']:,.0f}" if ok else r["status"].split(":")[0],
+                scaling.pct(r["mfu"]) if ok else "-",
+                f"{r['tokens_per_s'] / b['tokens_per_s']:.3f}" if ok and b else "-",
+                f"{1 - r['predicted_bubble']:.3f}" if r.get("predicted_bubble") is not None else "-",
+                f"{r['compiled_gb_per_device']:.1f}" if ok and r.get("compiled_gb_per_device") else "-",
+                scaling.pct(r.get("predicted_bubble")) if r.get("predicted_bubble") is not None else "-",
+                *(scaling.pct(r.get(k)) if r.get(k) is not None else "-" for k in ("measured_bubble", "idle")),
+            )
+        )
     scaling.print_columns(lines, left=2)
     for r in rows:
         if r["status"].startswith(("skip", "error")):
@@ -156,19 +202,26 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--batch", type=int, help="global batch (sequences)")
     parser.add_argument("--seq", type=int)
-    parser.add_argument("--remat", choices=sorted(REMAT_POLICIES),
-                        help="the pipelined rows' remat policy (default: the preset's, CASES): a "
-                             "stage holds 1/p of the layers, so a policy that keeps more may fit")
-    parser.add_argument("--fsdp-remat", choices=sorted(REMAT_POLICIES),
-                        help="the FSDP row's remat policy (default: the preset's)")
+    parser.add_argument(
+        "--remat",
+        choices=sorted(REMAT_POLICIES),
+        help="the pipelined rows' remat policy (default: the preset's, CASES): a "
+        "stage holds 1/p of the layers, so a policy that keeps more may fit",
+    )
+    parser.add_argument(
+        "--fsdp-remat", choices=sorted(REMAT_POLICIES), help="the FSDP row's remat policy (default: the preset's)"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--peak-flops", type=float)
     parser.add_argument("--device-memory-gb", type=float)
     parser.add_argument("--only", help="run only the configs whose name matches this regular expression (re.search)")
-    parser.add_argument("--profile", action="store_true",
-                        help="trace one more step per config: the measured bubble, per GPU the fraction "
-                             "of the step with no kernel but a collective running")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace one more step per config: the measured bubble, per GPU the fraction "
+        "of the step with no kernel but a collective running",
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     schedules = args.schedules.split(",")
@@ -185,8 +238,11 @@ def main(argv=None) -> list[dict]:
             policy = (args.remat if pipeline else args.fsdp_remat) or remat
             row = measure(preset, name, mesh, strategy, pipeline, batch, seq, policy, args)
             rows.append(row)
-            done = (f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['loss']:.3f}"
-                    if row["status"] == "ok" else row["status"])
+            done = (
+                f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['loss']:.3f}"
+                if row["status"] == "ok"
+                else row["status"]
+            )
             print(f"{preset:5s} {name:22s} {done}", flush=True)
     print()
     print_table(rows)

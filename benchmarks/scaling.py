@@ -34,6 +34,7 @@ separates it). MFU = tokens/s x shardflow.train.metrics.flops_per_token / (peak 
 comes from the device kind (n/a on CPU unless --peak-flops). Only steady-state steps after
 --warmup steps are timed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,6 +49,7 @@ import traceback
 import _checkout  # noqa: F401
 import _results
 import train_mfu
+
 from shardflow.train import configure_host_platform
 
 # NVLink multicast off (the device machines' KINDS.md); NCCL reads it when JAX creates its
@@ -76,9 +78,8 @@ def candidate_meshes(strategy: str, n: int, model_2d: int) -> list[dict]:
 def device_bytes(shapes, shardings) -> int:
     import jax
     import numpy as np
-    sizes = jax.tree.map(
-        lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize,
-        shapes, shardings)
+
+    sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize, shapes, shardings)
     return sum(jax.tree.leaves(sizes))
 
 
@@ -100,17 +101,33 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
     from shardflow.train import config
 
     jit_attention = "cudnn" if jax.default_backend() == "gpu" else "jax"
-    row = {"preset": preset, "strategy": strategy, "engine": engine,
-           "mesh": {"data": 1} if one_device else meshes[0] if meshes else {},
-           "batch_per_replica": batch, "seq": seq, "remat": remat}
+    row = {
+        "preset": preset,
+        "strategy": strategy,
+        "engine": engine,
+        "mesh": {"data": 1} if one_device else meshes[0] if meshes else {},
+        "batch_per_replica": batch,
+        "seq": seq,
+        "remat": remat,
+    }
     error = "no mesh of this shape fits the device count"
     for mesh in meshes:  # train.setup checks that the model's split dimensions divide
         base, planner = PLANNED.get(engine, (engine, "greedy"))
-        cfg = config.Config(mesh=mesh, strategy=strategy, engine=base, planner=planner,
-                            batch_size=batch * mesh["data"], steps=args.warmup + args.steps,
-                            eval_every=0, peak_flops=args.peak_flops)
-        cfg.model = {"preset": preset, "remat": remat,
-                     "attention_impl": "ops" if base == "shardflow" else jit_attention}
+        cfg = config.Config(
+            mesh=mesh,
+            strategy=strategy,
+            engine=base,
+            planner=planner,
+            batch_size=batch * mesh["data"],
+            steps=args.warmup + args.steps,
+            eval_every=0,
+            peak_flops=args.peak_flops,
+        )
+        cfg.model = {
+            "preset": preset,
+            "remat": remat,
+            "attention_impl": "ops" if base == "shardflow" else jit_attention,
+        }
         cfg.data.seq_len = seq
         try:
             run = train.setup(cfg)
@@ -121,12 +138,14 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
         return {**row, "status": f"skip: {error}"}
     if one_device:  # dp specs hold on a 1-device mesh: one replica's batch on one device
         run = dataclasses.replace(run, mesh=Mesh(np.asarray(jax.devices()[:1]), ("data",)))
-    return time_steps(run, row, batch * run.mesh.shape["data"], seq, args,
-                      traced=kernel_time if args.profile else None)
+    return time_steps(run, row, batch * run.mesh.shape["data"], seq, args, traced=kernel_time if args.profile else None)
 
 
-KINDS = (("nccl", ("nccl",)), ("attention", ("attention", "flash", "mosaic", "fmha", "cudnn")),
-         ("matmul", ("gemm", "cublas", "nvjet", "cutlass", "xmma", "matmul")))
+KINDS = (
+    ("nccl", ("nccl",)),
+    ("attention", ("attention", "flash", "mosaic", "fmha", "cudnn")),
+    ("matmul", ("gemm", "cublas", "nvjet", "cutlass", "xmma", "matmul")),
+)
 
 
 def merged(spans) -> list[list]:
@@ -143,7 +162,7 @@ def merged(spans) -> list[list]:
 def covered(spans, start, end) -> int:
     """How much of [start, end) the sorted disjoint ``spans`` cover."""
     first = max(bisect.bisect_left(spans, [start]) - 1, 0)
-    return sum(max(0, min(b, end) - max(a, start)) for a, b in spans[first:bisect.bisect_left(spans, [end])])
+    return sum(max(0, min(b, end) - max(a, start)) for a, b in spans[first : bisect.bisect_left(spans, [end])])
 
 
 def traced_kernels(step_fn, params, opt_state, data) -> list[list[tuple]]:
@@ -160,9 +179,11 @@ def traced_kernels(step_fn, params, opt_state, data) -> list[list[tuple]]:
         jax.profiler.stop_trace()
         (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
         profile = jax.profiler.ProfileData.from_file(path)
-    per_gpu = [[(e.start_ns, e.end_ns, e.name) for line in plane.lines if line.name.startswith("Stream")
-                for e in line.events]
-               for plane in sorted(profile.planes, key=lambda p: p.name) if plane.name.startswith("/device:GPU:")]
+    per_gpu = [
+        [(e.start_ns, e.end_ns, e.name) for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+        for plane in sorted(profile.planes, key=lambda p: p.name)
+        if plane.name.startswith("/device:GPU:")
+    ]
     return [kernels for kernels in per_gpu if kernels]
 
 
@@ -195,21 +216,36 @@ def kernel_time(step_fn, params, opt_state, data) -> dict:
         busy = sum(b - a for a, b in merged((start, end) for start, end, _ in kernels))
         compute = merged((start, end) for start, end, name in kernels if "nccl" not in name.lower())
         computing = sum(b - a for a, b in compute)
-        exposed = collections.Counter()   # per collective: its time with no compute kernel beside it
+        exposed = collections.Counter()  # per collective: its time with no compute kernel beside it
         for start, end, name in kernels:
             if "nccl" in name.lower():
                 exposed[nccl_kind(name)] += (end - start - covered(compute, start, end)) / 1e6
         span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1e6
-        per_gpu.append({"span_ms": span, "no_kernel_ms": span - busy / 1e6, **{f"{k}_ms": v for k, v in ms.items()},
-                        "nccl_exposed_ms": (busy - computing) / 1e6,
-                        "top_other_ms": other.most_common(8), "nccl_ms_by_kind": dict(nccl.most_common()),
-                        "nccl_exposed_ms_by_kind": dict(exposed.most_common())})
+        per_gpu.append(
+            {
+                "span_ms": span,
+                "no_kernel_ms": span - busy / 1e6,
+                **{f"{k}_ms": v for k, v in ms.items()},
+                "nccl_exposed_ms": (busy - computing) / 1e6,
+                "top_other_ms": other.most_common(8),
+                "nccl_ms_by_kind": dict(nccl.most_common()),
+                "nccl_exposed_ms_by_kind": dict(exposed.most_common()),
+            }
+        )
     if per_gpu:
         g = per_gpu[0]
-        print("  GPU0: " + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in g.items() if isinstance(v, float))
-              + "; other: " + "; ".join(f"{n} {t:.1f}" for n, t in g["top_other_ms"])
-              + "; nccl: " + "; ".join(f"{n} {t:.1f} ({g['nccl_exposed_ms_by_kind'].get(n, 0):.1f} exposed)"
-                                       for n, t in g["nccl_ms_by_kind"].items()), flush=True)
+        print(
+            "  GPU0: "
+            + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in g.items() if isinstance(v, float))
+            + "; other: "
+            + "; ".join(f"{n} {t:.1f}" for n, t in g["top_other_ms"])
+            + "; nccl: "
+            + "; ".join(
+                f"{n} {t:.1f} ({g['nccl_exposed_ms_by_kind'].get(n, 0):.1f} exposed)"
+                for n, t in g["nccl_ms_by_kind"].items()
+            ),
+            flush=True,
+        )
     return {"kernel_time_per_gpu": per_gpu} if per_gpu else {}
 
 
@@ -231,22 +267,28 @@ def time_steps(run, row, global_batch, seq, args, traced=None):
     param_bytes = device_bytes(params_shape, run.shardings(run.param_specs))
     state = param_bytes * 2.5 + device_bytes(opt_shape, run.shardings(run.opt_specs))
     row["state_gb_per_device"] = state / 1e9  # weights + fp32 grads + bf16 copy + Adam
-    limit = (args.device_memory_gb * 1e9 if args.device_memory_gb
-             else (jax.devices()[0].memory_stats() or {}).get("bytes_limit"))
+    limit = (
+        args.device_memory_gb * 1e9
+        if args.device_memory_gb
+        else (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    )
     if limit and state > limit:
-        return {**row, "status": f"skip: needs >= {state / 1e9:.3g} GB/device of state, "
-                                 f"device has {limit / 1e9:.3g} GB"}
+        return {
+            **row,
+            "status": f"skip: needs >= {state / 1e9:.3g} GB/device of state, device has {limit / 1e9:.3g} GB",
+        }
     try:
         params, opt_state = train.init_state(run)
         step_fn = run.train_step()
-        tokens = np.random.default_rng(0).integers(0, run.model_cfg.vocab_size,
-                                                   (1, global_batch, seq + 1))
+        tokens = np.random.default_rng(0).integers(0, run.model_cfg.vocab_size, (1, global_batch, seq + 1))
         sharding = run.shardings(run.batch_spec)
-        data = {"inputs": jax.device_put(tokens[..., :-1].astype(np.int32), sharding),
-                "targets": jax.device_put(tokens[..., 1:].astype(np.int32), sharding)}
+        data = {
+            "inputs": jax.device_put(tokens[..., :-1].astype(np.int32), sharding),
+            "targets": jax.device_put(tokens[..., 1:].astype(np.int32), sharding),
+        }
         for i in range(args.warmup):
             params, opt_state, out = step_fn(params, opt_state, data)
-            if i == 0:   # from the same state and batch in every engine: the losses to compare
+            if i == 0:  # from the same state and batch in every engine: the losses to compare
                 row["first_loss"] = float(out["loss"])
         jax.block_until_ready((params, opt_state, out))
         start = time.perf_counter()
@@ -265,9 +307,15 @@ def time_steps(run, row, global_batch, seq, args, traced=None):
     tok_s = args.steps * global_batch * seq / elapsed
     peak = metrics.peak_flops(jax.devices()[0], args.peak_flops)
     flops = metrics.flops_per_token(run.model_cfg, run.n_params, seq)
-    return {**row, "status": "ok", "global_batch": global_batch, "tokens_per_s": tok_s,
-            "step_s": elapsed / args.steps, "loss": loss,
-            "mfu": tok_s * flops / (peak * run.mesh.size) if peak else None}
+    return {
+        **row,
+        "status": "ok",
+        "global_batch": global_batch,
+        "tokens_per_s": tok_s,
+        "step_s": elapsed / args.steps,
+        "loss": loss,
+        "mfu": tok_s * flops / (peak * run.mesh.size) if peak else None,
+    }
 
 
 def fmt_mesh(mesh: dict) -> str:
@@ -281,8 +329,10 @@ def devices() -> int:
     import jax
 
     n = jax.device_count()
-    print(f"jax {jax.__version__}, {n} x {jax.devices()[0].device_kind}, "
-          f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
+    print(
+        f"jax {jax.__version__}, {n} x {jax.devices()[0].device_kind}, "
+        f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}"
+    )
     return n
 
 
@@ -291,17 +341,23 @@ def pct(x) -> str:
 
 
 def print_table(rows) -> None:
-    header = ("preset", "strategy", "mesh", "engine", "tokens/s", "MFU", "weak-scaling eff.",
-              "shardflow/jit")
+    header = ("preset", "strategy", "mesh", "engine", "tokens/s", "MFU", "weak-scaling eff.", "shardflow/jit")
     lines = [header]
     for r in rows:
         ok = r["status"] == "ok"
         ratio = r.get("shardflow_over_jit")
-        lines.append((r["preset"], r["strategy"], fmt_mesh(r["mesh"]), r["engine"],
-                      f"{r['tokens_per_s']:,.0f}" if ok else r["status"].split(":")[0],
-                      pct(r["mfu"]) if ok else "-",
-                      pct(r.get("weak_scaling_eff")) if ok and r["devices"] > 1 else "-",
-                      f"{ratio:.3f}" if ratio is not None else "-"))
+        lines.append(
+            (
+                r["preset"],
+                r["strategy"],
+                fmt_mesh(r["mesh"]),
+                r["engine"],
+                f"{r['tokens_per_s']:,.0f}" if ok else r["status"].split(":")[0],
+                pct(r["mfu"]) if ok else "-",
+                pct(r.get("weak_scaling_eff")) if ok and r["devices"] > 1 else "-",
+                f"{ratio:.3f}" if ratio is not None else "-",
+            )
+        )
     print_columns(lines, left=4)
     for r in rows:
         if r["status"].startswith(("skip", "error")):
@@ -320,8 +376,9 @@ def print_columns(lines, left: int) -> None:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", action="append", choices=sorted(CASES),
-                        help="model preset (repeatable); default: 1b and 7b")
+    parser.add_argument(
+        "--preset", action="append", choices=sorted(CASES), help="model preset (repeatable); default: 1b and 7b"
+    )
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated")
     parser.add_argument("--batch", type=int, help="sequences per data-parallel replica")
@@ -330,11 +387,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation)")
     parser.add_argument("--peak-flops", type=float, help="per-device peak (default: known GPUs)")
-    parser.add_argument("--device-memory-gb", type=float,
-                        help="per-device memory for the fit check (default: what jax reports)")
-    parser.add_argument("--profile", action="store_true",
-                        help="trace one more step per config: per GPU, kernel time by kind (matmul, "
-                             "attention, NCCL, other) and the time no kernel runs")
+    parser.add_argument(
+        "--device-memory-gb", type=float, help="per-device memory for the fit check (default: what jax reports)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace one more step per config: per GPU, kernel time by kind (matmul, "
+        "attention, NCCL, other) and the time no kernel runs",
+    )
     parser.add_argument("--out", help="write all rows as JSON to this file")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
@@ -351,19 +412,19 @@ def main(argv=None) -> list[dict]:
         batch, seq, remat = CASES[preset]
         batch, seq = args.batch or batch, args.seq or seq
         configs = [("1-device", [{"data": n}], engine, True) for engine in engines if engine not in PLANNED]
-        configs += [(s, candidate_meshes(s, n, args.model_2d), e, False)
-                    for s in strategies for e in engines]
+        configs += [(s, candidate_meshes(s, n, args.model_2d), e, False) for s in strategies for e in engines]
         for strategy, meshes, engine, one in configs:
-            row = measure(preset, "dp" if one else strategy, meshes, engine, batch, seq, remat,
-                          args, one_device=one)
+            row = measure(preset, "dp" if one else strategy, meshes, engine, batch, seq, remat, args, one_device=one)
             row["strategy"] = strategy
             rows.append(row)
             gc.collect()
             jax.clear_caches()
-            done = (f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['first_loss']:.4f} first, {row['loss']:.3f} last"
-                    if row["status"] == "ok" else row["status"])
-            print(f"{preset:5s} {strategy:8s} {fmt_mesh(row['mesh']):16s} {engine:9s} {done}",
-                  flush=True)
+            done = (
+                f"{row['tokens_per_s']:,.0f} tokens/s, loss {row['first_loss']:.4f} first, {row['loss']:.3f} last"
+                if row["status"] == "ok"
+                else row["status"]
+            )
+            print(f"{preset:5s} {strategy:8s} {fmt_mesh(row['mesh']):16s} {engine:9s} {done}", flush=True)
 
     ok = {(r["preset"], r["strategy"], r["engine"]): r for r in rows if r["status"] == "ok"}
     for r in rows:

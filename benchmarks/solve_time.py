@@ -12,6 +12,7 @@ script first times a fixed LP that depends on nothing in shardflow — a seeded 
 transportation problem, solved as the solver's relaxations are — and prints it beside the rows: the
 machine's speed in this run, to compare runs by.
 """
+
 import argparse
 import os
 import sys
@@ -25,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _checkout  # noqa: E402,F401
 import _results  # noqa: E402
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy import sparse  # noqa: E402
@@ -80,22 +80,35 @@ def main():
     args = parser.parse_args()
     data_dir = data.prepare(data.stdlib_sources(max_bytes=200_000)[:5], tempfile.mkdtemp())
     reference_lp_s = reference_seconds()
-    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, mesh data=2 x model=4; "
-          f"the machine's reference LP: {reference_lp_s:.2f} s")
+    print(
+        f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, mesh data=2 x model=4; "
+        f"the machine's reference LP: {reference_lp_s:.2f} s"
+    )
     print("| preset | strategy | greedy s | greedy ms modelled | solver s | solver ms modelled | solver |")
     print("|---|---|---:|---:|---:|---:|---|")
     rows = []
     for preset in args.presets.split(","):
         for strategy in args.strategies.split(","):
             (tg, mg, _), (ts, ms, planner) = measure(preset, strategy, data_dir)
-            print(f"| {preset} | {strategy} | {tg:.1f} | {mg * 1e3:.2f} | {ts:.1f} | {ms * 1e3:.2f} | {planner} |",
-                  flush=True)
-            rows.append({"preset": preset, "strategy": strategy, "greedy_s": tg,
-                         "greedy_modelled_ms": mg * 1e3, "solver_s": ts,
-                         "solver_modelled_ms": ms * 1e3, "solver": planner})
+            print(
+                f"| {preset} | {strategy} | {tg:.1f} | {mg * 1e3:.2f} | {ts:.1f} | {ms * 1e3:.2f} | {planner} |",
+                flush=True,
+            )
+            rows.append(
+                {
+                    "preset": preset,
+                    "strategy": strategy,
+                    "greedy_s": tg,
+                    "greedy_modelled_ms": mg * 1e3,
+                    "solver_s": ts,
+                    "solver_modelled_ms": ms * 1e3,
+                    "solver": planner,
+                }
+            )
     if args.out:
-        _results.write_json(args.out, rows, reference_lp_s=reference_lp_s,
-                            mesh={"data": 2, "model": 4}, batch=8, seq=2048)
+        _results.write_json(
+            args.out, rows, reference_lp_s=reference_lp_s, mesh={"data": 2, "model": 4}, batch=8, seq=2048
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Both run on the same random token batch, resident on device; the first steps (co
 are not timed. MFU = tokens/s · FLOPs per token / (peak · devices), with FLOPs per token from
 shardflow.train.metrics.flops_per_token (6·N + causal attention).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,7 @@ import traceback
 
 import _checkout  # noqa: F401
 import _results
+
 from shardflow.train import configure_host_platform
 
 CASES = {  # preset -> (batch, seq, remat)
@@ -32,8 +34,7 @@ CASES = {  # preset -> (batch, seq, remat)
 }
 
 
-def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: int,
-            warmup: int, peak: float | None):
+def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: int, warmup: int, peak: float | None):
     import jax
 
     from shardflow.train import config, metrics
@@ -41,8 +42,11 @@ def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: i
     on_gpu = jax.default_backend() == "gpu"
     cfg = config.Config()
     reference_attention = "cudnn" if on_gpu else "jax"
-    cfg.model = {"preset": preset, "remat": remat,
-                 "attention_impl": "ops" if engine == "shardflow" else reference_attention}
+    cfg.model = {
+        "preset": preset,
+        "remat": remat,
+        "attention_impl": "ops" if engine == "shardflow" else reference_attention,
+    }
     cfg.engine = "jit" if engine == "reference" else "shardflow"
     cfg.batch_size, cfg.data.seq_len, cfg.steps = batch, seq, warmup + steps
     cfg.strategy, cfg.compute_dtype = "dp", "bfloat16"
@@ -51,16 +55,19 @@ def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: i
     flops = metrics.flops_per_token(run.model_cfg, run.n_params, seq)
     peak = metrics.peak_flops(jax.devices()[0], peak)
     mfu = tok_s * flops / (peak * jax.device_count()) if peak else None
-    return {"tokens_per_s": tok_s, "mfu": mfu, "loss": float(out["loss"]),
-            "params": run.n_params, "step_s": step_s}
+    return {"tokens_per_s": tok_s, "mfu": mfu, "loss": float(out["loss"]), "params": run.n_params, "step_s": step_s}
 
 
 def compiled_bytes(step_fn, *args) -> int:
     """Per device, XLA's own account of a compiled step (the allocator's peak is process-wide,
     and JAX preallocates): arguments + outputs not aliased to them + temporaries."""
     memory = step_fn.lower(*args).compile().memory_analysis()
-    return (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes)
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
 
 
 def time_steps(cfg, batch: int, seq: int, steps: int, warmup: int):
@@ -77,8 +84,10 @@ def time_steps(cfg, batch: int, seq: int, steps: int, warmup: int):
     step_fn = run.train_step()
     tokens = np.random.default_rng(0).integers(0, run.model_cfg.vocab_size, (1, batch, seq + 1))
     sharding = run.shardings(run.batch_spec)
-    data = {"inputs": jax.device_put(tokens[..., :-1].astype(np.int32), sharding),
-            "targets": jax.device_put(tokens[..., 1:].astype(np.int32), sharding)}
+    data = {
+        "inputs": jax.device_put(tokens[..., :-1].astype(np.int32), sharding),
+        "targets": jax.device_put(tokens[..., 1:].astype(np.int32), sharding),
+    }
     for _ in range(warmup):
         params, opt_state, out = step_fn(params, opt_state, data)
     jax.block_until_ready(out)
@@ -92,15 +101,17 @@ def time_steps(cfg, batch: int, seq: int, steps: int, warmup: int):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", action="append", choices=sorted(CASES),
-                        help="model preset (repeatable); default: 1b and 3b")
+    parser.add_argument(
+        "--preset", action="append", choices=sorted(CASES), help="model preset (repeatable); default: 1b and 3b"
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation)")
     parser.add_argument("--batch", type=int, help="override the preset's batch")
     parser.add_argument("--seq", type=int, help="override the preset's sequence length")
     parser.add_argument("--peak-flops", type=float, help="per-device peak (default: known GPUs)")
-    parser.add_argument("--engines", default="reference,shardflow",
-                        help="comma-separated: reference, shardflow, shardflow-cudnn")
+    parser.add_argument(
+        "--engines", default="reference,shardflow", help="comma-separated: reference, shardflow, shardflow-cudnn"
+    )
     parser.add_argument("--out", help="write all rows as JSON to this file")
     args = parser.parse_args(argv)
     configure_host_platform()
@@ -114,8 +125,7 @@ def main(argv=None):
         results = {}
         for engine in args.engines.split(","):
             try:
-                results[engine] = measure(preset, batch, seq, remat, engine, args.steps,
-                                          args.warmup, args.peak_flops)
+                results[engine] = measure(preset, batch, seq, remat, engine, args.steps, args.warmup, args.peak_flops)
             except Exception as e:  # report and go on: the other engine's number still counts
                 traceback.print_exc()
                 results[engine] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
@@ -125,16 +135,20 @@ def main(argv=None):
                 print(f"  {engine:15s} FAILED  {r['error']}")
                 continue
             mfu = f"{100 * r['mfu']:.1f} %" if r["mfu"] is not None else "n/a"
-            print(f"  {engine:15s} {r['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>7s}  "
-                  f"step {1e3 * r['step_s']:8.1f} ms  loss {r['loss']:.3f}  "
-                  f"params {r['params'] / 1e6:,.1f} M")
+            print(
+                f"  {engine:15s} {r['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>7s}  "
+                f"step {1e3 * r['step_s']:8.1f} ms  loss {r['loss']:.3f}  "
+                f"params {r['params'] / 1e6:,.1f} M"
+            )
         reference = results.get("reference", {})
         for engine, r in results.items():
             if engine != "reference" and "error" not in r and "error" not in reference and reference:
                 ratio = r["tokens_per_s"] / reference["tokens_per_s"]
                 print(f"  ratio {engine} / reference: {ratio:.3f}")
-        rows += [{"preset": preset, "batch": batch, "seq": seq, "remat": remat, "engine": engine,
-                  **r} for engine, r in results.items()]
+        rows += [
+            {"preset": preset, "batch": batch, "seq": seq, "remat": remat, "engine": engine, **r}
+            for engine, r in results.items()
+        ]
     if args.out:
         _results.write_json(args.out, rows, steps=args.steps, warmup=args.warmup)
     return rows

@@ -1,5 +1,6 @@
 """The one place the models call attention. Layout [batch, seq, heads, head_dim]; GQA when the
 query has a multiple of the key/value heads."""
+
 import jax
 
 from shardflow import ops

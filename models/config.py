@@ -1,4 +1,5 @@
 """Model hyper-parameters and the named presets."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,28 +9,28 @@ import jax
 from shardflow.ops import CONTEXTS, Layout
 from shardflow.ring_attention import LAYOUTS
 
-GATHERED = tuple(f"{kind}-all_gather" for kind in LAYOUTS)   # a layout's ring steps on K/V gathered
+GATHERED = tuple(f"{kind}-all_gather" for kind in LAYOUTS)  # a layout's ring steps on K/V gathered
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    family: str = "llama"          # "llama" or "gpt2"
+    family: str = "llama"  # "llama" or "gpt2"
     vocab_size: int = 256
     d_model: int = 256
     n_layers: int = 4
     n_heads: int = 8
-    n_kv_heads: int = 4            # llama only (GQA); gpt2 uses n_heads
+    n_kv_heads: int = 4  # llama only (GQA); gpt2 uses n_heads
     head_dim: int = 32
     ffn_dim: int = 768
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    tie_embeddings: bool = False   # gpt2 always ties
+    tie_embeddings: bool = False  # gpt2 always ties
     # Mistral's sliding window (llama only): a query sees at most this many tokens back. The
     # attention has no window, so sequences longer than it are refused, not approximated.
     sliding_window: int | None = None
-    remat: str = "none"            # see REMAT_POLICIES
-    attention_impl: str = "ops"    # "ops" (shardflow.ops.attention); "jax"/"cudnn": reference only
+    remat: str = "none"  # see REMAT_POLICIES
+    attention_impl: str = "ops"  # "ops" (shardflow.ops.attention); "jax"/"cudnn": reference only
     # A sequence split over a mesh axis: attention by "ring", "all_gather", "ulysses" or the
     # planner's choice ("auto"); "zigzag" / "striped": a ring over tokens in that order, for a
     # ring of context_blocks devices (the trainer sets it from the mesh and permutes the data);
@@ -54,18 +55,21 @@ class ModelConfig:
         if self.family not in ("llama", "gpt2"):
             raise ValueError(f"model.family must be 'llama' or 'gpt2', got {self.family!r}")
         if self.context not in CONTEXTS + LAYOUTS + GATHERED:
-            raise ValueError(f"model.context must be one of {list(CONTEXTS + LAYOUTS + GATHERED)}, "
-                             f"got {self.context!r}")
+            raise ValueError(
+                f"model.context must be one of {list(CONTEXTS + LAYOUTS + GATHERED)}, got {self.context!r}"
+            )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model.n_heads ({self.n_heads}) must be a multiple of "
-                             f"model.n_kv_heads ({self.n_kv_heads})")
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
+            )
         if self.sliding_window is not None and self.family != "llama":
             raise ValueError(f"model.sliding_window is a llama-family setting, not {self.family}'s")
         if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"model.sliding_window must be a positive number of tokens (or None), "
-                             f"got {self.sliding_window}")
+            raise ValueError(
+                f"model.sliding_window must be a positive number of tokens (or None), got {self.sliding_window}"
+            )
         if self.family == "gpt2" and self.n_heads * self.head_dim != self.d_model:
             raise ValueError("gpt2: n_heads * head_dim must equal d_model")
 
@@ -80,23 +84,82 @@ REMAT_POLICIES = {
 
 PRESETS: dict[str, dict] = {
     # CPU tests and the no-argument `shardflow train` run (byte-level vocabulary).
-    "tiny": dict(vocab_size=256, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32,
-                 ffn_dim=768, max_seq_len=256),
-    "125m": dict(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
-                 head_dim=64, ffn_dim=2048, max_seq_len=2048),
-    "350m": dict(vocab_size=32000, d_model=1024, n_layers=24, n_heads=16, n_kv_heads=16,
-                 head_dim=64, ffn_dim=2816, max_seq_len=2048),
+    "tiny": dict(
+        vocab_size=256, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=768, max_seq_len=256
+    ),
+    "125m": dict(
+        vocab_size=32000,
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=12,
+        head_dim=64,
+        ffn_dim=2048,
+        max_seq_len=2048,
+    ),
+    "350m": dict(
+        vocab_size=32000,
+        d_model=1024,
+        n_layers=24,
+        n_heads=16,
+        n_kv_heads=16,
+        head_dim=64,
+        ffn_dim=2816,
+        max_seq_len=2048,
+    ),
     # ../shared/ANCHORS.md "1b" and "3b": the plain-JAX baselines were measured on these.
-    "1b": dict(vocab_size=32000, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8,
-               head_dim=128, ffn_dim=5632, max_seq_len=4096),
-    "3b": dict(vocab_size=32000, d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8,
-               head_dim=128, ffn_dim=8192, max_seq_len=4096),
-    "7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-               head_dim=128, ffn_dim=11008, max_seq_len=4096),
-    "gpt2-tiny": dict(family="gpt2", vocab_size=256, d_model=256, n_layers=4, n_heads=8,
-                      n_kv_heads=8, head_dim=32, ffn_dim=1024, max_seq_len=256),
-    "gpt2-124m": dict(family="gpt2", vocab_size=50304, d_model=768, n_layers=12, n_heads=12,
-                      n_kv_heads=12, head_dim=64, ffn_dim=3072, max_seq_len=1024),
+    "1b": dict(
+        vocab_size=32000,
+        d_model=2048,
+        n_layers=16,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_dim=5632,
+        max_seq_len=4096,
+    ),
+    "3b": dict(
+        vocab_size=32000,
+        d_model=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_dim=8192,
+        max_seq_len=4096,
+    ),
+    "7b": dict(
+        vocab_size=32000,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        head_dim=128,
+        ffn_dim=11008,
+        max_seq_len=4096,
+    ),
+    "gpt2-tiny": dict(
+        family="gpt2",
+        vocab_size=256,
+        d_model=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=8,
+        head_dim=32,
+        ffn_dim=1024,
+        max_seq_len=256,
+    ),
+    "gpt2-124m": dict(
+        family="gpt2",
+        vocab_size=50304,
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=12,
+        head_dim=64,
+        ffn_dim=3072,
+        max_seq_len=1024,
+    ),
 }
 
 

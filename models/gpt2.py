@@ -4,6 +4,7 @@ Built from Flax's own layers and annotated the Flax way — ``nnx.with_partition
 initializer — to show that the trainer's rules tables honour that metadata as well as the
 ``@logical_axes`` decorator the Llama model uses.
 """
+
 from __future__ import annotations
 
 import jax
@@ -31,17 +32,23 @@ def _init(std: float, axes):
 
 
 def _linear(d_in, d_out, axes, std, rngs):
-    return nnx.Linear(d_in, d_out, rngs=rngs, kernel_init=_init(std, axes),
-                      bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), axes[1:],
-                                                      eager_sharding=False))
+    return nnx.Linear(
+        d_in,
+        d_out,
+        rngs=rngs,
+        kernel_init=_init(std, axes),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), axes[1:], eager_sharding=False),
+    )
 
 
 def _layer_norm(d, eps, rngs):
-    return nnx.LayerNorm(d, epsilon=eps, rngs=rngs,
-                         scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",),
-                                                          eager_sharding=False),
-                         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("norm",),
-                                                         eager_sharding=False))
+    return nnx.LayerNorm(
+        d,
+        epsilon=eps,
+        rngs=rngs,
+        scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",), eager_sharding=False),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("norm",), eager_sharding=False),
+    )
 
 
 class Block(nnx.Module):
@@ -63,20 +70,30 @@ class Block(nnx.Module):
     def __call__(self, x):
         b, s, d = x.shape
         h = self.ln_1(x)
-        q, k, v = (f(h).reshape(b, s, self.n_heads, d // self.n_heads)
-                   for f in (self.q, self.k, self.v))
-        x = x + self.proj(attention(q, k, v, causal=True, impl=self.impl, context=self.context,
-                                    layout=self.layout).reshape(b, s, d))
+        q, k, v = (f(h).reshape(b, s, self.n_heads, d // self.n_heads) for f in (self.q, self.k, self.v))
+        x = x + self.proj(
+            attention(q, k, v, causal=True, impl=self.impl, context=self.context, layout=self.layout).reshape(b, s, d)
+        )
         return x + self.fc_proj(jax.nn.gelu(self.fc(self.ln_2(x))))
 
 
 class GPT2(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs, promote_dtype=_params_dtype,
-                             embedding_init=_init(cfg.init_std, ("vocab", "embed")))
-        self.wpe = nnx.Embed(cfg.max_seq_len, cfg.d_model, rngs=rngs, promote_dtype=_params_dtype,
-                             embedding_init=_init(0.01, ("pos", "embed")))
+        self.wte = nnx.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            rngs=rngs,
+            promote_dtype=_params_dtype,
+            embedding_init=_init(cfg.init_std, ("vocab", "embed")),
+        )
+        self.wpe = nnx.Embed(
+            cfg.max_seq_len,
+            cfg.d_model,
+            rngs=rngs,
+            promote_dtype=_params_dtype,
+            embedding_init=_init(0.01, ("pos", "embed")),
+        )
         self.layers = stacked(lambda r: Block(cfg, r), cfg.n_layers, rngs)
         self.ln_f = _layer_norm(cfg.d_model, cfg.norm_eps, rngs)
 
@@ -91,9 +108,15 @@ class GPT2(nnx.Module):
         if pipeline is None:
             return cross_entropy(self(tokens), targets)
         head, head_params = self._head()
-        return pipelined_loss(self.layers, constrain(self._embed(tokens), RESIDUAL), targets,
-                              pipeline=pipeline, remat=self.cfg.remat, head=head,
-                              head_params=head_params)
+        return pipelined_loss(
+            self.layers,
+            constrain(self._embed(tokens), RESIDUAL),
+            targets,
+            pipeline=pipeline,
+            remat=self.cfg.remat,
+            head=head,
+            head_params=head_params,
+        )
 
     def _embed(self, tokens):
         """Token plus position embeddings; the positions are the tokens' (in the layout's order)."""

@@ -5,6 +5,7 @@ Weights are plain ``nnx.Param`` arrays used through einsums, each dimension name
 parameters the model is merged with: the trainer keeps fp32 master weights and merges a bf16
 copy for the forward/backward pass; norms and softmax statistics are computed in fp32.
 """
+
 from __future__ import annotations
 
 import jax
@@ -13,8 +14,13 @@ from flax import nnx
 
 from .attention import attention
 from .config import ModelConfig
-from .pipeline import (RESIDUAL, PipelineConfig, cross_entropy, pipelined_loss,  # noqa: F401
-                       scan_layers)
+from .pipeline import (
+    RESIDUAL,
+    PipelineConfig,
+    cross_entropy,
+    pipelined_loss,  # noqa: F401
+    scan_layers,
+)
 from .sharding import constrain, logical_axes
 
 
@@ -50,8 +56,12 @@ def _normal(rngs: nnx.Rngs, shape, std):
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
 
 
-@logical_axes(wq=("embed", "heads", "head_dim"), wk=("embed", "kv_heads", "head_dim"),
-              wv=("embed", "kv_heads", "head_dim"), wo=("heads", "head_dim", "embed"))
+@logical_axes(
+    wq=("embed", "heads", "head_dim"),
+    wk=("embed", "kv_heads", "head_dim"),
+    wv=("embed", "kv_heads", "head_dim"),
+    wo=("heads", "head_dim", "embed"),
+)
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -137,9 +147,16 @@ class Llama(nnx.Module):
         with jax.ensure_compile_time_eval():  # constants the pipelined layer closes over
             cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.layout)
         head, head_params = self._head()
-        return pipelined_loss(self.layers, self._embed(tokens), targets, pipeline=pipeline,
-                              remat=cfg.remat, layer_args=(cos, sin), head=head,
-                              head_params=head_params)
+        return pipelined_loss(
+            self.layers,
+            self._embed(tokens),
+            targets,
+            pipeline=pipeline,
+            remat=cfg.remat,
+            layer_args=(cos, sin),
+            head=head,
+            head_params=head_params,
+        )
 
     def _check_window(self, seq_len: int):
         window = self.cfg.sliding_window
@@ -147,7 +164,8 @@ class Llama(nnx.Module):
             raise ValueError(
                 f"a sequence of {seq_len} tokens is longer than model.sliding_window ({window}): "
                 "this attention has no window, so it computes a sliding-window model only on "
-                "sequences within the window")
+                "sequences within the window"
+            )
 
     def _embed(self, tokens):
         return constrain(jnp.take(self.embedding[...], tokens, axis=0), RESIDUAL)

@@ -9,10 +9,12 @@ targets the head's per-micro-batch argument. Nothing in a model is schedule-spec
 device, or under ``sf.parallelize`` on a mesh with the pipeline axis, the numbers are the plain
 loss's (up to float rounding: micro-batches are summed in another order).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,7 @@ class PipelineConfig:
     i + m, ... — a batch split over ``data`` stays split), ``schedule`` a name of
     ``shardflow.schedules.by_name`` or a ``Schedule``, ``chunks`` the layer chunks per stage
     (interleaved only; default 2), ``layers_per_stage`` an uneven split (``sf.pipeline``'s)."""
+
     stages: int
     microbatches: int
     schedule: Any = "1f1b"
@@ -44,6 +47,7 @@ def layer_step(graphdef, remat: str, *args) -> Callable:
     """``(h, layer_params) -> h``: one layer of a stack split by ``nnx.split`` (graphdef, the
     state of one layer), its output pinned to the residual stream's sharding, rematerialised
     under the model's remat policy. ``args`` (RoPE tables) are passed to every layer."""
+
     def step(x, layer_params):
         x = nnx.merge(graphdef, layer_params)(x, *args)
         return constrain(x, RESIDUAL)
@@ -63,12 +67,12 @@ def scan_layers(layers: nnx.Module, x, remat: str, *args):
 
 def cross_entropy(logits, targets):
     """Mean next-token cross-entropy in fp32."""
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), targets).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
-def pipelined_loss(layers: nnx.Module, x, targets, *, pipeline: PipelineConfig, remat: str,
-                   layer_args=(), head: Callable, head_params):
+def pipelined_loss(
+    layers: nnx.Module, x, targets, *, pipeline: PipelineConfig, remat: str, layer_args=(), head: Callable, head_params
+):
     """``cross_entropy(head(head_params, layers(x)), targets)`` with the stacked ``layers`` run
     by ``sf.pipeline`` in ``pipeline``'s stages, micro-batches and schedule.
 
@@ -79,8 +83,17 @@ def pipelined_loss(layers: nnx.Module, x, targets, *, pipeline: PipelineConfig, 
 
     graphdef, params = nnx.split(layers)
     step = layer_step(graphdef, remat, *layer_args)
-    return sf.pipeline(lambda layer, h: step(h, layer), params, x,
-                       head=lambda hp, h, t: cross_entropy(head(hp, h), t),
-                       head_params=head_params, head_args=targets, stages=pipeline.stages,
-                       microbatches=pipeline.microbatches, schedule=pipeline.schedule,
-                       chunks=pipeline.chunks, layers_per_stage=pipeline.layers_per_stage, axis=pipeline.axis)
+    return sf.pipeline(
+        lambda layer, h: step(h, layer),
+        params,
+        x,
+        head=lambda hp, h, t: cross_entropy(head(hp, h), t),
+        head_params=head_params,
+        head_args=targets,
+        stages=pipeline.stages,
+        microbatches=pipeline.microbatches,
+        schedule=pipeline.schedule,
+        chunks=pipeline.chunks,
+        layers_per_stage=pipeline.layers_per_stage,
+        axis=pipeline.axis,
+    )

@@ -19,12 +19,13 @@ Activations are annotated inside the model with ``constrain(x, ("batch", "seq", 
 no-op unless a trainer has set :func:`activation_sharding`, so the same model runs unchanged
 on one device, under ``jax.jit`` shardings, or under ``shardflow.parallelize``.
 """
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import math
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 from flax import nnx
@@ -85,8 +86,10 @@ def with_pipeline(rules: Rules, axis: str = "pipe") -> dict:
     rules = dict(rules)
     current = rules.get(STACKED_AXIS)
     if current not in (None, axis):
-        raise ValueError(f"the rules put the stacked layers ({STACKED_AXIS!r}) on {current!r}, "
-                         f"but the pipeline's stages are mesh axis {axis!r}")
+        raise ValueError(
+            f"the rules put the stacked layers ({STACKED_AXIS!r}) on {current!r}, "
+            f"but the pipeline's stages are mesh axis {axis!r}"
+        )
     rules[STACKED_AXIS] = axis
     vocab = mesh_axes_of(rules.get("vocab"))
     if axis not in vocab:
@@ -98,8 +101,8 @@ def get_rules(strategy_or_rules: str | Rules) -> dict:
     if isinstance(strategy_or_rules, str):
         if strategy_or_rules not in RULES:
             raise ValueError(
-                f"unknown strategy {strategy_or_rules!r}; choose one of {sorted(RULES)} "
-                "or give an explicit rules table")
+                f"unknown strategy {strategy_or_rules!r}; choose one of {sorted(RULES)} or give an explicit rules table"
+            )
         return dict(RULES[strategy_or_rules])
     return dict(strategy_or_rules)
 
@@ -117,7 +120,8 @@ def check_rules(rules: Rules, mesh_axis_names: Sequence[str]) -> None:
             if axis not in mesh_axis_names:
                 raise ValueError(
                     f"rule {logical!r} -> {rule!r} names mesh axis {axis!r}, which the mesh "
-                    f"{tuple(mesh_axis_names)} does not have")
+                    f"{tuple(mesh_axis_names)} does not have"
+                )
 
 
 # Logical axes the models name on activations only (their parameters name the others).
@@ -137,8 +141,10 @@ def check_logical_names(rules: Rules, model_axes: Sequence[str]) -> None:
     the dimension it meant replicated."""
     for logical in rules:
         if logical not in model_axes:
-            raise ValueError(f"the rules table names logical axis {logical!r}, which the model does "
-                             f"not have; its logical axes: {', '.join(model_axes)}")
+            raise ValueError(
+                f"the rules table names logical axis {logical!r}, which the model does "
+                f"not have; its logical axes: {', '.join(model_axes)}"
+            )
 
 
 def spec_for(axes: LogicalAxes, rules: Rules) -> PartitionSpec:
@@ -198,7 +204,8 @@ def param_logical_axes(model: nnx.Module) -> tuple[dict, list[str]]:
         if len(axes) != ndim:
             raise ValueError(
                 f"parameter {'/'.join(map(str, path))} has shape {tuple(var.shape)} but its "
-                f"logical axes {axes} name {len(axes)} dimensions")
+                f"logical axes {axes} name {len(axes)} dimensions"
+            )
         _set_nested(tree, path, axes)
     return tree, unannotated
 
@@ -236,13 +243,13 @@ def check_divisible(what: str, shape, spec: PartitionSpec, mesh: jax.sharding.Me
         if size % ways:
             raise ValueError(
                 f"{what}: dimension {dim} (size {size}) is split over mesh axes {axes} "
-                f"({ways} ways), which does not divide it")
+                f"({ways} ways), which does not divide it"
+            )
 
 
 # --- activation constraints ------------------------------------------------------------
 
-_ACTIVATIONS: contextvars.ContextVar = contextvars.ContextVar("shardflow_activation_sharding",
-                                                              default=None)
+_ACTIVATIONS: contextvars.ContextVar = contextvars.ContextVar("shardflow_activation_sharding", default=None)
 
 
 @contextlib.contextmanager
@@ -263,6 +270,7 @@ def activation_sharding(rules: Rules, pin: Callable[[jax.Array, PartitionSpec], 
 def jit_pin(mesh: jax.sharding.Mesh):
     def pin(x, spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
     return pin
 
 

@@ -9,13 +9,14 @@ parallelism) joins by inserting one ``Pass`` into the list:
     passes = sf.passes.insert_after(sf.passes.DEFAULT, "propagate", my_pass)
     step = sf.parallelize(f, mesh=mesh, in_specs=..., passes=passes)
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import gc
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from jax.extend import source_info_util
 from jax.extend.core import DropVar
@@ -23,7 +24,6 @@ from jax.extend.core import DropVar
 from shardflow.program import Program, all_eqns, all_jaxprs, is_literal, nested, subjaxprs
 from shardflow.registry import Decision, decision_of
 from shardflow.specs import B, format_sbp
-
 
 # Frames of the passes are never "the user's line".
 source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)
@@ -37,22 +37,23 @@ class InvariantError(AssertionError):
 @dataclasses.dataclass(frozen=True)
 class Fact:
     name: str
-    check: Callable[[Program], None]     # raises InvariantError when the fact does not hold
+    check: Callable[[Program], None]  # raises InvariantError when the fact does not hold
 
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
     name: str
     run: Callable[[Program], Program]
-    requires: tuple = ()                 # Facts
-    ensures: tuple = ()                  # Facts
-    invalidates: tuple = ()              # Facts that no longer hold after it (e.g. "boxed")
+    requires: tuple = ()  # Facts
+    ensures: tuple = ()  # Facts
+    invalidates: tuple = ()  # Facts that no longer hold after it (e.g. "boxed")
 
     def __call__(self, program: Program, check: bool | None = None) -> Program:
         missing = [f.name for f in self.requires if f.name not in program.facts]
         if missing:
-            raise InvariantError(f"pass {self.name!r} requires {missing}; the passes before it ensured "
-                                 f"{sorted(program.facts)}")
+            raise InvariantError(
+                f"pass {self.name!r} requires {missing}; the passes before it ensured {sorted(program.facts)}"
+            )
         out = self.run(program)
         if checking() if check is None else check:
             for fact in self.ensures:
@@ -97,12 +98,14 @@ def insert_after(passes: Sequence[Pass], name: str, new: Pass) -> tuple:
 
 # ------------------------------------------------------------------------------ facts
 
+
 def _fail(what: str):
     raise InvariantError(what)
 
 
 def _check_inlined(program: Program):
     from shardflow.passes.inline import INLINED
+
     defined = set()
     for jaxpr in all_jaxprs(program.jaxpr.jaxpr):
         for eqn in jaxpr.eqns:
@@ -145,13 +148,17 @@ def _check_boxed(program: Program):
             d = decision_of(eqn)
             for k, (x, want) in enumerate(zip(eqn.invars, d.ins)):
                 if have(x) != want:
-                    _fail(f"boxed: operand {k} of {eqn.primitive.name} has {have(x)}, its Decision needs "
-                          f"{format_sbp(want)}")
+                    _fail(
+                        f"boxed: operand {k} of {eqn.primitive.name} has {have(x)}, its Decision needs "
+                        f"{format_sbp(want)}"
+                    )
             for (name, wanted), body in zip(_bodies(eqn, d), nested(eqn)):
                 for x, want in zip(body.outvars, wanted or ()):
                     if want is not None and have(x) != want:
-                        _fail(f"boxed: an output of {eqn.primitive.name}'s {name} has {have(x)}, wanted "
-                              f"{format_sbp(want)}")
+                        _fail(
+                            f"boxed: an output of {eqn.primitive.name}'s {name} has {have(x)}, wanted "
+                            f"{format_sbp(want)}"
+                        )
     for x, want in zip(program.jaxpr.jaxpr.outvars, program.out_sbp):
         if have(x) != want:
             _fail(f"boxed: a program output has {have(x)}, wanted {format_sbp(want)}")
@@ -179,18 +186,21 @@ def _passes():
     from shardflow.passes.inline import inline
     from shardflow.passes.propagate import propagate
 
-    def solve(program):          # scipy loads only when a program is solved
+    def solve(program):  # scipy loads only when a program is solved
         from shardflow.passes.solve import solve
+
         return solve(program)
 
-    return (Pass("inline", inline, ensures=(INLINED,)),
-            Pass("cse", cse, requires=(INLINED,), ensures=(INLINED,)),
-            Pass("propagate", propagate, requires=(INLINED,), ensures=(SHARDED,)),
-            Pass("solve", solve, requires=(INLINED,), ensures=(SHARDED,)),
-            Pass("boxing", boxing, requires=(SHARDED,), ensures=(BOXED,)))
+    return (
+        Pass("inline", inline, ensures=(INLINED,)),
+        Pass("cse", cse, requires=(INLINED,), ensures=(INLINED,)),
+        Pass("propagate", propagate, requires=(INLINED,), ensures=(SHARDED,)),
+        Pass("solve", solve, requires=(INLINED,), ensures=(SHARDED,)),
+        Pass("boxing", boxing, requires=(SHARDED,), ensures=(BOXED,)),
+    )
 
 
-ALL = _passes()      # every pass shardflow has, by name: ``passes=["inline", "cse", "solve", "boxing"]``
+ALL = _passes()  # every pass shardflow has, by name: ``passes=["inline", "cse", "solve", "boxing"]``
 _INLINE, _CSE, _PROPAGATE, _SOLVE, _BOXING = ALL
 DEFAULT = (_INLINE, _CSE, _PROPAGATE, _BOXING)
 # The whole-program integer program instead of greedy propagation (passes/solve.py): straight-

@@ -9,6 +9,7 @@ converted to one NdSbp twice in a jaxpr is converted once, and a conversion star
 whichever of the value and its earlier conversions is cheapest to convert from (what
 propagation priced).
 """
+
 from __future__ import annotations
 
 from jax.extend.core import Jaxpr, new_jaxpr_eqn
@@ -34,7 +35,7 @@ class Boxing:
         arguments), else where the loop or branch taking them is (``taken_at``, its user line)."""
         for i, v in enumerate(jaxpr.invars):
             self.made_at.setdefault(v, arg_names[i] if arg_names else taken_at)
-        converted, eqns = {}, []   # x -> {NdSbp: Var holding x converted to it}
+        converted, eqns = {}, []  # x -> {NdSbp: Var holding x converted to it}
 
         def convert(x, want, reason, used_at):
             sources = {self.of(x): x, **({} if is_literal(x) else converted.get(x, {}))}
@@ -56,8 +57,11 @@ class Boxing:
         for eqn in jaxpr.eqns:
             decision = decision_of(eqn)
             used_at = source_line(eqn)
-            eqn = map_subjaxprs(eqn, lambda name, body: self.jaxpr(body, decision.body_outs(name), taken_at=used_at),
-                                names={name for name, _ in decision.bodies})
+            eqn = map_subjaxprs(
+                eqn,
+                lambda name, body: self.jaxpr(body, decision.body_outs(name), taken_at=used_at),
+                names={name for name, _ in decision.bodies},
+            )
             invars = list(eqn.invars)
             for k, (x, want) in enumerate(zip(invars, decision.ins)):
                 have = self.of(x)
@@ -85,8 +89,11 @@ def _reorder(box: Boxing, x, orders, to_mesh_order: bool, name: str):
     for dim, axes in orders:
         steps = conversion.reorder(x.aval.shape, x.aval.dtype, sbp, dim, axes, box.p.mesh, to_mesh_order=to_mesh_order)
         out = new_var(x.aval)
-        reason = (f"{name} splits dim {dim} over {axes}, against mesh order" if to_mesh_order
-                  else f"{name} is wanted split over {axes} on dim {dim}, against mesh order")
+        reason = (
+            f"{name} splits dim {dim} over {axes}, against mesh order"
+            if to_mesh_order
+            else f"{name} is wanted split over {axes} on dim {dim}, against mesh order"
+        )
         params = dict(src=sbp, dst=sbp, steps=steps, reason=reason, source=name, used_at=name)
         params[DECISION] = Decision((sbp,), (sbp,))
         eqns.append(new_jaxpr_eqn([x], [out], box_p, params, frozenset()))

@@ -21,6 +21,7 @@ same operands, as any value: were equal constants one, every gradient of a shape
 the same squared zero, laid out for the first. Equations whose results nobody reads any
 more are then dropped. The program computes the same values.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,10 @@ def _key(eqn, env, named):
     be merged (effects, params that do not hash)."""
     if eqn.effects:
         return None
-    operands = tuple(("literal", x.aval, repr(x.val)) if is_literal(x) else named.get(env.get(x, x), env.get(x, x))
-                     for x in eqn.invars)
+    operands = tuple(
+        ("literal", x.aval, repr(x.val)) if is_literal(x) else named.get(env.get(x, x), env.get(x, x))
+        for x in eqn.invars
+    )
     key = (eqn.primitive, operands, tuple(sorted(eqn.params.items())))
     try:
         hash(key)
@@ -49,8 +52,9 @@ def _key(eqn, env, named):
 def _grows(eqn) -> bool:
     """Whether ``eqn`` is an expansion: a result larger than its largest operand."""
     sizes = [math.prod(x.aval.shape) for x in eqn.invars if not is_literal(x) and hasattr(x.aval, "shape")]
-    return max((math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")), default=0) > \
-        max(sizes, default=0)
+    return max((math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")), default=0) > max(
+        sizes, default=0
+    )
 
 
 def _read(eqns: list, outvars) -> list:
@@ -65,8 +69,8 @@ def _read(eqns: list, outvars) -> list:
 
 def _cse(jaxpr: Jaxpr) -> Jaxpr:
     env, seen, eqns = {}, {}, []
-    expanded = {}       # an expansion or a constant -> the key of what it computes
-    constant = set()    # values computed from literals alone
+    expanded = {}  # an expansion or a constant -> the key of what it computes
+    constant = set()  # values computed from literals alone
     for eqn in jaxpr.eqns:
         eqn = map_subjaxprs(eqn, lambda _, body: _cse(body))
         key, grows = _key(eqn, env, expanded), _grows(eqn)
@@ -78,8 +82,9 @@ def _cse(jaxpr: Jaxpr) -> Jaxpr:
                 constant.update(eqn.outvars)
             key = None if grows else _key(eqn, env, {})
         first = seen.get(key) if key is not None else None
-        if first is not None and all(isinstance(v, DropVar) or not isinstance(u, DropVar)
-                                     for u, v in zip(first.outvars, eqn.outvars)):
+        if first is not None and all(
+            isinstance(v, DropVar) or not isinstance(u, DropVar) for u, v in zip(first.outvars, eqn.outvars)
+        ):
             for u, v in zip(first.outvars, eqn.outvars):
                 if not isinstance(v, DropVar):
                     env[v] = u

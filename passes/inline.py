@@ -9,6 +9,7 @@ user's code (JAX's own bodies: a transposed gather's scatter-add, jnp helpers) t
 traceback of the nearest enclosing call or loop that has one, so explain names the user's line.
 The program computes the same values.
 """
+
 from __future__ import annotations
 
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr
@@ -16,8 +17,16 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr
 from shardflow.program import REMAT_PRIMITIVES, Program, has_user_frame, is_literal, new_var, rebuild, subjaxprs
 from shardflow.specs import ShardingError
 
-INLINED = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-           "custom_vjp_call_jaxpr", "custom_lin"}
+INLINED = {
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "custom_lin",
+}
 
 
 def _body(eqn):
@@ -60,8 +69,9 @@ def _clone(jaxpr: Jaxpr, traceback=None) -> tuple[Jaxpr, list]:
         body = _body(eqn)
         if body is None:
             eqn, extra = _clone_nested(eqn, traceback, hoisted)
-            eqns.append(eqn.replace(invars=extra + [read(a) for a in eqn.invars],
-                                    outvars=[fresh(v) for v in eqn.outvars]))
+            eqns.append(
+                eqn.replace(invars=extra + [read(a) for a in eqn.invars], outvars=[fresh(v) for v in eqn.outvars])
+            )
             return
         for v, c in zip(body.jaxpr.constvars, body.consts):
             env[v] = new_var(v.aval)
@@ -77,8 +87,7 @@ def _clone(jaxpr: Jaxpr, traceback=None) -> tuple[Jaxpr, list]:
 
     for eqn in jaxpr.eqns:
         emit(eqn, traceback)
-    return Jaxpr(constvars, invars, [read(a) for a in jaxpr.outvars], eqns,
-                      jaxpr.effects, jaxpr.debug_info), hoisted
+    return Jaxpr(constvars, invars, [read(a) for a in jaxpr.outvars], eqns, jaxpr.effects, jaxpr.debug_info), hoisted
 
 
 def _clone_nested(eqn, traceback, hoisted):
@@ -95,12 +104,12 @@ def _clone_nested(eqn, traceback, hoisted):
             return ClosedJaxpr(body, j.consts) if closed else body
         vars_, values = [v for v, _ in inner], [c for _, c in inner]
         if closed:
-            return ClosedJaxpr(body.replace(constvars=list(body.constvars) + vars_),
-                                    list(j.consts) + values)
+            return ClosedJaxpr(body.replace(constvars=list(body.constvars) + vars_), list(j.consts) + values)
         if eqn.primitive not in REMAT_PRIMITIVES:
             raise ShardingError(
                 f"a call inside {eqn.primitive.name} closes over {len(values)} constant array(s); "
-                "shardflow cannot hoist them out of it — pass the arrays as arguments")
+                "shardflow cannot hoist them out of it — pass the arrays as arguments"
+            )
         outer = [new_var(v.aval) for v in vars_]
         hoisted.extend(zip(outer, values))
         extra.extend(outer)
@@ -114,7 +123,13 @@ def _clone_nested(eqn, traceback, hoisted):
 def inline(program: Program) -> Program:
     closed = program.jaxpr
     jaxpr, hoisted = _clone(closed.jaxpr)
-    jaxpr = Jaxpr(list(jaxpr.constvars) + [v for v, _ in hoisted], jaxpr.invars, jaxpr.outvars,
-                       jaxpr.eqns, jaxpr.effects, jaxpr.debug_info)
+    jaxpr = Jaxpr(
+        list(jaxpr.constvars) + [v for v, _ in hoisted],
+        jaxpr.invars,
+        jaxpr.outvars,
+        jaxpr.eqns,
+        jaxpr.effects,
+        jaxpr.debug_info,
+    )
     consts = list(closed.consts) + [c for _, c in hoisted]
     return program.replace(jaxpr=ClosedJaxpr(jaxpr, consts))

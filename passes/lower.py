@@ -7,6 +7,7 @@ runs through its rule's ``lower`` (``shardflow.registry``) — shape params at l
 offsets, the chosen signature's local meaning, a box's collectives — or, without one, is bound
 unchanged. Nothing is decided here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +31,7 @@ class Local:
         self.p = program
         self.names = program.axis_names
         self.sizes = axis_sizes(program.mesh)
-        self.loop = None          # the loop whose body is being evaluated: "rolled" or "unrolled"
+        self.loop = None  # the loop whose body is being evaluated: "rolled" or "unrolled"
 
     @contextlib.contextmanager
     def looping(self, kind: str = "rolled"):
@@ -57,7 +58,7 @@ class Local:
     def eval(self, jaxpr: Jaxpr, consts, args):
         env = {}
 
-        def read(a):   # a literal as an array of its aval's dtype (rules read .shape / .dtype)
+        def read(a):  # a literal as an array of its aval's dtype (rules read .shape / .dtype)
             return np.asarray(a.val, a.aval.dtype) if is_literal(a) else env[a]
 
         def stacked(a):
@@ -93,6 +94,7 @@ def lower(program: Program, donated: tuple = ()):
     outputs may reuse."""
     local = Local(program)
     closed, mesh = program.jaxpr, program.mesh
+
     def specs(values, sbps, orders):
         orders = orders or ((),) * len(sbps)
         return tuple(to_partition_spec(s, mesh, len(v.aval.shape), o) for v, s, o in zip(values, sbps, orders))

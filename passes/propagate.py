@@ -17,6 +17,7 @@ converting its outputs to their demands, each priced as the conversion plan that
 out_specs, constraints) are never changed. Ties go to the first signature of the rule, so the
 result is deterministic.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,17 +48,17 @@ class Propagation:
         self.whole = (B,) * len(self.names)
         self.sbp: dict = {}
         self.demand: dict = {}
-        self.demanded_by: dict = {}     # var -> the equation whose output's demand it took
-        self.made: dict = {}            # var -> NdSbps it is already converted to
+        self.demanded_by: dict = {}  # var -> the equation whose output's demand it took
+        self.made: dict = {}  # var -> NdSbps it is already converted to
         self.fallbacks: list = []
-        self.constrained: dict = {}     # var -> (NdSbp, source) of sf.constrain on it
-        self.graph = None               # (users, producer) for the lookahead
-        self._arguments = None          # the arguments and their casts and loop views
-        self.held: set = set()          # axes bodies may not split (a pipeline's stages)
+        self.constrained: dict = {}  # var -> (NdSbp, source) of sf.constrain on it
+        self.graph = None  # (users, producer) for the lookahead
+        self._arguments = None  # the arguments and their casts and loop views
+        self.held: set = set()  # axes bodies may not split (a pipeline's stages)
         self._prices: dict = {} if prices is None else prices
         self._valid: dict = {}
 
-    def seeded(self) -> "Propagation":
+    def seeded(self) -> Propagation:
         """Itself, with the program's constants B and its inputs at their in_specs (but those
         the solver chooses, sf.AUTO)."""
         for v in self.program.jaxpr.jaxpr.constvars:
@@ -157,8 +158,9 @@ class Propagation:
         if sigs is None:
             if eqn.primitive.name not in _QUIET_FALLBACKS or any(c != self.whole for c in cur):
                 self.fallbacks.append((eqn.primitive.name, source_line(eqn)))
-            return self.decide(eqn, Decision((self.whole,) * len(eqn.invars), (self.whole,) * len(eqn.outvars),
-                                             fallback=True))
+            return self.decide(
+                eqn, Decision((self.whole,) * len(eqn.invars), (self.whole,) * len(eqn.outvars), fallback=True)
+            )
         rule = registry.rule_of(eqn.primitive)
         admits = rule.admits if rule is not None else None
         made = {x: set(self.made.get(x, ())) for x in eqn.invars if not is_literal(x)}
@@ -167,9 +169,11 @@ class Propagation:
             # the named signatures that combined into a decision the rule refuses, dropped
             refused = {s.name for s in decision.sigs if s.name and s in sigs}
             if not refused:
-                raise ShardingError(f"{source_line(eqn)}: {eqn.primitive.name}'s rule refuses {decision}, "
-                                    f"which uses none of its named signatures")
-            for x, m in made.items():   # a refused choice's conversions are not made
+                raise ShardingError(
+                    f"{source_line(eqn)}: {eqn.primitive.name}'s rule refuses {decision}, "
+                    f"which uses none of its named signatures"
+                )
+            for x, m in made.items():  # a refused choice's conversions are not made
                 self.made[x] = set(m)
             sigs = [s for s in sigs if s.name not in refused]
             decision = self.choose(eqn, cur, sigs)
@@ -189,7 +193,7 @@ class Propagation:
         divides = candidates is None and rule is not None and rule.flops is not None
         req = [list(c) for c in cur]
         outs = [[B] * n_ax for _ in eqn.outvars]
-        met = [None if v in self.demand else self.affinity(v) for v in eqn.outvars]   # walked once
+        met = [None if v in self.demand else self.affinity(v) for v in eqn.outvars]  # walked once
         chosen = []
         # Axes are chosen in mesh order, each priced with the later axes as the operands are.
         # An equation whose own lowering runs collectives prices them on every axis at once:
@@ -199,21 +203,28 @@ class Propagation:
         again = n_ax > 1 and rule is not None and rule.comm is not None
         for i in list(range(n_ax)) + list(range(n_ax) if again else ()):
             best, best_cost = None, math.inf
-            if i < len(chosen):      # the second time: another signature only if it is cheaper
+            if i < len(chosen):  # the second time: another signature only if it is cheaper
                 best, best_cost = chosen[i], self.cost(eqn, cur, req, outs, i, chosen[i], chosen, met)
             for sig in [whole] if i in self.held else candidates(i, whole) if candidates else list(sigs) + [whole]:
-                if sig is whole and divides and best is not None and \
-                        any(not is_literal(x) and c[i] != B and x not in self.arguments()
-                            for x, c in zip(eqn.invars, cur)):
+                if (
+                    sig is whole
+                    and divides
+                    and best is not None
+                    and any(
+                        not is_literal(x) and c[i] != B and x not in self.arguments() for x, c in zip(eqn.invars, cur)
+                    )
+                ):
                     break
                 cost = self.cost(eqn, cur, req, outs, i, sig, chosen, met)
                 if cost < best_cost:
                     best, best_cost = sig, cost
             if best is None:
                 shapes = ", ".join(describe(x.aval) for x in eqn.invars if not is_literal(x))
-                raise ShardingError(f"{source_line(eqn)}: no signature of {eqn.primitive.name} fits mesh axis "
-                                    f"{self.names[i]!r} ({self.mesh.devices.shape[i]} devices) for {shapes}")
-            chosen[i:i + 1] = [best]
+                raise ShardingError(
+                    f"{source_line(eqn)}: no signature of {eqn.primitive.name} fits mesh axis "
+                    f"{self.names[i]!r} ({self.mesh.devices.shape[i]} devices) for {shapes}"
+                )
+            chosen[i : i + 1] = [best]
             for k, s in enumerate(best.ins):
                 req[k][i] = s
             for j, s in enumerate(best.outs):
@@ -230,13 +241,13 @@ class Propagation:
         total = 0.0
         creates_partial = not any(isinstance(self.of(x)[i], Partial) for x in eqn.invars)
         for k, (x, s) in enumerate(zip(eqn.invars, sig.ins)):
-            trial = tuple(req[k][:i] + [s] + req[k][i + 1:])
+            trial = tuple(req[k][:i] + [s] + req[k][i + 1 :])
             if not self.valid(x.aval, trial):
                 return math.inf
             if is_literal(x):
                 if isinstance(s, Split):
                     return math.inf
-                total += self.seconds(x.aval, self.whole, trial)   # B -> P of a literal: a local mask
+                total += self.seconds(x.aval, self.whole, trial)  # B -> P of a literal: a local mask
                 continue
             total += self.use_seconds(x, cur[k], trial)
             want = self.demand.get(x)
@@ -245,7 +256,7 @@ class Propagation:
             if want is not None and want[i] != s and cur[k][i] != want[i] and self.demanded_by.get(x) is not eqn:
                 total += self.use_seconds(x, trial, _with(trial, i, want[i]))
         for j, (v, s) in enumerate(zip(eqn.outvars, sig.outs)):
-            trial = tuple(outs[j][:i] + [s] + outs[j][i + 1:])
+            trial = tuple(outs[j][:i] + [s] + outs[j][i + 1 :])
             if not self.valid(v.aval, trial):
                 return math.inf
             want = self.demand.get(v)
@@ -262,8 +273,11 @@ class Propagation:
                 if creates_partial:
                     total += reduce_out
                 else:
-                    reduce_in = max(self.reduction_seconds(x, self.of(x), i) for x in eqn.invars
-                                    if not is_literal(x) and isinstance(self.of(x)[i], Partial))
+                    reduce_in = max(
+                        self.reduction_seconds(x, self.of(x), i)
+                        for x in eqn.invars
+                        if not is_literal(x) and isinstance(self.of(x)[i], Partial)
+                    )
                     total += max(0.0, reduce_out - reduce_in)
         return total + self.own_collectives(eqn, req, i, sig, chosen)
 
@@ -276,8 +290,8 @@ class Propagation:
         rule = registry.rule_of(eqn.primitive)
         if rule is None or rule.comm is None:
             return 0.0
-        ins = tuple(tuple(r[:i]) + (s,) + tuple(r[i + 1:]) for r, s in zip(req, sig.ins))
-        steps = rule.comm(eqn, ins, tuple(chosen[:i]) + (sig,) + tuple(chosen[i + 1:]), self.mesh)
+        ins = tuple(tuple(r[:i]) + (s,) + tuple(r[i + 1 :]) for r, s in zip(req, sig.ins))
+        steps = rule.comm(eqn, ins, tuple(chosen[:i]) + (sig,) + tuple(chosen[i + 1 :]), self.mesh)
         return conversion.steps_seconds(steps, self.program.links)
 
     # ---------------------------------------------------------------- lookahead
@@ -304,11 +318,12 @@ class Propagation:
         reduced over that axis too (3.5x GSPMD's bytes). The whole-program solver replaces this."""
         users, producer = self._graph()
         start = producer.get(v)
-        grown = start is not None and all(math.prod(x.aval.shape) < math.prod(v.aval.shape)
-                                          for x in start.invars if not is_literal(x))
+        grown = start is not None and all(
+            math.prod(x.aval.shape) < math.prod(v.aval.shape) for x in start.invars if not is_literal(x)
+        )
         frontier, seen, budget = [(v, tuple(range(len(v.aval.shape))), grown)], {v}, [_LOOK]
         while frontier and budget[0] > 0:
-            u, dims, grown = frontier.pop(0)   # dims[d]: the dim of u that dim d of v became
+            u, dims, grown = frontier.pop(0)  # dims[d]: the dim of u that dim d of v became
             budget[0] -= 1
             if u is not v and u in self.demand:
                 return _carried_back(self.demand[u], dims, v, u)
@@ -341,14 +356,17 @@ class Propagation:
         are decided values, not arguments (a weight moves: FSDP gathers it)."""
         rule = registry.rule_of(eqn.primitive)
         others = [(k, x) for k, x in enumerate(eqn.invars) if x is not u and not is_literal(x)]
-        if rule is None or rule.flops is None or not others or \
-                any(x not in self.sbp or x in self.arguments() for _, x in others):
+        if (
+            rule is None
+            or rule.flops is None
+            or not others
+            or any(x not in self.sbp or x in self.arguments() for _, x in others)
+        ):
             return None
         k_u = eqn.invars.index(u)
         needed, sigs = [], registry.signatures(eqn)
         for i in range(len(self.names)):
-            fits = [sig.ins[k_u] for sig in sigs
-                    if all(sig.ins[k] == self.sbp[x][i] for k, x in others)]
+            fits = [sig.ins[k_u] for sig in sigs if all(sig.ins[k] == self.sbp[x][i] for k, x in others)]
             needed.append(fits[0] if fits and not isinstance(fits[0], Partial) else None)
         return None if all(s is None for s in needed) else tuple(needed)
 
@@ -370,15 +388,18 @@ class Propagation:
         loop or remat its view of one (a scan's per-layer slice, a const; not a carry)."""
         if self._arguments is None:
             args = set(self.program.jaxpr.jaxpr.invars)
-            for eqn in all_eqns(self.program.jaxpr.jaxpr):      # an equation before its bodies
+            for eqn in all_eqns(self.program.jaxpr.jaxpr):  # an equation before its bodies
                 x = eqn.invars[0] if eqn.invars else None
                 if eqn.primitive in (lax.convert_element_type_p, lax.copy_p) and not is_literal(x) and x in args:
                     args.add(eqn.outvars[0])
                 carries = range(*_carry_positions(eqn))
                 for body in nested(eqn):
                     if len(body.invars) == len(eqn.invars):
-                        args.update(v for k, (x, v) in enumerate(zip(eqn.invars, body.invars))
-                                    if k not in carries and not is_literal(x) and x in args)
+                        args.update(
+                            v
+                            for k, (x, v) in enumerate(zip(eqn.invars, body.invars))
+                            if k not in carries and not is_literal(x) and x in args
+                        )
             self._arguments = args
         return self._arguments
 
@@ -434,13 +455,16 @@ class Propagation:
         return carry
 
 
-_LOOK = 64   # values the lookahead visits at most, each way
+_LOOK = 64  # values the lookahead visits at most, each way
 
 
 def _elementwise_on(eqn, v) -> bool:
     """Whether ``eqn`` maps ``v`` elementwise to its one result (same shape)."""
-    return (len(eqn.outvars) == 1 and eqn.outvars[0].aval.shape == v.aval.shape
-            and (eqn.primitive in SHAPE_KEEPING or eqn.primitive is lax.bitcast_convert_type_p))
+    return (
+        len(eqn.outvars) == 1
+        and eqn.outvars[0].aval.shape == v.aval.shape
+        and (eqn.primitive in SHAPE_KEEPING or eqn.primitive is lax.bitcast_convert_type_p)
+    )
 
 
 def _carried_back(sbp, dims, v, u, free=(B,)):
@@ -458,7 +482,7 @@ def _carried_back(sbp, dims, v, u, free=(B,)):
 
 
 def _with(sbp, i, s) -> tuple:
-    return tuple(sbp[:i]) + (s,) + tuple(sbp[i + 1:])
+    return tuple(sbp[:i]) + (s,) + tuple(sbp[i + 1 :])
 
 
 def _reductions(v, trial, i, prop):
@@ -491,16 +515,19 @@ def reduced(sbp):
 
 def propagate(program: Program) -> Program:
     if program.auto_inputs:
-        raise ShardingError(f"in_specs sf.AUTO for {', '.join(program.auto_inputs)}: the greedy planner takes "
-                            "every input's layout as given; sf.AUTO needs the solver "
-                            "(sf.parallelize(..., passes=sf.passes.SOLVER))")
+        raise ShardingError(
+            f"in_specs sf.AUTO for {', '.join(program.auto_inputs)}: the greedy planner takes "
+            "every input's layout as given; sf.AUTO needs the solver "
+            "(sf.parallelize(..., passes=sf.passes.SOLVER))"
+        )
     if program.memory_budget is not None:
-        raise ShardingError(f"memory_budget={program.memory_budget:,}: the greedy planner does not keep to a "
-                            "memory budget; use the solver (sf.parallelize(..., passes=sf.passes.SOLVER))")
+        raise ShardingError(
+            f"memory_budget={program.memory_budget:,}: the greedy planner does not keep to a "
+            "memory budget; use the solver (sf.parallelize(..., passes=sf.passes.SOLVER))"
+        )
     prop = Propagation(program).seeded()
     closed = program.jaxpr
     prop.spread_demands(closed.jaxpr, program.out_sbp)
     jaxpr = prop.run(closed.jaxpr)
     out_sbp = tuple(s if s is not None else reduced(prop.of(v)) for v, s in zip(jaxpr.outvars, program.out_sbp))
-    return program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=prop.sbp, out_sbp=out_sbp,
-                           fallbacks=prop.fallbacks)
+    return program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=prop.sbp, out_sbp=out_sbp, fallbacks=prop.fallbacks)

@@ -6,8 +6,9 @@ after either. Scans, remats and sf.pipeline are solved with their bodies. Partia
 any other equation whose rule chooses for itself (while, cond, attention with an explicit
 ``context``) is laid out as greedy ``propagate`` lays it out — one fixed strategy, priced 0 —
 and the rest solved around it; running out of its limits (simplex iterations, branch and
-bound's seconds) hands the loops (pipelines among them) to greedy, then the whole program. The solved plan and greedy's are then priced as boxed, and the cheaper
-kept (the model prices a value's conversions each from where it is made; boxing chains them).
+bound's seconds) hands the loops (pipelines among them) to greedy, then the whole program. The solved plan and
+greedy's are then priced as boxed, and the cheaper kept (the model prices a value's conversions each from where it
+is made; boxing chains them).
 The Program records which ran (``program.planner``), and explain prints it. ``sf.AUTO`` inputs
 are one more choice each. A memory budget (``memory_budget``, else a GPU's memory) bounds
 explain's ``memory_bytes`` per device: the inputs and what the loops not in a loop hold (their
@@ -37,6 +38,7 @@ local blocks, ``conversion.local_work`` — and its own collectives, e.g. a pad'
 at an integral ``x`` the edges are the products z * (use's choice) and ``q`` their OR, so the
 optimum is exact.
 """
+
 from __future__ import annotations
 
 import collections
@@ -70,9 +72,9 @@ from shardflow.rules.elementwise import SHAPE_KEEPING
 from shardflow.specs import B, P, Partial, ShardingError, Split, format_sbp
 
 ITERATION_LIMIT = 500_000  # dual simplex iterations an LP relaxation may take (work: the same on any machine)
-TIME_LIMIT = 60.0          # seconds branch and bound may take, per attempt
-GAP = 1e-7             # a plan within this fraction of the lower bound is optimal
-COARSEN = 100_000      # transportation edges from which a program's pinned tail is coarsened (``pinned_tail``)
+TIME_LIMIT = 60.0  # seconds branch and bound may take, per attempt
+GAP = 1e-7  # a plan within this fraction of the lower bound is optimal
+COARSEN = 100_000  # transportation edges from which a program's pinned tail is coarsened (``pinned_tail``)
 
 
 class Unsolvable(Exception):
@@ -107,14 +109,16 @@ def strategies(prop: Propagation, eqn, given: dict | None = None) -> list:
         whole = Decision((prop.whole,) * n_in, (prop.whole,) * n_out, fallback=True)
         return [(whole, conversion.local_seconds(eqn, whole.ins, whole.outs, prop.mesh, prop.program.links))]
     out, seen = [], set()
-    for chosen in itertools.product(*[[whole] if i in prop.held else list(sigs) + [whole]
-                                      for i in range(len(prop.names))]):
+    for chosen in itertools.product(
+        *[[whole] if i in prop.held else list(sigs) + [whole] for i in range(len(prop.names))]
+    ):
         ins = tuple(tuple(sig.ins[k] for sig in chosen) for k in range(n_in))
         outs = tuple(tuple(sig.outs[j] for sig in chosen) for j in range(n_out))
         if (ins, outs) in seen:
             continue
-        if not all(prop.valid(x.aval, s) for x, s in zip(eqn.invars, ins)) or \
-                not all(prop.valid(v.aval, s) for v, s in zip(eqn.outvars, outs)):
+        if not all(prop.valid(x.aval, s) for x, s in zip(eqn.invars, ins)) or not all(
+            prop.valid(v.aval, s) for v, s in zip(eqn.outvars, outs)
+        ):
             continue
         if any(is_literal(x) and any(isinstance(t, Split) for t in s) for x, s in zip(eqn.invars, ins)):
             continue
@@ -141,7 +145,7 @@ def lays_itself_out(eqn) -> bool:
     rule = registry.rule_of(eqn.primitive)
     if rule is None or rule.propagate is None or rule.pin is not None:
         return False
-    return rule.admits is None or not rule.admits(eqn, None, None)   # (None: any decision)
+    return rule.admits is None or not rule.admits(eqn, None, None)  # (None: any decision)
 
 
 class _Model:
@@ -150,9 +154,9 @@ class _Model:
     def __init__(self):
         self.cost, self.integral = [], []
         self.rows, self.cols, self.vals, self.lb, self.ub = [], [], [], [], []
-        self.overlapped = []     # (column, seconds, scan eqn): a cost times the share that loop leaves exposed
-        self.matrix = None       # the rows as a sparse matrix, once built (``solve``)
-        self.lazy = []           # rows the relaxation adds only where its optimum without them breaks them
+        self.overlapped = []  # (column, seconds, scan eqn): a cost times the share that loop leaves exposed
+        self.matrix = None  # the rows as a sparse matrix, once built (``solve``)
+        self.lazy = []  # rows the relaxation adds only where its optimum without them breaks them
 
     def var(self, cost=0.0, integral=False) -> int:
         self.cost.append(cost)
@@ -169,8 +173,9 @@ class _Model:
         else:
             self.cost.extend([0.0] * costs.size)
             hidden = costs.ravel() != 0
-            self.overlapped += [(c, seconds, loop) for c, seconds in
-                                zip(cols.ravel()[hidden].tolist(), costs.ravel()[hidden].tolist())]
+            self.overlapped += [
+                (c, seconds, loop) for c, seconds in zip(cols.ravel()[hidden].tolist(), costs.ravel()[hidden].tolist())
+            ]
         self.integral.extend([0] * costs.size)
         return cols
 
@@ -244,14 +249,19 @@ class _Model:
         lb, ub = np.asarray(self.lb, float), np.asarray(self.ub, float)
 
         def branch(lo, hi):
-            from scipy import optimize   # 0.2 s to import, and rarely needed: not at the top
+            from scipy import optimize  # 0.2 s to import, and rarely needed: not at the top
+
             left = max(time_limit - (time.perf_counter() - start), 0.1)
-            return optimize.milp(cost, integrality=integral.astype(int), bounds=optimize.Bounds(lo, hi),
-                                 constraints=optimize.LinearConstraint(a, lb, ub),
-                                 options={"time_limit": left, "presolve": True, "mip_rel_gap": GAP})
+            return optimize.milp(
+                cost,
+                integrality=integral.astype(int),
+                bounds=optimize.Bounds(lo, hi),
+                constraints=optimize.LinearConstraint(a, lb, ub),
+                options={"time_limit": left, "presolve": True, "mip_rel_gap": GAP},
+            )
 
         relaxed = None
-        if self.lazy:    # a memory budget's dense row: 1b tp's relaxation 40 s with it, 6 s without
+        if self.lazy:  # a memory budget's dense row: 1b tp's relaxation 40 s with it, 6 s without
             eager = np.ones(len(lb), bool)
             eager[self.lazy] = False
             relaxed = _relaxation(cost, a[eager], lb[eager], ub[eager], warm)
@@ -261,31 +271,31 @@ class _Model:
                     relaxed = None
         if relaxed is None:
             relaxed = _relaxation(cost, a, lb, ub, warm)
-        if relaxed.status != 0:        # no plan meets the constraints, or out of iterations: nothing to branch from
+        if relaxed.status != 0:  # no plan meets the constraints, or out of iterations: nothing to branch from
             return relaxed
-        start = time.perf_counter()    # branch and bound's clock
+        start = time.perf_counter()  # branch and bound's clock
         if np.all(np.abs(relaxed.x[integral] - np.round(relaxed.x[integral])) < 1e-6):
             relaxed.bound = relaxed.fun
             return relaxed
-        lo, hi = np.zeros(len(cost)), np.ones(len(cost))         # relax and fix
+        lo, hi = np.zeros(len(cost)), np.ones(len(cost))  # relax and fix
         lo[integral & (relaxed.x > 1 - 1e-6)], hi[integral & (relaxed.x < 1e-6)] = 1.0, 0.0
         fixed = branch(lo, hi)
         if fixed.x is not None and fixed.fun <= relaxed.fun + GAP * abs(fixed.fun):
-            fixed.bound = relaxed.fun      # as low as the relaxation: optimal, no search needed
+            fixed.bound = relaxed.fun  # as low as the relaxation: optimal, no search needed
             return fixed
         whole = branch(np.zeros(len(cost)), np.ones(len(cost)))
         if whole.status == 0:
             whole.bound = whole.fun
             return whole
         found = [r for r in (whole, fixed) if r.x is not None]
-        if not found:                  # no integral plan meets the constraints (status 2), or out of time
+        if not found:  # no integral plan meets the constraints (status 2), or out of time
             return whole
         best = min(found, key=lambda r: r.fun)
         best.bound, best.status = max(relaxed.fun, getattr(whole, "mip_dual_bound", None) or -math.inf), 0
         return best
 
 
-_SHARED: SimpleNamespace | None = None    # what the solves in ``shared_solves`` share
+_SHARED: SimpleNamespace | None = None  # what the solves in ``shared_solves`` share
 
 
 @contextlib.contextmanager
@@ -326,14 +336,26 @@ def _relaxation(cost, a, lb, ub, warm: dict | None = None):
     whose reductions (a fifth of the rows) cost more than they save here, 1.5 s. Else, within
     ``shared_solves``, from the last optimal basis of an LP of this shape and bounds."""
     import highspy
+
     shape = None if _SHARED is None else _lp_shape(a, lb, ub)
-    if warm and warm["a"].shape == a.shape and all(
-            np.array_equal(x, y) for x, y in ((warm["a"].indptr, a.indptr), (warm["a"].indices, a.indices),
-                                              (warm["a"].data, a.data), (warm["lb"], lb), (warm["ub"], ub))):
+    if (
+        warm
+        and warm["a"].shape == a.shape
+        and all(
+            np.array_equal(x, y)
+            for x, y in (
+                (warm["a"].indptr, a.indptr),
+                (warm["a"].indices, a.indices),
+                (warm["a"].data, a.data),
+                (warm["lb"], lb),
+                (warm["ub"], ub),
+            )
+        )
+    ):
         h = warm["highs"]
         h.changeColsCost(len(cost), np.arange(len(cost), dtype=np.int32), cost)
     else:
-        with _quiet_stdout():              # HiGHS prints a banner when an instance is made
+        with _quiet_stdout():  # HiGHS prints a banner when an instance is made
             h = highspy.Highs()
         h.silent()
         lp = highspy.HighsLp()
@@ -343,9 +365,9 @@ def _relaxation(cost, a, lb, ub, warm: dict | None = None):
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
         lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
         h.passModel(lp)
-        if shape and shape in _SHARED.bases:        # within shared_solves
+        if shape and shape in _SHARED.bases:  # within shared_solves
             h.setBasis(_SHARED.bases[shape])
-    h.setOptionValue("simplex_iteration_limit", ITERATION_LIMIT)   # counted per run, from 0
+    h.setOptionValue("simplex_iteration_limit", ITERATION_LIMIT)  # counted per run, from 0
     h.setOptionValue("dual_simplex_cost_perturbation_multiplier", 0.0)
     h.setOptionValue("presolve", "off")
     with _heap_kept():
@@ -356,12 +378,17 @@ def _relaxation(cost, a, lb, ub, warm: dict | None = None):
     if status == highspy.HighsModelStatus.kInfeasible:
         return SimpleNamespace(x=None, status=2, message="the LP relaxation is infeasible")
     if status != highspy.HighsModelStatus.kOptimal:
-        return SimpleNamespace(x=None, status=1, message=f"the LP relaxation stopped: {h.modelStatusToString(status)} "
-                                                         f"after {h.getInfo().simplex_iteration_count:,} iterations")
+        return SimpleNamespace(
+            x=None,
+            status=1,
+            message=f"the LP relaxation stopped: {h.modelStatusToString(status)} "
+            f"after {h.getInfo().simplex_iteration_count:,} iterations",
+        )
     if shape:
         _SHARED.bases[shape] = h.getBasis()
-    return SimpleNamespace(x=np.asarray(h.getSolution().col_value), fun=h.getInfo().objective_function_value,
-                           status=0, message="")
+    return SimpleNamespace(
+        x=np.asarray(h.getSolution().col_value), fun=h.getInfo().objective_function_value, status=0, message=""
+    )
 
 
 def _lp_shape(a, lb, ub) -> tuple:
@@ -410,29 +437,34 @@ def layouts(prop: Propagation, aval, partial: bool = False) -> list:
 
 def _fixed_input_bytes(prop: Propagation) -> int:
     """Bytes per device of the inputs whose layout is given (not sf.AUTO)."""
-    return sum(conversion.local_bytes(v.aval, s, prop.mesh)
-               for v, s in zip(prop.program.jaxpr.jaxpr.invars, prop.program.in_sbp) if s is not None)
+    return sum(
+        conversion.local_bytes(v.aval, s, prop.mesh)
+        for v, s in zip(prop.program.jaxpr.jaxpr.invars, prop.program.in_sbp)
+        if s is not None
+    )
 
 
 class _Region(NamedTuple):
     """A scan or remat solved with its body: per body input and per stacked output, the layouts
     it may take and their columns (one chosen); ``body`` the body's entries."""
+
     eqn: object
     body: list
-    ins: list          # per body invar: (layouts, columns), or None (a remat's: the operand's own)
-    ys: list           # per stacked output of a scan: (layouts, columns)
+    ins: list  # per body invar: (layouts, columns), or None (a remat's: the operand's own)
+    ys: list  # per stacked output of a scan: (layouts, columns)
 
 
 class _Pipeline(NamedTuple):
     """An sf.pipeline solved with its bodies: per body its entries, per body input and output
     the (layouts, columns) of the value it is; per operand and result of the equation the same,
     its layouts as outside the bodies."""
+
     eqn: object
-    bodies: dict       # body name -> its entries
-    body_ins: dict     # body name -> per invar (layouts, columns)
-    body_outs: dict    # body name -> per outvar (layouts, columns): what is wanted of it
-    ins: list          # per operand (layouts outside, columns)
-    outs: list         # per result (layouts outside, columns)
+    bodies: dict  # body name -> its entries
+    body_ins: dict  # body name -> per invar (layouts, columns)
+    body_outs: dict  # body name -> per outvar (layouts, columns): what is wanted of it
+    ins: list  # per operand (layouts outside, columns)
+    outs: list  # per result (layouts outside, columns)
 
 
 def _solvable_region(eqn) -> bool:
@@ -450,16 +482,16 @@ class _Builder:
 
     def __init__(self, prop: Propagation, given: dict | None, tail: dict | None = None, known: dict | None = None):
         self.prop, self.given, self.m = prop, given or {}, _Model()
-        self.known = {} if known is None else known   # eqn -> its strategies (shared by one build's walks)
-        self.tail = tail or {}   # elementwise eqn -> the out_spec its result goes to alone (``pinned_tail``)
+        self.known = {} if known is None else known  # eqn -> its strategies (shared by one build's walks)
+        self.tail = tail or {}  # elementwise eqn -> the out_spec its result goes to alone (``pinned_tail``)
         self.produced = {v: {s: None} for v, s in prop.sbp.items()}  # var -> {NdSbp: x columns}; None: fixed
-        self.uses = {}        # var -> [{NdSbp required: x columns}], one per use; None: always
-        self.scale = {}       # var -> how many times its jaxpr runs per step
-        self.hideable = {}    # var, or id of a use -> the scan whose compute may overlap its conversions
-        self.alias = {}       # a remat body's input (or passed-through output) -> the value it is
-        self.held = []        # (column, bytes per device) of the stacked outputs of loops not in a loop
-        self.taken = {}       # (var, layout) -> x columns of loops not in a loop taking it there (not a carry)
-        self.stacked_outputs = set()   # those loops' stacked outputs
+        self.uses = {}  # var -> [{NdSbp required: x columns}], one per use; None: always
+        self.scale = {}  # var -> how many times its jaxpr runs per step
+        self.hideable = {}  # var, or id of a use -> the scan whose compute may overlap its conversions
+        self.alias = {}  # a remat body's input (or passed-through output) -> the value it is
+        self.held = []  # (column, bytes per device) of the stacked outputs of loops not in a loop
+        self.taken = {}  # (var, layout) -> x columns of loops not in a loop taking it there (not a carry)
+        self.stacked_outputs = set()  # those loops' stacked outputs
         self.loop_depth = 0
 
     def resolve(self, v):
@@ -519,13 +551,14 @@ class _Builder:
         return {self.prop.whole} if is_literal(x) else set(self.produced.get(self.resolve(x), ()))
 
     def layout_choice(self, aval, candidates):
-        options = sorted({a for a in candidates if a is not None and self.prop.valid(aval, a) and _adoptable(a)},
-                         key=str)
+        options = sorted(
+            {a for a in candidates if a is not None and self.prop.valid(aval, a) and _adoptable(a)}, key=str
+        )
         return options, self.choice([0.0] * len(options))
 
     def region(self, eqn, scale):
         body = open_jaxpr(eqn.params["jaxpr"])
-        if eqn.primitive in REMAT_PRIMITIVES:       # the body sees its operands as they are
+        if eqn.primitive in REMAT_PRIMITIVES:  # the body sees its operands as they are
             # (aliased: an operand may be a scan body's input, whose layouts come after its body)
             for x, v in zip(eqn.invars, body.invars):
                 if is_literal(x):
@@ -547,20 +580,20 @@ class _Builder:
         self.loop_depth -= 1
         ins = []
         for k, (x, v) in enumerate(zip(eqn.invars, body.invars)):
-            if k < nc:                                   # a const: converted once, before the loop
+            if k < nc:  # a const: converted once, before the loop
                 options, cols = self.layout_choice(v.aval, self.wants(v) | self.at(x))
                 outer = options
-            elif k < nc + nk:                            # a carry: the same layout in and out
+            elif k < nc + nk:  # a carry: the same layout in and out
                 out = body.outvars[k - nc]
                 options, cols = self.layout_choice(v.aval, self.wants(v) | self.at(x) | self.at(out))
                 outer = options
                 self.use(out, options, cols)
                 self.produced[eqn.outvars[k - nc]] = _by_layout(options, cols)
                 self.scale[eqn.outvars[k - nc]] = scale
-            else:                                        # a slice of a stacked input
+            else:  # a slice of a stacked input
                 options, cols = self.layout_choice(v.aval, self.wants(v) | {unstacked(a) for a in self.at(x)})
                 outer = [stacked(a) for a in options]
-                self.hideable[v] = eqn                   # a layer's weight, gathered ahead
+                self.hideable[v] = eqn  # a layer's weight, gathered ahead
             if not is_literal(x):
                 self.uses.setdefault(self.resolve(x), []).append(_by_layout(outer, cols))
                 if not self.loop_depth and not nc <= k < nc + nk:
@@ -573,14 +606,16 @@ class _Builder:
             options = [self.prop.whole] if is_literal(v) else layouts(self.prop, v.aval, partial=True)
             options = [a for a in options if self.prop.valid(o.aval, stacked(a))]
             cols = self.choice([0.0] * len(options))
-            if not self.loop_depth:   # held across the step (explain.held_bytes)
-                self.held += [(c, float(conversion.local_bytes(o.aval, stacked(a), self.prop.mesh)))
-                              for a, c in zip(options, cols)]
+            if not self.loop_depth:  # held across the step (explain.held_bytes)
+                self.held += [
+                    (c, float(conversion.local_bytes(o.aval, stacked(a), self.prop.mesh)))
+                    for a, c in zip(options, cols)
+                ]
                 self.stacked_outputs.add(o)
             if not is_literal(v):
                 use = _by_layout(options, cols)
                 self.uses.setdefault(self.resolve(v), []).append(use)
-                self.hideable[id(use)] = eqn             # a layer's gradient, reduced behind the next
+                self.hideable[id(use)] = eqn  # a layer's gradient, reduced behind the next
             self.produced[o], self.scale[o] = _by_layout([stacked(a) for a in options], cols), scale
             ys.append((options, cols))
         return _Region(eqn, entries, ins, ys)
@@ -599,8 +634,8 @@ class _Builder:
         ax = pipeline_axis(eqn, prop.mesh)
         bodies = {name: open_jaxpr(params[name]) for name in Bodies._fields}
         stage, head, xs, args = operand_groups(params, list(eqn.invars))
-        off_axis = lambda a: ax is None or a[ax] == B                                   # noqa: E731
-        unsummed_on_axis = lambda a: ax is None or not isinstance(a[ax], Partial)       # noqa: E731
+        off_axis = lambda a: ax is None or a[ax] == B  # noqa: E731
+        unsummed_on_axis = lambda a: ax is None or not isinstance(a[ax], Partial)  # noqa: E731
 
         def choose(v, partial=False, keep=off_axis):
             options = [a for a in layouts(prop, v.aval, partial) if keep(a)]
@@ -617,18 +652,32 @@ class _Builder:
         # may come (a vocab split over the stages shares its work out), else whole.
         split_head = ax is not None and any(isinstance(a[ax], Split) for v in head for a in self.at(v))
         head_params = [choose(v, keep=lambda a: split_head or off_axis(a)) for v in head_body.invars[:nh]]
-        head_args = [choose(v) for v in head_body.invars[nh + 1:]]
+        head_args = [choose(v) for v in head_body.invars[nh + 1 :]]
         loss = choose(head_body.outvars[0], partial=True)
         d_head = [choose(v, partial=True, keep=unsummed_on_axis) for v in head_body.outvars[1:-1]]
-        if ax is not None:        # a head gradient on the pipeline axis as its parameter lies
+        if ax is not None:  # a head gradient on the pipeline axis as its parameter lies
             for (hs, hc), (ds, dc) in zip(head_params, d_head):
                 for entry in {a[ax] for a in hs} | {a[ax] for a in ds}:
-                    self.m.row([(c, 1.0) for a, c in zip(hs, hc) if a[ax] == entry]
-                               + [(c, -1.0) for a, c in zip(ds, dc) if a[ax] == entry], 0.0, 0.0)
-        body_ins = dict(forward=chunk + [x], head=head_params + [x] + head_args, backward=chunk + stored + [x],
-                        backward_x=chunk + stored + [x], backward_w=chunk + stored + stash)
-        body_outs = dict(forward=[x] + stored, head=[loss] + d_head + [x], backward=d_chunk + [x],
-                         backward_x=[x] + stash, backward_w=d_chunk)
+                    self.m.row(
+                        [(c, 1.0) for a, c in zip(hs, hc) if a[ax] == entry]
+                        + [(c, -1.0) for a, c in zip(ds, dc) if a[ax] == entry],
+                        0.0,
+                        0.0,
+                    )
+        body_ins = dict(
+            forward=chunk + [x],
+            head=head_params + [x] + head_args,
+            backward=chunk + stored + [x],
+            backward_x=chunk + stored + [x],
+            backward_w=chunk + stored + stash,
+        )
+        body_outs = dict(
+            forward=[x] + stored,
+            head=[loss] + d_head + [x],
+            backward=d_chunk + [x],
+            backward_x=[x] + stash,
+            backward_w=d_chunk,
+        )
         rule = registry.rule_of(pipeline_p)
         entries = {}
         self.loop_depth += 1
@@ -642,20 +691,27 @@ class _Builder:
             for v, choice in zip(body.outvars, body_outs[name]):
                 self.use(v, *choice)
         self.loop_depth -= 1
-        outside = lambda choice, lead, on_axis=B: ([outer_sbp(a, ax, lead, on_axis) for a in choice[0]],  # noqa: E731
-                                                    choice[1])
-        ins = ([outside(c, 2, Split(0)) for c in chunk] + head_params + [outside(x, 1)]
-               + [outside(c, 1) for c in head_args])
+        outside = lambda choice, lead, on_axis=B: (
+            [outer_sbp(a, ax, lead, on_axis) for a in choice[0]],  # noqa: E731
+            choice[1],
+        )
+        ins = (
+            [outside(c, 2, Split(0)) for c in chunk]
+            + head_params
+            + [outside(x, 1)]
+            + [outside(c, 1) for c in head_args]
+        )
         for v, choice in zip(eqn.invars, ins):
             self.use(v, *choice)
         outs = [loss] + [outside(c, 2, Split(0)) for c in d_chunk] + d_head + [outside(x, 1)]
         for v, (options, cols) in zip(eqn.outvars, outs):
             self.produced[v], self.scale[v] = _by_layout(options, cols), scale
-        for a, c in zip(*ins[n + nh]):            # its own collectives: a micro-batch's activation
+        for a, c in zip(*ins[n + nh]):  # its own collectives: a micro-batch's activation
             operands = [None] * len(eqn.invars)
             operands[n + nh] = a
-            self.m.cost[c] += scale * conversion.steps_seconds(rule.comm(eqn, operands, None, prop.mesh),
-                                                               prop.program.links)
+            self.m.cost[c] += scale * conversion.steps_seconds(
+                rule.comm(eqn, operands, None, prop.mesh), prop.program.links
+            )
         return _Pipeline(eqn, entries, body_ins, body_outs, ins, outs)
 
 
@@ -698,8 +754,10 @@ def pinned_tail(jaxpr, in_sbp, out_sbp) -> dict:
             if eqn.primitive not in SHAPE_KEEPING or len(eqn.outvars) != 1 or eqn in excluded:
                 continue
             (o,) = eqn.outvars
-            if eqn.primitive is lax.convert_element_type_p and \
-                    np.dtype(o.aval.dtype).itemsize < np.dtype(eqn.invars[0].aval.dtype).itemsize:
+            if (
+                eqn.primitive is lax.convert_element_type_p
+                and np.dtype(o.aval.dtype).itemsize < np.dtype(eqn.invars[0].aval.dtype).itemsize
+            ):
                 continue
             wanted = set(pins.get(o, ()))
             for user in uses.get(o, ()):
@@ -708,7 +766,7 @@ def pinned_tail(jaxpr, in_sbp, out_sbp) -> dict:
                 wanted.add(tail.get(user))
             if len(wanted) == 1 and None not in wanted:
                 tail[eqn] = wanted.pop()
-        anchored, sources, combining = set(), {}, set()   # sources: tail result -> what entered it
+        anchored, sources, combining = set(), {}, set()  # sources: tail result -> what entered it
         for eqn in jaxpr.eqns:
             if eqn in tail:
                 shape, pin = eqn.outvars[0].aval.shape, tail[eqn]
@@ -742,7 +800,7 @@ def _walk(prop: Propagation, jaxpr, given, tail, known) -> tuple:
     b, auto = _Builder(prop, given, tail, known), []
     for v, s in zip(jaxpr.invars, prop.program.in_sbp):
         b.scale[v] = 1
-        if s is None:           # sf.AUTO: one of its layouts, free of cost itself
+        if s is None:  # sf.AUTO: one of its layouts, free of cost itself
             options = layouts(prop, v.aval)
             cols = b.choice([0.0] * len(options))
             b.produced[v] = _by_layout(options, cols)
@@ -764,11 +822,17 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
             b, entries, auto = _walk(prop, jaxpr, given, tail, known)
     m = b.m
     budget = _budget(prop.program)
-    if budget is not None:      # explain's memory_bytes: the inputs and what the loops hold
-        m.row([(c, float(conversion.local_bytes(v.aval, a, prop.mesh)) / 1e6)
-               for v, options, cols in auto for a, c in zip(options, cols)]
-              + [(c, nbytes / 1e6) for c, nbytes in b.held + _taken(b, jaxpr)],
-              -math.inf, float(budget - _fixed_input_bytes(prop)) / 1e6)
+    if budget is not None:  # explain's memory_bytes: the inputs and what the loops hold
+        m.row(
+            [
+                (c, float(conversion.local_bytes(v.aval, a, prop.mesh)) / 1e6)
+                for v, options, cols in auto
+                for a, c in zip(options, cols)
+            ]
+            + [(c, nbytes / 1e6) for c, nbytes in b.held + _taken(b, jaxpr)],
+            -math.inf,
+            float(budget - _fixed_input_bytes(prop)) / 1e6,
+        )
         m.lazy.append(len(m.lb) - 1)
     unspecified = set()
     for v, want in zip(jaxpr.outvars, out_sbp):
@@ -780,7 +844,7 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
         else:
             b.uses.setdefault(v, []).append({want: None})
     for v, at in b.produced.items():
-        if v in unspecified:      # no out_spec: a partial output is reduced (inputs never are partial)
+        if v in unspecified:  # no out_spec: a partial output is reduced (inputs never are partial)
             for a, cols in at.items():
                 for c in cols or ():
                     m.cost[c] += prop.seconds(v.aval, a, reduced(a))
@@ -797,7 +861,7 @@ def _taken(b: _Builder, jaxpr) -> list:
     out = []
     for (v, a), takers in b.taken.items():
         at = b.produced.get(v, {})
-        if a in at and at[a] is None:          # an argument at its spec
+        if a in at and at[a] is None:  # an argument at its spec
             continue
         held = b.m.var()
         made = [(c, 1.0) for c in at.get(a, ())] if v in counted else []
@@ -831,15 +895,26 @@ def _conversions(m: _Model, prop, v, z, uses, scale=1, hideable=None):
         edges = m.vars(prices, loop)
         m.balance(edges, [z[a] for a in here])
         m.balance(edges.T, [use[r] for r in wanted])
-        converted = [(i, j) for (i, a), (j, r) in itertools.product(enumerate(here), enumerate(wanted))
-                     if a != r and wanters[r] > 1]
+        converted = [
+            (i, j)
+            for (i, a), (j, r) in itertools.product(enumerate(here), enumerate(wanted))
+            if a != r and wanters[r] > 1
+        ]
         new = list(dict.fromkeys((here[i], wanted[j]) for i, j in converted if (here[i], wanted[j]) not in shared))
         shared.update(zip(new, m.vars(np.array([seconds[pair] for pair in new]), loop).tolist()))
         m.at_least([shared[here[i], wanted[j]] for i, j in converted], [int(edges[i, j]) for i, j in converted])
 
 
-def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, given: dict | None = None,
-           exposed: dict | None = None, warm: dict | None = None, built: dict | None = None):
+def choose(
+    prop: Propagation,
+    jaxpr,
+    out_sbp,
+    time_limit: float | None = None,
+    given: dict | None = None,
+    exposed: dict | None = None,
+    warm: dict | None = None,
+    built: dict | None = None,
+):
     """(the equations of ``jaxpr`` with their Decisions — bodies of solved scans and remats
     annotated too, every value's NdSbp set on ``prop`` —, {sf.AUTO input: its NdSbp}, the
     modelled seconds, a lower bound on the optimum's) of the plan ``_Model.solve`` found;
@@ -854,9 +929,10 @@ def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, g
         model, entries, auto = build(prop, jaxpr, out_sbp, given)
         if built is not None:
             built[key] = model, entries, auto, list(prop.fallbacks)
-    result = _process_0s(lambda: model.solve(TIME_LIMIT if time_limit is None else time_limit, warm, exposed),
-                         len(model.cost))
-    if result.status == 2:     # infeasible (the relaxation's or scipy's milp's)
+    result = _process_0s(
+        lambda: model.solve(TIME_LIMIT if time_limit is None else time_limit, warm, exposed), len(model.cost)
+    )
+    if result.status == 2:  # infeasible (the relaxation's or scipy's milp's)
         raise Infeasible(result.message.strip())
     if result.status != 0 or result.x is None:
         raise Unsolvable(result.message.strip())
@@ -870,7 +946,7 @@ def choose(prop: Propagation, jaxpr, out_sbp, time_limit: float | None = None, g
     return _assemble(prop, entries, pick, given or {}), chosen_auto, result.fun / 1e6, result.bound / 1e6
 
 
-_RAISED = 255       # _process_0s's status where process 0's solve raised
+_RAISED = 255  # _process_0s's status where process 0's solve raised
 
 
 def _process_0s(solve, columns: int):
@@ -888,13 +964,13 @@ def _process_0s(solve, columns: int):
     if jax.process_index() == 0:
         try:
             result = solve()
-        except Exception as e:      # told to the others below, then raised here
+        except Exception as e:  # told to the others below, then raised here
             raised, result = e, SimpleNamespace(status=_RAISED, x=None, message=f"{type(e).__name__}: {e}")
         found = result.x is not None
         head[:2] = result.status, found
         head[8:24] = np.array([result.fun if found else math.nan, getattr(result, "bound", math.nan)]).view(np.uint8)
         message = result.message.encode()[:256]
-        head[24:24 + len(message)] = np.frombuffer(message, np.uint8)
+        head[24 : 24 + len(message)] = np.frombuffer(message, np.uint8)
         if found:
             bits = np.packbits(np.asarray(result.x) > 0.5)
     head, bits = (np.asarray(v).astype(np.uint8) for v in multihost_utils.broadcast_one_to_all((head, bits)))
@@ -904,8 +980,13 @@ def _process_0s(solve, columns: int):
         raise raised
     if head[0] == _RAISED:
         raise ShardingError(f"the solve on process 0, whose result every process plans with, raised {message}")
-    return SimpleNamespace(status=int(head[0]), fun=fun, bound=bound,
-                           message=message, x=np.unpackbits(bits, count=columns).astype(float) if head[1] else None)
+    return SimpleNamespace(
+        status=int(head[0]),
+        fun=fun,
+        bound=bound,
+        message=message,
+        x=np.unpackbits(bits, count=columns).astype(float) if head[1] else None,
+    )
 
 
 def _assemble(prop: Propagation, entries, pick, given) -> list:
@@ -944,10 +1025,12 @@ def _assemble_region(prop: Propagation, region: _Region, pick, given):
             prop.set(v, s)
         body = body.replace(eqns=_assemble(prop, region.body, pick, given))
         ys = [pick(*choice) for choice in region.ys]
-        carry = ins[nc:nc + nk]
-        decision = Decision(tuple(ins[:nc + nk]) + tuple(stacked(s) for s in ins[nc + nk:]),
-                            tuple(carry) + tuple(stacked(s) for s in ys),
-                            bodies=(("jaxpr", tuple(carry) + tuple(ys)),))
+        carry = ins[nc : nc + nk]
+        decision = Decision(
+            tuple(ins[: nc + nk]) + tuple(stacked(s) for s in ins[nc + nk :]),
+            tuple(carry) + tuple(stacked(s) for s in ys),
+            bodies=(("jaxpr", tuple(carry) + tuple(ys)),),
+        )
     return eqn.replace(params={**eqn.params, "jaxpr": rebody(eqn.params["jaxpr"], body), DECISION: decision})
 
 
@@ -991,6 +1074,7 @@ def _exposed(boxed: Program, jaxpr, laid_jaxpr, out: dict) -> dict:
     its prices linear, with the share greedy's plan gives (a row bounding the hidden time by
     the compute made the LP relaxation fractional)."""
     from shardflow.primitives import box_p
+
     mine = [e for e in laid_jaxpr.eqns if e.primitive is not box_p]
     for eqn, laid in zip(jaxpr.eqns, mine):
         if eqn.primitive is lax.scan_p:
@@ -1002,16 +1086,23 @@ def _exposed(boxed: Program, jaxpr, laid_jaxpr, out: dict) -> dict:
 
 
 class _Solution(NamedTuple):
-    program: Program      # the solved program (propagate's ensures; boxing runs after)
-    boxed: Program        # it boxed, for pricing
-    seconds: float        # the integer program's optimum (modelled), or the best plan found
-    bound: float          # a lower bound on the optimum (== seconds where proven)
-    note: str             # what else the planner line says (sf.AUTO choices, loops laid out by greedy)
-    plan: object          # explain's Plan of ``program``
+    program: Program  # the solved program (propagate's ensures; boxing runs after)
+    boxed: Program  # it boxed, for pricing
+    seconds: float  # the integer program's optimum (modelled), or the best plan found
+    bound: float  # a lower bound on the optimum (== seconds where proven)
+    note: str  # what else the planner line says (sf.AUTO choices, loops laid out by greedy)
+    plan: object  # explain's Plan of ``program``
 
 
-def _solved(program: Program, greedy: Program | None, exposed: dict | None, time_limit: float,
-            prices: dict, warm: dict, built: dict) -> _Solution:
+def _solved(
+    program: Program,
+    greedy: Program | None,
+    exposed: dict | None,
+    time_limit: float,
+    prices: dict,
+    warm: dict,
+    built: dict,
+) -> _Solution:
     """``choose``'s optimum, or raise Unsolvable. ``exposed``: the overlap shares the loops'
     hideable conversions are priced at; ``prices``: the conversions priced so far
     (``Propagation.seconds``'s memo), ``built``, the models built (``choose``), and ``warm``,
@@ -1022,10 +1113,11 @@ def _solved(program: Program, greedy: Program | None, exposed: dict | None, time
     attempts = (True,) if greedy is None else (True, False)
     for loops in attempts:
         given = None if greedy is None else _laid_out(program.jaxpr.jaxpr, greedy.jaxpr.jaxpr, loops, {})
-        prop = Propagation(program, prices).seeded()     # conversions priced once for every solve
+        prop = Propagation(program, prices).seeded()  # conversions priced once for every solve
         try:
-            eqns, auto, seconds, bound = choose(prop, program.jaxpr.jaxpr, program.out_sbp, time_limit, given,
-                                                exposed, warm, built)
+            eqns, auto, seconds, bound = choose(
+                prop, program.jaxpr.jaxpr, program.out_sbp, time_limit, given, exposed, warm, built
+            )
             break
         except Unsolvable as e:
             if loops == attempts[-1] or isinstance(e, Infeasible):
@@ -1033,7 +1125,7 @@ def _solved(program: Program, greedy: Program | None, exposed: dict | None, time
     closed = program.jaxpr
     program = program.replace(in_sbp=tuple(auto.get(v, s) for v, s in zip(closed.jaxpr.invars, program.in_sbp)))
     fallbacks, sbp = list(prop.fallbacks), prop.sbp
-    if given:          # the loops' bodies as greedy laid them out; every other value as solved
+    if given:  # the loops' bodies as greedy laid them out; every other value as solved
         sbp = {**greedy.sbp, **prop.sbp}
         fallbacks += [f for f in greedy.fallbacks if f not in fallbacks]
     jaxpr = closed.jaxpr.replace(eqns=eqns)
@@ -1041,8 +1133,10 @@ def _solved(program: Program, greedy: Program | None, exposed: dict | None, time
     chose = f"; sf.AUTO chose {len(auto)} input layout{'s' * (len(auto) != 1)}" if auto else ""
     laid = f"; {len(given)} control-flow equation{'s' * (len(given) != 1)} laid out by greedy" if given else ""
     if not loops:
-        laid += (", the loops among them: solving them ran out of time, and the optimum leaves out their "
-                 "own work and collectives")
+        laid += (
+            ", the loops among them: solving them ran out of time, and the optimum leaves out their "
+            "own work and collectives"
+        )
     solved = program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=sbp, out_sbp=out_sbp, fallbacks=fallbacks)
     boxed = boxing(solved)
     return _Solution(solved, boxed, seconds, bound, chose + laid, make_plan(boxed))
@@ -1065,8 +1159,11 @@ def _agreed(program: Program) -> Program:
     ShardingError."""
     if jax.process_count() == 1:
         return program
-    layouts = (*program.in_sbp, *program.out_sbp,
-               *(program.sbp.get(v) for eqn in all_eqns(program.jaxpr.jaxpr) for v in eqn.outvars))
+    layouts = (
+        *program.in_sbp,
+        *program.out_sbp,
+        *(program.sbp.get(v) for eqn in all_eqns(program.jaxpr.jaxpr) for v in eqn.outvars),
+    )
     text = "|".join("-" if s is None else format_sbp(s) for s in layouts)
     digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.uint32)
     every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, digest.size)
@@ -1076,7 +1173,8 @@ def _agreed(program: Program) -> Program:
             f"the {len(every)} processes planned different programs (processes {differ} differ from process 0; "
             f"process {jax.process_index()}'s planner: {program.planner}), though the solver's results are "
             f"process 0's: planning was not deterministic here, which is a bug in shardflow. Plan with the greedy "
-            f"planner (the default passes) meanwhile")
+            f"planner (the default passes) meanwhile"
+        )
     return program
 
 
@@ -1096,11 +1194,14 @@ def _solve(program: Program, time_limit: float | None) -> Program:
         solution = _solved(program, greedy, shares, limit, prices, warm, built)
     except Unsolvable as e:
         if program.auto_inputs:
-            raise ShardingError(f"in_specs sf.AUTO for {', '.join(program.auto_inputs)}: the solver did not run "
-                                f"({e}){_budget_note(program)}; give these arguments specs") from None
+            raise ShardingError(
+                f"in_specs sf.AUTO for {', '.join(program.auto_inputs)}: the solver did not run "
+                f"({e}){_budget_note(program)}; give these arguments specs"
+            ) from None
         if program.memory_budget is not None:
-            raise ShardingError(f"memory_budget={program.memory_budget:,} bytes: the solver did not run ({e})"
-                                f"{_budget_note(program)}") from None
+            raise ShardingError(
+                f"memory_budget={program.memory_budget:,} bytes: the solver did not run ({e}){_budget_note(program)}"
+            ) from None
         return greedy.replace(planner=f"greedy (the solver did not run: {e})")
     # The loops' hideable conversions were priced at the share greedy's plan leaves exposed; the
     # solved plan may lean on them more than its matmuls can hide. Priced at the share the
@@ -1111,44 +1212,54 @@ def _solve(program: Program, time_limit: float | None) -> Program:
         if any(again[k] > shares[k] + 1e-3 for k in shares):
             solves = 2
             try:
-                second = _solved(program, greedy, {k: max(shares[k], again[k]) for k in shares}, limit, prices, warm,
-                                 built)
+                second = _solved(
+                    program, greedy, {k: max(shares[k], again[k]) for k in shares}, limit, prices, warm, built
+                )
                 if second.plan.modelled_seconds <= solution.plan.modelled_seconds * (1 + 1e-9):
                     solution = second
             except Unsolvable:
                 pass
     solved, mine = solution.program, solution.plan
     took = f"solved in {time.perf_counter() - start:.2f} s" + (
-        " (twice: the second at the overlap shares of its first plan)" if solves == 2 else "")
+        " (twice: the second at the overlap shares of its first plan)" if solves == 2 else ""
+    )
     # The model prices each of a value's conversions from where it is made; boxing may chain
     # them (gather once, then slice for free), which greedy's choices sometimes exploit. The
     # plans are compared as boxing will run them, and the cheaper kept.
-    if greedy is None:     # sf.AUTO: greedy on the layouts the solver chose
+    if greedy is None:  # sf.AUTO: greedy on the layouts the solver chose
         greedy = propagate(program.replace(in_sbp=solved.in_sbp, memory_budget=None))
         boxed = boxing(greedy)
     its = make_plan(boxed)
     ours, theirs = mine.modelled_seconds, its.modelled_seconds
     budget = _budget(program)
     if theirs < ours * (1 - 1e-9) and (budget is None or its.memory_bytes <= budget):  # a tie keeps the solved plan
-        return greedy.replace(planner=f"greedy (its plan, {theirs * 1e6:.1f} us, is cheaper as boxed than the "
-                                      f"solver's model optimum, {ours * 1e6:.1f} us)")
+        return greedy.replace(
+            planner=f"greedy (its plan, {theirs * 1e6:.1f} us, is cheaper as boxed than the "
+            f"solver's model optimum, {ours * 1e6:.1f} us)"
+        )
     if program.memory_budget is not None and mine.memory_bytes > program.memory_budget:
-        raise ShardingError(f"memory_budget={program.memory_budget:,} bytes per device: the plan takes "
-                            f"{mine.memory_bytes:,} ({mine.input_bytes:,} of inputs, {mine.loop_bytes:,} held by "
-                            f"loops; the loops laid out by greedy were not bounded){_budget_note(program)}")
+        raise ShardingError(
+            f"memory_budget={program.memory_budget:,} bytes per device: the plan takes "
+            f"{mine.memory_bytes:,} ({mine.input_bytes:,} of inputs, {mine.loop_bytes:,} held by "
+            f"loops; the loops laid out by greedy were not bounded){_budget_note(program)}"
+        )
     if solution.bound >= solution.seconds * (1 - 1e-6):
         found = f"optimal: {solution.seconds * 1e6:.1f} us"
     else:
         found = f"{solution.seconds * 1e6:.1f} us, not proven optimal: its lower bound is {solution.bound * 1e6:.1f} us"
-    return solved.replace(planner=f"solver ({found} of collectives and local work modelled, {ours * 1e6:.1f} us as "
-                                  f"boxed; {took}{solution.note})")
+    return solved.replace(
+        planner=f"solver ({found} of collectives and local work modelled, {ours * 1e6:.1f} us as "
+        f"boxed; {took}{solution.note})"
+    )
 
 
 def _budget_note(program: Program) -> str:
     if program.memory_budget is None:
         return ""
-    return (f"; memory_budget={program.memory_budget:,} bytes per device, of which the inputs with "
-            f"specs take {_fixed_input_bytes(Propagation(program)):,}")
+    return (
+        f"; memory_budget={program.memory_budget:,} bytes per device, of which the inputs with "
+        f"specs take {_fixed_input_bytes(Propagation(program)):,}"
+    )
 
 
 def _budget(program: Program) -> int | None:

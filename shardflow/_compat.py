@@ -4,6 +4,7 @@ Everything else imports public API (``jax.extend.core``, ``jax.interpreters.*``,
 Each name here is private because JAX has no public spelling for it yet; the comment says what
 it is for. Checked on jax 0.10.2 (CI) and 0.11.2 (the device machine).
 """
+
 from __future__ import annotations
 
 from jax._src import dispatch as _dispatch
@@ -28,6 +29,7 @@ def traceback_frames(traceback) -> list:
     code, lasti = traceback.raw_frames() if traceback is not None else ((), ())
     return [_source_info_util.raw_frame_to_frame(c, i) for c, i in zip(code, lasti)]
 
+
 # A primitive's eager implementation by compiling it (for primitives with a lowering only).
 apply_primitive = _dispatch.apply_primitive
 
@@ -40,12 +42,14 @@ def backends_are_initialized() -> bool:
 def shard_map_primitive():
     """The primitive of ``jax.shard_map`` (a user's own shard_map inside a parallelized fn)."""
     from jax._src import shard_map
+
     return shard_map.shard_map_p
 
 
 def tpu_info():
     """The chip table Pallas' Mosaic TPU lowering reads (a test lowers for a v5e without a TPU)."""
     from jax._src.pallas.mosaic import tpu_info as info
+
     return info
 
 
@@ -76,6 +80,9 @@ def scan_params(params, jaxpr, *, consts: int, carries: int, xs: int, ys: int) -
             new["linear"] = (False,) * (consts + carries + xs)
         return new
     from jax._src import flattree as ft
-    new.update(ft_in=ft.pack((ft.nones(consts), ft.nones(carries), ft.nones(xs))),
-               ft_out=ft.pack((ft.nones(carries), ft.nones(ys))))
+
+    new.update(
+        ft_in=ft.pack((ft.nones(consts), ft.nones(carries), ft.nones(xs))),
+        ft_out=ft.pack((ft.nones(carries), ft.nones(ys))),
+    )
     return new

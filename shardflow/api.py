@@ -1,4 +1,5 @@
 """``sf.parallelize``: trace, run the pass list (``shardflow.passes``), lower; cached per argument shapes."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,21 +9,37 @@ import math
 import re
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.tree_util import keystr, tree_flatten_with_path
 
-from shardflow.passes import ALL as ALL_PASSES, DEFAULT as DEFAULT_PASSES, Pass, run as run_passes
-from shardflow.passes.lower import lower
 from shardflow.explain import Plan, make_plan
 from shardflow.mesh import LinkModel, check_mesh
+from shardflow.passes import ALL as ALL_PASSES
+from shardflow.passes import DEFAULT as DEFAULT_PASSES
+from shardflow.passes import Pass
+from shardflow.passes import run as run_passes
+from shardflow.passes.lower import lower
 from shardflow.program import Program, all_eqns, trace
 from shardflow.registry import decision_of
-from shardflow.specs import (AUTO, B, Partial, ShardingError, check_divisible, definition, describe, format_sbp,
-                             is_spec_leaf, is_user_file, split_orders, to_sbp)
+from shardflow.specs import (
+    AUTO,
+    B,
+    Partial,
+    ShardingError,
+    check_divisible,
+    definition,
+    describe,
+    format_sbp,
+    is_spec_leaf,
+    is_user_file,
+    split_orders,
+    to_sbp,
+)
 
 
 def _spec_of_each_leaf(specs, values, specs_name: str, values_name: str, noun: str, where: str) -> list:
@@ -42,7 +59,8 @@ def _spec_of_each_leaf(specs, values, specs_name: str, values_name: str, noun: s
             raise ShardingError(
                 f"{spec_name} {spec!r} do not match the structure of {value_name} of {where}: "
                 f"{_difference(spec, value, spec_name, value_name, noun)}; {specs_name} is a pytree prefix "
-                f"of the {noun}s, as in shard_map")
+                f"of the {noun}s, as in shard_map"
+            )
         for (key, s), (_, v) in zip(spec_children, value_children):
             walk(s, v, path + key)
 
@@ -81,16 +99,26 @@ def _a(x) -> str:
 
 @dataclasses.dataclass
 class Compiled:
-    program: Program            # the boxed program
-    fn: Callable                # jitted shard_map over flat global arrays
+    program: Program  # the boxed program
+    fn: Callable  # jitted shard_map over flat global arrays
     in_shardings: tuple
     out_tree: Any
     arg_names: tuple
 
 
 class Parallelized:
-    def __init__(self, fn, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,
-                 donate_argnums=(), passes=None, memory_budget: int | str | None = None):
+    def __init__(
+        self,
+        fn,
+        *,
+        mesh: Mesh,
+        in_specs,
+        out_specs=None,
+        links: LinkModel | None = None,
+        donate_argnums=(),
+        passes=None,
+        memory_budget: int | str | None = None,
+    ):
         self.fn = fn
         self.memory_budget = memory_budget_bytes(memory_budget, definition(fn))
         self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
@@ -109,7 +137,8 @@ class Parallelized:
             raise TypeError(
                 f"{definition(self.fn)} was called with keyword arguments {sorted(kwargs)}; "
                 "in_specs are positional, so pass every array positionally, or bind the others "
-                "with functools.partial before parallelize")
+                "with functools.partial before parallelize"
+            )
         leaves, in_tree = jax.tree.flatten(args)
         avals = tuple(jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves)
         key = (in_tree, avals)
@@ -120,9 +149,16 @@ class Parallelized:
     def _build(self, args, in_tree, avals) -> Compiled:
         names = tuple(f"args{keystr(p)}" for p, _ in tree_flatten_with_path(args)[0])
         in_specs = _spec_of_each_leaf(self.in_specs, args, "in_specs", "args", "argument", definition(self.fn))
-        in_sbp, in_orders = zip(*[self._boundary(spec, aval, f"{spec_path} for argument {name}")
-                                  for name, aval, (spec_path, spec) in zip(names, avals, in_specs)]) \
-            if avals else ((), ())
+        in_sbp, in_orders = (
+            zip(
+                *[
+                    self._boundary(spec, aval, f"{spec_path} for argument {name}")
+                    for name, aval, (spec_path, spec) in zip(names, avals, in_specs)
+                ]
+            )
+            if avals
+            else ((), ())
+        )
 
         out_trees = []
 
@@ -134,14 +170,24 @@ class Parallelized:
         closed = trace(flat_fn, *avals)
         (out_tree,) = out_trees
         out_sbp, out_orders = self._out_sbp(closed, out_tree)
-        program = Program(closed, self.mesh, tuple(in_sbp), out_sbp, links=self.links, arg_names=names,
-                          in_orders=tuple(in_orders), out_orders=out_orders, memory_budget=self.memory_budget)
+        program = Program(
+            closed,
+            self.mesh,
+            tuple(in_sbp),
+            out_sbp,
+            links=self.links,
+            arg_names=names,
+            in_orders=tuple(in_orders),
+            out_orders=out_orders,
+            memory_budget=self.memory_budget,
+        )
         program = run_passes(program, self.passes)
         replicated = replicated_axes(program)
         if replicated:
             warnings.warn(_replication(replicated, definition(self.fn)), stacklevel=_user_stacklevel())
-        donated = tuple(i for i, (path, _) in enumerate(tree_flatten_with_path(args)[0])
-                        if path[0].idx in self.donate_argnums)
+        donated = tuple(
+            i for i, (path, _) in enumerate(tree_flatten_with_path(args)[0]) if path[0].idx in self.donate_argnums
+        )
         fn, in_ps = lower(program, donated)
         shardings = tuple(NamedSharding(self.mesh, p) for p in in_ps)
         return Compiled(program, fn, shardings, out_tree, names)
@@ -152,8 +198,10 @@ class Parallelized:
             return (None,) * len(outs), ()
         shaped = jax.tree.unflatten(out_tree, [v.aval for v in outs])
         specs = _spec_of_each_leaf(self.out_specs, shaped, "out_specs", "output", "output", definition(self.fn))
-        pairs = [self._boundary(spec, v.aval, f"{spec_path} for output {i}")
-                 for i, (v, (spec_path, spec)) in enumerate(zip(outs, specs))]
+        pairs = [
+            self._boundary(spec, v.aval, f"{spec_path} for output {i}")
+            for i, (v, (spec_path, spec)) in enumerate(zip(outs, specs))
+        ]
         return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
     def _boundary(self, spec, aval, name: str):
@@ -163,13 +211,15 @@ class Parallelized:
         what = f"{name} {describe(aval)} of {where}"
         if spec is AUTO:
             if name.startswith("out_specs"):
-                raise ShardingError(f"{what}: sf.AUTO is an in_specs leaf; leave an output's spec None "
-                                    "for the planner to choose it")
-            return None, ()               # the solver chooses it (passes.solve)
+                raise ShardingError(
+                    f"{what}: sf.AUTO is an in_specs leaf; leave an output's spec None for the planner to choose it"
+                )
+            return None, ()  # the solver chooses it (passes.solve)
         sbp = to_sbp(spec, self.mesh, len(aval.shape), what=what, any_order=True)
         if any(isinstance(s, Partial) for s in sbp):
-            raise ShardingError(f"{what}: {format_sbp(sbp)} has P; inputs and outputs are whole values "
-                                "(B or S): outputs are reduced")
+            raise ShardingError(
+                f"{what}: {format_sbp(sbp)} has P; inputs and outputs are whole values (B or S): outputs are reduced"
+            )
         check_divisible(aval.shape, aval.dtype, sbp, self.mesh, what=name, source=where)
         return sbp, split_orders(spec, self.mesh)
 
@@ -182,8 +232,10 @@ class Parallelized:
 
     def lower(self, *args, **kwargs):
         c = self._compile(args, kwargs)
-        structs = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=s)
-                   for x, s in zip(jax.tree.leaves(args), c.in_shardings)]
+        structs = [
+            jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=s)
+            for x, s in zip(jax.tree.leaves(args), c.in_shardings)
+        ]
         return c.fn.lower(*structs)
 
     def explain(self, *args, **kwargs) -> Plan:
@@ -223,7 +275,8 @@ def _replication(replicated: list, where: str) -> ReplicatedAxisWarning:
         f"mesh {'axis' if one else 'axes'} {axes} of {where}: no value is split or partial over {it}: every "
         f"device along {it} runs the same work on the same data. Split an argument over {'it' if one else 'each'} "
         f"in in_specs, or leave {it} out of the mesh, unless the {math.prod(n for _, n in replicated)} copies are "
-        "intended")
+        "intended"
+    )
     warning.axes = replicated
     return warning
 
@@ -240,11 +293,23 @@ def _dtype(x):
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _AMOUNT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
-_BUDGET_FORMS = ("an int of bytes (40_000_000_000, 40e9) or a string with units: '40GB' (10^9 bytes) or "
-                 "'40GiB' (2^30 bytes); B, KB, MB, GB, TB and KiB, MiB, GiB, TiB")
+_BUDGET_FORMS = (
+    "an int of bytes (40_000_000_000, 40e9) or a string with units: '40GB' (10^9 bytes) or "
+    "'40GiB' (2^30 bytes); B, KB, MB, GB, TB and KiB, MiB, GiB, TiB"
+)
 
 
 def memory_budget_bytes(budget, where: str) -> int | None:
@@ -268,8 +333,9 @@ def memory_budget_bytes(budget, where: str) -> int | None:
     else:
         nbytes = int(budget)
     if nbytes < 1:
-        raise ShardingError(f"{what} is {nbytes:,} bytes; a memory budget is a positive number of bytes per "
-                            f"device: {_BUDGET_FORMS}")
+        raise ShardingError(
+            f"{what} is {nbytes:,} bytes; a memory budget is a positive number of bytes per device: {_BUDGET_FORMS}"
+        )
     return nbytes
 
 
@@ -284,27 +350,42 @@ def pass_list(passes, where: str) -> tuple:
     for i, p in enumerate(passes):
         if isinstance(p, str):
             if p not in known:
-                raise ShardingError(f"passes[{i}] {p!r} of {where}: no pass is named {p!r}; the passes are "
-                                    f"{', '.join(map(repr, known))}, or Pass objects (sf.passes.DEFAULT, "
-                                    "sf.passes.SOLVER)")
+                raise ShardingError(
+                    f"passes[{i}] {p!r} of {where}: no pass is named {p!r}; the passes are "
+                    f"{', '.join(map(repr, known))}, or Pass objects (sf.passes.DEFAULT, "
+                    "sf.passes.SOLVER)"
+                )
             p = known[p]
         elif not isinstance(p, Pass):
-            raise ShardingError(f"passes[{i}] {p!r} of {where}: neither a Pass nor a pass's name; the passes are "
-                                f"{', '.join(map(repr, known))}, or Pass objects (sf.passes.DEFAULT, sf.passes.SOLVER)")
+            raise ShardingError(
+                f"passes[{i}] {p!r} of {where}: neither a Pass nor a pass's name; the passes are "
+                f"{', '.join(map(repr, known))}, or Pass objects (sf.passes.DEFAULT, sf.passes.SOLVER)"
+            )
         out.append(p)
     names = tuple(p.name for p in out)
-    facts: set = set()     # a pass run before the facts it requires is refused as it runs (Pass.__call__)
+    facts: set = set()  # a pass run before the facts it requires is refused as it runs (Pass.__call__)
     for p in out:
         facts = (facts - {f.name for f in p.invalidates}) | {f.name for f in p.ensures}
     if "boxed" not in facts:
-        raise ShardingError(f"passes {names} of {where}: end without 'boxed', which lowering requires; end the "
-                            f"list with 'boxing', as sf.passes.DEFAULT {tuple(q.name for q in DEFAULT_PASSES)} "
-                            "does")
+        raise ShardingError(
+            f"passes {names} of {where}: end without 'boxed', which lowering requires; end the "
+            f"list with 'boxing', as sf.passes.DEFAULT {tuple(q.name for q in DEFAULT_PASSES)} "
+            "does"
+        )
     return tuple(out)
 
 
-def parallelize(fn=None, *, mesh: Mesh, in_specs, out_specs=None, links: LinkModel | None = None,
-                donate_argnums=(), passes=None, memory_budget: int | str | None = None):
+def parallelize(
+    fn=None,
+    *,
+    mesh: Mesh,
+    in_specs,
+    out_specs=None,
+    links: LinkModel | None = None,
+    donate_argnums=(),
+    passes=None,
+    memory_budget: int | str | None = None,
+):
     """Run single-device ``fn`` as one SPMD program on ``mesh``.
 
     ``in_specs`` / ``out_specs`` are pytree prefixes of the arguments / outputs; leaves are SBP
@@ -321,8 +402,15 @@ def parallelize(fn=None, *, mesh: Mesh, in_specs, out_specs=None, links: LinkMod
     partial: other intermediates and temporaries are not counted yet. Usable as a decorator:
     ``@sf.parallelize(mesh=..., in_specs=...)``.
     """
-    kwargs = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, links=links, donate_argnums=donate_argnums,
-                  passes=passes, memory_budget=memory_budget)
+    kwargs = dict(
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        links=links,
+        donate_argnums=donate_argnums,
+        passes=passes,
+        memory_budget=memory_budget,
+    )
     if fn is None:
         return lambda f: Parallelized(f, **kwargs)
     return Parallelized(fn, **kwargs)

@@ -28,6 +28,7 @@ axis changed, or several by one collective (a gather, all-reduce or reduce-scatt
 only where a value has at most ``ROUTED_LAYOUTS`` of them). Every step of a direct plan being
 such a hop, the price is a shortest path: no chain of conversions is priced below the one.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,9 +36,8 @@ import itertools
 import math
 from typing import NamedTuple
 
-import numpy as np
-
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from shardflow import registry
@@ -45,7 +45,7 @@ from shardflow.specs import B, Broadcast, NdSbp, Partial, Split, as_dtype, axis_
 
 EPSILON = 1e-12  # seconds charged for a local step (slice, mask, pad): free, but not for nothing
 ROUTED_LAYOUTS = 256  # layouts of a value beyond which conversions take the direct plan (Floyd-Warshall is cubic:
-                      # a 4-D value on three mesh axes has 150-216, ~10 ms a shape; on four, up to 1,296)
+# a 4-D value on three mesh axes has 150-216, ~10 ms a shape; on four, up to 1,296)
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 
@@ -53,16 +53,17 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "pper
 class Step(NamedTuple):
     """One step of a conversion (a tuple: hashed and built in C; a plan of the 1b step's
     integer program builds 30k of them)."""
-    kind: str              # one of COLLECTIVES, or the local "slice" / "mask" / "pad"
-    axes: tuple            # mesh axis names
-    dim: int = -1          # tensor dim gathered / scattered / sliced (all_to_all: split dim)
-    src_dim: int = -1      # all_to_all: the dim that was split before
-    op: str = "sum"        # all_reduce: "sum", "max" or "min"
+
+    kind: str  # one of COLLECTIVES, or the local "slice" / "mask" / "pad"
+    axes: tuple  # mesh axis names
+    dim: int = -1  # tensor dim gathered / scattered / sliced (all_to_all: split dim)
+    src_dim: int = -1  # all_to_all: the dim that was split before
+    op: str = "sum"  # all_reduce: "sum", "max" or "min"
     local_shape: tuple = ()  # shape of the local block the step starts from
-    bytes: int = 0         # per-device bytes sent
-    after: tuple = ()      # NdSbp after this step
-    perm: tuple = ()       # ppermute: (source, destination) pairs of linear indices over ``axes``
-    value: object = None   # a rule's own step: the aval of what moves, if not its first operand
+    bytes: int = 0  # per-device bytes sent
+    after: tuple = ()  # NdSbp after this step
+    perm: tuple = ()  # ppermute: (source, destination) pairs of linear indices over ``axes``
+    value: object = None  # a rule's own step: the aval of what moves, if not its first operand
 
     @property
     def is_collective(self) -> bool:
@@ -97,6 +98,7 @@ def _normalized(shape, dtype, mesh) -> tuple:
 class _MeshShape(NamedTuple):
     """What a plan depends on of a mesh: its axis names and sizes. Hashable (for the cache), and
     shaped like a Mesh where ``specs.axis_sizes`` / ``specs.local_shape`` read one."""
+
     axis_names: tuple
     shape: tuple
 
@@ -130,15 +132,15 @@ def _free(n, before, after) -> float:
     return 0.0
 
 
-def _scattered(n, before, after) -> float:     # reduce_scatter, all_to_all
+def _scattered(n, before, after) -> float:  # reduce_scatter, all_to_all
     return (n - 1) / n * before
 
 
-def _reduced(n, before, after) -> float:       # all_reduce
+def _reduced(n, before, after) -> float:  # all_reduce
     return 2 * (n - 1) / n * before
 
 
-def _gathered(n, before, after) -> float:      # all_gather
+def _gathered(n, before, after) -> float:  # all_gather
     return (n - 1) / n * after
 
 
@@ -192,8 +194,13 @@ def _steps(rank, src, dst, mesh) -> tuple:
             step("reduce_scatter", {a: want[a] for a in group}, dim=dim, cost=_scattered)
     for a in names:  # S(i) -> S(j) on one axis: all_to_all
         s, t = cur[a], want[a]
-        if isinstance(s, Split) and isinstance(t, Split) and s.dim != t.dim \
-                and _axes_on(now(), s.dim, names)[-1] == a and can_append(a, t.dim):
+        if (
+            isinstance(s, Split)
+            and isinstance(t, Split)
+            and s.dim != t.dim
+            and _axes_on(now(), s.dim, names)[-1] == a
+            and can_append(a, t.dim)
+        ):
             step("all_to_all", {a: t}, dim=t.dim, src_dim=s.dim, cost=_scattered)
     for op in ("sum", "max", "min"):  # P -> B: all_reduce, one collective over all such axes
         group = [a for a in names if cur[a] == Partial(op) and want[a] != cur[a]]
@@ -243,8 +250,10 @@ class Pricer:
     def __init__(self, shape, dtype, mesh, links):
         self.shape, self.dtype, self.mesh = _normalized(shape, dtype, mesh)
         self.links = links
-        self.speeds = tuple((links.per_axis_alpha.get(a, links.alpha), links.per_axis_beta.get(a, links.beta))
-                            for a in self.mesh.axis_names)
+        self.speeds = tuple(
+            (links.per_axis_alpha.get(a, links.alpha), links.per_axis_beta.get(a, links.beta))
+            for a in self.mesh.axis_names
+        )
         self.layouts = tuple(_whole_or_split(self.shape, n) for n in self.mesh.shape)
         self.routed = math.prod(len(o) for o in self.layouts) <= ROUTED_LAYOUTS
         self.memo, self.legs = {}, {}
@@ -296,7 +305,7 @@ class Pricer:
                 return None
         graph = _graph(self.shape, self.dtype.itemsize, options, self.mesh, self.speeds)
         i, j = graph.index.get(src), graph.index.get(dst)
-        if i is None or j is None:        # priced before being found not to divide
+        if i is None or j is None:  # priced before being found not to divide
             return None
         if not graph.dist[i, j] < direct * (1 - 1e-9):
             return None
@@ -317,15 +326,20 @@ def _sizes(rank, src, dst, mesh) -> tuple:
     297k misses, against 24.5 s, 230k, and 43 MB more peak memory, at 524k). Per step None
     where it is local, else a collective's axes and device count, its bytes as a function of
     those, and per dim how many ways the NdSbps before and after it split that dim."""
+
     def ways(sbp):
-        key = tuple(math.prod(n for n, s in zip(mesh.shape, sbp) if type(s) is Split and s.dim == d)
-                    for d in range(rank))
+        key = tuple(
+            math.prod(n for n, s in zip(mesh.shape, sbp) if type(s) is Split and s.dim == d) for d in range(rank)
+        )
         return _WAYS.setdefault(key, key)
-    return tuple((axes, n, cost, ways(before), ways(after)) if kind in COLLECTIVES else None
-                 for kind, axes, n, _, _, _, before, after, cost in _steps(rank, src, dst, mesh))
+
+    return tuple(
+        (axes, n, cost, ways(before), ways(after)) if kind in COLLECTIVES else None
+        for kind, axes, n, _, _, _, before, after, cost in _steps(rank, src, dst, mesh)
+    )
 
 
-_WAYS = {}     # interned: a few dozen distinct tuples among ``_sizes``'s entries
+_WAYS = {}  # interned: a few dozen distinct tuples among ``_sizes``'s entries
 
 
 def _block_bytes(shape, ways, itemsize) -> int:
@@ -334,6 +348,7 @@ def _block_bytes(shape, ways, itemsize) -> int:
 
 
 # ------------------------------------------------------------------------------ routes
+
 
 def _options(layouts, src, dst) -> tuple:
     """What a mesh axis may hold on a route from ``src`` to ``dst``: its ``layouts`` (B and a
@@ -351,10 +366,10 @@ def _whole_or_split(shape, n) -> tuple:
 
 
 class _Graph(NamedTuple):
-    states: list          # the NdSbps a value of this shape can take
-    index: dict           # NdSbp -> its row
-    dist: np.ndarray      # seconds of the cheapest route, state to state
-    next: np.ndarray      # the first hop of that route
+    states: list  # the NdSbps a value of this shape can take
+    index: dict  # NdSbp -> its row
+    dist: np.ndarray  # seconds of the cheapest route, state to state
+    next: np.ndarray  # the first hop of that route
 
 
 @functools.lru_cache(maxsize=4096)
@@ -382,10 +397,10 @@ def _graph(shape, itemsize, options, mesh, speeds) -> _Graph:
         dist[i, j] = min(dist[i, j], seconds)
     hop = np.where(np.isfinite(dist), np.arange(n)[None, :], -1)
     for k in range(n):
-        via = dist[:, k:k + 1] + dist[k:k + 1, :]
+        via = dist[:, k : k + 1] + dist[k : k + 1, :]
         better = via < dist
         dist = np.where(better, via, dist)
-        hop = np.where(better, hop[:, k:k + 1], hop)
+        hop = np.where(better, hop[:, k : k + 1], hop)
     return _Graph(states, index, dist, hop)
 
 
@@ -412,7 +427,7 @@ def _moves(u, options, rank):
     for a, held in enumerate(options):
         for t in held:
             if t != u[a]:
-                yield u[:a] + (t,) + u[a + 1:]
+                yield u[:a] + (t,) + u[a + 1 :]
     for k in range(2, len(u) + 1):
         for axes in itertools.combinations(range(len(u)), k):
             for t in (B,) + tuple(Split(d) for d in range(rank)):
@@ -434,9 +449,12 @@ def local_work(eqn, ins, outs, mesh) -> tuple[float, int]:
     the fp32 weights: 0.953x jit under dp on 4 GPUs). A fused chain writes less than its
     results; pricing them keeps a split layout cheaper than a whole one, and the solver's LP
     off the ties pricing nothing made (1b tp step: 35 s -> 16 s)."""
-    from shardflow.rules.elementwise import SHAPE_KEEPING   # (rules import this module)
-    shapes = [[local_shape(x.aval.shape, s, mesh) for x, s in zip(xs, sbps)]
-              for xs, sbps in ((eqn.invars, ins), (eqn.outvars, outs))]
+    from shardflow.rules.elementwise import SHAPE_KEEPING  # (rules import this module)
+
+    shapes = [
+        [local_shape(x.aval.shape, s, mesh) for x, s in zip(xs, sbps)]
+        for xs, sbps in ((eqn.invars, ins), (eqn.outvars, outs))
+    ]
     moved = zip((eqn.invars, eqn.outvars), shapes)
     if eqn.primitive in SHAPE_KEEPING:
         moved = [(eqn.outvars, shapes[1])]
@@ -455,7 +473,7 @@ def reorder(shape, dtype, sbp: NdSbp, dim: int, order: tuple, mesh, *, to_mesh_o
     first, against mesh order) and the same axes in mesh order — or back."""
     names = tuple(mesh.axis_names)
     sizes = axis_sizes(mesh)
-    axes = tuple(a for a in names if a in order)        # ppermute indexes devices in this order
+    axes = tuple(a for a in names if a in order)  # ppermute indexes devices in this order
 
     def linear(coords, over):
         i = 0
@@ -466,21 +484,31 @@ def reorder(shape, dtype, sbp: NdSbp, dim: int, order: tuple, mesh, *, to_mesh_o
     grid = [{}]
     for a in axes:
         grid = [{**c, a: k} for c in grid for k in range(sizes[a])]
-    holder = {linear(c, order): linear(c, axes) for c in grid}     # block in user order -> device
+    holder = {linear(c, order): linear(c, axes) for c in grid}  # block in user order -> device
     pairs = []
     for c in grid:
         here = linear(c, axes)
-        if to_mesh_order:   # the device holding block b (user order) sends it to device b
+        if to_mesh_order:  # the device holding block b (user order) sends it to device b
             pairs.append((here, linear(c, order)))
-        else:               # device b holds block b (mesh order); it goes where user order puts b
+        else:  # device b holds block b (mesh order); it goes where user order puts b
             pairs.append((here, holder[here]))
     block = math.prod(local_shape(shape, sbp, mesh)) * as_dtype(dtype).itemsize
     moved = any(s != d for s, d in pairs)
-    return (Step("ppermute", axes, dim, local_shape=local_shape(shape, sbp, mesh), bytes=block if moved else 0,
-                 after=tuple(sbp), perm=tuple(sorted(pairs))),)
+    return (
+        Step(
+            "ppermute",
+            axes,
+            dim,
+            local_shape=local_shape(shape, sbp, mesh),
+            bytes=block if moved else 0,
+            after=tuple(sbp),
+            perm=tuple(sorted(pairs)),
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------ running a plan
+
 
 def run(steps, x, sizes: dict):
     """Execute ``steps`` on the local block ``x`` inside shard_map (``sizes``: mesh axis sizes)."""
@@ -504,13 +532,13 @@ def _all_reduce(st, x, sizes):
         raise NotImplementedError(f"all_reduce of a partial {st.op} value")
     reduce = lax.pmax if st.op == "max" else lax.pmin
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        return reduce(x, st.axes)   # ints and bools have no NaN
+        return reduce(x, st.axes)  # ints and bools have no NaN
     # XLA's all-reduce max/min drops NaN on some backends (CPU), where jnp.max on one device
     # returns it. Reduce order-preserving integers instead, with no extra bytes: NaN made +NaN
     # (-NaN for min) so that it orders above +inf (below -inf), then the sign-magnitude float
     # bits turned two's complement (negative floats' magnitude bits flipped, so -0.0 < +0.0).
     ints = jnp.dtype(f"int{8 * x.dtype.itemsize}")
-    low = jnp.array(jnp.iinfo(ints).max, ints)         # 0x7f..f: every bit but the sign
+    low = jnp.array(jnp.iinfo(ints).max, ints)  # 0x7f..f: every bit but the sign
     nan = jnp.array(jnp.nan if st.op == "max" else -jnp.nan, x.dtype)
     bits = lax.bitcast_convert_type(jnp.where(jnp.isnan(x), nan, x), ints)
     key = jnp.where(bits < 0, bits ^ low, bits)
@@ -525,12 +553,12 @@ def _slice(st, x, sizes):
 
 def _pad(st, x, sizes):
     n, size = sizes[st.axes[0]], x.shape[st.dim]
-    shape = x.shape[:st.dim] + (size * n,) + x.shape[st.dim + 1:]
+    shape = x.shape[: st.dim] + (size * n,) + x.shape[st.dim + 1 :]
     return lax.dynamic_update_slice_in_dim(jnp.zeros(shape, x.dtype), x, lax.axis_index(st.axes[0]) * size, st.dim)
 
 
 def _mask(st, x, sizes):
-    if st.op != "sum":   # max over equal copies is the copy
+    if st.op != "sum":  # max over equal copies is the copy
         return x
     return jnp.where(lax.axis_index(st.axes[0]) == 0, x, jnp.zeros_like(x))
 
@@ -538,8 +566,9 @@ def _mask(st, x, sizes):
 _RUN = {
     "all_gather": _all_gather,
     "all_reduce": _all_reduce,
-    "reduce_scatter": lambda st, x, sizes: lax.psum_scatter(x, _axis_names(st.axes), scatter_dimension=st.dim,
-                                                            tiled=True),
+    "reduce_scatter": lambda st, x, sizes: lax.psum_scatter(
+        x, _axis_names(st.axes), scatter_dimension=st.dim, tiled=True
+    ),
     "all_to_all": lambda st, x, sizes: lax.all_to_all(x, st.axes[0], st.dim, st.src_dim, tiled=True),
     "ppermute": lambda st, x, sizes: lax.ppermute(x, st.axes, perm=st.perm),
     "slice": _slice,

@@ -1,4 +1,5 @@
 """``explain``: every collective of a boxed program, its bytes, and the user line behind it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,40 +8,48 @@ from jax import lax
 
 from shardflow import conversion, registry
 from shardflow.primitives import box_p
-from shardflow.program import (REMAT_PRIMITIVES, Program, all_eqns, is_literal, named_bodies, open_jaxpr, scan_arity,
-                               source_line)
+from shardflow.program import (
+    REMAT_PRIMITIVES,
+    Program,
+    all_eqns,
+    is_literal,
+    named_bodies,
+    open_jaxpr,
+    scan_arity,
+    source_line,
+)
 from shardflow.specs import B, Split, as_dtype, describe, format_sbp
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    kind: str          # all_reduce | all_gather | reduce_scatter | all_to_all | ppermute
-    axes: tuple        # mesh axis names
-    shape: tuple       # global shape of the value converted
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | ppermute
+    axes: tuple  # mesh axis names
+    shape: tuple  # global shape of the value converted
     dtype: str
-    bytes: int         # per-device bytes sent, per execution
-    count: int         # executions per call (trip counts of enclosing scans)
-    source: str        # file.py:LINE of the user code that made the value
-    used_at: str       # file.py:LINE of the use that needed the conversion
+    bytes: int  # per-device bytes sent, per execution
+    count: int  # executions per call (trip counts of enclosing scans)
+    source: str  # file.py:LINE of the user code that made the value
+    used_at: str  # file.py:LINE of the use that needed the conversion
     reason: str
-    src: str           # NdSbp before / after the whole conversion
+    src: str  # NdSbp before / after the whole conversion
     dst: str
-    seconds: float = 0.0   # modelled time per execution (the link model's α + bytes/β)
+    seconds: float = 0.0  # modelled time per execution (the link model's α + bytes/β)
 
 
 @dataclasses.dataclass
 class Plan:
     collectives: list
-    inputs: list       # (argument name, shape, NdSbp)
-    outputs: list      # (index, shape, NdSbp)
-    values: list       # (primitive, source, shape, NdSbp) of every intermediate
-    fallbacks: list    # (primitive, source) run whole for want of a rule
-    planner: str = "greedy"   # which pass chose the shardings (passes.propagate or passes.solve)
+    inputs: list  # (argument name, shape, NdSbp)
+    outputs: list  # (index, shape, NdSbp)
+    values: list  # (primitive, source, shape, NdSbp) of every intermediate
+    fallbacks: list  # (primitive, source) run whole for want of a rule
+    planner: str = "greedy"  # which pass chose the shardings (passes.propagate or passes.solve)
     work_seconds: float = 0.0  # modelled local work of every equation (conversion.local_seconds)
     hidden_seconds: float = 0.0  # collectives a loop overlaps with its matmuls (``overlap``)
-    flops: float = 0.0         # per device: the local flops of every equation whose rule counts them
-    input_bytes: int = 0       # per device: the arguments' blocks
-    loop_bytes: int = 0        # per device: what the loops hold across the step (``held_bytes``)
+    flops: float = 0.0  # per device: the local flops of every equation whose rule counts them
+    input_bytes: int = 0  # per device: the arguments' blocks
+    loop_bytes: int = 0  # per device: what the loops hold across the step (``held_bytes``)
     gathered: list = dataclasses.field(default_factory=list)  # (argument, NdSbp, to, where, bytes): ``gathered_inputs``
 
     @property
@@ -65,25 +74,45 @@ class Plan:
     def __str__(self):
         rows = [("kind", "axes", "value", "bytes", "µs", "×", "source", "reason")]
         for c in self.collectives:
-            rows.append((c.kind, ",".join(c.axes), f"{c.dtype}{list(c.shape)}", f"{c.bytes:,}",
-                         f"{c.seconds * 1e6:.1f}", str(c.count), c.source, c.reason))
+            rows.append(
+                (
+                    c.kind,
+                    ",".join(c.axes),
+                    f"{c.dtype}{list(c.shape)}",
+                    f"{c.bytes:,}",
+                    f"{c.seconds * 1e6:.1f}",
+                    str(c.count),
+                    c.source,
+                    c.reason,
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        runs = sum(c.count for c in self.collectives)      # a row runs × times a call (a loop's trips)
+        runs = sum(c.count for c in self.collectives)  # a row runs × times a call (a loop's trips)
         distinct = f" ({len(self.collectives)} distinct)" if runs != len(self.collectives) else ""
-        lines.append(f"total: {self.total_bytes:,} bytes sent per device in {runs:,} collectives{distinct}, "
-                     f"{self.total_seconds * 1e6:.1f} µs modelled; planner: {self.planner}")
+        lines.append(
+            f"total: {self.total_bytes:,} bytes sent per device in {runs:,} collectives{distinct}, "
+            f"{self.total_seconds * 1e6:.1f} µs modelled; planner: {self.planner}"
+        )
         if self.fallbacks:
-            lines.append("run whole for want of a rule (operands gathered to B): "
-                         + ", ".join(f"{p} at {s}" for p, s in self.fallbacks))
-        lines.append(f"memory per device, modelled: {self.input_bytes:,} bytes of inputs + {self.loop_bytes:,} "
-                     f"held by loops = {self.memory_bytes:,}")
-        lines.append(f"local work per device, modelled: {self.flops:,.0f} flops of matmuls and convolutions, "
-                     f"{self.work_seconds * 1e6:.1f} µs with the rest")
+            lines.append(
+                "run whole for want of a rule (operands gathered to B): "
+                + ", ".join(f"{p} at {s}" for p, s in self.fallbacks)
+            )
+        lines.append(
+            f"memory per device, modelled: {self.input_bytes:,} bytes of inputs + {self.loop_bytes:,} "
+            f"held by loops = {self.memory_bytes:,}"
+        )
+        lines.append(
+            f"local work per device, modelled: {self.flops:,.0f} flops of matmuls and convolutions, "
+            f"{self.work_seconds * 1e6:.1f} µs with the rest"
+        )
         for name, src, dst, where, nbytes in self.gathered:
-            lines.append(f"gathered whole over an axis its spec splits: {name} {src} -> {dst} at {where}, "
-                         f"{nbytes:,} bytes sent per device (the {self.planner.split()[0]} planner's choice)")
+            lines.append(
+                f"gathered whole over an axis its spec splits: {name} {src} -> {dst} at {where}, "
+                f"{nbytes:,} bytes sent per device (the {self.planner.split()[0]} planner's choice)"
+            )
         lines.append("inputs:  " + "; ".join(f"{n} {format_sbp(s)}" for n, _, s in self.inputs))
         lines.append("outputs: " + "; ".join(f"{i} {format_sbp(s)}" for i, _, s in self.outputs))
         return "\n".join(lines)
@@ -105,16 +134,18 @@ def hideable(program: Program, eqn) -> tuple[float, float]:
     in the lowering measured 1-1.5 % slower on 7b FSDP, 2 x H200: benchmarks/results/scaling.md)."""
     body = open_jaxpr(eqn.params["jaxpr"])
     nc, nk = scan_arity(eqn.params)
-    ahead, behind = set(body.invars[nc + nk:]), {v for v in body.outvars[nk:] if not is_literal(v)}
+    ahead, behind = set(body.invars[nc + nk :]), {v for v in body.outvars[nk:] if not is_literal(v)}
     boxes = [(e, ahead) for e in body.eqns]
-    for e in body.eqns:      # a remat's body converting a sliced operand (a backward's recomputed forward)
+    for e in body.eqns:  # a remat's body converting a sliced operand (a backward's recomputed forward)
         if e.primitive in REMAT_PRIMITIVES:
             inner = open_jaxpr(e.params["jaxpr"])
             sliced = {v for x, v in zip(e.invars, inner.invars) if not is_literal(x) and x in ahead}
             boxes += [(b, sliced) for b in inner.eqns]
-    comm = sum(conversion.steps_seconds([s for s in e.params["steps"] if s.is_collective], program.links)
-               for e, sliced in boxes if e.primitive is box_p
-               and (not is_literal(e.invars[0]) and e.invars[0] in sliced or e.outvars[0] in behind))
+    comm = sum(
+        conversion.steps_seconds([s for s in e.params["steps"] if s.is_collective], program.links)
+        for e, sliced in boxes
+        if e.primitive is box_p and (not is_literal(e.invars[0]) and e.invars[0] in sliced or e.outvars[0] in behind)
+    )
     return comm, _matmul_seconds(program, body)
 
 
@@ -150,20 +181,32 @@ def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float,
             steps, why = p["steps"], (p["source"], p["used_at"], p["reason"], p["src"], p["dst"])
         elif rule is not None and rule.comm is not None:
             steps = rule.comm(eqn, d.ins, d.sigs, program.mesh)
-            why = (source_line(eqn), source_line(eqn), f"{eqn.primitive.name} {rule.comm_reason}",
-                   d.ins[0], d.outs[0])
+            why = (source_line(eqn), source_line(eqn), f"{eqn.primitive.name} {rule.comm_reason}", d.ins[0], d.outs[0])
         else:
             steps = ()
-        repeats: dict = {}       # a rule's identical steps (a pipeline's per-tick ppermute) counted once
+        repeats: dict = {}  # a rule's identical steps (a pipeline's per-tick ppermute) counted once
         for st in steps:
             if st.is_collective:
                 repeats[st] = repeats.get(st, 0) + 1
         for st, times in repeats.items():
             source, used_at, reason, src, dst = why
             moved = st.value or x.aval
-            out.append(Collective(st.kind, st.axes, tuple(moved.shape), as_dtype(moved.dtype).name,
-                                  st.bytes, count * times, source, used_at, reason, format_sbp(src), format_sbp(dst),
-                                  program.links.seconds(st.axes, st.bytes)))
+            out.append(
+                Collective(
+                    st.kind,
+                    st.axes,
+                    tuple(moved.shape),
+                    as_dtype(moved.dtype).name,
+                    st.bytes,
+                    count * times,
+                    source,
+                    used_at,
+                    reason,
+                    format_sbp(src),
+                    format_sbp(dst),
+                    program.links.seconds(st.axes, st.bytes),
+                )
+            )
         bodies = list(named_bodies(eqn))
         for name, body in bodies:
             trips = rule.trips(eqn, name, program.mesh) if rule is not None and rule.trips is not None else 1
@@ -202,12 +245,15 @@ def held_bytes(program: Program, jaxpr) -> int:
                 alias.update((o, alias.get(v, v)) for v, o in zip(body.outvars, eqn.outvars) if not is_literal(v))
 
     walk(jaxpr)
-    given = set(program.jaxpr.jaxpr.invars) | set(program.jaxpr.jaxpr.constvars)   # held however laid out
-    return sum(conversion.local_bytes(x.aval, program.sbp[x], program.mesh)
-               for v, x in held.items() if v not in given and x in program.sbp)
+    given = set(program.jaxpr.jaxpr.invars) | set(program.jaxpr.jaxpr.constvars)  # held however laid out
+    return sum(
+        conversion.local_bytes(x.aval, program.sbp[x], program.mesh)
+        for v, x in held.items()
+        if v not in given and x in program.sbp
+    )
 
 
-_SAME_VALUE = ("convert_element_type", "copy")   # a weight's cast is still the weight
+_SAME_VALUE = ("convert_element_type", "copy")  # a weight's cast is still the weight
 
 
 def gathered_inputs(program: Program) -> list:
@@ -246,8 +292,29 @@ def make_plan(program: Program) -> Plan:
     work, hidden, flops = _collectives(program, jaxpr, 1, found)
     inputs = [(n, tuple(v.aval.shape), program.sbp[v]) for n, v in zip(arg_names, jaxpr.invars)]
     outputs = [(i, tuple(v.aval.shape), s) for i, (v, s) in enumerate(zip(jaxpr.outvars, program.out_sbp))]
-    values = [(e.primitive.name, e.params["source"] if e.primitive is box_p else source_line(e), describe(v.aval),
-               program.sbp.get(v)) for e in all_eqns(jaxpr) for v in e.outvars if v in program.sbp]
+    values = [
+        (
+            e.primitive.name,
+            e.params["source"] if e.primitive is box_p else source_line(e),
+            describe(v.aval),
+            program.sbp.get(v),
+        )
+        for e in all_eqns(jaxpr)
+        for v in e.outvars
+        if v in program.sbp
+    ]
     input_bytes = sum(conversion.local_bytes(v.aval, program.sbp[v], program.mesh) for v in jaxpr.invars)
-    return Plan(found, inputs, outputs, values, list(program.fallbacks), program.planner, work, hidden,
-                flops, input_bytes, held_bytes(program, jaxpr), gathered_inputs(program))
+    return Plan(
+        found,
+        inputs,
+        outputs,
+        values,
+        list(program.fallbacks),
+        program.planner,
+        work,
+        hidden,
+        flops,
+        input_bytes,
+        held_bytes(program, jaxpr),
+        gathered_inputs(program),
+    )

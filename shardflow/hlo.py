@@ -20,28 +20,62 @@ The replica-group forms XLA prints, all read here:
     replica_groups=mesh['a'=8] {'a':(1)2}                  a sub-axis of size 2
     source_target_pairs={{0,1},{1,0}}                      collective-permute
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
 
-_KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
-          "all-to-all": "all_to_all", "collective-permute": "ppermute"}
-_ITEMSIZE = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "s64": 8, "s32": 4, "s16": 2, "s8": 1, "u64": 8,
-             "u32": 4, "u16": 2, "u8": 1, "pred": 1, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
-             "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1, "s4": 1, "u4": 1}
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<result>.*?)\s+"
-                 r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-                 r"(?P<start>-start)?\((?P<operands>[^)]*)\)(?P<attrs>.*)$")
+_KINDS = {
+    "all-reduce": "all_reduce",
+    "all-gather": "all_gather",
+    "reduce-scatter": "reduce_scatter",
+    "all-to-all": "all_to_all",
+    "collective-permute": "ppermute",
+}
+_ITEMSIZE = {
+    "f64": 8,
+    "f32": 4,
+    "f16": 2,
+    "bf16": 2,
+    "s64": 8,
+    "s32": 4,
+    "s16": 2,
+    "s8": 1,
+    "u64": 8,
+    "u32": 4,
+    "u16": 2,
+    "u8": 1,
+    "pred": 1,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e5m2fnuz": 1,
+    "f8e4m3fnuz": 1,
+    "f8e4m3b11fnuz": 1,
+    "s4": 1,
+    "u4": 1,
+}
+_OP = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<result>.*?)\s+"
+    r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?P<start>-start)?\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
+)
 _SHAPE = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
 _HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*[(=]?.*\{\s*$")
-_CALLEE = re.compile(r"\b(?P<key>body|condition|calls|to_apply|true_computation|false_computation)="
-                     r"%?(?P<name>[\w.\-]+)")
+_CALLEE = re.compile(
+    r"\b(?P<key>body|condition|calls|to_apply|true_computation|false_computation)="
+    r"%?(?P<name>[\w.\-]+)"
+)
 _CALLEES = re.compile(r"\b(?:branch_computations|calls)=\{(?P<names>[^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
-_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
-                   r"(?:\s*,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{(?P<group>[^}]*)\}")
+_MESH = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:\s*,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{(?P<group>[^}]*)\}"
+)
 _MESH_AXIS = re.compile(r"(?P<name>'[^']*'|\"[^\"]*\"|[^,=\s]+)\s*=\s*(?P<size>\d+)")
 _GROUP_AXIS = re.compile(r"(?P<name>'[^']*'|\"[^\"]*\"|[^,:\s]+)(?::\((?P<pre>\d+)\)(?P<size>\d+))?")
 _NUM_DEVICES = re.compile(r"\bnum_partitions=(\d+)")
@@ -54,10 +88,10 @@ class HloCollective:
     group_size: int
     result_bytes: int
     operand_bytes: int
-    bytes: int                      # per device, per execution
-    count: int = 1                  # executions per call: trip counts of the enclosing loops
-    computation: str = ""           # the HLO computation it sits in
-    trip_count_known: bool = True   # False: an enclosing loop had no known_trip_count (count 1)
+    bytes: int  # per device, per execution
+    count: int = 1  # executions per call: trip counts of the enclosing loops
+    computation: str = ""  # the HLO computation it sits in
+    trip_count_known: bool = True  # False: an enclosing loop had no known_trip_count (count 1)
 
 
 def _bytes(text: str) -> int:
@@ -215,8 +249,11 @@ def collectives(hlo_text: str) -> list:
                 sent = (n - 1) / n * operand
             else:  # ppermute: a device sends its operand, unless every pair is a self-pair
                 sent = operand if _moves(m.group("attrs")) else 0
-            out.append(HloCollective(kind, n, result, operand, int(round(sent)), mult.get(comp, 1), comp,
-                                     known.get(comp, True)))
+            out.append(
+                HloCollective(
+                    kind, n, result, operand, int(round(sent)), mult.get(comp, 1), comp, known.get(comp, True)
+                )
+            )
     return out
 
 

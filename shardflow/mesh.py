@@ -6,11 +6,12 @@ for slower links, e.g. a data axis that crosses hosts. Local work — ``f`` flop
 writing ``b`` bytes of a device's memory — costs ``f / flops + b / memory_bandwidth`` (H100-class
 defaults): the whole-program solver weighs running an equation whole against splitting it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -30,14 +31,18 @@ def make_mesh(axes: Mapping[str, int], devices=None) -> Mesh:
     need = math.prod(sizes)
     if need > len(devices):
         have = f"{len(devices)} {'is' if len(devices) == 1 else 'are'} available"
-        raise ShardingError(f"make_mesh({axes!r}): needs {need} devices, {have}"
-                            + (_SIMULATED.format(n=need) if all(d.platform == "cpu" for d in devices) else ""))
+        raise ShardingError(
+            f"make_mesh({axes!r}): needs {need} devices, {have}"
+            + (_SIMULATED.format(n=need) if all(d.platform == "cpu" for d in devices) else "")
+        )
     return Mesh(np.array(devices[:need]).reshape(sizes), names)
 
 
-_SIMULATED = ("; on CPU, simulate {n} devices with jax.config.update('jax_num_cpu_devices', {n}) right after "
-              "importing jax, before any JAX work, or XLA_FLAGS=--xla_force_host_platform_device_count={n} set "
-              "before importing jax")
+_SIMULATED = (
+    "; on CPU, simulate {n} devices with jax.config.update('jax_num_cpu_devices', {n}) right after "
+    "importing jax, before any JAX work, or XLA_FLAGS=--xla_force_host_platform_device_count={n} set "
+    "before importing jax"
+)
 
 
 _EXAMPLE = "sf.make_mesh({'data': 2, 'model': 4})"
@@ -46,12 +51,13 @@ _EXAMPLE = "sf.make_mesh({'data': 2, 'model': 4})"
 def _axes(axes) -> tuple[tuple, tuple]:
     """(names, sizes) of make_mesh's argument, or a ShardingError that says what is wrong."""
     if isinstance(axes, Mesh):
-        raise ShardingError(f"make_mesh(Mesh{dict(zip(axes.axis_names, axes.devices.shape))}): this is "
-                            "already a Mesh; pass it to sf.parallelize(mesh=...) as it is")
+        raise ShardingError(
+            f"make_mesh(Mesh{dict(zip(axes.axis_names, axes.devices.shape))}): this is "
+            "already a Mesh; pass it to sf.parallelize(mesh=...) as it is"
+        )
     if isinstance(axes, Mapping):
         pairs = list(axes.items())
-    elif (isinstance(axes, (list, tuple)) and
-          all(isinstance(p, (list, tuple)) and len(p) == 2 for p in axes)):
+    elif isinstance(axes, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in axes):
         pairs = [tuple(p) for p in axes]
     else:
         raise ShardingError(f"make_mesh({axes!r}): expected a dict of mesh axis name -> size, e.g. {_EXAMPLE}")
@@ -62,18 +68,23 @@ def _axes(axes) -> tuple[tuple, tuple]:
     for name, size in pairs:
         _check_axis(name, size, call)
         if names.count(name) > 1:
-            raise ShardingError(f"{call}: mesh axis {name!r} is named {names.count(name)} times; "
-                                "each mesh axis needs its own name")
+            raise ShardingError(
+                f"{call}: mesh axis {name!r} is named {names.count(name)} times; each mesh axis needs its own name"
+            )
     return tuple(names), tuple(int(size) for _, size in pairs)
 
 
 def _check_axis(name, size, where: str) -> None:
     if not isinstance(name, str) or not name:
-        raise ShardingError(f"{where}: mesh axis name {name!r} is not a non-empty string; specs name mesh "
-                            f"axes by string (PartitionSpec('data')), e.g. {_EXAMPLE}")
+        raise ShardingError(
+            f"{where}: mesh axis name {name!r} is not a non-empty string; specs name mesh "
+            f"axes by string (PartitionSpec('data')), e.g. {_EXAMPLE}"
+        )
     if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 1:
-        raise ShardingError(f"{where}: mesh axis {name!r} has size {size!r}; a mesh axis size is a positive "
-                            f"int (the number of devices along it)")
+        raise ShardingError(
+            f"{where}: mesh axis {name!r} has size {size!r}; a mesh axis size is a positive "
+            f"int (the number of devices along it)"
+        )
 
 
 def check_mesh(mesh, where: str) -> Mesh:
@@ -84,8 +95,10 @@ def check_mesh(mesh, where: str) -> Mesh:
         for name, size in zip(names, mesh.devices.shape):
             _check_axis(name, size, f"mesh= of {where}")
             if names.count(name) > 1:
-                raise ShardingError(f"mesh= of {where}: mesh axis {name!r} is named {names.count(name)} times in "
-                                    f"{names}; each mesh axis needs its own name, e.g. {_EXAMPLE}")
+                raise ShardingError(
+                    f"mesh= of {where}: mesh axis {name!r} is named {names.count(name)} times in "
+                    f"{names}; each mesh axis needs its own name, e.g. {_EXAMPLE}"
+                )
         return mesh
     if isinstance(mesh, Mapping):
         how = f"make one with sf.make_mesh({dict(mesh)!r})"
@@ -96,12 +109,12 @@ def check_mesh(mesh, where: str) -> Mesh:
 
 @dataclasses.dataclass(frozen=True)
 class LinkModel:
-    alpha: float = 5e-6          # seconds of latency per collective
-    beta: float = 150e9          # bytes / second per device
+    alpha: float = 5e-6  # seconds of latency per collective
+    beta: float = 150e9  # bytes / second per device
     per_axis_alpha: Mapping[str, float] = dataclasses.field(default_factory=dict)
     per_axis_beta: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    flops: float = 400e12        # a device's sustained matmul flop/s
-    memory_bandwidth: float = 3e12   # bytes / second between a device and its memory
+    flops: float = 400e12  # a device's sustained matmul flop/s
+    memory_bandwidth: float = 3e12  # bytes / second between a device and its memory
 
     def compute_seconds(self, flops: float, nbytes: float) -> float:
         return flops / self.flops + nbytes / self.memory_bandwidth

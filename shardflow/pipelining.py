@@ -41,11 +41,13 @@ the stacked layers are reordered each step, a collective explain shows) are not 
 undifferentiated call still runs the backward. On one 4-GPU host 0.67-0.77x FSDP so far
 (benchmarks/results/pipeline.md) with the published tables.
 """
+
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,11 +60,11 @@ from shardflow import slots
 from shardflow.conversion import Step
 from shardflow.program import open_jaxpr, source_line
 from shardflow.registry import Decision, defrule
-from shardflow.specs import B, Partial, ShardingError, Split, definition, describe, local_shape
-
 from shardflow.schedules import W_SLOTS, Schedule, by_name, steps, with_split_backward
 from shardflow.slots import at, put
+from shardflow.specs import B, Partial, ShardingError, Split, definition, describe, local_shape
 from shardflow.split_vjp import split_vjp
+
 
 def _place(table: Schedule) -> dict:
     """(stage, chunk) of every virtual stage."""
@@ -72,7 +74,7 @@ def _place(table: Schedule) -> dict:
 def _colour(intervals):
     """Slot per interval [start, end] (inclusive times), reusing a slot once its interval ended:
     the fewest slots any assignment can use (interval graphs are perfect)."""
-    slots, free, busy = {}, [], []          # busy: (end, slot)
+    slots, free, busy = {}, [], []  # busy: (end, slot)
     count = 0
     for key, (start, end) in sorted(intervals.items(), key=lambda kv: kv[1]):
         busy.sort()
@@ -102,13 +104,14 @@ class Plan(NamedTuple):
     step's order; ``w_slots`` of the columns used); and
     ``recv_f`` / ``recv_b`` [steps + 1, stages, 2]: the inbox slot for what arrives from the
     (previous, next) stage. ``heads`` [steps]: the last virtual stage's forward runs in the step."""
+
     tables: dict
     heads: np.ndarray
     n_resid: int
     n_stash: int
     n_in_f: int
     n_in_b: int
-    directions: frozenset     # which of "f_next", "f_prev", "b_next", "b_prev" the schedule sends
+    directions: frozenset  # which of "f_next", "f_prev", "b_next", "b_prev" the schedule sends
     w_slots: int
 
     @property
@@ -116,7 +119,7 @@ class Plan(NamedTuple):
         return len(self.heads)
 
 
-@functools.lru_cache(maxsize=64)   # per Schedule: the executor and explain's pricing both ask
+@functools.lru_cache(maxsize=64)  # per Schedule: the executor and explain's pricing both ask
 def plan(table: Schedule) -> Plan:
     """The executor's tables for ``table`` run with a split backward (``with_split_backward``)."""
     table = with_split_backward(table)
@@ -127,22 +130,36 @@ def plan(table: Schedule) -> Plan:
     step_of = {t: j for j, group in enumerate(groups) for t in group}
     S = len(groups)
     shape = (S, p)
-    tab = {name: np.full(shape, -1, np.int32) for name in
-           ("f_mb", "f_chunk", "f_in", "f_resid", "f_self", "f_head", "b_mb", "b_chunk", "b_in",
-            "b_resid", "b_stash", "b_self")}
+    tab = {
+        name: np.full(shape, -1, np.int32)
+        for name in (
+            "f_mb",
+            "f_chunk",
+            "f_in",
+            "f_resid",
+            "f_self",
+            "f_head",
+            "b_mb",
+            "b_chunk",
+            "b_in",
+            "b_resid",
+            "b_stash",
+            "b_self",
+        )
+    }
     tab.update({name: np.full(shape + (W_SLOTS,), -1, np.int32) for name in ("w_chunk", "w_resid", "w_stash")})
     tab["bw_whole"] = np.zeros(shape, np.int32)
     tab["recv_f"], tab["recv_b"] = (np.full((S + 1, p, 2), -1, np.int32) for _ in range(2))
-    ran = {}                                   # (kind, mb, virtual stage) -> tick
+    ran = {}  # (kind, mb, virtual stage) -> tick
     for t, row in enumerate(table.actions):
         for s, a in enumerate(row):
             if a is not None:
                 ran[(a.kind, a.microbatch, table.virtual_stage(s, a.chunk))] = t
 
-    def direction(src_stage, dst_stage):       # 1 next stage, 2 previous, 3 itself
+    def direction(src_stage, dst_stage):  # 1 next stage, 2 previous, 3 itself
         return 3 if dst_stage == src_stage else 1 if dst_stage == (src_stage + 1) % p else 2
 
-    def delivered(t):                          # the end of tick t's step, after its actions
+    def delivered(t):  # the end of tick t's step, after its actions
         return groups[step_of[t]][-1] + 0.5
 
     # Lifetimes per stage, in ticks (a stage runs a step's actions in the table's order):
@@ -150,7 +167,7 @@ def plan(table: Schedule) -> Plan:
     # the head's dy) to their use.
     resid, stashes = [dict() for _ in range(p)], [dict() for _ in range(p)]
     inbox_f, inbox_b = [dict() for _ in range(p)], [dict() for _ in range(p)]
-    sends = []                                 # (tick, stage, kind, mb, target virtual stage)
+    sends = []  # (tick, stage, kind, mb, target virtual stage)
     for (kd, i, k), t in ran.items():
         s, c = where[k]
         if kd == "F":
@@ -159,10 +176,10 @@ def plan(table: Schedule) -> Plan:
                 ds, _ = where[k + 1]
                 inbox_f[ds][(i, k + 1)] = (delivered(t), ran[("F", i, k + 1)])
                 sends.append((t, s, "F", i, k + 1))
-            else:                              # the head's gradient waits for this stage's B
+            else:  # the head's gradient waits for this stage's B
                 inbox_b[s][(i, k)] = (delivered(t), ran[("B", i, k)])
         elif kd == "B":
-            if step_of[t] != step_of[ran[("W", i, k)]]:     # else the step runs the whole backward
+            if step_of[t] != step_of[ran[("W", i, k)]]:  # else the step runs the whole backward
                 stashes[s][(i, k)] = (t, ran[("W", i, k)])
             if k > 0:
                 ds, _ = where[k - 1]
@@ -191,7 +208,7 @@ def plan(table: Schedule) -> Plan:
             else:
                 tab["bw_whole"][t, s] = 1
         elif key in stash_slots[s][0]:
-            j = int((tab["w_chunk"][t, s] >= 0).sum())     # the step's next W slot
+            j = int((tab["w_chunk"][t, s] >= 0).sum())  # the step's next W slot
             tab["w_chunk"][t, s, j], tab["w_resid"][t, s, j], tab["w_stash"][t, s, j] = c, r, stash_slots[s][0][key]
     directions = set()
     for tick, s, kd, i, k in sends:
@@ -204,9 +221,16 @@ def plan(table: Schedule) -> Plan:
         directions.add(f"{kd.lower()}_{'next' if d == 1 else 'prev'}")
         # arriving from the previous stage (sent "next") lands in column 0, from the next in 1
         tab[f"recv_{kd.lower()}"][t + 1, ds, 0 if d == 1 else 1] = slot
-    return Plan(tab, heads, max(n for _, n in resid_slots), max((n for _, n in stash_slots), default=0),
-                max((n for _, n in in_f_slots), default=0), max((n for _, n in in_b_slots), default=0),
-                frozenset(directions), int((tab["w_chunk"] >= 0).sum(-1).max()))
+    return Plan(
+        tab,
+        heads,
+        max(n for _, n in resid_slots),
+        max((n for _, n in stash_slots), default=0),
+        max((n for _, n in in_f_slots), default=0),
+        max((n for _, n in in_b_slots), default=0),
+        frozenset(directions),
+        int((tab["w_chunk"] >= 0).sum(-1).max()),
+    )
 
 
 class Bodies(NamedTuple):
@@ -220,6 +244,7 @@ class Bodies(NamedTuple):
     (the cotangents of the weights' matmuls).
     head(head_params, y, args) -> (loss, d head_params, dy).
     """
+
     forward: Callable
     backward: Callable
     backward_x: Callable
@@ -253,8 +278,9 @@ def bodies_of(layer_fn, head_fn, chunk, x, head_params, args) -> Bodies:
     from_chunk = tuple(inputs.index(v) if v in inputs else -1 for v in traced.jaxpr.outvars[1:])
     # forward: the traced jaxpr less the residuals that are chunk parameters (no new trace).
     y, *residuals = traced.jaxpr.outvars
-    forward = traced.replace(jaxpr=traced.jaxpr.replace(
-        outvars=[y] + [r for r, i in zip(residuals, from_chunk) if i < 0]))
+    forward = traced.replace(
+        jaxpr=traced.jaxpr.replace(outvars=[y] + [r for r, i in zip(residuals, from_chunk) if i < 0])
+    )
     y, *stored = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in forward.out_avals)
 
     def pullback_of(leaves, stored):
@@ -268,33 +294,44 @@ def bodies_of(layer_fn, head_fn, chunk, x, head_params, args) -> Bodies:
 
     def head(hp, y, a):
         loss, (dh, dy) = jax.value_and_grad(
-            lambda hp, y: head_fn(jax.tree.unflatten(head_tree, hp), y, jax.tree.unflatten(arg_tree, a)),
-            argnums=(0, 1))(hp, y)
+            lambda hp, y: head_fn(jax.tree.unflatten(head_tree, hp), y, jax.tree.unflatten(arg_tree, a)), argnums=(0, 1)
+        )(hp, y)
         return loss, list(dh), dy
 
     backward_jaxpr = jax.make_jaxpr(backward)(chunk_leaves, stored, y)
     split = split_vjp(backward_jaxpr, shared=n + len(stored), weights=n)
-    jaxprs = Bodies(forward=forward, backward=backward_jaxpr, backward_x=split.b, backward_w=split.w,
-                    head=jax.make_jaxpr(head)(head_leaves, y, arg_leaves))
+    jaxprs = Bodies(
+        forward=forward,
+        backward=backward_jaxpr,
+        backward_x=split.b,
+        backward_w=split.w,
+        head=jax.make_jaxpr(head)(head_leaves, y, arg_leaves),
+    )
     if jax.tree.structure(y) != jax.tree.structure(x) or y.shape != jnp.shape(x) or y.dtype != jnp.result_type(x):
-        raise ValueError(f"pipeline: a layer must map its input to the same shape and dtype; "
-                         f"{jnp.result_type(x)}{list(jnp.shape(x))} became {y.dtype}{list(y.shape)}")
+        raise ValueError(
+            f"pipeline: a layer must map its input to the same shape and dtype; "
+            f"{jnp.result_type(x)}{list(jnp.shape(x))} became {y.dtype}{list(y.shape)}"
+        )
     return jaxprs
 
 
 def callables(jaxprs: Bodies, run=jaxpr_as_fun) -> Bodies:
     """Bodies calling each ClosedJaxpr through ``run`` (e.g. a rule's local lowering), in and
     out as the flat lists ``execute`` passes."""
+
     def flat(jaxpr, split):
         fn = run(jaxpr)
         return lambda *groups: split(list(fn(*[x for g in groups for x in (g if isinstance(g, list) else [g])])))
+
     f, b, bx, bw, h = jaxprs
     n_dp = len(b.out_avals) - 1
-    return Bodies(forward=flat(f, lambda o: (o[0], o[1:])),
-                  backward=flat(b, lambda o: (o[:n_dp], o[n_dp])),
-                  backward_x=flat(bx, lambda o: (o[0], o[1:])),
-                  backward_w=flat(bw, lambda o: o),
-                  head=flat(h, lambda o: (o[0], o[1:-1], o[-1])))
+    return Bodies(
+        forward=flat(f, lambda o: (o[0], o[1:])),
+        backward=flat(b, lambda o: (o[:n_dp], o[n_dp])),
+        backward_x=flat(bx, lambda o: (o[0], o[1:])),
+        backward_w=flat(bw, lambda o: o),
+        head=flat(h, lambda o: (o[0], o[1:-1], o[-1])),
+    )
 
 
 def sequential(bodies: Bodies, table: Schedule, stage, head_params, xs, args):
@@ -322,8 +359,12 @@ def sequential(bodies: Bodies, table: Schedule, stage, head_params, xs, args):
             dc, dy = bodies.backward(chunk(k), stored[k], dy)
             d_stage = [d.at[where[k]].add(g.astype(d.dtype)) for d, g in zip(d_stage, dc)]
         d_xs.append(dy)
-    return (loss / m, [(d / m).astype(g.dtype) for d, g in zip(d_stage, d_chunk)],
-            [(d / m).astype(g.dtype) for d, g in zip(d_head, d_hp)], jnp.stack(d_xs) / m)
+    return (
+        loss / m,
+        [(d / m).astype(g.dtype) for d, g in zip(d_stage, d_chunk)],
+        [(d / m).astype(g.dtype) for d, g in zip(d_head, d_hp)],
+        jnp.stack(d_xs) / m,
+    )
 
 
 def _summed(dtype):
@@ -342,8 +383,10 @@ def _gradient_shapes(bodies: Bodies, chunk, x, head_params, args):
     may make them in other blocks than the parameters' (a replicated bias's gradient split with
     the activations)."""
     y, stored = jax.eval_shape(bodies.forward, chunk, x)
-    return (jax.eval_shape(bodies.backward, chunk, stored, y)[0],
-            jax.eval_shape(bodies.head, list(head_params), y, args)[1])
+    return (
+        jax.eval_shape(bodies.backward, chunk, stored, y)[0],
+        jax.eval_shape(bodies.head, list(head_params), y, args)[1],
+    )
 
 
 def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, axis: str):
@@ -355,7 +398,7 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     me = lax.axis_index(axis)
     last_stage, last_chunk = _place(table)[p * v - 1]
     first_stage, first_chunk = _place(table)[0]
-    mine = [x[0] for x in stage]                    # [v, ...] this device's chunks
+    mine = [x[0] for x in stage]  # [v, ...] this device's chunks
     # Each chunk's layers split once, before the loop over steps, so that each layer's weights,
     # and its gradients' float32 sums, are arrays of their own (slots.Rows): sliced from a
     # stack inside the loop, XLA:GPU copies them for every micro-batch. So an action runs in one
@@ -390,25 +433,29 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     split_b = bool(((pl.tables["b_chunk"] >= 0) & (pl.tables["bw_whole"] == 0)).any())
     if split_b:
         bx_jaxpr = jax.make_jaxpr(lambda *a: _flat(bodies.backward_x(list(a[:n]), list(a[n:-1]), a[-1])))(
-            *chunk0, *stored0, x0)
+            *chunk0, *stored0, x0
+        )
         stash0 = like(bx_jaxpr.out_avals[1:])
-        bw_jaxpr = jax.make_jaxpr(lambda *a: bodies.backward_w(list(a[:n]), list(a[n:n + n_stored]),
-                                                               list(a[n + n_stored:])))(*chunk0, *stored0, *stash0)
+        bw_jaxpr = jax.make_jaxpr(
+            lambda *a: bodies.backward_w(list(a[:n]), list(a[n : n + n_stored]), list(a[n + n_stored :]))
+        )(*chunk0, *stored0, *stash0)
     if whole_b:
-        b_jaxpr = jax.make_jaxpr(lambda *a: (lambda d, dx: [*d, dx])(
-            *bodies.backward(list(a[:n]), list(a[n:-1]), a[-1])))(*chunk0, *stored0, x0)
+        b_jaxpr = jax.make_jaxpr(
+            lambda *a: (lambda d, dx: [*d, dx])(*bodies.backward(list(a[:n]), list(a[n:-1]), a[-1]))
+        )(*chunk0, *stored0, x0)
     n_stash = len(stash0)
     carry = dict(
         stored=buffers(pl.n_resid, stored0),
         stash=buffers(pl.n_stash, stash0) if split_b else [],
-        in_f=buffers(pl.n_in_f, [x0], spare=1)[0],     # the last slot takes writes to nowhere
+        in_f=buffers(pl.n_in_f, [x0], spare=1)[0],  # the last slot takes writes to nowhere
         in_b=buffers(pl.n_in_b, [x0], spare=1)[0],
-        d_stage=[[[jnp.zeros(g.shape[1:], _summed(g.dtype)) for _ in range(g.shape[0])] for _ in range(v)]
-                 for g in d_chunk],                                   # [leaf][chunk][layer]
+        d_stage=[
+            [[jnp.zeros(g.shape[1:], _summed(g.dtype)) for _ in range(g.shape[0])] for _ in range(v)] for g in d_chunk
+        ],  # [leaf][chunk][layer]
         d_head=[jnp.zeros(g.shape, _summed(g.dtype)) for g in d_hp],
         d_xs=buffers(m, [x0], spare=1)[0],
         loss=jnp.zeros((), jnp.float32),
-        out_f=jnp.zeros_like(x0),          # what this step's F and B send on (read only where sent)
+        out_f=jnp.zeros_like(x0),  # what this step's F and B send on (read only where sent)
         out_b=jnp.zeros_like(x0),
     )
     tables = {name: jnp.asarray(tab) for name, tab in pl.tables.items()}
@@ -418,8 +465,9 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         or 1 trips, not a conditional: XLA updates a loop's state in place, where a conditional
         copies every buffer its branches pass through — all of them, every step."""
         part = {k: c[k] for k in keys}
-        _, part = lax.while_loop(lambda s: s[0] < pred.astype(jnp.int32), lambda s: (s[0] + 1, fn(s[1])),
-                                 (jnp.int32(0), part))
+        _, part = lax.while_loop(
+            lambda s: s[0] < pred.astype(jnp.int32), lambda s: (s[0] + 1, fn(s[1])), (jnp.int32(0), part)
+        )
         return dict(c, **part)
 
     def is_first(k):
@@ -428,53 +476,75 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     def forward(k, row, c):
         i = row["f_mb"]
         x = jnp.where(is_first(k), at(xs, i), at(c["in_f"], row["f_in"]))
-        y, *stored = slots.run(f_jaxpr, layers[k] + [x],
-                               writes={1 + r: (b, row["f_resid"]) for r, b in enumerate(c["stored"])})
+        y, *stored = slots.run(
+            f_jaxpr, layers[k] + [x], writes={1 + r: (b, row["f_resid"]) for r, b in enumerate(c["stored"])}
+        )
         return dict(stored=stored, out_f=y)
 
-    def head(row, c):       # on every device: y from the last stage; dy to it
+    def head(row, c):  # on every device: y from the last stage; dy to it
         y = lax.psum(jnp.where(me == last_stage, c["out_f"], jnp.zeros_like(c["out_f"])), axis)
         i = tables["f_mb"][row["t"], last_stage]
         loss, dh, dy = bodies.head(list(head_params), y, [at(a, i) for a in args])
-        return dict(loss=c["loss"] + loss, d_head=[a + b.astype(a.dtype) for a, b in zip(c["d_head"], dh)],
-                    in_b=put(c["in_b"], row["f_head"], dy))
+        return dict(
+            loss=c["loss"] + loss,
+            d_head=[a + b.astype(a.dtype) for a, b in zip(c["d_head"], dh)],
+            in_b=put(c["in_b"], row["f_head"], dy),
+        )
 
     def backward(k, row, c):
         i = row["b_mb"]
         dy = at(c["in_b"], row["b_in"])
-        dx, *stash = slots.run(bx_jaxpr, layers[k] + [None] * n_stored + [dy],
-                               reads={n + r: (b, row["b_resid"]) for r, b in enumerate(c["stored"])},
-                               writes={1 + s: (b, row["b_stash"]) for s, b in enumerate(c["stash"])})
+        dx, *stash = slots.run(
+            bx_jaxpr,
+            layers[k] + [None] * n_stored + [dy],
+            reads={n + r: (b, row["b_resid"]) for r, b in enumerate(c["stored"])},
+            writes={1 + s: (b, row["b_stash"]) for s, b in enumerate(c["stash"])},
+        )
         return dict(stash=stash, d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
 
-    def whole_backward(k, row, c):     # B and W of one micro-batch in one step: nothing stashed
+    def whole_backward(k, row, c):  # B and W of one micro-batch in one step: nothing stashed
         i = row["b_mb"]
-        *d_stage, dx = slots.run(b_jaxpr, layers[k] + [None] * n_stored + [at(c["in_b"], row["b_in"])],
-                                 reads={n + r: (b, row["b_resid"]) for r, b in enumerate(c["stored"])},
-                                 adds=sums(c["d_stage"], k))
-        return dict(d_stage=summed(c["d_stage"], k, d_stage), d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx)
+        *d_stage, dx = slots.run(
+            b_jaxpr,
+            layers[k] + [None] * n_stored + [at(c["in_b"], row["b_in"])],
+            reads={n + r: (b, row["b_resid"]) for r, b in enumerate(c["stored"])},
+            adds=sums(c["d_stage"], k),
+        )
+        return dict(
+            d_stage=summed(c["d_stage"], k, d_stage), d_xs=put(c["d_xs"], jnp.where(is_first(k), i, -1), dx), out_b=dx
+        )
 
-    def weights(k, j, row, c):        # the step's j-th W
+    def weights(k, j, row, c):  # the step's j-th W
         reads = {n + r: (b, row["w_resid"][j]) for r, b in enumerate(c["stored"])}
         reads.update({n + n_stored + s: (b, row["w_stash"][j]) for s, b in enumerate(c["stash"])})
-        return dict(d_stage=summed(c["d_stage"], k, slots.run(bw_jaxpr, layers[k] + [None] * (n_stored + n_stash),
-                                                              reads=reads, adds=sums(c["d_stage"], k))))
+        return dict(
+            d_stage=summed(
+                c["d_stage"],
+                k,
+                slots.run(bw_jaxpr, layers[k] + [None] * (n_stored + n_stash), reads=reads, adds=sums(c["d_stage"], k)),
+            )
+        )
 
     heads = jnp.asarray(pl.heads)
     shifts = (("next", [(j, (j + 1) % p) for j in range(p)]), ("prev", [(j, (j - 1) % p) for j in range(p)]))
 
     def step(c, t):
         row = dict({name: tab[t, me] for name, tab in tables.items()}, t=t)
-        read = lambda fn, *key: lambda part: fn(*key, row, dict(c, **part))     # the other entries as they are now
-        for k in range(v):      # at most one F, one B, W_SLOTS W's a step: one loop of a kind runs each
+        read = lambda fn, *key: lambda part: fn(*key, row, dict(c, **part))  # the other entries as they are now
+        for k in range(v):  # at most one F, one B, W_SLOTS W's a step: one loop of a kind runs each
             c = when(row["f_chunk"] == k, read(forward, k), c, ("stored", "out_f"))
         for k in range(v):
             if split_b:
-                c = when((row["b_chunk"] == k) & (row["bw_whole"] < 1), read(backward, k), c,
-                         ("stash", "d_xs", "out_b"))
+                c = when(
+                    (row["b_chunk"] == k) & (row["bw_whole"] < 1), read(backward, k), c, ("stash", "d_xs", "out_b")
+                )
             if whole_b:
-                c = when((row["b_chunk"] == k) & (row["bw_whole"] > 0), read(whole_backward, k), c,
-                         ("d_stage", "d_xs", "out_b"))
+                c = when(
+                    (row["b_chunk"] == k) & (row["bw_whole"] > 0),
+                    read(whole_backward, k),
+                    c,
+                    ("d_stage", "d_xs", "out_b"),
+                )
         for j in range(pl.w_slots):
             for k in range(v * split_b):
                 c = when(row["w_chunk"][j] == k, read(weights, k, j), c, ("d_stage",))
@@ -487,21 +557,30 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
         # between two hand-offs — a step as long as two on one device (seen on H200).
         out_f, out_b, d_stage = lax.optimization_barrier((c["out_f"], c["out_b"], c["d_stage"]))
         # A hand-off to itself (the turn of a V) goes straight into this stage's inbox.
-        c = dict(c, d_stage=d_stage, in_f=put(c["in_f"], row["f_self"], out_f),
-                 in_b=put(c["in_b"], row["b_self"], out_b))
+        c = dict(
+            c, d_stage=d_stage, in_f=put(c["in_f"], row["f_self"], out_f), in_b=put(c["in_b"], row["b_self"], out_b)
+        )
         for kind, out in (("f", out_f), ("b", out_b)):
             for col, (direction, perm) in enumerate(shifts):
                 if f"{kind}_{direction}" in pl.directions:
-                    c = dict(c, **{f"in_{kind}": put(c[f"in_{kind}"], tables[f"recv_{kind}"][t + 1, me, col],
-                                                     lax.ppermute(out, axis, perm))})
+                    c = dict(
+                        c,
+                        **{
+                            f"in_{kind}": put(
+                                c[f"in_{kind}"], tables[f"recv_{kind}"][t + 1, me, col], lax.ppermute(out, axis, perm)
+                            )
+                        },
+                    )
         return c, None
 
     c, _ = lax.scan(step, carry, jnp.arange(pl.steps))
     loss = c["loss"] / m
     d_head = [(g / m).astype(like.dtype) for g, like in zip(c["d_head"], d_hp)]
     d_xs = lax.psum(c["d_xs"][:m], axis) / m
-    d_stage = [(jnp.stack([jnp.stack(rows) for rows in g]) / m).astype(like.dtype)[None]
-               for g, like in zip(c["d_stage"], d_chunk)]
+    d_stage = [
+        (jnp.stack([jnp.stack(rows) for rows in g]) / m).astype(like.dtype)[None]
+        for g, like in zip(c["d_stage"], d_chunk)
+    ]
     return loss, d_stage, d_head, d_xs
 
 
@@ -521,7 +600,7 @@ def operand_groups(params, values):
     """(stage leaves, head leaves, xs, head args) of an sf_pipeline equation's operands (or of
     anything listed like them)."""
     ns, nh, na = params["counts"]
-    return values[:ns], values[ns:ns + nh], values[ns + nh], values[ns + nh + 1:ns + nh + 1 + na]
+    return values[:ns], values[ns : ns + nh], values[ns + nh], values[ns + nh + 1 : ns + nh + 1 + na]
 
 
 def _bodies_param(params) -> Bodies:
@@ -536,14 +615,16 @@ def _uneven(layer_fn, counts, n_layers, table):
     p, v = table.stages, table.chunks
     if len(counts) != p * v or sum(counts) != n_layers or min(counts) < 1:
         per = f"{p} stages" if v == 1 else f"{p} stages x {v} chunks (one per virtual stage, in the model's order)"
-        raise ValueError(f"pipeline: layers_per_stage {list(counts)} must be {p * v} counts of at least 1, "
-                         f"for {per}, summing to the {n_layers} layers")
+        raise ValueError(
+            f"pipeline: layers_per_stage {list(counts)} must be {p * v} counts of at least 1, "
+            f"for {per}, summing to the {n_layers} layers"
+        )
     width, starts = max(counts), np.cumsum((0,) + counts[:-1])
     virtual = [[table.virtual_stage(s, c) for c in range(v)] for s in range(p)]
     index = np.array([[[starts[k] + min(j, counts[k] - 1) for j in range(width)] for k in row] for row in virtual])
     active = np.array([[[j < counts[k] for j in range(width)] for k in row] for row in virtual], np.float32)
 
-    def device_order(leaf):              # [L, ...] -> [p, v, width, ...]
+    def device_order(leaf):  # [L, ...] -> [p, v, width, ...]
         return leaf[index]
 
     def masked(layer, h):
@@ -554,8 +635,7 @@ def _uneven(layer_fn, counts, n_layers, table):
 
 def _sequential_impl(*values, **params):
     stage, head, xs, args = operand_groups(params, list(values))
-    loss, d_stage, d_head, d_xs = sequential(callables(_bodies_param(params)), params["table"],
-                                             stage, head, xs, args)
+    loss, d_stage, d_head, d_xs = sequential(callables(_bodies_param(params)), params["table"], stage, head, xs, args)
     return [loss.astype(params["head"].out_avals[0].dtype), *d_stage, *d_head, d_xs]
 
 
@@ -565,8 +645,7 @@ def _abstract_eval(*avals, **params):
     return [loss, *stage, *head, xs]
 
 
-pipeline_p.def_impl(lambda *values, **params: jax.jit(
-    lambda *v: _sequential_impl(*v, **params))(*values))
+pipeline_p.def_impl(lambda *values, **params: jax.jit(lambda *v: _sequential_impl(*v, **params))(*values))
 pipeline_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(pipeline_p, mlir.lower_fun(_sequential_impl, multiple_results=True))
 
@@ -575,6 +654,7 @@ def _check_layer_and_head(layer_fn, head, layers, x, head_params, head_args, m: 
     """A ShardingError naming ``layer_fn`` or ``head`` unless one layer maps a micro-batch's
     activations to their own shape and dtype (the stages hand them on) and the head makes a
     float scalar of them (the loss the schedule differentiates)."""
+
     def one_micro_batch(a):
         return jax.ShapeDtypeStruct((a.shape[0] // m,) + tuple(a.shape[1:]), a.dtype)
 
@@ -582,14 +662,18 @@ def _check_layer_and_head(layer_fn, head, layers, x, head_params, head_args, m: 
     one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
     got = jax.eval_shape(layer_fn, one_layer, h)
     if jax.tree.structure(got) != jax.tree.structure(h) or (got.shape, got.dtype) != (h.shape, h.dtype):
-        raise ShardingError(f"sf.pipeline: layer_fn {definition(layer_fn)} must map a micro-batch's activations "
-                            f"h {describe(h)} to the same shape and dtype; it returns {_described(got)}: each "
-                            "stage hands its output to the next as the next one's h")
+        raise ShardingError(
+            f"sf.pipeline: layer_fn {definition(layer_fn)} must map a micro-batch's activations "
+            f"h {describe(h)} to the same shape and dtype; it returns {_described(got)}: each "
+            "stage hands its output to the next as the next one's h"
+        )
     loss = jax.eval_shape(head, head_params, h, jax.tree.map(one_micro_batch, head_args))
     if not (isinstance(loss, jax.ShapeDtypeStruct) and loss.shape == () and jnp.issubdtype(loss.dtype, jnp.floating)):
-        raise ShardingError(f"sf.pipeline: head {definition(head)} must return a micro-batch's loss, a float "
-                            f"scalar; it returns {_described(loss)} (y {describe(h)}): the schedule "
-                            "differentiates the mean of the micro-batches' losses")
+        raise ShardingError(
+            f"sf.pipeline: head {definition(head)} must return a micro-batch's loss, a float "
+            f"scalar; it returns {_described(loss)} (y {describe(h)}): the schedule "
+            "differentiates the mean of the micro-batches' losses"
+        )
 
 
 def _described(tree) -> str:
@@ -599,15 +683,29 @@ def _described(tree) -> str:
     return str(jax.tree.map(describe, tree)).replace("'", "")
 
 
-def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: int, microbatches: int,
-             schedule="1f1b", chunks: int | None = None, layers_per_stage=None, axis: str = "pipe"):
+def pipeline(
+    layer_fn,
+    layers,
+    x,
+    *,
+    head,
+    head_params,
+    head_args=(),
+    stages: int,
+    microbatches: int,
+    schedule="1f1b",
+    chunks: int | None = None,
+    layers_per_stage=None,
+    axis: str = "pipe",
+):
     """``mean_i head(head_params, layers applied to micro-batch i of x, head_args of i)``.
 
     ``layers`` is a pytree of stacked layer parameters (leading dim: the number of layers),
     ``layer_fn(layer, h) -> h`` one layer; ``x`` and each leaf of ``head_args`` are split into
     ``microbatches`` along dim 0, strided (micro-batch i holds rows i, i + m, ...: a batch split
-    over a data axis leaves every micro-batch split the same way, without moving a row). In ``sf.parallelize`` on a mesh with ``axis`` of ``stages``
-    devices, the layers are split over it in blocks and the schedule runs; elsewhere the same
+    over a data axis leaves every micro-batch split the same way, without moving a row). In ``sf.parallelize`` on a
+    mesh with ``axis`` of ``stages`` devices, the layers are split over it in blocks and the schedule runs;
+    elsewhere the same
     numbers come from one device running the micro-batches in turn. Differentiating the result
     gives the schedule's gradients (computed with the loss; the loss must be the output that is
     differentiated — its gradient is linear in the seed). Partial: called without
@@ -633,12 +731,14 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
         stage_tree = {"layer": jax.tree.map(device_order, layers), "active": active}
     else:
         if n_layers % (p * v):
-            raise ValueError(f"pipeline: {n_layers} layers do not split into {p} stages x {v} chunks; "
-                             f"give layers_per_stage for an uneven split")
+            raise ValueError(
+                f"pipeline: {n_layers} layers do not split into {p} stages x {v} chunks; "
+                f"give layers_per_stage for an uneven split"
+            )
         per_chunk = n_layers // (p * v)
         order = np.array([[table.virtual_stage(s, c) for c in range(v)] for s in range(p)])
 
-        def device_order(leaf):             # [L, ...] -> [p, v, L / (p v), ...]
+        def device_order(leaf):  # [L, ...] -> [p, v, L / (p v), ...]
             blocks = leaf.reshape((p * v, per_chunk) + leaf.shape[1:])
             if (order.reshape(-1) == np.arange(p * v)).all():
                 return blocks.reshape((p, v) + blocks.shape[1:])
@@ -646,7 +746,7 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
 
         stage_tree = jax.tree.map(device_order, layers)
 
-    def micro(a):       # micro-batch i: rows i, i + m, i + 2m, ... (a batch split stays split)
+    def micro(a):  # micro-batch i: rows i, i + m, i + 2m, ... (a batch split stays split)
         return a.reshape((a.shape[0] // m, m) + a.shape[1:]).swapaxes(0, 1)
 
     stage, layer_tree = jax.tree.flatten(stage_tree)
@@ -654,16 +754,19 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
     xs = micro(x)
     arg_leaves, arg_tree = jax.tree.flatten(jax.tree.map(micro, head_args))
     jaxprs = bodies_of(
-        layer_fn, head, jax.tree.unflatten(layer_tree, [jax.ShapeDtypeStruct(a.shape[2:], a.dtype) for a in stage]),
-        jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype), head_params,
-        jax.tree.unflatten(arg_tree, [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in arg_leaves]))
-    params = dict(jaxprs._asdict(), table=table, axis=axis,
-                  counts=(len(stage), len(head_leaves), len(arg_leaves)))
+        layer_fn,
+        head,
+        jax.tree.unflatten(layer_tree, [jax.ShapeDtypeStruct(a.shape[2:], a.dtype) for a in stage]),
+        jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype),
+        head_params,
+        jax.tree.unflatten(arg_tree, [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in arg_leaves]),
+    )
+    params = dict(jaxprs._asdict(), table=table, axis=axis, counts=(len(stage), len(head_leaves), len(arg_leaves)))
 
     def bind(stage, head_leaves, xs, arg_leaves):
         outs = pipeline_p.bind(*stage, *head_leaves, xs, *arg_leaves, **params)
         ns, nh = len(stage), len(head_leaves)
-        return outs[0], (outs[1:1 + ns], outs[1 + ns:1 + ns + nh], outs[1 + ns + nh])
+        return outs[0], (outs[1 : 1 + ns], outs[1 + ns : 1 + ns + nh], outs[1 + ns + nh])
 
     @jax.custom_vjp
     def loss(stage, head_leaves, xs, arg_leaves):
@@ -673,7 +776,7 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
         value, grads = bind(stage, head_leaves, xs, arg_leaves)
         return value, grads
 
-    def loss_bwd(grads, g):      # head_args (targets, masks) get no gradient
+    def loss_bwd(grads, g):  # head_args (targets, masks) get no gradient
         d_stage, d_head, d_xs = grads
         scale = lambda ds: [d * g.astype(d.dtype) for d in ds]
         return scale(d_stage), scale(d_head), d_xs * g.astype(d_xs.dtype), [None] * len(arg_leaves)
@@ -691,25 +794,27 @@ def pipeline(layer_fn, layers, x, *, head, head_params, head_args=(), stages: in
 # head's dy) as it entered, residuals go from forward to backward as forward made them, and the
 # gradients come out as backward made them (partial where the batch is split).
 
+
 def _inner(sbp, ax, lead):
     """The NdSbp inside the bodies of an operand with ``lead`` stacking dims."""
-    return tuple(B if i == ax else (Split(s.dim - lead) if isinstance(s, Split) else s)
-                 for i, s in enumerate(sbp))
+    return tuple(B if i == ax else (Split(s.dim - lead) if isinstance(s, Split) else s) for i, s in enumerate(sbp))
 
 
 def outer_sbp(sbp, ax, lead, on_axis):
     """The NdSbp outside the bodies of a value that is ``sbp`` inside them, with ``lead``
     stacking dims in front and ``on_axis`` on the pipeline axis (``ax``)."""
-    return tuple(on_axis if i == ax else (Split(s.dim + lead) if isinstance(s, Split) else s)
-                 for i, s in enumerate(sbp))
+    return tuple(
+        on_axis if i == ax else (Split(s.dim + lead) if isinstance(s, Split) else s) for i, s in enumerate(sbp)
+    )
 
 
 def _operand(sbp, ax, lead, on_axis):
     """What the operand must be: ``on_axis`` on the pipeline axis; elsewhere as it is, except
     that stacking dims are not split and nothing is partial."""
-    return tuple(on_axis if i == ax else
-                 (B if isinstance(s, Partial) or (isinstance(s, Split) and s.dim < lead) else s)
-                 for i, s in enumerate(sbp))
+    return tuple(
+        on_axis if i == ax else (B if isinstance(s, Partial) or (isinstance(s, Split) and s.dim < lead) else s)
+        for i, s in enumerate(sbp)
+    )
 
 
 def pipeline_axis(eqn, mesh) -> int | None:
@@ -718,11 +823,15 @@ def pipeline_axis(eqn, mesh) -> int | None:
     table, axis, names = eqn.params["table"], eqn.params["axis"], tuple(mesh.axis_names)
     ax = names.index(axis) if axis in names else None
     if ax is None and table.stages > 1:
-        raise ShardingError(f"{source_line(eqn)}: sf.pipeline over {table.stages} stages on axis {axis!r}, which "
-                            f"the mesh {dict(zip(names, mesh.devices.shape))} lacks")
+        raise ShardingError(
+            f"{source_line(eqn)}: sf.pipeline over {table.stages} stages on axis {axis!r}, which "
+            f"the mesh {dict(zip(names, mesh.devices.shape))} lacks"
+        )
     if ax is not None and mesh.devices.shape[ax] != table.stages:
-        raise ShardingError(f"{source_line(eqn)}: sf.pipeline over {table.stages} stages on mesh axis {axis!r} of "
-                            f"{mesh.devices.shape[ax]} devices")
+        raise ShardingError(
+            f"{source_line(eqn)}: sf.pipeline over {table.stages} stages on mesh axis {axis!r} of "
+            f"{mesh.devices.shape[ax]} devices"
+        )
     return ax
 
 
@@ -739,13 +848,13 @@ def _propagate(prop, eqn):
     stage = [whole_over_data(_operand(s, ax, 2, Split(0))) for s in stage]
     # The head runs on every device of the axis at once, split as its parameters are (a vocab
     # split over the stages shares the head's work out); replicated parameters run it whole.
-    head = [whole_over_data(_operand(s, ax, 0, s[ax] if ax is not None and isinstance(s[ax], Split) else B))
-            for s in head]
+    head = [
+        whole_over_data(_operand(s, ax, 0, s[ax] if ax is not None and isinstance(s[ax], Split) else B)) for s in head
+    ]
     xs = _operand(xs, ax, 1, B)
     args = [_operand(s, ax, 1, B) for s in args]
     chunk = [_inner(s, ax, 2) for s in stage]
     x = _inner(xs, ax, 1)
-    bodies = _bodies_param(params)
 
     def run(name, in_sbp):
         if ax is None or name == "head":
@@ -762,16 +871,28 @@ def _propagate(prop, eqn):
     d_chunk = outs[:-1]
     backward_x, (_, *stash) = run("backward_x", chunk + stored + [x])
     backward_w, _ = run("backward_w", chunk + stored + stash)
-    wanted = dict(forward=(x, *stored), head=(loss, *d_head, x), backward=(*d_chunk, x),
-                  backward_x=(x, *stash), backward_w=tuple(d_chunk))
+    wanted = dict(
+        forward=(x, *stored),
+        head=(loss, *d_head, x),
+        backward=(*d_chunk, x),
+        backward_x=(x, *stash),
+        backward_w=tuple(d_chunk),
+    )
     outs = [loss] + [outer_sbp(s, ax, 2, Split(0)) for s in d_chunk] + d_head + [outer_sbp(x, ax, 1, B)]
-    decision = Decision(tuple(stage + head + [xs] + args), tuple(outs),
-                        bodies=tuple((name, wanted[name]) for name in Bodies._fields))
+    decision = Decision(
+        tuple(stage + head + [xs] + args), tuple(outs), bodies=tuple((name, wanted[name]) for name in Bodies._fields)
+    )
     rebody = lambda old, new: old.replace(jaxpr=new)
-    return prop.decide(eqn, decision, src, forward=rebody(params["forward"], forward),
-                       head=rebody(params["head"], head_body), backward=rebody(params["backward"], backward),
-                       backward_x=rebody(params["backward_x"], backward_x),
-                       backward_w=rebody(params["backward_w"], backward_w))
+    return prop.decide(
+        eqn,
+        decision,
+        src,
+        forward=rebody(params["forward"], forward),
+        head=rebody(params["head"], head_body),
+        backward=rebody(params["backward"], backward),
+        backward_x=rebody(params["backward_x"], backward_x),
+        backward_w=rebody(params["backward_w"], backward_w),
+    )
 
 
 def body_runs(table: Schedule, staged: bool) -> dict:
@@ -786,19 +907,19 @@ def body_runs(table: Schedule, staged: bool) -> dict:
         tabs = plan(table).tables
         whole = int(((tabs["b_chunk"] >= 0) & (tabs["bw_whole"] > 0)).sum()) / table.stages
         whole = int(whole) if whole == int(whole) else whole
-    return dict(forward=trips, head=table.microbatches, backward=whole, backward_x=trips - whole,
-                backward_w=trips - whole)
+    return dict(
+        forward=trips, head=table.microbatches, backward=whole, backward_x=trips - whole, backward_w=trips - whole
+    )
 
 
 def _lower(local, eqn, ins):
     params = eqn.params
     bodies = callables(_bodies_param(params), run=local.body_fn)
     stage, head, xs, args = operand_groups(params, list(ins))
-    if params["axis"] not in local.names:       # one stage: the micro-batches in turn
+    if params["axis"] not in local.names:  # one stage: the micro-batches in turn
         loss, d_stage, d_head, d_xs = sequential(bodies, params["table"], stage, head, xs, args)
     else:
-        loss, d_stage, d_head, d_xs = execute(bodies, params["table"], stage, head, xs, args,
-                                              axis=params["axis"])
+        loss, d_stage, d_head, d_xs = execute(bodies, params["table"], stage, head, xs, args, axis=params["axis"])
     return [loss.astype(params["head"].out_avals[0].dtype), *d_stage, *d_head, d_xs]
 
 
@@ -817,15 +938,27 @@ def _comm(eqn, ins, sigs, mesh):
     n = mesh.devices.shape[ax]
 
     def all_reduce(aval, sbp):
-        return Step("all_reduce", (axis,), value=aval,
-                    bytes=int(2 * (n - 1) / n * math.prod(local_shape(aval.shape, sbp, mesh)) * aval.dtype.itemsize))
+        return Step(
+            "all_reduce",
+            (axis,),
+            value=aval,
+            bytes=int(2 * (n - 1) / n * math.prod(local_shape(aval.shape, sbp, mesh)) * aval.dtype.itemsize),
+        )
 
     block = math.prod(local_shape(x.shape, _inner(xs_sbp, ax, 1), mesh)) * x.dtype.itemsize
     pl = plan(table)
-    return ([Step("ppermute", (axis,), bytes=block, value=x)] * (pl.steps * len(pl.directions))
-            + [all_reduce(x, _inner(xs_sbp, ax, 1))] * table.microbatches + [all_reduce(xs.aval, xs_sbp)])
+    return (
+        [Step("ppermute", (axis,), bytes=block, value=x)] * (pl.steps * len(pl.directions))
+        + [all_reduce(x, _inner(xs_sbp, ax, 1))] * table.microbatches
+        + [all_reduce(xs.aval, xs_sbp)]
+    )
 
 
-defrule(pipeline_p, propagate=_propagate, lower=_lower, comm=_comm,
-        comm_reason="passes activations and gradients between stages, gives the head the last stage's output, sums d xs",
-        trips=lambda eqn, body, mesh: body_runs(eqn.params["table"], pipeline_axis(eqn, mesh) is not None)[body])
+defrule(
+    pipeline_p,
+    propagate=_propagate,
+    lower=_lower,
+    comm=_comm,
+    comm_reason="passes activations and gradients between stages, gives the head the last stage's output, sums d xs",
+    trips=lambda eqn, body, mesh: body_runs(eqn.params["table"], pipeline_axis(eqn, mesh) is not None)[body],
+)

@@ -2,6 +2,7 @@
 
 Both are the identity on values; they exist so the passes — and JAX's jaxpr printer — see them.
 """
+
 from __future__ import annotations
 
 from jax.extend.core import Primitive
@@ -11,7 +12,9 @@ constrain_p = Primitive("sf_constrain")
 constrain_p.def_impl(lambda x, *, spec: x)
 constrain_p.def_abstract_eval(lambda x, *, spec: x)
 mlir.register_lowering(constrain_p, lambda ctx, x, *, spec: [x])
-ad.deflinear2(constrain_p, lambda ct, x, *, spec: [constrain_p.bind(ct, spec=spec)] if not isinstance(ct, ad.Zero) else [ct])
+ad.deflinear2(
+    constrain_p, lambda ct, x, *, spec: [constrain_p.bind(ct, spec=spec)] if not isinstance(ct, ad.Zero) else [ct]
+)
 batching.primitive_batchers[constrain_p] = lambda args, dims, *, spec: (constrain_p.bind(args[0], spec=spec), dims[0])
 
 
@@ -26,6 +29,7 @@ def constrain(x, spec):
 
 class _Hashable:
     """Wraps a spec so it can sit in a jaxpr param (PartitionSpec/tuples already hash; strings too)."""
+
     __slots__ = ("spec",)
 
     def __init__(self, spec):

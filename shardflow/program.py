@@ -6,12 +6,14 @@ equation's Decision in the equation's own params (``registry.DECISION``). Both s
 rewrite that keeps Vars and params. ``facts`` names the invariants the passes so far ensured
 (``shardflow.passes``).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
@@ -28,19 +30,19 @@ from shardflow.specs import installed_file, is_user_file
 class Program:
     jaxpr: ClosedJaxpr
     mesh: Mesh
-    in_sbp: tuple                      # NdSbp of each flat input, fixed by in_specs
-    out_sbp: tuple                     # NdSbp of each flat output (None: as propagated, until propagate)
-    sbp: dict = dataclasses.field(default_factory=dict)          # Var -> NdSbp
+    in_sbp: tuple  # NdSbp of each flat input, fixed by in_specs
+    out_sbp: tuple  # NdSbp of each flat output (None: as propagated, until propagate)
+    sbp: dict = dataclasses.field(default_factory=dict)  # Var -> NdSbp
     links: LinkModel = dataclasses.field(default_factory=LinkModel)
-    fallbacks: list = dataclasses.field(default_factory=list)    # (primitive name, source) run whole
-    planner: str = "greedy"            # which pass chose the shardings, and how it went
-    facts: frozenset = frozenset()     # invariants ensured by the passes run so far
-    arg_names: tuple = ()              # names of the flat inputs, for explain and errors
-    in_orders: tuple = ()              # per input: ((dim, axes), ...) split against mesh order (specs.split_orders)
-    out_orders: tuple = ()             # per output, the same
-    memory_budget: int | None = None   # bytes per device a plan may hold (passes.solve); None: a GPU's memory
+    fallbacks: list = dataclasses.field(default_factory=list)  # (primitive name, source) run whole
+    planner: str = "greedy"  # which pass chose the shardings, and how it went
+    facts: frozenset = frozenset()  # invariants ensured by the passes run so far
+    arg_names: tuple = ()  # names of the flat inputs, for explain and errors
+    in_orders: tuple = ()  # per input: ((dim, axes), ...) split against mesh order (specs.split_orders)
+    out_orders: tuple = ()  # per output, the same
+    memory_budget: int | None = None  # bytes per device a plan may hold (passes.solve); None: a GPU's memory
 
-    def replace(self, **kw) -> "Program":
+    def replace(self, **kw) -> Program:
         return dataclasses.replace(self, **kw)
 
     @property
@@ -90,6 +92,7 @@ def source_line(eqn) -> str:
 
 # ----------------------------------------------------------------------------- nested jaxprs
 
+
 def subjaxprs(params: dict) -> Iterator[tuple[str, Any]]:
     """(param name, Jaxpr | ClosedJaxpr | tuple of them) for every jaxpr-valued param."""
     for name, value in params.items():
@@ -108,6 +111,7 @@ def rebuild(value: tuple, fn) -> tuple:
 def map_subjaxprs(eqn, fn: Callable[[str, Jaxpr], Jaxpr], names=None):
     """The eqn with ``fn(param name, jaxpr)`` applied to every nested (open) jaxpr — or to those
     of the params in ``names`` — ClosedJaxprs keeping their consts."""
+
     def one(name, j):
         return j.replace(jaxpr=fn(name, j.jaxpr)) if isinstance(j, ClosedJaxpr) else fn(name, j)
 

@@ -40,10 +40,12 @@ Each equation's decision — the ``Decision`` below — is a param of the equati
 any rewrite that keeps the equation's params (``eqn.replace``), prints with JAX's jaxpr
 printer, and is stripped before a primitive is bound.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from shardflow.specs import format_sbp
 
@@ -53,6 +55,7 @@ DECISION = "sf"  # the equation param that holds its Decision
 class Sig(NamedTuple):
     """A 1-D signature: the SBP each operand must have on one mesh axis, and what each output
     then has. ``name`` marks the signatures whose local lowering differs (e.g. "vocab")."""
+
     ins: tuple
     outs: tuple
     name: str = ""
@@ -61,11 +64,12 @@ class Sig(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """What propagation chose for one equation."""
-    ins: tuple                 # the NdSbp each operand must have
-    outs: tuple                # the NdSbp of each result
-    sigs: tuple = ()           # per mesh axis, the 1-D Sig chosen ((): control flow or whole)
-    bodies: tuple = ()         # control flow: (param name, NdSbp each output of that body must have)
-    fallback: bool = False     # no rule: operands gathered, run whole
+
+    ins: tuple  # the NdSbp each operand must have
+    outs: tuple  # the NdSbp of each result
+    sigs: tuple = ()  # per mesh axis, the 1-D Sig chosen ((): control flow or whole)
+    bodies: tuple = ()  # control flow: (param name, NdSbp each output of that body must have)
+    fallback: bool = False  # no rule: operands gathered, run whole
 
     def body_outs(self, name: str):
         return dict(self.bodies).get(name)
@@ -96,16 +100,34 @@ class Rule:
 RULES: dict = {}
 
 
-def defrule(*prims, signatures=None, lower=None, propagate=None, pin=None, comm=None, comm_reason=None,
-            trips=None, flops=None, admits=None):
+def defrule(
+    *prims,
+    signatures=None,
+    lower=None,
+    propagate=None,
+    pin=None,
+    comm=None,
+    comm_reason=None,
+    trips=None,
+    flops=None,
+    admits=None,
+):
     """Register (or extend) the rule of each primitive in ``prims`` (None entries — primitives
     this JAX version lacks — are skipped). Returns a decorator that sets the signatures."""
     prims = [p for p in prims if p is not None]
     for p in prims:
         rule = RULES.setdefault(p, Rule())
-        for field, value in (("signatures", signatures), ("lower", lower), ("propagate", propagate), ("pin", pin),
-                             ("comm", comm), ("comm_reason", comm_reason), ("trips", trips),
-                             ("flops", flops), ("admits", admits)):
+        for field, value in (
+            ("signatures", signatures),
+            ("lower", lower),
+            ("propagate", propagate),
+            ("pin", pin),
+            ("comm", comm),
+            ("comm_reason", comm_reason),
+            ("trips", trips),
+            ("flops", flops),
+            ("admits", admits),
+        ):
             if value is not None:
                 setattr(rule, field, value)
 
@@ -113,6 +135,7 @@ def defrule(*prims, signatures=None, lower=None, propagate=None, pin=None, comm=
         for p in prims:
             RULES[p].signatures = fn
         return fn
+
     return decorate
 
 

@@ -34,6 +34,7 @@ The layout is applied to the tokens once (``Layout.permute``, e.g. by the data l
 RoPE positions permuted alike); attention on one device un-permutes, attends and permutes back,
 so a program means the same on any mesh. Segment ids travel with their K/V block.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,21 +52,24 @@ LAYOUTS = ("zigzag", "striped")
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How the tokens of a sequence are ordered for a ring of ``blocks`` devices."""
+
     kind: str
     blocks: int
 
     def __post_init__(self):
         if self.kind not in LAYOUTS or not (isinstance(self.blocks, int) and self.blocks >= 1):
-            raise ValueError(f"layout: kind one of {LAYOUTS} and blocks a positive int, got "
-                             f"{self.kind!r}, {self.blocks!r}")
+            raise ValueError(
+                f"layout: kind one of {LAYOUTS} and blocks a positive int, got {self.kind!r}, {self.blocks!r}"
+            )
 
     def positions(self, seq: int) -> np.ndarray:
         """The global position of the token at each stored index of a sequence of ``seq``."""
         n = self.blocks
         chunks = 2 * n if self.kind == "zigzag" else n
         if seq % chunks:
-            raise ValueError(f"layout {self.kind} over {n} blocks: a sequence of {seq} does not split "
-                             f"into {chunks} chunks")
+            raise ValueError(
+                f"layout {self.kind} over {n} blocks: a sequence of {seq} does not split into {chunks} chunks"
+            )
         index = np.arange(seq)
         if self.kind == "striped":
             length = seq // n
@@ -86,6 +90,7 @@ class Part(NamedTuple):
     """A contiguous run of a block's stored tokens: ``[start, start + length)`` of the block,
     at global position ``offset`` (traced, or a Python int for a Python block index). ``start``
     is traced only in a step's slot (``_pick``), where devices compute different pairs."""
+
     start: object
     length: int
     offset: object
@@ -135,8 +140,11 @@ def _step_kinds(causal, layout, n, q_len, kv_len, q_base, kv_base):
     kinds, table = {}, np.zeros((n, n), np.int32)
     for r in range(n):
         for s in range(n):
-            masks = tuple(_mask(causal, layout, qp, kp) for kp in parts(layout, s, kv_len, kv_base)
-                          for qp in parts(layout, r, q_len, q_base))
+            masks = tuple(
+                _mask(causal, layout, qp, kp)
+                for kp in parts(layout, s, kv_len, kv_base)
+                for qp in parts(layout, r, q_len, q_base)
+            )
             table[r, s] = kinds.setdefault(masks, len(kinds))
     return table, list(kinds)
 
@@ -155,9 +163,13 @@ def _step(plan, pairs, q_block, j, run, skipped):
       scheduler then overlaps a collective with all of it).
 
     Without a plan, a cond per pair on whether its traced offsets mask it wholly."""
+
     def fixed(masks, keep_skipped):
-        return [(qp, kp, run(qp, kp, m)) if m is not SKIP else (qp, kp, skipped(qp, kp))
-                for (qp, kp), m in zip(pairs, masks) if m is not SKIP or keep_skipped]
+        return [
+            (qp, kp, run(qp, kp, m)) if m is not SKIP else (qp, kp, skipped(qp, kp))
+            for (qp, kp), m in zip(pairs, masks)
+            if m is not SKIP or keep_skipped
+        ]
 
     if plan is not None:
         table, kinds = plan
@@ -168,19 +180,28 @@ def _step(plan, pairs, q_block, j, run, skipped):
             return fixed(kinds[present[0]], keep_skipped=False)
         slots = _slots(pairs, [kinds[k] for k in step_kinds])
         if slots is not None:
-            return [(qp, kp, run(qp, kp, m)) for qp, kp, m in
-                    ((_pick(pairs, 0, chosen, q_block), _pick(pairs, 1, chosen, q_block), m)
-                     for m, chosen in slots)]
+            return [
+                (qp, kp, run(qp, kp, m))
+                for qp, kp, m in (
+                    (_pick(pairs, 0, chosen, q_block), _pick(pairs, 1, chosen, q_block), m) for m, chosen in slots
+                )
+            ]
         branch = jnp.asarray(np.searchsorted(present, step_kinds), jnp.int32)[q_block]
-        results = lax.switch(branch, [lambda m=kinds[k]: [r for _, _, r in fixed(m, keep_skipped=True)]
-                                      for k in present])
+        results = lax.switch(
+            branch, [lambda m=kinds[k]: [r for _, _, r in fixed(m, keep_skipped=True)] for k in present]
+        )
         return [(qp, kp, r) for (qp, kp), r in zip(pairs, results)]
     results = []
     for qp, kp in pairs:
         offsets = (jnp.asarray(qp.offset, jnp.int32), jnp.asarray(kp.offset, jnp.int32))
         visible = offsets[1] <= offsets[0] + qp.length - 1
-        results.append((qp, kp, lax.cond(visible, lambda qp=qp, kp=kp, o=offsets: run(qp, kp, o),
-                                         lambda qp=qp, kp=kp: skipped(qp, kp))))
+        results.append(
+            (
+                qp,
+                kp,
+                lax.cond(visible, lambda qp=qp, kp=kp, o=offsets: run(qp, kp, o), lambda qp=qp, kp=kp: skipped(qp, kp)),
+            )
+        )
     return results
 
 
@@ -190,7 +211,7 @@ def _slots(pairs, device_masks):
     static), else None."""
     computed = [[(m, i) for i, m in enumerate(masks) if m is not SKIP] for masks in device_masks]
 
-    def shape(mi):     # masks are None, "full" or ints: compared by repr
+    def shape(mi):  # masks are None, "full" or ints: compared by repr
         return repr(mi[0]), pairs[mi[1]][0].length, pairs[mi[1]][1].length
 
     if any(sorted(map(shape, c)) != sorted(map(shape, computed[0])) for c in computed):
@@ -251,8 +272,9 @@ def _send(tree, axes, perm):
     leaves, treedef = jax.tree.flatten(tree)
     if len(leaves) <= 1:
         return jax.tree.unflatten(treedef, [lax.ppermute(x, axes, perm) for x in leaves])
-    raw = lax.ppermute(jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in leaves]),
-                       axes, perm)
+    raw = lax.ppermute(
+        jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in leaves]), axes, perm
+    )
     out, start = [], 0
     for x in leaves:
         width = x.dtype.itemsize
@@ -267,7 +289,7 @@ def _merge(out, lse, out_j, lse_j):
     new = jnp.logaddexp(lse, lse_j)
     finite = jnp.isfinite(new)
 
-    def weight(l):   # [b, h, s] -> [b, s, h, 1]
+    def weight(l):  # [b, h, s] -> [b, s, h, 1]
         w = jnp.where(finite, jnp.exp(l - jnp.where(finite, new, 0.0)), 0.0)
         return jnp.swapaxes(w, 1, 2)[..., None]
 
@@ -293,8 +315,12 @@ def _gathered(k, v, ids, axes, sizes):
     everything = lax.all_gather(own, axes, axis=0, tiled=False) if n > 1 else None
 
     def block(j):
-        return own if j == 0 else jax.tree.map(
-            lambda x: lax.dynamic_index_in_dim(x, (r - j) % n, 0, keepdims=False), everything)
+        return (
+            own
+            if j == 0
+            else jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, (r - j) % n, 0, keepdims=False), everything)
+        )
+
     return block
 
 
@@ -307,8 +333,7 @@ def _gathered_steps(k, v, ids, axes, sizes):
         yield j, (r - j) % n, kv[0], kv[1], kv_ids
 
 
-def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, sizes, segment_ids=None,
-            gather=False):
+def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, sizes, segment_ids=None, gather=False):
     """(out, lse) of this device's query block (block ``q_block``) against every K/V block of
     the ring. ``attend(q, k, v, segments, mask) -> (out, lse)`` is one contiguous pair's
     attention (``segments``: () or the pair's (q ids, kv ids); ``mask``: FULL, a static offset
@@ -322,15 +347,26 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
     plan = _step_kinds(causal, layout, n, q.shape[1], k.shape[1], q_base, kv_base)
     out, lse = jnp.zeros(q.shape, jnp.float32), jnp.full((b, h, q.shape[1]), -jnp.inf, jnp.float32)
     previous = []
-    blocks = _gathered_steps(k, v, segment_ids, axes, sizes) if gather else \
-        _blocks(k, v, segment_ids, axes, sizes, done=lambda: previous)
+    blocks = (
+        _gathered_steps(k, v, segment_ids, axes, sizes)
+        if gather
+        else _blocks(k, v, segment_ids, axes, sizes, done=lambda: previous)
+    )
     for j, src, k, v, kv_ids in blocks:
         pairs = [(qp, kp) for kp in parts(layout, src, k.shape[1], kv_base) for qp in q_parts]
-        results = _step(plan, pairs, q_block, j,
-                        run=lambda qp, kp, mask: attend(_seq(q, qp), _seq(k, kp), _seq(v, kp),
-                                                        _segments(segment_ids, kv_ids, qp, kp), mask),
-                        skipped=lambda qp, kp: (jnp.zeros(_seq(q, qp).shape, q.dtype),
-                                                jnp.full((b, h, qp.length), -jnp.inf, jnp.float32)))
+        results = _step(
+            plan,
+            pairs,
+            q_block,
+            j,
+            run=lambda qp, kp, mask: attend(
+                _seq(q, qp), _seq(k, kp), _seq(v, kp), _segments(segment_ids, kv_ids, qp, kp), mask
+            ),
+            skipped=lambda qp, kp: (
+                jnp.zeros(_seq(q, qp).shape, q.dtype),
+                jnp.full((b, h, qp.length), -jnp.inf, jnp.float32),
+            ),
+        )
         previous = [r for _, _, r in results]
         for qp, _, (out_j, lse_j) in results:
             merged, merged_lse = _merge(_seq(out, qp), _seq(lse, qp, axis=2), out_j, lse_j)
@@ -338,8 +374,26 @@ def forward(attend, q, k, v, *, causal, q_block, q_base, kv_base, layout, axes, 
     return out.astype(q.dtype), lse
 
 
-def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_base, kv_base, layout,
-             axes, sizes, segment_ids=None, gather=False):
+def backward(
+    attend_bwd,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    dlse,
+    *,
+    causal,
+    q_block,
+    q_base,
+    kv_base,
+    layout,
+    axes,
+    sizes,
+    segment_ids=None,
+    gather=False,
+):
     """(dq, dk, dv) of this device's blocks. ``attend_bwd(q, k, v, out, lse, dout, dlse,
     segments, mask) -> (dq, dk, dv)`` is one contiguous pair's backward given the whole rows'
     out and lse. A block's dK/dV sums (f32) follow it around the ring one step behind, in the
@@ -355,13 +409,15 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
     q_parts = parts(layout, q_block, q.shape[1], q_base)
     plan = _step_kinds(causal, layout, n, q.shape[1], k.shape[1], q_base, kv_base)
     dq = jnp.zeros(q.shape, jnp.float32)
-    zeros = jnp.zeros((2,) + k.shape, jnp.float32) if k.shape == v.shape else \
-        (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    zeros = (
+        jnp.zeros((2,) + k.shape, jnp.float32)
+        if k.shape == v.shape
+        else (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    )
     dtypes = k.dtype, v.dtype
 
     def rows(qp):
-        return [_seq(x, qp) for x in (q, out, dout)] + [None if x is None else _seq(x, qp, axis=2)
-                                                         for x in (lse, dlse)]
+        return [_seq(x, qp) for x in (q, out, dout)] + [None if x is None else _seq(x, qp, axis=2) for x in (lse, dlse)]
 
     block, sums = (_kv(k, v), segment_ids), None
     gathered = _gathered(k, v, segment_ids, axes, sizes) if gather else None
@@ -383,12 +439,16 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
 
         def run(qp, kp, mask, k=k, v=v, kv_ids=kv_ids):
             q_, out_, dout_, lse_, dlse_ = rows(qp)
-            return attend_bwd(q_, _seq(k, kp), _seq(v, kp), out_, lse_, dout_, dlse_,
-                              _segments(segment_ids, kv_ids, qp, kp), mask)
+            return attend_bwd(
+                q_, _seq(k, kp), _seq(v, kp), out_, lse_, dout_, dlse_, _segments(segment_ids, kv_ids, qp, kp), mask
+            )
 
         def skipped(qp, kp, k=k, v=v):
-            return (jnp.zeros(_seq(q, qp).shape, q.dtype), jnp.zeros(_seq(k, kp).shape, k.dtype),
-                    jnp.zeros(_seq(v, kp).shape, v.dtype))
+            return (
+                jnp.zeros(_seq(q, qp).shape, q.dtype),
+                jnp.zeros(_seq(k, kp).shape, k.dtype),
+                jnp.zeros(_seq(v, kp).shape, v.dtype),
+            )
 
         for qp, kp, (dq_j, dk_j, dv_j) in _step(plan, pairs, q_block, j, run, skipped):
             dq = _add_at(dq, dq_j, qp)
@@ -397,7 +457,7 @@ def backward(attend_bwd, q, k, v, out, lse, dout, dlse, *, causal, q_block, q_ba
             block = following
         sums = dkv
     dk, dv = _as(sums, dtypes)
-    if not gather:      # the last block's sums (block r + 1's, summed whole) go home
+    if not gather:  # the last block's sums (block r + 1's, summed whole) go home
         dk, dv = _send(_kv(dk, dv), axes, perm)
     return dq.astype(q.dtype), dk, dv
 
@@ -432,5 +492,6 @@ def causal_work(layout: Layout | None, n: int, seq: int) -> np.ndarray:
     """Per device of a ring of ``n`` over a sequence of ``seq``, the (query, key) pairs causal
     attention has to compute: its queries' positions against every key's."""
     positions = np.arange(seq) if layout is None else layout.positions(seq)
-    return np.array([(block[:, None] >= np.arange(seq)[None, :]).sum()
-                     for block in positions.reshape(n, -1)], np.float64)
+    return np.array(
+        [(block[:, None] >= np.arange(seq)[None, :]).sum() for block in positions.reshape(n, -1)], np.float64
+    )

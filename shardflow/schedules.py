@@ -30,22 +30,24 @@ The builders write the order in which each stage runs its actions, as in the pap
 / ``bubble_rate`` / ``peak_live_activations`` measure it, ``Schedule.format`` prints it and
 ``Schedule.draw`` draws it (matplotlib, imported only there).
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
 import re
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
-from typing import Callable, Mapping, Sequence, Union
 
 KINDS = ("F", "B", "W")
-W_SLOTS = 2     # W's a stage may run in one step of the lockstep executor (``steps``)
+W_SLOTS = 2  # W's a stage may run in one step of the lockstep executor (``steps``)
 LAYOUTS = ("loop", "v")
 
 
 @dataclasses.dataclass(frozen=True)
 class Action:
     """One cell of a schedule: ``kind`` ("F", "B" or "W") of ``microbatch`` through ``chunk``."""
+
     kind: str
     microbatch: int
     chunk: int = 0
@@ -72,8 +74,10 @@ class Action:
             return None
         match = _CELL.fullmatch(text)
         if match is None or (match.group("kind").islower() and match.group("chunk")):
-            raise ValueError(f"cannot read {text!r} as an action: write F3 / B3 / W3 for microbatch 3 "
-                             f"(f3 for chunk 1, F3c2 for chunk 2) or . for idle")
+            raise ValueError(
+                f"cannot read {text!r} as an action: write F3 / B3 / W3 for microbatch 3 "
+                f"(f3 for chunk 1, F3c2 for chunk 2) or . for idle"
+            )
         kind, microbatch, chunk = match.group("kind"), int(match.group("mb")), match.group("chunk")
         if kind.islower():
             return Action(kind.upper(), microbatch, 1)
@@ -82,12 +86,13 @@ class Action:
 
 _CELL = re.compile(r"(?P<kind>[FBWfbw])(?P<mb>\d+)(?:c(?P<chunk>\d+))?")
 
-Cell = Union[Action, str, None]
+Cell = Action | str | None
 
 
 class _VirtualStages:
     """Which virtual stage each (stage, chunk) runs, and what each action waits for: all a schedule's
     dependencies follow from ``stages``, ``chunks`` and ``layout``."""
+
     stages: int
     chunks: int
     layout: str
@@ -133,10 +138,12 @@ class _Pipeline(_VirtualStages):
 class Schedule(_VirtualStages):
     """A validated table: ``rows[stage][tick]`` is the Action that stage runs at that tick, or None.
 
-    ``schedule[tick, stage]`` reads one cell, ``actions[tick][stage]`` is the table tick-major. ``microbatches`` m, ``chunks`` v (layer chunks per
-    stage), ``split_backward`` (B and W separate), ``layout`` ("loop" or "v": which virtual stage
+    ``schedule[tick, stage]`` reads one cell, ``actions[tick][stage]`` is the table tick-major. ``microbatches`` m,
+    ``chunks`` v (layer chunks per stage), ``split_backward`` (B and W separate), ``layout`` ("loop" or "v": which
+    virtual stage
     each chunk runs, see ``virtual_stage``), ``name`` (for messages and titles).
     """
+
     name: str
     rows: tuple[tuple[Action | None, ...], ...]
     microbatches: int
@@ -172,9 +179,16 @@ class Schedule(_VirtualStages):
 
     # ------------------------------------------------------------------------------- making
     @classmethod
-    def from_table(cls, rows: str | Sequence[str | Sequence[Cell]], *, name: str = "custom",
-                   microbatches: int | None = None, chunks: int | None = None,
-                   split_backward: bool | None = None, layout: str = "loop") -> Schedule:
+    def from_table(
+        cls,
+        rows: str | Sequence[str | Sequence[Cell]],
+        *,
+        name: str = "custom",
+        microbatches: int | None = None,
+        chunks: int | None = None,
+        split_backward: bool | None = None,
+        layout: str = "loop",
+    ) -> Schedule:
         """A Schedule from a table written by hand, validated.
 
         ``rows``: one row per stage, each a sequence of cells (an Action, None, or its text:
@@ -185,13 +199,21 @@ class Schedule(_VirtualStages):
         microbatches, chunks and split_backward default to what the table uses.
         """
         parsed = tuple(tuple(_cell(c) for c in _cells(row)) for row in _lines(rows))
-        return cls(name, parsed, *_infer([a for row in parsed for a in row], microbatches, chunks,
-                                         split_backward), layout)
+        return cls(
+            name, parsed, *_infer([a for row in parsed for a in row], microbatches, chunks, split_backward), layout
+        )
 
     @classmethod
-    def from_orders(cls, orders: Sequence[Sequence[Action | str]], *, name: str = "custom",
-                    microbatches: int | None = None, chunks: int | None = None,
-                    split_backward: bool | None = None, layout: str = "loop") -> Schedule:
+    def from_orders(
+        cls,
+        orders: Sequence[Sequence[Action | str]],
+        *,
+        name: str = "custom",
+        microbatches: int | None = None,
+        chunks: int | None = None,
+        split_backward: bool | None = None,
+        layout: str = "loop",
+    ) -> Schedule:
         """A Schedule from the order in which each stage runs its actions: every action runs at the
         earliest tick after both the stage's previous action and its dependency (``dependency``).
         Raises ValueError, naming the stalled stage and the action it waits for, where the orders
@@ -200,8 +222,10 @@ class Schedule(_VirtualStages):
         for stage, order in enumerate(orders):
             for a in order:
                 if not isinstance(a, Action):
-                    raise ValueError(f"schedule {name!r}: stage {stage}'s order lists {a!r}; an order "
-                                     f"lists Actions (or their text, F3), no idle cells")
+                    raise ValueError(
+                        f"schedule {name!r}: stage {stage}'s order lists {a!r}; an order "
+                        f"lists Actions (or their text, F3), no idle cells"
+                    )
         m, v, split = _infer([a for order in orders for a in order], microbatches, chunks, split_backward)
         if layout not in LAYOUTS:
             raise ValueError(f"schedule {name!r}: layout is one of {LAYOUTS}, got {layout!r}")
@@ -242,15 +266,19 @@ class Schedule(_VirtualStages):
         cells = [["." if a is None else str(a) for a in row] for row in self.rows]
         width = max((len(c) for row in cells for c in row), default=1)
         label = len(f"s{self.stages - 1}")
-        return "\n".join([self.title()] + [f"s{s}".ljust(label) + " | " + " ".join(c.rjust(width) for c in row)
-                                           for s, row in enumerate(cells)])
+        return "\n".join(
+            [self.title()]
+            + [f"s{s}".ljust(label) + " | " + " ".join(c.rjust(width) for c in row) for s, row in enumerate(cells)]
+        )
 
     __str__ = format
 
     def __repr__(self) -> str:
-        return (f"Schedule({self.name!r}, stages={self.stages}, microbatches={self.microbatches}, "
-                f"chunks={self.chunks}, split_backward={self.split_backward}, layout={self.layout!r}, "
-                f"ticks={self.ticks})")
+        return (
+            f"Schedule({self.name!r}, stages={self.stages}, microbatches={self.microbatches}, "
+            f"chunks={self.chunks}, split_backward={self.split_backward}, layout={self.layout!r}, "
+            f"ticks={self.ticks})"
+        )
 
     def draw(self, ax=None):
         """The table as a matplotlib picture: one box per action (F, B, W in their own colors, later
@@ -261,8 +289,9 @@ class Schedule(_VirtualStages):
         from matplotlib.patches import Patch, Rectangle
 
         if ax is None:
-            ax = Figure(figsize=(max(6.0, 0.3 * self.ticks + 1.5), 0.5 * self.stages + 1.3),
-                        layout="constrained").add_subplot()
+            ax = Figure(
+                figsize=(max(6.0, 0.3 * self.ticks + 1.5), 0.5 * self.stages + 1.3), layout="constrained"
+            ).add_subplot()
         base = {"F": to_rgb("#3b6fb6"), "B": to_rgb("#e08a2c"), "W": to_rgb("#4a9a5b")}
 
         def color(action: Action):
@@ -272,22 +301,34 @@ class Schedule(_VirtualStages):
 
         for stage in range(self.stages):
             for tick, action in self.actions_of(stage):
-                ax.add_patch(Rectangle((tick, stage + 0.05), 1, 0.9, facecolor=color(action),
-                                       edgecolor="white", linewidth=0.5))
-                ax.text(tick + 0.5, stage + 0.5, str(action.microbatch), ha="center", va="center",
-                        fontsize=7, color="black" if action.chunk else "white")
+                ax.add_patch(
+                    Rectangle((tick, stage + 0.05), 1, 0.9, facecolor=color(action), edgecolor="white", linewidth=0.5)
+                )
+                ax.text(
+                    tick + 0.5,
+                    stage + 0.5,
+                    str(action.microbatch),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black" if action.chunk else "white",
+                )
         ax.set_xlim(0, self.ticks)
         ax.set_ylim(self.stages, 0)
         ax.set_yticks([s + 0.5 for s in range(self.stages)], [f"stage {s}" for s in range(self.stages)])
         ax.set_xlabel("tick")
         ax.set_title(self.title(), fontsize=9)
         kinds = [k for k in KINDS if k != "W" or self.split_backward]
-        names = {"F": "F forward", "B": "B backward" + (" (inputs)" if self.split_backward else ""),
-                 "W": "W backward (weights)"}
+        names = {
+            "F": "F forward",
+            "B": "B backward" + (" (inputs)" if self.split_backward else ""),
+            "W": "W backward (weights)",
+        }
         handles = [Patch(facecolor=base[k], label=names[k]) for k in kinds]
         if self.chunks > 1:
-            handles.append(Patch(facecolor=color(Action("F", 0, self.chunks - 1)),
-                                 label=f"chunk {self.chunks - 1} (lighter)"))
+            handles.append(
+                Patch(facecolor=color(Action("F", 0, self.chunks - 1)), label=f"chunk {self.chunks - 1} (lighter)")
+            )
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
         return ax.figure
 
@@ -309,8 +350,10 @@ def validate(schedule: Schedule) -> Schedule:
         raise ValueError(f"{where}: layout is one of {LAYOUTS}, got {s.layout!r}")
     for stage, row in enumerate(s.rows):
         if len(row) != s.ticks:
-            raise ValueError(f"{where}: stage {stage} has {len(row)} ticks, stage 0 has {s.ticks}; "
-                             f"every stage needs a cell (an action or None) at every tick")
+            raise ValueError(
+                f"{where}: stage {stage} has {len(row)} ticks, stage 0 has {s.ticks}; "
+                f"every stage needs a cell (an action or None) at every tick"
+            )
 
     ran_at: dict[tuple[int, Action], int] = {}
     for tick in range(s.ticks):
@@ -322,17 +365,19 @@ def validate(schedule: Schedule) -> Schedule:
             if not isinstance(action, Action):
                 raise ValueError(f"{at}: a cell is an Action or None, got {action!r}")
             if action.kind == "W" and not s.split_backward:
-                raise ValueError(f"{at}: {action} in a schedule without a split backward "
-                                 f"(split_backward=False: B is the whole backward)")
+                raise ValueError(
+                    f"{at}: {action} in a schedule without a split backward "
+                    f"(split_backward=False: B is the whole backward)"
+                )
             if action.microbatch >= s.microbatches:
-                raise ValueError(f"{at}: {action} names microbatch {action.microbatch}, "
-                                 f"the schedule has {s.microbatches} (0 to {s.microbatches - 1})")
+                raise ValueError(
+                    f"{at}: {action} names microbatch {action.microbatch}, "
+                    f"the schedule has {s.microbatches} (0 to {s.microbatches - 1})"
+                )
             if action.chunk >= s.chunks:
-                raise ValueError(f"{at}: {action} names chunk {action.chunk}, "
-                                 f"the schedule has {s.chunks} per stage")
+                raise ValueError(f"{at}: {action} names chunk {action.chunk}, the schedule has {s.chunks} per stage")
             if (stage, action) in ran_at:
-                raise ValueError(f"{at}: {action} runs a second time (first at tick "
-                                 f"{ran_at[stage, action]})")
+                raise ValueError(f"{at}: {action} runs a second time (first at tick {ran_at[stage, action]})")
             ran_at[stage, action] = tick
 
     for tick in range(s.ticks):
@@ -341,9 +386,11 @@ def validate(schedule: Schedule) -> Schedule:
             dep = None if action is None else s.dependency(stage, action)
             if dep is not None and not ran_at.get(dep, tick) < tick:
                 dep_stage, dep_action = dep
-                when = (f"it runs at tick {ran_at[dep]}" if dep in ran_at else "it never runs")
-                raise ValueError(f"{where}: tick {tick}, stage {stage}: {action} needs {dep_action} "
-                                 f"on stage {dep_stage} at an earlier tick; {when}")
+                when = f"it runs at tick {ran_at[dep]}" if dep in ran_at else "it never runs"
+                raise ValueError(
+                    f"{where}: tick {tick}, stage {stage}: {action} needs {dep_action} "
+                    f"on stage {dep_stage} at an earlier tick; {when}"
+                )
 
     kinds = KINDS if s.split_backward else ("F", "B")
     for stage in range(s.stages):
@@ -362,11 +409,22 @@ def with_split_backward(schedule: Schedule) -> Schedule:
     every mixed tick a double one; split, each action is one forward's work."""
     if schedule.split_backward:
         return schedule
-    orders = [[b for _, a in schedule.actions_of(stage)
-               for b in ((a, Action("W", a.microbatch, a.chunk)) if a.kind == "B" else (a,))]
-              for stage in range(schedule.stages)]
-    return Schedule.from_orders(orders, name=schedule.name, microbatches=schedule.microbatches,
-                                chunks=schedule.chunks, split_backward=True, layout=schedule.layout)
+    orders = [
+        [
+            b
+            for _, a in schedule.actions_of(stage)
+            for b in ((a, Action("W", a.microbatch, a.chunk)) if a.kind == "B" else (a,))
+        ]
+        for stage in range(schedule.stages)
+    ]
+    return Schedule.from_orders(
+        orders,
+        name=schedule.name,
+        microbatches=schedule.microbatches,
+        chunks=schedule.chunks,
+        split_backward=True,
+        layout=schedule.layout,
+    )
 
 
 # ----------------------------------------------------------------------------------- builders
@@ -400,12 +458,15 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     the last chunk down. Needs m to be a multiple of p."""
     _check_sizes("interleaved", p, m)
     if not _is_count(v, minimum=2):
-        raise ValueError(f"interleaved: v (chunks per stage) must be an int >= 2, got {v!r}; "
-                         f"with one chunk per stage use '1f1b'")
+        raise ValueError(
+            f"interleaved: v (chunks per stage) must be an int >= 2, got {v!r}; with one chunk per stage use '1f1b'"
+        )
     if m % p:
-        raise ValueError(f"interleaved: the number of microbatches must be a multiple of the number "
-                         f"of stages (the schedule runs microbatches in groups of p = {p}), got m = {m}; "
-                         f"use m = {m // p * p or p} or {(m // p + 1) * p}")
+        raise ValueError(
+            f"interleaved: the number of microbatches must be a multiple of the number "
+            f"of stages (the schedule runs microbatches in groups of p = {p}), got m = {m}; "
+            f"use m = {m // p * p or p} or {(m // p + 1) * p}"
+        )
 
     def nth(k: int, kind: str) -> Action:
         group, r = divmod(k, p * v)
@@ -469,13 +530,13 @@ def zb_v(p: int, m: int) -> Schedule:
     orders = []
     for s in range(p):
         order: list[Action] = []
-        ran = {"F": [0, 0], "B": [0, 0], "W": [0, 0]}       # per kind and chunk: how many so far
+        ran = {"F": [0, 0], "B": [0, 0], "W": [0, 0]}  # per kind and chunk: how many so far
 
         def has_next(kind: str, chunk: int) -> bool:
             n = ran[kind][chunk]
-            if kind == "F":         # chunk 1's forward of a microbatch comes after chunk 0's
+            if kind == "F":  # chunk 1's forward of a microbatch comes after chunk 0's
                 return n < m and (chunk == 0 or n < ran["F"][0])
-            if kind == "B":         # chunk 0's backward of a microbatch comes after chunk 1's
+            if kind == "B":  # chunk 0's backward of a microbatch comes after chunk 1's
                 return n < ran["F"][chunk] and (chunk == 1 or n < ran["B"][1])
             return n < ran["B"][chunk]
 
@@ -488,8 +549,8 @@ def zb_v(p: int, m: int) -> Schedule:
                         order.append(Action(kind, ran[kind][chunk], chunk))
                         ran[kind][chunk] += 1
 
-        run("F0", 2 * (p - s) - 1)      # until microbatch 0 is back up at this stage's chunk 1
-        run("F1 F0", s)                 # until its backward arrives
+        run("F0", 2 * (p - s) - 1)  # until microbatch 0 is back up at this stage's chunk 1
+        run("F1 F0", s)  # until its backward arrives
         run("F1 B1 W1", p - s)
         while ran["F"][1] < m:
             run("F0 B0 W0 F1 B1 W1")
@@ -497,11 +558,10 @@ def zb_v(p: int, m: int) -> Schedule:
         run("B0 W0", p - s)
         while ran["B"][0] < m:
             run("B0 B1")
-        run("W1", m)                    # the held-back W's
+        run("W1", m)  # the held-back W's
         run("W0", m)
         orders.append(order)
-    return Schedule.from_orders(orders, name="zb-v", microbatches=m, chunks=2, split_backward=True,
-                                layout="v")
+    return Schedule.from_orders(orders, name="zb-v", microbatches=m, chunks=2, split_backward=True, layout="v")
 
 
 def one_f_one_b_fused(p: int, m: int) -> Schedule:
@@ -536,9 +596,9 @@ def zb_fused(p: int, m: int) -> Schedule:
     the stash of 2s micro-batches' B for their W (1f1b-fused none), and their residuals (every
     stage as many as stage 0 holds in 1f1b-fused, 2p)."""
     _check_sizes("zb-fused", p, m)
-    n_steps, ticks = m + 2 * p - 1, 2 + W_SLOTS            # a step's ticks: F, B, then its W slots
-    forward = lambda s, t: 0 <= t - s < m                       # stage s runs F(t - s) at step t
-    backward = lambda s, t: 0 <= t - (2 * p - 1 - s) < m        # and B(t - (2p - 1 - s))
+    n_steps, ticks = m + 2 * p - 1, 2 + W_SLOTS  # a step's ticks: F, B, then its W slots
+    forward = lambda s, t: 0 <= t - s < m  # stage s runs F(t - s) at step t
+    backward = lambda s, t: 0 <= t - (2 * p - 1 - s) < m  # and B(t - (2p - 1 - s))
     rows: list[list[Action | None]] = [[None] * (ticks * n_steps) for _ in range(p)]
     for s in range(p):
         held = []
@@ -561,8 +621,13 @@ def zb_fused(p: int, m: int) -> Schedule:
 
 
 BUILTIN: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-fused": one_f_one_b_fused, "interleaved": interleaved_1f1b,
-    "zb-h1": zb_h1, "zb-v": zb_v, "zb-fused": zb_fused,
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "1f1b-fused": one_f_one_b_fused,
+    "interleaved": interleaved_1f1b,
+    "zb-h1": zb_h1,
+    "zb-v": zb_v,
+    "zb-fused": zb_fused,
 }
 _CHUNKS = {"gpipe": 1, "1f1b": 1, "1f1b-fused": 1, "zb-h1": 1, "zb-v": 2, "zb-fused": 1}
 
@@ -572,18 +637,22 @@ def by_name(name: str, p: int, m: int, v: int | None = None) -> Schedule:
     per stage, 2 by default), "zb-h1" or "zb-v"."""
     key = name.strip().lower().replace("_", "-") if isinstance(name, str) else name
     if key not in BUILTIN:
-        raise ValueError(f"unknown pipeline schedule {name!r}; the built-in ones are "
-                         f"{', '.join(BUILTIN)} (or pass a Schedule of your own)")
+        raise ValueError(
+            f"unknown pipeline schedule {name!r}; the built-in ones are "
+            f"{', '.join(BUILTIN)} (or pass a Schedule of your own)"
+        )
     if key == "interleaved":
         return interleaved_1f1b(p, m, 2 if v is None else v)
     if v is not None and v != _CHUNKS[key]:
-        raise ValueError(f"schedule {key!r} runs {_CHUNKS[key]} chunk(s) per stage, got v = {v}; "
-                         f"v chooses the chunks of 'interleaved' only")
+        raise ValueError(
+            f"schedule {key!r} runs {_CHUNKS[key]} chunk(s) per stage, got v = {v}; "
+            f"v chooses the chunks of 'interleaved' only"
+        )
     return BUILTIN[key](p, m)
 
 
 # ----------------------------------------------------------------------------------- measures
-Costs = Mapping[str, Union[int, float]]
+Costs = Mapping[str, int | float]
 
 
 def default_costs(schedule: Schedule) -> dict[str, int]:
@@ -611,8 +680,11 @@ def steps(schedule: Schedule) -> tuple[range, ...]:
             same_step = dep is not None and dep in ran_in
             ran = kinds.get(stage, [])
             in_order = all(KINDS.index(k) < KINDS.index(action.kind) or k == action.kind == "W" for k in ran)
-            return in_order and ran.count("W") < W_SLOTS and (
-                not same_step or (dep[0] == stage and dep[1].kind == "B" and action.kind == "W"))
+            return (
+                in_order
+                and ran.count("W") < W_SLOTS
+                and (not same_step or (dep[0] == stage and dep[1].kind == "B" and action.kind == "W"))
+            )
 
         if current and not all(joins(s, a) for s, a in actions):
             groups.append(range(current[0], current[-1] + 1))
@@ -654,7 +726,7 @@ def timeline(schedule: Schedule, costs: Costs | None = None, *, lockstep: bool =
                 longest = max(longest, end - step_start)
             step_start += longest
         return tuple(tuple(row) for row in spans)
-    ends: dict[tuple[int, Action], Union[int, float]] = {}
+    ends: dict[tuple[int, Action], int | float] = {}
     free = [0] * schedule.stages
     for tick in range(schedule.ticks):
         for stage in range(schedule.stages):
@@ -763,7 +835,11 @@ def _deadlock(name: str, pipeline: _Pipeline, orders, next_index, tick: int) -> 
     if dep_action not in dep_order:
         why = f"which stage {dep_stage}'s order never runs"
     else:
-        why = (f"which stage {dep_stage}'s order runs after its next action "
-               f"{dep_order[next_index[dep_stage]]}, itself waiting")
-    return (f"schedule {name!r}: the orders deadlock at tick {tick}: stage {stage}'s next action "
-            f"{action} needs {dep_action} on stage {dep_stage}, {why}")
+        why = (
+            f"which stage {dep_stage}'s order runs after its next action "
+            f"{dep_order[next_index[dep_stage]]}, itself waiting"
+        )
+    return (
+        f"schedule {name!r}: the orders deadlock at tick {tick}: stage {stage}'s next action "
+        f"{action} needs {dep_action} on stage {dep_stage}, {why}"
+    )

@@ -8,6 +8,7 @@ local work by flops and memory bandwidth), not a measurement. A memory budget (`
 else a GPU's memory) bounds each mesh's plan by explain's ``memory_bytes`` — the inputs and what
 the layer loops hold, not the temporaries — and a mesh with no plan within it is refused.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,7 @@ import itertools
 import math
 import re
 import warnings
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import PartitionSpec
@@ -29,11 +30,11 @@ from shardflow.specs import AUTO, ShardingError, definition, to_sbp
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    mesh_shape: dict              # axis name -> size
-    seconds: float                # modelled: collectives and local work (Plan.modelled_seconds)
-    step: Parallelized | None     # the program on that mesh, ready to call; None where refused
+    mesh_shape: dict  # axis name -> size
+    seconds: float  # modelled: collectives and local work (Plan.modelled_seconds)
+    step: Parallelized | None  # the program on that mesh, ready to call; None where refused
     explain: Plan | None
-    refused: str = ""             # why this mesh has no plan (a spec that does not divide, ...)
+    refused: str = ""  # why this mesh has no plan (a spec that does not divide, ...)
 
 
 def factorings(n: int, axes: Sequence[str]) -> list[dict]:
@@ -44,9 +45,18 @@ def factorings(n: int, axes: Sequence[str]) -> list[dict]:
     return [{first: d, **tail} for d in range(1, n + 1) if n % d == 0 for tail in factorings(n // d, rest)]
 
 
-def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "model"),
-         mesh_shapes: Sequence[Mapping[str, int]] | None = None, devices=None,
-         links: LinkModel | None = None, passes=None, memory_budget: int | str | None = None) -> list[Candidate]:
+def plan(
+    fn,
+    *args,
+    in_specs,
+    out_specs=None,
+    axes: Sequence[str] = ("data", "model"),
+    mesh_shapes: Sequence[Mapping[str, int]] | None = None,
+    devices=None,
+    links: LinkModel | None = None,
+    passes=None,
+    memory_budget: int | str | None = None,
+) -> list[Candidate]:
     """``fn`` on ``args`` (arrays or ShapeDtypeStructs) solved on each mesh shape — by default
     every factoring of the device count into ``axes`` — best first. ``in_specs`` and
     ``out_specs`` as for ``parallelize`` (``sf.AUTO`` leaves: the solver chooses); ``passes``
@@ -55,6 +65,7 @@ def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "mo
     refused, a ShardingError says why for each — under a memory budget, how many bytes the
     leanest plan found without it holds."""
     from shardflow import passes as passes_lib
+
     where = definition(fn)
     memory_budget = memory_budget_bytes(memory_budget, where)
     devices = list(jax.devices() if devices is None else devices)
@@ -62,8 +73,15 @@ def plan(fn, *args, in_specs, out_specs=None, axes: Sequence[str] = ("data", "mo
     passes = passes_lib.SOLVER if passes is None else passes
 
     def planned(shape, budget):
-        step = parallelize(fn, mesh=make_mesh(shape, devices=devices), in_specs=in_specs,
-                           out_specs=out_specs, links=links, memory_budget=budget, passes=passes)
+        step = parallelize(
+            fn,
+            mesh=make_mesh(shape, devices=devices),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            links=links,
+            memory_budget=budget,
+            passes=passes,
+        )
         with _exploring():
             return step, step.explain(*args)
 
@@ -94,18 +112,24 @@ def _mesh_shapes(axes, mesh_shapes, n: int, what: str) -> list[dict]:
     if mesh_shapes is not None:
         shapes = [dict(s) for s in mesh_shapes]
         if not shapes:
-            raise ShardingError(f"{what}: mesh_shapes={mesh_shapes!r} names no mesh shape; give one or more, "
-                                f"e.g. mesh_shapes=[{{'data': {n}}}], or leave it None for every factoring of the "
-                                f"{n} devices into axes")
+            raise ShardingError(
+                f"{what}: mesh_shapes={mesh_shapes!r} names no mesh shape; give one or more, "
+                f"e.g. mesh_shapes=[{{'data': {n}}}], or leave it None for every factoring of the "
+                f"{n} devices into axes"
+            )
         return shapes
     axes = tuple(axes)
     if not axes:
-        raise ShardingError(f"{what}: axes=() names no mesh axis to lay the {n} devices out on; name one or more, "
-                            "e.g. axes=('data', 'model')")
+        raise ShardingError(
+            f"{what}: axes=() names no mesh axis to lay the {n} devices out on; name one or more, "
+            "e.g. axes=('data', 'model')"
+        )
     for name in axes:
         if axes.count(name) > 1:
-            raise ShardingError(f"{what}: mesh axis {name!r} is named {axes.count(name)} times in axes={axes!r}; "
-                                "each mesh axis needs its own name")
+            raise ShardingError(
+                f"{what}: mesh axis {name!r} is named {axes.count(name)} times in axes={axes!r}; "
+                "each mesh axis needs its own name"
+            )
     return factorings(n, axes)
 
 
@@ -124,28 +148,32 @@ def _every_mesh_refused(shapes, why: dict, budget: int | None, planned) -> str:
     if not needs:
         return f"every mesh shape tried is refused, with the memory budget and without it: {reasons}"
     need, shape = min(needs)
-    return (f"memory_budget={budget:,} bytes per device refuses every mesh shape tried; the leanest plan "
-            f"found without it holds {need:,} bytes per device (explain's memory_bytes: the inputs and what "
-            f"the loops hold), on {shape}: give a budget of at least that, or split the arguments further. "
-            f"The refusals: {reasons}")
+    return (
+        f"memory_budget={budget:,} bytes per device refuses every mesh shape tried; the leanest plan "
+        f"found without it holds {need:,} bytes per device (explain's memory_bytes: the inputs and what "
+        f"the loops hold), on {shape}: give a budget of at least that, or split the arguments further. "
+        f"The refusals: {reasons}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Alternative:
-    argument: str                 # ``args[0]['w1']``
-    spec: PartitionSpec           # tried in place of the step's spec for that argument
-    seconds: float                # modelled (Plan.modelled_seconds) with it; inf where refused
-    delta: float                  # seconds - the step's own modelled seconds
-    memory_bytes: int             # Plan.memory_bytes with it
-    refused: str = ""             # why this spec has no plan (over the memory budget, ...)
+    argument: str  # ``args[0]['w1']``
+    spec: PartitionSpec  # tried in place of the step's spec for that argument
+    seconds: float  # modelled (Plan.modelled_seconds) with it; inf where refused
+    delta: float  # seconds - the step's own modelled seconds
+    memory_bytes: int  # Plan.memory_bytes with it
+    refused: str = ""  # why this spec has no plan (over the memory budget, ...)
 
     def __str__(self):
         if self.refused:
             return f"{self.argument}: {self.spec} refused: {self.refused}"
         # a difference that rounds to 0.000 ms, of either sign, is no difference
         change = "same as the step" if round(self.delta * 1e3, 3) == 0 else f"{self.delta * 1e3:+.3f} ms"
-        return (f"{self.argument}: {self.spec}  {self.seconds * 1e3:.3f} ms modelled ({change}), "
-                f"{self.memory_bytes:,} bytes per device")
+        return (
+            f"{self.argument}: {self.spec}  {self.seconds * 1e3:.3f} ms modelled ({change}), "
+            f"{self.memory_bytes:,} bytes per device"
+        )
 
 
 def alternatives(step: Parallelized, *args, only: str | None = None, top: int | None = 10) -> list[Alternative]:
@@ -159,10 +187,13 @@ def alternatives(step: Parallelized, *args, only: str | None = None, top: int | 
     if not isinstance(step, Parallelized):
         name = getattr(step, "__name__", type(step).__name__)
         kind = "a function" if callable(step) else f"a {type(step).__name__}"
-        raise ShardingError(f"sf.alternatives of {definition(step)}: {kind}, not a parallelized step; pass the "
-                            f"step sf.parallelize made: sf.alternatives(sf.parallelize({name}, mesh=..., "
-                            "in_specs=...), *args)")
-    from shardflow.passes.solve import shared_solves   # scipy loads only when a program is solved
+        raise ShardingError(
+            f"sf.alternatives of {definition(step)}: {kind}, not a parallelized step; pass the "
+            f"step sf.parallelize made: sf.alternatives(sf.parallelize({name}, mesh=..., "
+            "in_specs=...), *args)"
+        )
+    from shardflow.passes.solve import shared_solves  # scipy loads only when a program is solved
+
     with shared_solves():
         out = _alternatives(step, args, only)
     out.sort(key=lambda a: (a.seconds, a.argument, str(a.spec)))
@@ -171,14 +202,15 @@ def alternatives(step: Parallelized, *args, only: str | None = None, top: int | 
 
 def _alternatives(step: Parallelized, args, only: str | None) -> list[Alternative]:
     in_tree = jax.tree.structure(args)
-    given = [spec for _, spec in _spec_of_each_leaf(step.in_specs, args, "in_specs", "args", "argument",
-                                                    definition(step.fn))]
+    given = [
+        spec for _, spec in _spec_of_each_leaf(step.in_specs, args, "in_specs", "args", "argument", definition(step.fn))
+    ]
     plan = step.explain(*args)
     base = plan.modelled_seconds
     varied = [name for (name, _, _), spec in zip(plan.inputs, given) if spec is not AUTO]
     chosen = _matching(only, varied, f"sf.alternatives of {definition(step.fn)}")
     out = []
-    for i, ((name, shape, current), spec) in enumerate(zip(plan.inputs, given)):
+    for i, (name, shape, current) in enumerate(plan.inputs):
         if name not in chosen:
             continue
         for candidate in _layouts(shape, step.mesh):
@@ -186,17 +218,30 @@ def _alternatives(step: Parallelized, args, only: str | None) -> list[Alternativ
                 continue
             specs = list(given)
             specs[i] = candidate
-            tried = parallelize(step.fn, mesh=step.mesh, in_specs=jax.tree.unflatten(in_tree, specs),
-                                out_specs=step.out_specs, links=step.links, passes=step.passes,
-                                memory_budget=step.memory_budget)
+            tried = parallelize(
+                step.fn,
+                mesh=step.mesh,
+                in_specs=jax.tree.unflatten(in_tree, specs),
+                out_specs=step.out_specs,
+                links=step.links,
+                passes=step.passes,
+                memory_budget=step.memory_budget,
+            )
             try:
                 with _exploring():
                     explained = tried.explain(*args)
             except ShardingError as e:
                 out.append(Alternative(name, candidate, math.inf, math.inf, 0, refused=str(e)))
                 continue
-            out.append(Alternative(name, candidate, explained.modelled_seconds, explained.modelled_seconds - base,
-                                   explained.memory_bytes))
+            out.append(
+                Alternative(
+                    name,
+                    candidate,
+                    explained.modelled_seconds,
+                    explained.modelled_seconds - base,
+                    explained.memory_bytes,
+                )
+            )
     return out
 
 
@@ -205,7 +250,9 @@ def _matching(only: str | None, names: list, what: str) -> set:
     listing the names when it is not a regular expression or finds none of them."""
     if only is None:
         return set(names)
-    listed = f"the arguments whose annotations can vary are {', '.join(names) or 'none'} (sf.AUTO ones are the solver's)"
+    listed = (
+        f"the arguments whose annotations can vary are {', '.join(names) or 'none'} (sf.AUTO ones are the solver's)"
+    )
     try:
         pattern = re.compile(only)
     except (re.error, TypeError) as e:
@@ -214,8 +261,12 @@ def _matching(only: str | None, names: list, what: str) -> set:
     if not found:
         literal = [name for name in names if only in name]
         special = "'[' opens a character class" if "[" in only else "its special characters match otherwise"
-        hint = (f"; as a regular expression {special}: for the name as written, use re.escape({only!r}) or "
-                f"{re.escape(only)!r}" if literal and only != re.escape(only) else "")
+        hint = (
+            f"; as a regular expression {special}: for the name as written, use re.escape({only!r}) or "
+            f"{re.escape(only)!r}"
+            if literal and only != re.escape(only)
+            else ""
+        )
         raise ShardingError(f"{what}: only={only!r} matches no argument; {listed}{hint}")
     return found
 
@@ -228,6 +279,5 @@ def _layouts(shape, mesh) -> list[PartitionSpec]:
     for dims in itertools.product([None, *range(len(shape))], repeat=len(sizes)):
         per_dim = [tuple(a for a, d in zip(sizes, dims) if d == dim) for dim in range(len(shape))]
         if all(shape[d] % math.prod(sizes[a] for a in axes) == 0 for d, axes in enumerate(per_dim)):
-            out.append(PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes
-                                       for axes in per_dim)))
+            out.append(PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in per_dim)))
     return out

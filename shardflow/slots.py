@@ -21,9 +21,10 @@ its own array. XLA:GPU copies a matmul operand sliced from a stacked array insid
 buffer of its own, each layer's weights once per micro-batch (on a 3b stage, 224 copies of
 50 MB a step); arrays made once outside the loop are read where they are.
 """
+
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 from jax import lax
@@ -33,7 +34,7 @@ from shardflow.program import scan_arity
 
 scan_p = primitives.scan_p
 
-Slot = tuple     # (buffer [slots, ...], slot index: an int32 scalar), or (Rows, None): the rows themselves
+Slot = tuple  # (buffer [slots, ...], slot index: an int32 scalar), or (Rows, None): the rows themselves
 
 
 class Rows(tuple):
@@ -55,8 +56,13 @@ def at(buf, i):
     return lax.dynamic_index_in_dim(buf, jnp.maximum(i, 0), keepdims=False)
 
 
-def run(jaxpr: ClosedJaxpr, args, reads: Mapping[int, Slot] = {}, writes: Mapping[int, Slot] = {},
-        adds: Mapping[int, Slot] = {}) -> list:
+def run(
+    jaxpr: ClosedJaxpr,
+    args,
+    reads: Mapping[int, Slot] = {},
+    writes: Mapping[int, Slot] = {},
+    adds: Mapping[int, Slot] = {},
+) -> list:
     """``jaxpr``'s results on ``args``, where input ``i`` in ``reads`` is row ``slot`` of a
     buffer (``args[i]`` unused) and result ``o`` in ``writes`` goes into row ``slot`` of a
     buffer, whose new value is returned in its place; result ``o`` in ``adds`` is added to
@@ -80,18 +86,19 @@ def run(jaxpr: ClosedJaxpr, args, reads: Mapping[int, Slot] = {}, writes: Mappin
             uses[v] = uses.get(v, 0) + 1
     # a result written in place: made by a scan as stacked ys, used nowhere else
     into = {**{o: (*s, False) for o, s in writes.items()}, **{o: (*s, True) for o, s in adds.items()}}
-    targets = {j.outvars[o]: s for o, s in into.items()
-               if not isinstance(j.outvars[o], Literal) and uses[j.outvars[o]] == 1}
+    targets = {
+        j.outvars[o]: s for o, s in into.items() if not isinstance(j.outvars[o], Literal) and uses[j.outvars[o]] == 1
+    }
     written = {}
 
     def read(x):
         if isinstance(x, Literal):
             return x.val
-        if x not in env:            # a slotted input something other than a scan's xs uses
+        if x not in env:  # a slotted input something other than a scan's xs uses
             env[x] = at(*slotted[x])
         return env[x]
 
-    def whole_value(x):             # rows something other than a scan's xs uses
+    def whole_value(x):  # rows something other than a scan's xs uses
         value = read(x)
         return value.stacked() if isinstance(value, Rows) else value
 
@@ -102,25 +109,28 @@ def run(jaxpr: ClosedJaxpr, args, reads: Mapping[int, Slot] = {}, writes: Mappin
             outs = eqn.primitive.bind(*map(whole_value, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
             outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
-    def whole(o, v):                # a result no scan wrote into its slot
+
+    def whole(o, v):  # a result no scan wrote into its slot
         buf, slot, add = into[o]
         if isinstance(buf, Rows):
             return Rows(y.astype(r.dtype) + (r if add else 0) for r, y in zip(buf, whole_value(v)))
         return put(buf, slot, at(buf, slot) + read(v).astype(buf.dtype) if add else read(v))
 
-    return [written[v] if v in written else whole(o, v) if o in into else whole_value(v)
-            for o, v in enumerate(j.outvars)]
+    return [
+        written[v] if v in written else whole(o, v) if o in into else whole_value(v) for o, v in enumerate(j.outvars)
+    ]
 
 
 def _touches(eqn, slotted, targets) -> bool:
     n_consts, n_carry = scan_arity(eqn.params)
-    return (any(not isinstance(x, Literal) and x in slotted for x in eqn.invars[n_consts + n_carry:])
-            or any(v in targets for v in eqn.outvars[n_carry:]))
+    return any(not isinstance(x, Literal) and x in slotted for x in eqn.invars[n_consts + n_carry :]) or any(
+        v in targets for v in eqn.outvars[n_carry:]
+    )
 
 
 def _has_rows(eqn, env) -> bool:
     n_consts, n_carry = scan_arity(eqn.params)
-    return any(isinstance(env.get(x), Rows) for x in eqn.invars[n_consts + n_carry:] if not isinstance(x, Literal))
+    return any(isinstance(env.get(x), Rows) for x in eqn.invars[n_consts + n_carry :] if not isinstance(x, Literal))
 
 
 def _scan(eqn, read, whole_value, slotted, targets, written) -> list:
@@ -130,8 +140,8 @@ def _scan(eqn, read, whole_value, slotted, targets, written) -> list:
     (n_consts, n_carry), length, reverse = scan_arity(p), p["length"], p["reverse"]
     body = jaxpr_as_fun(p["jaxpr"])
     consts = [whole_value(x) for x in eqn.invars[:n_consts]]
-    carry = [whole_value(x) for x in eqn.invars[n_consts:n_consts + n_carry]]
-    xs = eqn.invars[n_consts + n_carry:]
+    carry = [whole_value(x) for x in eqn.invars[n_consts : n_consts + n_carry]]
+    xs = eqn.invars[n_consts + n_carry :]
     xs_slots = {k: slotted[x] for k, x in enumerate(xs) if not isinstance(x, Literal) and x in slotted}
     ys = eqn.outvars[n_carry:]
     ys_slots = {k: targets[v] for k, v in enumerate(ys) if v in targets}
@@ -149,7 +159,7 @@ def _scan(eqn, read, whole_value, slotted, targets, written) -> list:
     xs_rest = [read(x) for k, x in enumerate(xs) if k not in xs_slots]
     if any(isinstance(x, Rows) for x in xs_rest + list(state[2].values())):
         rows = [None] * length
-        for i in (reversed(range(length)) if reverse else range(length)):
+        for i in reversed(range(length)) if reverse else range(length):
             state, rows[i] = step(state, [x[i] for x in xs_rest])
         (carry, _, bufs), ys_rest = state, [jnp.stack(y) for y in zip(*rows)]
     else:

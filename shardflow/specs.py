@@ -11,6 +11,7 @@ exactly like ``PartitionSpec(("data", "model"))`` on a ``Mesh(("data", "model"))
 ``PartitionSpec`` converts both ways: a dim naming axis ``a`` <-> ``S(dim)`` on ``a``; an axis
 named nowhere <-> ``B``; ``unreduced={a}`` <-> ``P`` on ``a``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,7 +19,7 @@ import math
 import os
 import re
 import sys
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -49,7 +50,7 @@ def installed_file(file_name: str) -> str | None:
     found = _INSTALLED.search(file_name)
     if found is None:
         return None
-    package = re.split(r"[\\/]", file_name[found.end():])[0]
+    package = re.split(r"[\\/]", file_name[found.end() :])[0]
     return None if package in ("jax", "jaxlib") else f"{package}/{os.path.basename(file_name)}"
 
 
@@ -103,6 +104,7 @@ class _Atom:
     """An SBP of one mesh axis: immutable, and interned — one object per value, so that the
     NdSbp tuples the planners key their tables by hash and compare by identity, in C (as
     dataclasses they hashed in Python: 8M calls building the 1b step's integer program)."""
+
     __slots__ = ("_key",)
     _interned: dict
 
@@ -155,22 +157,23 @@ class Partial(_Atom):
 
     def __new__(cls, op: str = "sum"):
         if op not in ("sum", "max", "min"):
-            raise ShardingError(f"P({op!r}): a partial value is reduced by 'sum', 'max' or 'min' "
-                                "(sf.P, sf.P('max'), sf.P('min'))")
+            raise ShardingError(
+                f"P({op!r}): a partial value is reduced by 'sum', 'max' or 'min' (sf.P, sf.P('max'), sf.P('min'))"
+            )
         return cls._intern((op,))
 
     @property
     def op(self) -> str:
         return self._key[0]
 
-    def __call__(self, op: str) -> "Partial":
+    def __call__(self, op: str) -> Partial:
         return Partial(op)
 
     def __repr__(self):
         return "P" if self.op == "sum" else f"P({self.op})"
 
 
-Sbp = Union[Split, Broadcast, Partial]
+Sbp = Split | Broadcast | Partial
 NdSbp = tuple  # tuple[Sbp, ...], one entry per mesh axis
 
 S = Split
@@ -270,13 +273,13 @@ def to_sbp(spec, mesh: Mesh, ndim: int | None = None, *, what: str = "value", an
     if isinstance(spec, PartitionSpec):
         sbp = _from_partition_spec(spec, mesh, ndim, what, any_order)
     elif not isinstance(spec, (tuple, list)):
-        raise ShardingError(f"{what}: spec {spec!r} ({type(spec).__name__}) is not a sharding spec; "
-                            f"{_forms(names)}")
+        raise ShardingError(f"{what}: spec {spec!r} ({type(spec).__name__}) is not a sharding spec; {_forms(names)}")
     else:
         spec = tuple(spec)
         if not all(is_sbp_atom(a) for a in spec):
-            raise ShardingError(f"{what}: spec {spec!r} is neither SBP (S(d), B, P) nor a PartitionSpec; "
-                                f"{_forms(names)}")
+            raise ShardingError(
+                f"{what}: spec {spec!r} is neither SBP (S(d), B, P) nor a PartitionSpec; {_forms(names)}"
+            )
         if len(spec) != len(names):
             raise ShardingError(
                 f"{what}: SBP spec {spec!r} has {len(spec)} entries but mesh axes {names} need {len(names)}"
@@ -285,16 +288,19 @@ def to_sbp(spec, mesh: Mesh, ndim: int | None = None, *, what: str = "value", an
     if ndim is not None:
         for axis, s in zip(names, sbp):
             if isinstance(s, Split) and not (0 <= s.dim < ndim):
-                raise ShardingError(f"{what}: {s!r} on mesh axis {axis!r} under spec {format_sbp(sbp)} but the "
-                                    f"tensor has rank {ndim}")
+                raise ShardingError(
+                    f"{what}: {s!r} on mesh axis {axis!r} under spec {format_sbp(sbp)} but the tensor has rank {ndim}"
+                )
     return tuple(sbp)
 
 
 def _forms(names) -> str:
     """The accepted spec forms, for mesh axes ``names``, as the end of an error message."""
     sbp = ["S(0)"] + ["B"] * (len(names) - 1)
-    return (f"a spec is one SBP per mesh axis {names}, e.g. ({', '.join('sf.' + a for a in sbp)}) or "
-            f"{', '.join(sbp)!r}, a PartitionSpec such as PartitionSpec({names[0]!r}), or None (whole)")
+    return (
+        f"a spec is one SBP per mesh axis {names}, e.g. ({', '.join('sf.' + a for a in sbp)}) or "
+        f"{', '.join(sbp)!r}, a PartitionSpec such as PartitionSpec({names[0]!r}), or None (whole)"
+    )
 
 
 def _parse(text: str, names, what) -> tuple:
@@ -399,7 +405,7 @@ def divides(shape, sbp: NdSbp, mesh: Mesh) -> bool:
 
 def _indivisible(shape, sbp: NdSbp, mesh: Mesh):
     """(dim, mesh axes, their device count) of the first dim they do not divide, or None."""
-    split = {}     # dim -> (its mesh axes, major first; their device count)
+    split = {}  # dim -> (its mesh axes, major first; their device count)
     for axis, n, s in zip(mesh.axis_names, mesh.devices.shape, sbp):
         if type(s) is Split:
             axes, count = split.get(s.dim, ((), 1))
@@ -420,14 +426,16 @@ def check_divisible(shape, dtype, sbp: NdSbp, mesh: Mesh, *, what: str, source: 
             raise ShardingError(
                 f"{what} {as_dtype(dtype).name}{list(shape)}{where}: {s!r} on mesh axis {axis!r} under spec "
                 f"{format_sbp(sbp)}; XLA has no max all-reduce of complex values — take the max of a "
-                "whole (B) value, or of its real part or abs")
+                "whole (B) value, or of its real part or abs"
+            )
     bad = _indivisible(shape, sbp, mesh)
     if bad is not None:
         dim, axes, n = bad
         where = f" at {source}" if source else ""
         raise ShardingError(
             f"{what} {dtype}{list(shape)}{where}: dim {dim} of size {shape[dim]} is not divisible by "
-            f"{n} (mesh axes {axes}) under spec {format_sbp(sbp)}; shardflow never replicates silently")
+            f"{n} (mesh axes {axes}) under spec {format_sbp(sbp)}; shardflow never replicates silently"
+        )
 
 
 def format_sbp(sbp: NdSbp) -> str:

@@ -20,6 +20,7 @@ regions (``checkpoint``: a remat layer's backward is one, recomputing the forwar
 inlined first, so that they are cut too; any other equation goes whole to B when B needs one of
 its results (W then reads the others from the stash), else whole to W.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -37,6 +38,7 @@ cond_p = primitives.cond_p
 
 class SplitVjp(NamedTuple):
     """b(*inputs) -> (*input gradients, *stash); w(*shared inputs, *stash) -> weight gradients."""
+
     b: ClosedJaxpr
     w: ClosedJaxpr
     n_stash: int
@@ -140,7 +142,7 @@ def _partition(eqns, outvars, roles, available):
 def _needed_carries(body: Jaxpr, n_consts, n_carry, b_out):
     """The body's results B needs: ``b_out`` closed under the carries those depend on."""
     b_out = list(b_out)
-    carry_in = body.invars[n_consts:n_consts + n_carry]
+    carry_in = body.invars[n_consts : n_consts + n_carry]
     while True:
         need = set(v for v, b in zip(_vars(body.outvars), b_out) if b)
         for e in reversed(body.eqns):
@@ -165,8 +167,8 @@ def _split_scan(e, in_b, in_w):
     if "w" not in roles:
         return e, None
     consts = body.invars[:n_consts]
-    carries = body.invars[n_consts:n_consts + n_carry]
-    xs = body.invars[n_consts + n_carry:]
+    carries = body.invars[n_consts : n_consts + n_carry]
+    xs = body.invars[n_consts + n_carry :]
     w_carries = [c for c, b in zip(carries, carry_b) if not b]
     available = set(body.constvars) | set(consts) | set(xs) | set(w_carries)
     b_eqns, w_eqns, stash = _partition(body.eqns, body.outvars, roles, available)
@@ -174,20 +176,21 @@ def _split_scan(e, in_b, in_w):
     def reads(eqns, outs):
         return set(_vars(a for q in eqns for a in q.invars)) | set(_vars(outs))
 
-    def pick(inner, outer, used):                 # the (inner, outer) operands one side reads
+    def pick(inner, outer, used):  # the (inner, outer) operands one side reads
         kept = [(i, o) for i, o in zip(inner, outer) if i in used]
         return [i for i, _ in kept], [o for _, o in kept]
 
     outer_consts = e.invars[:n_consts]
-    outer_carries = e.invars[n_consts:n_consts + n_carry]
-    outer_xs = e.invars[n_consts + n_carry:]
+    outer_carries = e.invars[n_consts : n_consts + n_carry]
+    outer_xs = e.invars[n_consts + n_carry :]
     outs_carry, outs_ys = e.outvars[:n_carry], e.outvars[n_carry:]
     body_carry_out, body_ys = body.outvars[:n_carry], body.outvars[n_carry:]
     ys_roles = roles[n_carry:]
 
     # B's scan: its carries, the ys B needs, and the stash stacked over iterations.
-    b_body_outs = ([v for v, b in zip(body_carry_out, carry_b) if b]
-                   + [v for v, r in zip(body_ys, ys_roles) if r == "b"] + stash)
+    b_body_outs = (
+        [v for v, b in zip(body_carry_out, carry_b) if b] + [v for v, r in zip(body_ys, ys_roles) if r == "b"] + stash
+    )
     b_used = reads(b_eqns, b_body_outs)
     b_consts, b_outer_consts = pick(consts, outer_consts, b_used)
     b_xs, b_outer_xs = pick(xs, outer_xs, b_used)
@@ -197,13 +200,23 @@ def _split_scan(e, in_b, in_w):
     eb = new_jaxpr_eqn(
         b_outer_consts + [o for o, b in zip(outer_carries, carry_b) if b] + b_outer_xs,
         [o for o, b in zip(outs_carry, carry_b) if b] + [o for o, r in zip(outs_ys, ys_roles) if r == "b"] + stacked,
-        scan_p, scan_params(e.params, ClosedJaxpr(b_body, closed.consts), consts=len(b_consts),
-                            carries=len(b_carries), xs=len(b_xs), ys=len(b_body_outs) - len(b_carries)),
-        e.effects, e.source_info)
+        scan_p,
+        scan_params(
+            e.params,
+            ClosedJaxpr(b_body, closed.consts),
+            consts=len(b_consts),
+            carries=len(b_carries),
+            xs=len(b_xs),
+            ys=len(b_body_outs) - len(b_carries),
+        ),
+        e.effects,
+        e.source_info,
+    )
 
     # W's scan: the other carries and the ys W needs, from the stash as extra xs.
-    w_body_outs = ([v for v, b in zip(body_carry_out, carry_b) if not b]
-                   + [v for v, r in zip(body_ys, ys_roles) if r == "w"])
+    w_body_outs = [v for v, b in zip(body_carry_out, carry_b) if not b] + [
+        v for v, r in zip(body_ys, ys_roles) if r == "w"
+    ]
     w_used = reads(w_eqns, w_body_outs)
     w_consts, w_outer_consts = pick(consts, outer_consts, w_used)
     w_xs, w_outer_xs = pick(xs, outer_xs, w_used)
@@ -211,9 +224,18 @@ def _split_scan(e, in_b, in_w):
     ew = new_jaxpr_eqn(
         w_outer_consts + [o for o, b in zip(outer_carries, carry_b) if not b] + w_outer_xs + stacked,
         [o for o, b in zip(outs_carry, carry_b) if not b] + [o for o, r in zip(outs_ys, ys_roles) if r == "w"],
-        scan_p, scan_params(e.params, ClosedJaxpr(w_body, closed.consts), consts=len(w_consts),
-                            carries=len(w_carries), xs=len(w_xs) + len(stash), ys=len(w_body_outs) - len(w_carries)),
-        e.effects, e.source_info)
+        scan_p,
+        scan_params(
+            e.params,
+            ClosedJaxpr(w_body, closed.consts),
+            consts=len(w_consts),
+            carries=len(w_carries),
+            xs=len(w_xs) + len(stash),
+            ys=len(w_body_outs) - len(w_carries),
+        ),
+        e.effects,
+        e.source_info,
+    )
     return eb, ew
 
 
@@ -235,7 +257,8 @@ def _split_cond(e, in_b, in_w):
 
     b_branches, w_branches = [], []
     for br, closed, (b_eqns, w_eqns, stash), place, bo, wo in zip(
-            branches, e.params["branches"], cuts, places, b_outs, w_outs):
+        branches, e.params["branches"], cuts, places, b_outs, w_outs
+    ):
         own = dict(zip(place, stash))
         zeros, zero_eqns = _zeros([a for i, a in enumerate(slots) if i not in own])
         zeros = iter(zeros)
@@ -247,12 +270,22 @@ def _split_cond(e, in_b, in_w):
         w_branches.append(ClosedJaxpr(w, closed.consts))
 
     stash = [Var(a) for a in slots]
-    eb = new_jaxpr_eqn([index] + [operands[j] for j in b_pos],
-                       [o for o, r in zip(e.outvars, roles) if r == "b"] + stash,
-                       cond_p, dict(e.params, branches=tuple(b_branches)), e.effects, e.source_info)
-    ew = new_jaxpr_eqn([index] + [operands[j] for j in w_pos] + stash,
-                       [o for o, r in zip(e.outvars, roles) if r == "w"],
-                       cond_p, dict(e.params, branches=tuple(w_branches)), e.effects, e.source_info)
+    eb = new_jaxpr_eqn(
+        [index] + [operands[j] for j in b_pos],
+        [o for o, r in zip(e.outvars, roles) if r == "b"] + stash,
+        cond_p,
+        dict(e.params, branches=tuple(b_branches)),
+        e.effects,
+        e.source_info,
+    )
+    ew = new_jaxpr_eqn(
+        [index] + [operands[j] for j in w_pos] + stash,
+        [o for o, r in zip(e.outvars, roles) if r == "w"],
+        cond_p,
+        dict(e.params, branches=tuple(w_branches)),
+        e.effects,
+        e.source_info,
+    )
     return eb, ew
 
 

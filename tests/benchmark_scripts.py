@@ -1,5 +1,6 @@
 """Load a benchmarks/ script as a module, as when it runs as a script: its folder first on
 sys.path (for benchmarks/_checkout.py and the scripts it imports)."""
+
 import importlib.util
 import sys
 from pathlib import Path

@@ -7,6 +7,7 @@ Every program is ordinary JAX; a strategy only says how its inputs lie on the me
   sp    tp, and activations between blocks split along the sequence over the last axis
   2d    batch over the first axis, tp over the last (1-D meshes: same as tp)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,6 +54,7 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
 
 
 # ------------------------------------------------------------------------------ the model
+
 
 def rmsnorm(x, g):
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * g
@@ -107,17 +109,27 @@ def cross_entropy(logits, targets):
 def layer_params(cfg: Cfg, r):
     d, f, hd = cfg.dim, cfg.ffn, cfg.head_dim
     n = lambda *shape: (r.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
-    return {"wq": n(d, cfg.heads * hd), "wk": n(d, cfg.kv_heads * hd), "wv": n(d, cfg.kv_heads * hd),
-            "wo": n(cfg.heads * hd, d), "w1": n(d, f), "w3": n(d, f), "w2": n(f, d),
-            "ln1": np.ones(d, np.float32), "ln2": np.ones(d, np.float32)}
+    return {
+        "wq": n(d, cfg.heads * hd),
+        "wk": n(d, cfg.kv_heads * hd),
+        "wv": n(d, cfg.kv_heads * hd),
+        "wo": n(cfg.heads * hd, d),
+        "w1": n(d, f),
+        "w3": n(d, f),
+        "w2": n(f, d),
+        "ln1": np.ones(d, np.float32),
+        "ln2": np.ones(d, np.float32),
+    }
 
 
 def llama_params(cfg: Cfg, seed=0):
     r = rng(seed)
-    return {"embed": (r.standard_normal((cfg.vocab, cfg.dim)) * 0.02).astype(np.float32),
-            "layer": layer_params(cfg, r),
-            "norm": np.ones(cfg.dim, np.float32),
-            "unembed": (r.standard_normal((cfg.dim, cfg.vocab)) / np.sqrt(cfg.dim)).astype(np.float32)}
+    return {
+        "embed": (r.standard_normal((cfg.vocab, cfg.dim)) * 0.02).astype(np.float32),
+        "layer": layer_params(cfg, r),
+        "norm": np.ones(cfg.dim, np.float32),
+        "unembed": (r.standard_normal((cfg.dim, cfg.vocab)) / np.sqrt(cfg.dim)).astype(np.float32),
+    }
 
 
 def llama_loss(params, tokens, targets, cfg: Cfg, pin=identity):
@@ -137,16 +149,20 @@ def make_train_step(loss_fn):
         loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
         updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
+
     return train_step
 
 
 def tokens(cfg: Cfg, seed=1):
     r = rng(seed)
-    return (r.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype(np.int32),
-            r.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype(np.int32))
+    return (
+        r.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype(np.int32),
+        r.integers(0, cfg.vocab, (cfg.batch, cfg.seq)).astype(np.int32),
+    )
 
 
 # ------------------------------------------------------------------------------ strategies
+
 
 def axes_roles(strategy: str, mesh):
     """(batch axes, fsdp axes, tp axis or None, sequence parallel?)."""
@@ -177,18 +193,19 @@ def weight_spec(name: str, ndim: int, strategy: str, mesh) -> PS:
         return PS(_one(fsdp))
     if tp is None or ndim < 2:
         return PS()
-    if name in ("wq", "wk", "wv", "w1", "w3", "unembed"):     # column parallel
+    if name in ("wq", "wk", "wv", "w1", "w3", "unembed"):  # column parallel
         return PS(None, tp)
-    if name in ("wo", "w2"):                                  # row parallel
+    if name in ("wo", "w2"):  # row parallel
         return PS(tp, None)
-    if name == "embed":                                       # vocab parallel
+    if name == "embed":  # vocab parallel
         return PS(tp, None)
     return PS()
 
 
 def param_specs(params, strategy, mesh):
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: weight_spec(path[-1].key, np.ndim(x), strategy, mesh), params)
+        lambda path, x: weight_spec(path[-1].key, np.ndim(x), strategy, mesh), params
+    )
 
 
 def batch_spec(strategy, mesh, ndim=2):
@@ -203,13 +220,13 @@ def activation_spec(strategy, mesh) -> PS:
 
 
 def opt_state_specs(opt_state, params, p_specs):
-    return optax.tree_map_params(OPTIMIZER, lambda _, s: s, opt_state, p_specs,
-                                 transform_non_params=lambda _: PS())
+    return optax.tree_map_params(OPTIMIZER, lambda _, s: s, opt_state, p_specs, transform_non_params=lambda _: PS())
 
 
 def pin_for(strategy, mesh):
     """The activation pin of a strategy: sequence parallelism constrains [batch, seq, dim] values."""
     import shardflow as sf
+
     if axes_roles(strategy, mesh)[3]:
         spec = activation_spec(strategy, mesh)
         return lambda x: sf.constrain(x, spec)
@@ -219,10 +236,13 @@ def pin_for(strategy, mesh):
 # ------------------------------------------------------------------------------ test cases
 # Each builder: (strategy, mesh) -> (fn, args, in_specs, out_specs), fn a single-device program.
 
+
 def case_mlp(strategy, mesh, cfg=Cfg()):
     r = rng(2)
-    params = {"w1": (r.standard_normal((cfg.dim, cfg.ffn)) / 6).astype(np.float32),
-              "w2": (r.standard_normal((cfg.ffn, cfg.dim)) / 8).astype(np.float32)}
+    params = {
+        "w1": (r.standard_normal((cfg.dim, cfg.ffn)) / 6).astype(np.float32),
+        "w2": (r.standard_normal((cfg.ffn, cfg.dim)) / 8).astype(np.float32),
+    }
     x = r.standard_normal((cfg.batch, cfg.seq, cfg.dim)).astype(np.float32)
     pin = pin_for(strategy, mesh)
 
@@ -267,6 +287,7 @@ def case_vocab_ce(strategy, mesh, cfg=Cfg()):
         def loss(p):
             x = jnp.tanh(p["embed"][toks])
             return cross_entropy(x @ p["unembed"], targets)
+
         return jax.value_and_grad(loss)(params)
 
     ps = param_specs(params, strategy, mesh)
@@ -289,8 +310,7 @@ def case_scan(strategy, mesh, cfg=Cfg()):
 
     step = make_train_step(loss)
     flat = param_specs({"embed": params["embed"], "unembed": params["unembed"], **layers[0]}, strategy, mesh)
-    ps = {"embed": flat["embed"], "unembed": flat["unembed"],
-          "layers": {k: PS(None, *flat[k]) for k in layers[0]}}
+    ps = {"embed": flat["embed"], "unembed": flat["unembed"], "layers": {k: PS(None, *flat[k]) for k in layers[0]}}
     os_ = opt_state_specs(opt_state, params, ps)
     bs = batch_spec(strategy, mesh)
     return step, (params, opt_state, *tokens(cfg)), (ps, os_, bs, bs), (ps, os_, PS())
@@ -304,6 +324,7 @@ def case_cond(strategy, mesh, cfg=Cfg()):
         def loss(p):
             y = lax.cond(jnp.mean(x) > 0, lambda: mlp(pin(x), p), lambda: -mlp(pin(x), p) * 0.5)
             return jnp.mean(pin(x + y) ** 2)
+
         return jax.value_and_grad(loss)(params)
 
     return fn, args, in_specs, out_specs
@@ -317,11 +338,19 @@ def case_while(strategy, mesh, cfg=Cfg()):
         def body(state):
             i, h = state
             return i + 1, pin(h + 0.1 * mlp(pin(h), params))
+
         _, h = lax.while_loop(lambda s: (s[0] < 3) & (jnp.max(jnp.abs(s[1])) < 1e6), body, (0, x))
         return h
 
     return fn, args, in_specs, batch_spec(strategy, mesh, 3)
 
 
-CASES = {"mlp": case_mlp, "attention": case_attention, "llama_step": case_llama_step,
-         "vocab_ce": case_vocab_ce, "scan": case_scan, "cond": case_cond, "while": case_while}
+CASES = {
+    "mlp": case_mlp,
+    "attention": case_attention,
+    "llama_step": case_llama_step,
+    "vocab_ce": case_vocab_ce,
+    "scan": case_scan,
+    "cond": case_cond,
+    "while": case_while,
+}

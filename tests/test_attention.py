@@ -1,6 +1,7 @@
 """shardflow.ops.attention: kernels in interpret mode and the XLA path against a dense fp32
 reference (forward, lse, dq/dk/dv), fully masked rows, and the jaxpr contract with the
 compiler passes. GPU-only checks skip without a GPU."""
+
 from __future__ import annotations
 
 import functools
@@ -20,82 +21,92 @@ TOLERANCE = {jnp.float32: 1e-3, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
 
 
 def reference_attention(q, k, v, *, causal, scale, segment_ids, q_offset, kv_offset):
-  """Dense fp32 attention, returns (out, lse); fully masked rows give 0 and -inf."""
-  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  group = q.shape[2] // k.shape[2]
-  k = jnp.repeat(k, group, axis=2)
-  v = jnp.repeat(v, group, axis=2)
-  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
-  mask = jnp.ones(s.shape[-2:], bool)[None, None]
-  if causal:
-    q_pos = q_offset + jnp.arange(q.shape[1])
-    kv_pos = kv_offset + jnp.arange(k.shape[1])
-    mask = mask & (q_pos[:, None] >= kv_pos[None, :])[None, None]
-  if segment_ids is not None:
-    mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-  s = jnp.where(mask, s, -jnp.inf)
-  lse = jax.nn.logsumexp(s, axis=-1)
-  p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-  out = jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
-  return out, lse
+    """Dense fp32 attention, returns (out, lse); fully masked rows give 0 and -inf."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    k = jnp.repeat(k, group, axis=2)
+    v = jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
+    mask = jnp.ones(s.shape[-2:], bool)[None, None]
+    if causal:
+        q_pos = q_offset + jnp.arange(q.shape[1])
+        kv_pos = kv_offset + jnp.arange(k.shape[1])
+        mask = mask & (q_pos[:, None] >= kv_pos[None, :])[None, None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    s = jnp.where(mask, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
+    return out, lse
 
 
 def rel_err(x, ref):
-  """‖x - ref‖ / ‖ref‖, with ‖ref‖ floored at an RMS of 1e-3 per element: a reference that is
-  exactly zero (dq with a single visible key) is met by rounding noise, not by zero."""
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  assert np.all(np.isfinite(x)), "non-finite values"
-  return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-3 * np.sqrt(ref.size))
+    """‖x - ref‖ / ‖ref‖, with ‖ref‖ floored at an RMS of 1e-3 per element: a reference that is
+    exactly zero (dq with a single visible key) is met by rounding noise, not by zero."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(x)), "non-finite values"
+    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-3 * np.sqrt(ref.size))
 
 
-def make_inputs(seed, batch, q_len, kv_len, heads_kv, group, head_dim, dtype,
-                num_segments=0):
-  keys = jax.random.split(jax.random.key(seed), 5)
-  q = jax.random.normal(keys[0], (batch, q_len, heads_kv * group, head_dim), jnp.float32)
-  k = jax.random.normal(keys[1], (batch, kv_len, heads_kv, head_dim), jnp.float32)
-  v = jax.random.normal(keys[2], (batch, kv_len, heads_kv, head_dim), jnp.float32)
-  dout = jax.random.normal(keys[3], q.shape, jnp.float32)
-  segment_ids = None
-  if num_segments:
-    # Sorted random segment ids: packed documents of random lengths.
-    segment_ids = jnp.sort(jax.random.randint(keys[4], (batch, q_len), 0, num_segments), -1)
-  cast = lambda x: x.astype(dtype)
-  return cast(q), cast(k), cast(v), cast(dout), segment_ids
+def make_inputs(seed, batch, q_len, kv_len, heads_kv, group, head_dim, dtype, num_segments=0):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (batch, q_len, heads_kv * group, head_dim), jnp.float32)
+    k = jax.random.normal(keys[1], (batch, kv_len, heads_kv, head_dim), jnp.float32)
+    v = jax.random.normal(keys[2], (batch, kv_len, heads_kv, head_dim), jnp.float32)
+    dout = jax.random.normal(keys[3], q.shape, jnp.float32)
+    segment_ids = None
+    if num_segments:
+        # Sorted random segment ids: packed documents of random lengths.
+        segment_ids = jnp.sort(jax.random.randint(keys[4], (batch, q_len), 0, num_segments), -1)
+    cast = lambda x: x.astype(dtype)
+    return cast(q), cast(k), cast(v), cast(dout), segment_ids
 
 
-def check_against_reference(backend, *, seed=0, batch=1, q_len=33, kv_len=33, heads_kv=2,
-                            group=1, head_dim=32, dtype=jnp.float32, causal=False,
-                            num_segments=0, q_offset=0, kv_offset=0, check_grads=True):
-  q, k, v, dout, segment_ids = make_inputs(seed, batch, q_len, kv_len, heads_kv, group,
-                                           head_dim, dtype, num_segments)
-  scale = 0.7 / np.sqrt(head_dim)
-  kwargs = dict(causal=causal, scale=scale, segment_ids=segment_ids, q_offset=q_offset,
-                kv_offset=kv_offset)
+def check_against_reference(
+    backend,
+    *,
+    seed=0,
+    batch=1,
+    q_len=33,
+    kv_len=33,
+    heads_kv=2,
+    group=1,
+    head_dim=32,
+    dtype=jnp.float32,
+    causal=False,
+    num_segments=0,
+    q_offset=0,
+    kv_offset=0,
+    check_grads=True,
+):
+    q, k, v, dout, segment_ids = make_inputs(seed, batch, q_len, kv_len, heads_kv, group, head_dim, dtype, num_segments)
+    scale = 0.7 / np.sqrt(head_dim)
+    kwargs = dict(causal=causal, scale=scale, segment_ids=segment_ids, q_offset=q_offset, kv_offset=kv_offset)
 
-  def ours(q, k, v):
-    return attention(q, k, v, return_lse=True, backend=backend, **kwargs)
+    def ours(q, k, v):
+        return attention(q, k, v, return_lse=True, backend=backend, **kwargs)
 
-  def ref(q, k, v):
-    return reference_attention(q, k, v, **kwargs)
+    def ref(q, k, v):
+        return reference_attention(q, k, v, **kwargs)
 
-  (out, lse), vjp = jax.vjp(ours, q, k, v)
-  f32 = functools.partial(jax.tree.map, lambda x: x.astype(jnp.float32))
-  (out_ref, lse_ref), vjp_ref = jax.vjp(ref, *f32((q, k, v)))
-  tol = TOLERANCE[dtype]
-  assert out.shape == q.shape and out.dtype == q.dtype
-  assert lse.shape == (batch, q.shape[2], q_len) and lse.dtype == jnp.float32
-  assert rel_err(out, out_ref) < tol
-  finite = np.isfinite(np.asarray(lse_ref))
-  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
-  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite],
-                             rtol=tol, atol=tol)
-  if check_grads:
-    # The lse cotangent is zero here; test_lse_gradient covers a non-zero one.
-    grads = vjp((dout, jnp.zeros_like(lse)))
-    grads_ref = vjp_ref((dout.astype(jnp.float32), jnp.zeros_like(lse_ref)))
-    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
-      assert g.dtype == dtype
-      assert rel_err(g, g_ref) < tol, name
+    (out, lse), vjp = jax.vjp(ours, q, k, v)
+    f32 = functools.partial(jax.tree.map, lambda x: x.astype(jnp.float32))
+    (out_ref, lse_ref), vjp_ref = jax.vjp(ref, *f32((q, k, v)))
+    tol = TOLERANCE[dtype]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (batch, q.shape[2], q_len) and lse.dtype == jnp.float32
+    assert rel_err(out, out_ref) < tol
+    finite = np.isfinite(np.asarray(lse_ref))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite], rtol=tol, atol=tol)
+    if check_grads:
+        # The lse cotangent is zero here; test_lse_gradient covers a non-zero one.
+        grads = vjp((dout, jnp.zeros_like(lse)))
+        grads_ref = vjp_ref((dout.astype(jnp.float32), jnp.zeros_like(lse_ref)))
+        for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+            assert g.dtype == dtype
+            assert rel_err(g, g_ref) < tol, name
 
 
 # "interpret": the GPU (Triton-lowering) kernels; "interpret_tpu": the Mosaic TPU kernels.
@@ -107,8 +118,7 @@ KERNEL_BACKENDS = ["interpret", "interpret_tpu", "xla"]
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seq", [80, 256])  # 256: whole blocks, where nothing may be masked
 def test_matches_reference(backend, dtype, causal, seq):
-  check_against_reference(backend, dtype=dtype, causal=causal, q_len=seq, kv_len=seq,
-                          head_dim=64, group=2)
+    check_against_reference(backend, dtype=dtype, causal=causal, q_len=seq, kv_len=seq, head_dim=64, group=2)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -125,111 +135,152 @@ def test_matches_reference(backend, dtype, causal, seq):
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
     seed=st.integers(0, 2**16),
 )
-def test_random_shapes(backend, q_len, kv_extra, group, heads_kv, head_dim, causal,
-                       use_segments, offsets, dtype, seed):
-  kv_len = max(1, q_len + kv_extra)
-  if use_segments:
-    kv_len = q_len  # segment ids are shared by queries and keys
-  check_against_reference(backend, seed=seed, q_len=q_len, kv_len=kv_len, heads_kv=heads_kv,
-                          group=group, head_dim=head_dim, dtype=dtype, causal=causal,
-                          num_segments=3 if use_segments else 0, q_offset=offsets[0],
-                          kv_offset=offsets[1])
+def test_random_shapes(backend, q_len, kv_extra, group, heads_kv, head_dim, causal, use_segments, offsets, dtype, seed):
+    kv_len = max(1, q_len + kv_extra)
+    if use_segments:
+        kv_len = q_len  # segment ids are shared by queries and keys
+    check_against_reference(
+        backend,
+        seed=seed,
+        q_len=q_len,
+        kv_len=kv_len,
+        heads_kv=heads_kv,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+        causal=causal,
+        num_segments=3 if use_segments else 0,
+        q_offset=offsets[0],
+        kv_offset=offsets[1],
+    )
 
 
 @settings(max_examples=200, deadline=None)
-@given(block_q=st.sampled_from([16, 32, 64]), block_k=st.sampled_from([16, 32, 64]),
-       num_q_blocks=st.integers(1, 6), num_kv_blocks=st.integers(1, 6),
-       kv_pad=st.integers(0, 15), offset_delta=st.integers(-200, 200), causal=st.booleans())
-def test_block_ranges_agree_with_the_element_mask(block_q, block_k, num_q_blocks,
-                                                  num_kv_blocks, kv_pad, offset_delta, causal):
-  """The skip/no-mask/mask classification of blocks that every kernel relies on."""
-  from shardflow.kernels import attention_common as common
-  kv_len = max(num_kv_blocks * block_k - kv_pad, 1)
-  for qb in range(num_q_blocks):
-    num_full, end = common.kv_block_range(
-        qb * block_q, block_q=block_q, block_k=block_k, num_kv_blocks=num_kv_blocks,
-        kv_len=kv_len, causal=causal, has_segment_ids=False, offset_delta=offset_delta)
-    for kb in range(num_kv_blocks):
-      mask = np.asarray(common.element_mask(
-          jnp.arange(qb * block_q, (qb + 1) * block_q),
-          jnp.arange(kb * block_k, (kb + 1) * block_k), causal=causal, kv_len=kv_len,
-          offset_delta=offset_delta))
-      if kb < num_full:
-        assert mask.all()
-      if kb >= end:
-        assert not mask.any()
-      begin_q, begin_full_q = common.q_block_range(
-          kb * block_k, block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks,
-          causal=causal, has_segment_ids=False, offset_delta=offset_delta)
-      # The dk/dv kernel ignores kv padding (those rows are sliced off), so compare causally.
-      causal_mask = np.asarray(common.element_mask(
-          jnp.arange(qb * block_q, (qb + 1) * block_q),
-          jnp.arange(kb * block_k, (kb + 1) * block_k), causal=causal, kv_len=None,
-          offset_delta=offset_delta))
-      causal_mask = np.ones((block_q, block_k), bool) if causal_mask.ndim == 0 else causal_mask
-      if qb < begin_q:
-        assert not causal_mask.any()
-      if qb >= begin_full_q:
-        assert causal_mask.all()
+@given(
+    block_q=st.sampled_from([16, 32, 64]),
+    block_k=st.sampled_from([16, 32, 64]),
+    num_q_blocks=st.integers(1, 6),
+    num_kv_blocks=st.integers(1, 6),
+    kv_pad=st.integers(0, 15),
+    offset_delta=st.integers(-200, 200),
+    causal=st.booleans(),
+)
+def test_block_ranges_agree_with_the_element_mask(
+    block_q, block_k, num_q_blocks, num_kv_blocks, kv_pad, offset_delta, causal
+):
+    """The skip/no-mask/mask classification of blocks that every kernel relies on."""
+    from shardflow.kernels import attention_common as common
+
+    kv_len = max(num_kv_blocks * block_k - kv_pad, 1)
+    for qb in range(num_q_blocks):
+        num_full, end = common.kv_block_range(
+            qb * block_q,
+            block_q=block_q,
+            block_k=block_k,
+            num_kv_blocks=num_kv_blocks,
+            kv_len=kv_len,
+            causal=causal,
+            has_segment_ids=False,
+            offset_delta=offset_delta,
+        )
+        for kb in range(num_kv_blocks):
+            mask = np.asarray(
+                common.element_mask(
+                    jnp.arange(qb * block_q, (qb + 1) * block_q),
+                    jnp.arange(kb * block_k, (kb + 1) * block_k),
+                    causal=causal,
+                    kv_len=kv_len,
+                    offset_delta=offset_delta,
+                )
+            )
+            if kb < num_full:
+                assert mask.all()
+            if kb >= end:
+                assert not mask.any()
+            begin_q, begin_full_q = common.q_block_range(
+                kb * block_k,
+                block_q=block_q,
+                block_k=block_k,
+                num_q_blocks=num_q_blocks,
+                causal=causal,
+                has_segment_ids=False,
+                offset_delta=offset_delta,
+            )
+            # The dk/dv kernel ignores kv padding (those rows are sliced off), so compare causally.
+            causal_mask = np.asarray(
+                common.element_mask(
+                    jnp.arange(qb * block_q, (qb + 1) * block_q),
+                    jnp.arange(kb * block_k, (kb + 1) * block_k),
+                    causal=causal,
+                    kv_len=None,
+                    offset_delta=offset_delta,
+                )
+            )
+            causal_mask = np.ones((block_q, block_k), bool) if causal_mask.ndim == 0 else causal_mask
+            if qb < begin_q:
+                assert not causal_mask.any()
+            if qb >= begin_full_q:
+                assert causal_mask.all()
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_fully_masked_rows_are_zero_with_minus_inf_lse(backend):
-  # Queries at positions 0..15 against keys at 20..51: causal hides every key from rows < 20.
-  q, k, v, dout, _ = make_inputs(1, 1, 40, 32, 1, 2, 32, jnp.float32)
+    # Queries at positions 0..15 against keys at 20..51: causal hides every key from rows < 20.
+    q, k, v, dout, _ = make_inputs(1, 1, 40, 32, 1, 2, 32, jnp.float32)
 
-  def loss(q, k, v):
-    out, lse = attention(q, k, v, causal=True, q_offset=0, kv_offset=20, return_lse=True,
-                         backend=backend)
-    return jnp.sum(out * dout), (out, lse)
+    def loss(q, k, v):
+        out, lse = attention(q, k, v, causal=True, q_offset=0, kv_offset=20, return_lse=True, backend=backend)
+        return jnp.sum(out * dout), (out, lse)
 
-  grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-  assert np.all(np.asarray(out[:, :20]) == 0.0)
-  assert np.all(np.isneginf(np.asarray(lse[:, :, :20])))
-  assert np.all(np.isfinite(np.asarray(lse[:, :, 20:])))
-  for g in grads:
-    assert np.all(np.isfinite(np.asarray(g)))
-  assert np.all(np.asarray(grads[0][:, :20]) == 0.0)
-  check_against_reference(backend, q_len=40, kv_len=32, group=2, causal=True, kv_offset=20)
+    grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    assert np.all(np.asarray(out[:, :20]) == 0.0)
+    assert np.all(np.isneginf(np.asarray(lse[:, :, :20])))
+    assert np.all(np.isfinite(np.asarray(lse[:, :, 20:])))
+    for g in grads:
+        assert np.all(np.isfinite(np.asarray(g)))
+    assert np.all(np.asarray(grads[0][:, :20]) == 0.0)
+    check_against_reference(backend, q_len=40, kv_len=32, group=2, causal=True, kv_offset=20)
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_traced_offsets(backend):
-  q, k, v, dout, _ = make_inputs(2, 1, 48, 48, 1, 1, 32, jnp.float32)
+    q, k, v, dout, _ = make_inputs(2, 1, 48, 48, 1, 1, 32, jnp.float32)
 
-  @jax.jit
-  def f(q, k, v, q_offset, kv_offset):
-    return attention(q, k, v, causal=True, q_offset=q_offset, kv_offset=kv_offset,
-                     backend=backend)
+    @jax.jit
+    def f(q, k, v, q_offset, kv_offset):
+        return attention(q, k, v, causal=True, q_offset=q_offset, kv_offset=kv_offset, backend=backend)
 
-  for q_offset, kv_offset in [(48, 0), (0, 10), (5, 30)]:
-    ref, _ = reference_attention(q, k, v, causal=True, scale=32 ** -0.5, segment_ids=None,
-                                 q_offset=q_offset, kv_offset=kv_offset)
-    assert rel_err(f(q, k, v, q_offset, kv_offset), ref) < 1e-3
+    for q_offset, kv_offset in [(48, 0), (0, 10), (5, 30)]:
+        ref, _ = reference_attention(
+            q, k, v, causal=True, scale=32**-0.5, segment_ids=None, q_offset=q_offset, kv_offset=kv_offset
+        )
+        assert rel_err(f(q, k, v, q_offset, kv_offset), ref) < 1e-3
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_lse_gradient(backend):
-  # A loss that uses lse, as ring attention's combination of partial results does.
-  q, k, v, dout, segment_ids = make_inputs(3, 2, 24, 24, 1, 2, 16, jnp.float32, 2)
-  weights = jax.random.normal(jax.random.key(9), (2, 2, 24))
+    # A loss that uses lse, as ring attention's combination of partial results does.
+    q, k, v, dout, segment_ids = make_inputs(3, 2, 24, 24, 1, 2, 16, jnp.float32, 2)
+    weights = jax.random.normal(jax.random.key(9), (2, 2, 24))
 
-  def loss(fn):
-    def f(q, k, v):
-      out, lse = fn(q, k, v)
-      return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * weights)
-    return f
+    def loss(fn):
+        def f(q, k, v):
+            out, lse = fn(q, k, v)
+            return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * weights)
 
-  kwargs = dict(causal=True, segment_ids=segment_ids, scale=0.25, q_offset=0, kv_offset=0)
-  ours = loss(lambda q, k, v: attention(q, k, v, return_lse=True, backend=backend, **kwargs))
-  ref = loss(lambda q, k, v: reference_attention(q, k, v, **kwargs))
-  for g, g_ref in zip(jax.grad(ours, (0, 1, 2))(q, k, v), jax.grad(ref, (0, 1, 2))(q, k, v)):
-    assert rel_err(g, g_ref) < 1e-3
+        return f
+
+    kwargs = dict(causal=True, segment_ids=segment_ids, scale=0.25, q_offset=0, kv_offset=0)
+    ours = loss(lambda q, k, v: attention(q, k, v, return_lse=True, backend=backend, **kwargs))
+    ref = loss(lambda q, k, v: reference_attention(q, k, v, **kwargs))
+    for g, g_ref in zip(jax.grad(ours, (0, 1, 2))(q, k, v), jax.grad(ref, (0, 1, 2))(q, k, v)):
+        assert rel_err(g, g_ref) < 1e-3
 
 
 def test_fp16_interpret():
-  check_against_reference("interpret", dtype=jnp.float16, causal=True, q_len=40, kv_len=40,
-                          group=4, heads_kv=1, head_dim=64)
+    check_against_reference(
+        "interpret", dtype=jnp.float16, causal=True, q_len=40, kv_len=40, group=4, heads_kv=1, head_dim=64
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -237,92 +288,101 @@ def test_fp16_interpret():
 
 
 def _units(jaxpr, name):
-  """All eqns of the primitive `name`, searching nested jaxprs."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == name:
-      found.append(eqn)
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          found += _units(sub.jaxpr, name)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          found += _units(sub, name)
-  return found
+    """All eqns of the primitive `name`, searching nested jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            found.append(eqn)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    found += _units(sub.jaxpr, name)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    found += _units(sub, name)
+    return found
 
 
 def _operand_shapes(eqn):
-  return [tuple(var.aval.shape) for var in eqn.invars]
+    return [tuple(var.aval.shape) for var in eqn.invars]
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
 @pytest.mark.parametrize("with_segments", [False, True])
 @pytest.mark.parametrize("traced_offsets", [False, True])
 def test_jaxpr_contract(backend, with_segments, traced_offsets):
-  q, k, v, dout, segment_ids = make_inputs(4, 2, 16, 16, 2, 2, 16, jnp.float32,
-                                           2 if with_segments else 0)
-  q_shape, kv_shape = q.shape, k.shape
+    q, k, v, dout, segment_ids = make_inputs(4, 2, 16, 16, 2, 2, 16, jnp.float32, 2 if with_segments else 0)
+    q_shape, kv_shape = q.shape, k.shape
 
-  def f(q, k, v, q_offset, kv_offset):
-    if not traced_offsets:
-      q_offset, kv_offset = 3, 0
-    return attention(q, k, v, causal=True, segment_ids=segment_ids, q_offset=q_offset,
-                     kv_offset=kv_offset, backend=backend)
+    def f(q, k, v, q_offset, kv_offset):
+        if not traced_offsets:
+            q_offset, kv_offset = 3, 0
+        return attention(
+            q, k, v, causal=True, segment_ids=segment_ids, q_offset=q_offset, kv_offset=kv_offset, backend=backend
+        )
 
-  args = (q, k, v, jnp.int32(3), jnp.int32(0))
-  extra_shapes = ([(2, 16)] if with_segments else []) + ([(), ()] if traced_offsets else [])
+    args = (q, k, v, jnp.int32(3), jnp.int32(0))
+    extra_shapes = ([(2, 16)] if with_segments else []) + ([(), ()] if traced_offsets else [])
 
-  fwd_jaxpr = jax.make_jaxpr(f)(*args).jaxpr
-  [fwd] = _units(fwd_jaxpr, "sf_attention_fwd")
-  assert not _units(fwd_jaxpr, "sf_attention_bwd")
-  assert _operand_shapes(fwd) == [q_shape, kv_shape, kv_shape] + extra_shapes
-  assert [tuple(v.aval.shape) for v in fwd.outvars] == [q_shape, (2, 4, 16)]
-  assert [v.aval.dtype for v in fwd.outvars] == [q.dtype, jnp.float32]
+    fwd_jaxpr = jax.make_jaxpr(f)(*args).jaxpr
+    [fwd] = _units(fwd_jaxpr, "sf_attention_fwd")
+    assert not _units(fwd_jaxpr, "sf_attention_bwd")
+    assert _operand_shapes(fwd) == [q_shape, kv_shape, kv_shape] + extra_shapes
+    assert [tuple(v.aval.shape) for v in fwd.outvars] == [q_shape, (2, 4, 16)]
+    assert [v.aval.dtype for v in fwd.outvars] == [q.dtype, jnp.float32]
 
-  loss = lambda *a: jnp.sum(f(*a) * dout)
-  grad_jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args).jaxpr
-  [fwd] = _units(grad_jaxpr, "sf_attention_fwd")
-  [bwd] = _units(grad_jaxpr, "sf_attention_bwd")
-  assert _operand_shapes(fwd) == [q_shape, kv_shape, kv_shape] + extra_shapes
-  assert _operand_shapes(bwd) == ([q_shape, kv_shape, kv_shape, q_shape, (2, 4, 16), q_shape]
-                                  + extra_shapes)
-  assert [tuple(v.aval.shape) for v in bwd.outvars] == [q_shape, kv_shape, kv_shape]
-  # The kernels run inside the named calls: no pallas_call outside them.
-  outside = [e for e in grad_jaxpr.eqns if e.primitive.name == "pallas_call"]
-  assert not outside
+    loss = lambda *a: jnp.sum(f(*a) * dout)
+    grad_jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args).jaxpr
+    [fwd] = _units(grad_jaxpr, "sf_attention_fwd")
+    [bwd] = _units(grad_jaxpr, "sf_attention_bwd")
+    assert _operand_shapes(fwd) == [q_shape, kv_shape, kv_shape] + extra_shapes
+    assert _operand_shapes(bwd) == ([q_shape, kv_shape, kv_shape, q_shape, (2, 4, 16), q_shape] + extra_shapes)
+    assert [tuple(v.aval.shape) for v in bwd.outvars] == [q_shape, kv_shape, kv_shape]
+    # The kernels run inside the named calls: no pallas_call outside them.
+    outside = [e for e in grad_jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert not outside
 
 
 @pytest.mark.parametrize("q_len,kv_len", [(0, 8), (8, 0), (0, 0)])
 def test_empty_sequences(q_len, kv_len):
-  """No query, or no key to see: zeros and lse = -inf (a row that sees no key), zero grads."""
-  q, k = jnp.ones((2, q_len, 4, 16)), jnp.ones((2, kv_len, 2, 16))
-  f = lambda q, k, v: attention(q, k, v, causal=True, return_lse=True, backend="interpret")
-  out, lse = f(q, k, k)
-  assert out.shape == q.shape and not np.asarray(out).any()
-  assert lse.shape == (2, 4, q_len) and np.all(np.isneginf(np.asarray(lse)))
-  grads = jax.grad(lambda *a: jnp.sum(f(*a)[0]), argnums=(0, 1, 2))(q, k, k)
-  assert all(g.shape == x.shape and not np.asarray(g).any() for g, x in zip(grads, (q, k, k)))
+    """No query, or no key to see: zeros and lse = -inf (a row that sees no key), zero grads."""
+    q, k = jnp.ones((2, q_len, 4, 16)), jnp.ones((2, kv_len, 2, 16))
+    f = lambda q, k, v: attention(q, k, v, causal=True, return_lse=True, backend="interpret")
+    out, lse = f(q, k, k)
+    assert out.shape == q.shape and not np.asarray(out).any()
+    assert lse.shape == (2, 4, q_len) and np.all(np.isneginf(np.asarray(lse)))
+    grads = jax.grad(lambda *a: jnp.sum(f(*a)[0]), argnums=(0, 1, 2))(q, k, k)
+    assert all(g.shape == x.shape and not np.asarray(g).any() for g, x in zip(grads, (q, k, k)))
 
 
 def test_rejects_bad_shapes():
-  q = jnp.zeros((1, 8, 3, 16))
-  k = jnp.zeros((1, 8, 2, 16))
-  with pytest.raises(ValueError, match="heads_q=3"):
-    attention(q, k, k, backend="xla")
-  with pytest.raises(ValueError, match="segment_ids"):
-    attention(q, jnp.zeros((1, 4, 3, 16)), jnp.zeros((1, 4, 3, 16)),
-              segment_ids=jnp.zeros((1, 8), jnp.int32), backend="xla")
-  with pytest.raises(ValueError, match="backend"):
-    attention(q, q, q, backend="flash")
-  with pytest.raises(ValueError, match="segment_ids must be integers, got float32"):
-    attention(q, jnp.zeros((1, 8, 3, 16)), jnp.zeros((1, 8, 3, 16)),
-              segment_ids=jnp.zeros((1, 8), jnp.float32), backend="xla")
-  if jax.default_backend() == "cpu":
-    with pytest.raises(ValueError, match="backend='cudnn' needs an NVIDIA GPU"):
-      attention(q, q, q, backend="cudnn")
-  wide = jnp.zeros((1, 8, 1, 256), jnp.float32)  # fp32 rows of 1 KB: beyond the GPU tiles
-  with pytest.raises(ValueError, match="head_dim up to 128"):
-    attention(wide, wide, wide, backend="interpret")
+    q = jnp.zeros((1, 8, 3, 16))
+    k = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match="heads_q=3"):
+        attention(q, k, k, backend="xla")
+    with pytest.raises(ValueError, match="segment_ids"):
+        attention(
+            q,
+            jnp.zeros((1, 4, 3, 16)),
+            jnp.zeros((1, 4, 3, 16)),
+            segment_ids=jnp.zeros((1, 8), jnp.int32),
+            backend="xla",
+        )
+    with pytest.raises(ValueError, match="backend"):
+        attention(q, q, q, backend="flash")
+    with pytest.raises(ValueError, match="segment_ids must be integers, got float32"):
+        attention(
+            q,
+            jnp.zeros((1, 8, 3, 16)),
+            jnp.zeros((1, 8, 3, 16)),
+            segment_ids=jnp.zeros((1, 8), jnp.float32),
+            backend="xla",
+        )
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="backend='cudnn' needs an NVIDIA GPU"):
+            attention(q, q, q, backend="cudnn")
+    wide = jnp.zeros((1, 8, 1, 256), jnp.float32)  # fp32 rows of 1 KB: beyond the GPU tiles
+    with pytest.raises(ValueError, match="head_dim up to 128"):
+        attention(wide, wide, wide, backend="interpret")
 
 
 # ------------------------------------------------------------------------------------------
@@ -336,39 +396,44 @@ requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seq", [300, 512])  # 300: the Triton kernels; 512: Mosaic on Hopper
 def test_gpu_kernels(causal, seq):
-  check_against_reference("pallas", dtype=jnp.bfloat16, causal=causal, batch=2, q_len=seq,
-                          kv_len=seq, heads_kv=2, group=4, head_dim=128)
+    check_against_reference(
+        "pallas", dtype=jnp.bfloat16, causal=causal, batch=2, q_len=seq, kv_len=seq, heads_kv=2, group=4, head_dim=128
+    )
 
 
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("per_q_head", [False, True])
 def test_gpu_kernels_on_slices_of_stacked_layers(per_q_head, monkeypatch):
-  """q, k, v sliced from stacked arrays inside one jit, as a model's layers are: XLA fuses the
-  slicing into the kernel call. Per q head the backward's dk, dv sums once shared a buffer there
-  (dk, dv off by 56-179 % on an H100, jax 0.11.2) while the same call on fresh arrays was right."""
-  from shardflow.kernels import flash_attention_mgpu as mgpu
-  grid = mgpu.backward_grid
+    """q, k, v sliced from stacked arrays inside one jit, as a model's layers are: XLA fuses the
+    slicing into the kernel call. Per q head the backward's dk, dv sums once shared a buffer there
+    (dk, dv off by 56-179 % on an H100, jax 0.11.2) while the same call on fresh arrays was right."""
+    from shardflow.kernels import flash_attention_mgpu as mgpu
 
-  def forced(batch, kv_len, heads_q, heads_kv, head_dim, **kw):
-    heads = heads_q if per_q_head else heads_kv
-    return per_q_head, dict(grid=(heads, kv_len // (2 * mgpu.BWD_BLOCK_KV), batch),
-                            grid_names=("heads", "kv_seq", "batch"))
-  monkeypatch.setattr(mgpu, "backward_grid", forced)
-  r = np.random.default_rng(0)
-  b, s, hq, hk, d = 4, 256, 4, 2, 64
-  q, k, v = (jnp.asarray(r.standard_normal((2, b, s, h, d)), jnp.bfloat16) for h in (hq, hk, hk))
-  w = jnp.cos(jnp.arange(b * s * hq * d, dtype=jnp.float32).reshape(b, s, hq, d))
+    def forced(batch, kv_len, heads_q, heads_kv, head_dim, **kw):
+        heads = heads_q if per_q_head else heads_kv
+        return per_q_head, dict(
+            grid=(heads, kv_len // (2 * mgpu.BWD_BLOCK_KV), batch), grid_names=("heads", "kv_seq", "batch")
+        )
 
-  def grads(backend):
-    def loss(q, k, v):
-      return sum(jnp.sum(attention(q[i], k[i], v[i], causal=True, backend=backend)
-                         .astype(jnp.float32) * w) for i in range(2))
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    monkeypatch.setattr(mgpu, "backward_grid", forced)
+    r = np.random.default_rng(0)
+    b, s, hq, hk, d = 4, 256, 4, 2, 64
+    q, k, v = (jnp.asarray(r.standard_normal((2, b, s, h, d)), jnp.bfloat16) for h in (hq, hk, hk))
+    w = jnp.cos(jnp.arange(b * s * hq * d, dtype=jnp.float32).reshape(b, s, hq, d))
 
-  for name, got, want in zip(("dq", "dk", "dv"), grads("pallas"), grads("xla")):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max(), name
+    def grads(backend):
+        def loss(q, k, v):
+            return sum(
+                jnp.sum(attention(q[i], k[i], v[i], causal=True, backend=backend).astype(jnp.float32) * w)
+                for i in range(2)
+            )
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    for name, got, want in zip(("dq", "dk", "dv"), grads("pallas"), grads("xla")):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max(), name
 
 
 # ------------------------------------------------------------------------------------------
@@ -382,33 +447,38 @@ def test_gpu_kernels_on_slices_of_stacked_layers(per_q_head, monkeypatch):
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("batch,seq", [(2, 512), (2, 4352), (8, 4352)])  # GQA per q / kv head
 def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, group, batch, seq):
-  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-  from shardflow.kernels import flash_attention_mgpu
-  q = jax.ShapeDtypeStruct((batch, seq, 4 * group, head_dim), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((batch, seq, 4, head_dim), jnp.bfloat16)
-  lse = jax.ShapeDtypeStruct((batch, 4 * group, seq), jnp.float32)
-  kw = dict(causal=causal, scale=head_dim ** -0.5)
-  for fn, args in ((functools.partial(flash_attention_mgpu.forward, **kw), (q, kv, kv)),
-                   (functools.partial(flash_attention_mgpu.backward, **kw),
-                    (q, kv, kv, q, lse, q))):
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from shardflow.kernels import flash_attention_mgpu
+
+    q = jax.ShapeDtypeStruct((batch, seq, 4 * group, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, seq, 4, head_dim), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((batch, 4 * group, seq), jnp.float32)
+    kw = dict(causal=causal, scale=head_dim**-0.5)
+    for fn, args in (
+        (functools.partial(flash_attention_mgpu.forward, **kw), (q, kv, kv)),
+        (functools.partial(flash_attention_mgpu.backward, **kw), (q, kv, kv, q, lse, q)),
+    ):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
 
 
 # (batch, seq, heads_q, heads_kv) -> per q head for (non-causal, causal) x (head_dim 64, 128).
 BACKWARD_PER_Q_HEAD = {
-    (4, 4096, 16, 16): {(False, 64): False, (False, 128): False, (True, 64): False,
-                        (True, 128): False},  # MHA: never
-    (2, 4096, 32, 8): {(False, 64): False, (False, 128): False, (True, 64): False,
-                       (True, 128): True},  # the anchor: L2 at head_dim 128 only (measured)
-    (8, 4096, 32, 8): {(False, 64): False, (False, 128): False, (True, 64): False,
-                       (True, 128): True},
-    (4, 4096, 16, 8): dict.fromkeys([(False, 64), (False, 128), (True, 64), (True, 128)],
-                                    False),  # the 1b model: groups of 2 per kv head (measured)
-    (4, 2048, 16, 2): dict.fromkeys([(False, 64), (False, 128), (True, 64), (True, 128)],
-                                    True),  # 128 CTAs per kv head: SMs idle
-    (1, 4096, 24, 6): dict.fromkeys([(False, 64), (False, 128), (True, 64), (True, 128)],
-                                    True),  # 192 CTAs: 1.5 waves
+    (4, 4096, 16, 16): {(False, 64): False, (False, 128): False, (True, 64): False, (True, 128): False},  # MHA: never
+    (2, 4096, 32, 8): {
+        (False, 64): False,
+        (False, 128): False,
+        (True, 64): False,
+        (True, 128): True,
+    },  # the anchor: L2 at head_dim 128 only (measured)
+    (8, 4096, 32, 8): {(False, 64): False, (False, 128): False, (True, 64): False, (True, 128): True},
+    (4, 4096, 16, 8): dict.fromkeys(
+        [(False, 64), (False, 128), (True, 64), (True, 128)], False
+    ),  # the 1b model: groups of 2 per kv head (measured)
+    (4, 2048, 16, 2): dict.fromkeys(
+        [(False, 64), (False, 128), (True, 64), (True, 128)], True
+    ),  # 128 CTAs per kv head: SMs idle
+    (1, 4096, 24, 6): dict.fromkeys([(False, 64), (False, 128), (True, 64), (True, 128)], True),  # 192 CTAs: 1.5 waves
     (1, 384, 6, 3): dict.fromkeys([(False, 64), (False, 128), (True, 64), (True, 128)], True),
 }
 
@@ -417,98 +487,105 @@ BACKWARD_PER_Q_HEAD = {
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("shape", list(BACKWARD_PER_Q_HEAD))
 def test_backward_grid(shape, head_dim, causal):
-  """The Mosaic backward's grid: one CTA per (head, kv block, batch), a head being a q head for
-  causal GQA of groups above 2 at head_dim 128 and wherever per kv head would leave SMs idle
-  (< 2 CTAs per SM); causal per-kv-head GQA of groups above 2 launches its long CTAs first,
-  everything else keeps a head together."""
-  from shardflow.kernels.flash_attention_mgpu import BWD_BLOCK_KV, backward_grid
-  batch, seq, heads_q, heads_kv = shape
-  per_q_head, grid = backward_grid(batch, seq, heads_q, heads_kv, head_dim, causal=causal,
-                                   sm_count=132)
-  assert per_q_head == BACKWARD_PER_Q_HEAD[shape][causal, head_dim]
-  sizes = dict(zip(grid["grid_names"], grid["grid"]))
-  assert sizes == dict(heads=heads_q if per_q_head else heads_kv,
-                       kv_seq=seq // (2 * BWD_BLOCK_KV), batch=batch)
-  long_first = causal and heads_q > 2 * heads_kv and not per_q_head
-  assert grid["grid_names"][0] == ("kv_seq" if long_first else "heads")
+    """The Mosaic backward's grid: one CTA per (head, kv block, batch), a head being a q head for
+    causal GQA of groups above 2 at head_dim 128 and wherever per kv head would leave SMs idle
+    (< 2 CTAs per SM); causal per-kv-head GQA of groups above 2 launches its long CTAs first,
+    everything else keeps a head together."""
+    from shardflow.kernels.flash_attention_mgpu import BWD_BLOCK_KV, backward_grid
+
+    batch, seq, heads_q, heads_kv = shape
+    per_q_head, grid = backward_grid(batch, seq, heads_q, heads_kv, head_dim, causal=causal, sm_count=132)
+    assert per_q_head == BACKWARD_PER_Q_HEAD[shape][causal, head_dim]
+    sizes = dict(zip(grid["grid_names"], grid["grid"]))
+    assert sizes == dict(heads=heads_q if per_q_head else heads_kv, kv_seq=seq // (2 * BWD_BLOCK_KV), batch=batch)
+    long_first = causal and heads_q > 2 * heads_kv and not per_q_head
+    assert grid["grid_names"][0] == ("kv_seq" if long_first else "heads")
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("batch,heads,q_tiles,kv_blocks", [
-    (4, 16, 32, 32), (1, 16, 128, 128), (8, 32, 16, 16), (3, 3, 3, 3), (1, 1, 5, 5),
-    (2, 1, 1, 1), (1, 2, 40, 33)])
+@pytest.mark.parametrize(
+    "batch,heads,q_tiles,kv_blocks",
+    [(4, 16, 32, 32), (1, 16, 128, 128), (8, 32, 16, 16), (3, 3, 3, 3), (1, 1, 5, 5), (2, 1, 1, 1), (1, 2, 40, 33)],
+)
 def test_forward_work_covers_every_tile_once(batch, heads, q_tiles, kv_blocks, causal):
-  """The Mosaic forward's CTAs (at most one per SM) attend every (batch, head, q tile) exactly
-  once, with its K/V block count; causal, they are balanced."""
-  from shardflow.kernels.flash_attention_mgpu import ForwardWork
-  work = ForwardWork.plan(batch, heads, q_tiles, kv_blocks, causal, sm_count=132)
-  ctas = jnp.arange(work.num_ctas, dtype=jnp.int32)
-  counts = np.asarray(work.tiles_of(ctas))
-  cta, i = np.nonzero(np.arange(counts.max())[None, :] < counts[:, None])
-  b, h, t, steps = (np.broadcast_to(np.asarray(x), cta.shape)
-                    for x in work.tile(jnp.asarray(cta, jnp.int32), jnp.asarray(i, jnp.int32)))
-  assert sorted(zip(b, h, t)) == [(x, y, z) for x in range(batch) for y in range(heads)
-                                  for z in range(q_tiles)]
-  np.testing.assert_array_equal(steps, t + 1 if causal else kv_blocks)
-  assert work.num_ctas == min(132, len(t) // work.tiles_per_unit)
-  if causal and len(t) % 2 == 0:  # pairs of q_tiles + 1 steps
-    load = np.bincount(cta, weights=steps)
-    assert load.max() - load.min() <= q_tiles + 1
+    """The Mosaic forward's CTAs (at most one per SM) attend every (batch, head, q tile) exactly
+    once, with its K/V block count; causal, they are balanced."""
+    from shardflow.kernels.flash_attention_mgpu import ForwardWork
+
+    work = ForwardWork.plan(batch, heads, q_tiles, kv_blocks, causal, sm_count=132)
+    ctas = jnp.arange(work.num_ctas, dtype=jnp.int32)
+    counts = np.asarray(work.tiles_of(ctas))
+    cta, i = np.nonzero(np.arange(counts.max())[None, :] < counts[:, None])
+    b, h, t, steps = (
+        np.broadcast_to(np.asarray(x), cta.shape)
+        for x in work.tile(jnp.asarray(cta, jnp.int32), jnp.asarray(i, jnp.int32))
+    )
+    assert sorted(zip(b, h, t)) == [(x, y, z) for x in range(batch) for y in range(heads) for z in range(q_tiles)]
+    np.testing.assert_array_equal(steps, t + 1 if causal else kv_blocks)
+    assert work.num_ctas == min(132, len(t) // work.tiles_per_unit)
+    if causal and len(t) % 2 == 0:  # pairs of q_tiles + 1 steps
+        load = np.bincount(cta, weights=steps)
+        assert load.max() - load.min() <= q_tiles + 1
 
 
 @pytest.mark.parametrize("causal,segments", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("head_dim,group,seq", [(128, 1, 512), (64, 4, 300)])
 def test_tpu_kernels_lower_for_tpu(monkeypatch, causal, segments, head_dim, group, seq):
-  """No TPU here: lowering for one (a v5e's sizes) still runs Pallas' Mosaic TPU checks —
-  block shapes, layouts, memory spaces — that interpret mode skips."""
-  from shardflow._compat import tpu_info as _tpu_info
-  tpu_info = _tpu_info()
-  from shardflow.kernels import flash_attention_tpu as tpu
-  monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
-                      lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
-  q = jax.ShapeDtypeStruct((2, seq, 2 * group, head_dim), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, seq, 2, head_dim), jnp.bfloat16)
-  lse = jax.ShapeDtypeStruct((2, 2 * group, seq), jnp.float32)
-  segment_ids = jax.ShapeDtypeStruct((2, seq), jnp.int32) if segments else None
-  kw = dict(causal=causal, scale=head_dim ** -0.5)
-  fwd = lambda q, k, v, s: tpu.forward(q, k, v, s, 0, **kw)
-  bwd = lambda q, k, v, s, o, l, do: tpu.backward(q, k, v, s, 0, o, l, do, **kw)
-  for fn, args in ((fwd, (q, kv, kv, segment_ids)), (bwd, (q, kv, kv, segment_ids, q, lse, q))):
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
-    assert "tpu_custom_call" in text
+    """No TPU here: lowering for one (a v5e's sizes) still runs Pallas' Mosaic TPU checks —
+    block shapes, layouts, memory spaces — that interpret mode skips."""
+    from shardflow._compat import tpu_info as _tpu_info
+
+    tpu_info = _tpu_info()
+    from shardflow.kernels import flash_attention_tpu as tpu
+
+    monkeypatch.setitem(
+        tpu_info.registry,
+        jax.devices()[0].device_kind,
+        lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1),
+    )
+    q = jax.ShapeDtypeStruct((2, seq, 2 * group, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, seq, 2, head_dim), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((2, 2 * group, seq), jnp.float32)
+    segment_ids = jax.ShapeDtypeStruct((2, seq), jnp.int32) if segments else None
+    kw = dict(causal=causal, scale=head_dim**-0.5)
+    fwd = lambda q, k, v, s: tpu.forward(q, k, v, s, 0, **kw)
+    bwd = lambda q, k, v, s, o, l, do: tpu.backward(q, k, v, s, 0, o, l, do, **kw)
+    for fn, args in ((fwd, (q, kv, kv, segment_ids)), (bwd, (q, kv, kv, segment_ids, q, lse, q))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+        assert "tpu_custom_call" in text
 
 
 def test_mosaic_gpu_dispatch_takes_only_what_the_kernels_handle(monkeypatch):
-  """Everything the Mosaic kernels were not built for must go to the Triton kernels: a wrong
-  predicate would give wrong masks, not an error."""
-  from shardflow.kernels import flash_attention_mgpu as mgpu
-  bf16 = lambda b, s, h, d, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((b, s, h, d), dtype)
+    """Everything the Mosaic kernels were not built for must go to the Triton kernels: a wrong
+    predicate would give wrong masks, not an error."""
+    from shardflow.kernels import flash_attention_mgpu as mgpu
 
-  def takes(q, k, segment_ids=None, offset_delta=0, causal=True, scale=0.1):
-    args = (q, k, segment_ids, offset_delta)
-    fwd = mgpu.supports(*args, causal=causal, scale=scale)
-    bwd = mgpu.supports_backward(*args, causal=causal, scale=scale)
-    assert bwd <= fwd
-    return fwd, bwd
+    bf16 = lambda b, s, h, d, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((b, s, h, d), dtype)
 
-  assert takes(bf16(2, 512, 8, 128), bf16(2, 512, 2, 128)) == (False, False)  # not on Hopper
-  monkeypatch.setattr(mgpu, "on_hopper", lambda: True)
-  q, k = bf16(2, 512, 8, 128), bf16(2, 512, 2, 128)
-  assert takes(q, k) == (True, True)
-  assert takes(bf16(1, 1024, 4, 64, jnp.float16), bf16(1, 1024, 4, 64, jnp.float16),
-               causal=False) == (True, True)
-  assert takes(q, bf16(2, 1024, 2, 128), causal=False) == (True, True)  # cross attention
-  rejected = [
-      dict(q=bf16(2, 512, 8, 128, jnp.float32), k=bf16(2, 512, 2, 128, jnp.float32)),
-      dict(q=bf16(2, 512, 8, 96), k=bf16(2, 512, 2, 96)),                    # head_dim
-      dict(segment_ids=jnp.zeros((2, 512), jnp.int32)),
-      dict(offset_delta=7),                                                  # shifted mask
-      dict(offset_delta=jnp.int32(0)),                                       # traced offset
-      dict(k=bf16(2, 1024, 2, 128)),                                         # causal, Sq != Skv
-      dict(q=bf16(2, 300, 8, 128), k=bf16(2, 300, 2, 128)),                  # not x128
-      dict(q=bf16(2, 128, 8, 128), k=bf16(2, 128, 2, 128)),                  # < 2 kv blocks
-      dict(scale=-1.0),
-  ]
-  for change in rejected:
-    case = {"q": q, "k": k, **change}
-    assert takes(case.pop("q"), case.pop("k"), **case) == (False, False), change
+    def takes(q, k, segment_ids=None, offset_delta=0, causal=True, scale=0.1):
+        args = (q, k, segment_ids, offset_delta)
+        fwd = mgpu.supports(*args, causal=causal, scale=scale)
+        bwd = mgpu.supports_backward(*args, causal=causal, scale=scale)
+        assert bwd <= fwd
+        return fwd, bwd
+
+    assert takes(bf16(2, 512, 8, 128), bf16(2, 512, 2, 128)) == (False, False)  # not on Hopper
+    monkeypatch.setattr(mgpu, "on_hopper", lambda: True)
+    q, k = bf16(2, 512, 8, 128), bf16(2, 512, 2, 128)
+    assert takes(q, k) == (True, True)
+    assert takes(bf16(1, 1024, 4, 64, jnp.float16), bf16(1, 1024, 4, 64, jnp.float16), causal=False) == (True, True)
+    assert takes(q, bf16(2, 1024, 2, 128), causal=False) == (True, True)  # cross attention
+    rejected = [
+        dict(q=bf16(2, 512, 8, 128, jnp.float32), k=bf16(2, 512, 2, 128, jnp.float32)),
+        dict(q=bf16(2, 512, 8, 96), k=bf16(2, 512, 2, 96)),  # head_dim
+        dict(segment_ids=jnp.zeros((2, 512), jnp.int32)),
+        dict(offset_delta=7),  # shifted mask
+        dict(offset_delta=jnp.int32(0)),  # traced offset
+        dict(k=bf16(2, 1024, 2, 128)),  # causal, Sq != Skv
+        dict(q=bf16(2, 300, 8, 128), k=bf16(2, 300, 2, 128)),  # not x128
+        dict(q=bf16(2, 128, 8, 128), k=bf16(2, 128, 2, 128)),  # < 2 kv blocks
+        dict(scale=-1.0),
+    ]
+    for change in rejected:
+        case = {"q": q, "k": k, **change}
+        assert takes(case.pop("q"), case.pop("k"), **case) == (False, False), change

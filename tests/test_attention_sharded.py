@@ -1,5 +1,6 @@
 """shardflow.ops.attention inside parallelize: batch- and head-split q/k/v run the kernels on
 local blocks, forward and backward, and equal one device."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +20,9 @@ def inputs(b=4, s=16, hq=8, hkv=4, d=16, seed=0):
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
-@pytest.mark.parametrize("spec", [PS("data"), PS(None, None, "model"), PS("data", None, "model")],
-                         ids=["batch", "heads", "batch+heads"])
+@pytest.mark.parametrize(
+    "spec", [PS("data"), PS(None, None, "model"), PS("data", None, "model")], ids=["batch", "heads", "batch+heads"]
+)
 def test_sharded_attention_forward_and_grads(backend, spec):
     mesh = sf.make_mesh({"data": 2, "model": 4})
     q, k, v = inputs()
@@ -52,8 +54,9 @@ def test_attention_inside_a_differentiated_scan():
         def layer(x, wi):
             y = attention(x @ wi, k, v, causal=True, backend="xla")
             return x + y, None
+
         x, _ = jax.lax.scan(layer, q, w)
-        return jnp.mean(x ** 2)
+        return jnp.mean(x**2)
 
     fn = jax.grad(loss)
     f = sf.parallelize(fn, mesh=mesh, in_specs=(PS(), PS("data"), PS("data"), PS("data")), out_specs=PS())
@@ -69,14 +72,19 @@ def test_sequence_split_queries_gather_keys_and_shift_the_causal_mask(backend, t
     offsets = (jnp.int32(5), jnp.int32(5)) if traced_offsets else (5, 5)
 
     def loss(q, k, v):
-        out, lse = attention(q, k, v, causal=True, q_offset=offsets[0], kv_offset=offsets[1],
-                             return_lse=True, backend=backend)
+        out, lse = attention(
+            q, k, v, causal=True, q_offset=offsets[0], kv_offset=offsets[1], return_lse=True, backend=backend
+        )
         return jnp.sum(jnp.tanh(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * 0.1), out
 
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
     seq = PS("data", "model")
-    f = sf.parallelize(lambda q, k, v: fn(sf.constrain(q, seq), k, v), mesh=mesh,
-                       in_specs=(seq, PS("data"), PS("data")), out_specs=((PS(), seq), (seq, PS("data"), PS("data"))))
+    f = sf.parallelize(
+        lambda q, k, v: fn(sf.constrain(q, seq), k, v),
+        mesh=mesh,
+        in_specs=(seq, PS("data"), PS("data")),
+        out_specs=((PS(), seq), (seq, PS("data"), PS("data"))),
+    )
     expected = jax.jit(fn)(q, k, v)
     for a, e in zip(jax.tree.leaves(f(q, k, v)), jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)

@@ -1,6 +1,7 @@
 """`shardflow explain` shows the training step's plan without training or writing anything;
 `shardflow train` refuses, before allocating or compiling, a config whose step cannot fit in
 the devices' memory; Ctrl-C ends a run with one line naming its last checkpoint."""
+
 import os
 import re
 import signal
@@ -22,8 +23,11 @@ GiB = 2**30
 def host_of_32_gib(monkeypatch):
     """The CPU devices share a host of 32 GiB (4 GiB each of the 8), whatever this machine has."""
     real_sysconf = os.sysconf
-    monkeypatch.setattr(os, "sysconf", lambda name: (
-        32 * GiB // real_sysconf("SC_PAGE_SIZE") if name == "SC_PHYS_PAGES" else real_sysconf(name)))
+    monkeypatch.setattr(
+        os,
+        "sysconf",
+        lambda name: 32 * GiB // real_sysconf("SC_PAGE_SIZE") if name == "SC_PHYS_PAGES" else real_sysconf(name),
+    )
 
 
 def _nothing_allocated(monkeypatch):
@@ -35,34 +39,56 @@ def _nothing_allocated(monkeypatch):
         if not all(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
             pytest.fail("parameters allocated")
         return state
+
     monkeypatch.setattr(loop, "init_state", abstract_only)
 
 
 @pytest.mark.parametrize("planner", ["greedy", "solver"])
-def test_explain_prints_the_plan_time_and_memory_and_writes_nothing(planner, tmp_path, capsys,
-                                                                    monkeypatch, host_of_32_gib):
+def test_explain_prints_the_plan_time_and_memory_and_writes_nothing(
+    planner, tmp_path, capsys, monkeypatch, host_of_32_gib
+):
     monkeypatch.chdir(tmp_path)
     _nothing_allocated(monkeypatch)
-    code = cli.main(["explain", "--set", "model={preset: tiny, n_layers: 2}",
-                     "--set", "mesh={data: 2, model: 4}", "--set", "strategy=2d",
-                     "--set", f"planner={planner}"])
+    code = cli.main(
+        [
+            "explain",
+            "--set",
+            "model={preset: tiny, n_layers: 2}",
+            "--set",
+            "mesh={data: 2, model: 4}",
+            "--set",
+            "strategy=2d",
+            "--set",
+            f"planner={planner}",
+        ]
+    )
     out, err = capsys.readouterr()
     assert "warning: mesh axis" not in err, err
     assert code == 0, out
     lines = out.splitlines()
-    assert lines[0].startswith("model {'preset': 'tiny', 'n_layers': 2} 1.7M params | mesh "
-                               "{'data': 2, 'model': 4} strategy 2d planner " + planner), lines[0]
+    assert lines[0].startswith(
+        "model {'preset': 'tiny', 'n_layers': 2} 1.7M params | mesh "
+        "{'data': 2, 'model': 4} strategy 2d planner " + planner
+    ), lines[0]
     assert re.search(r"^kind +axes +value +bytes +µs +× +source +reason$", out, re.M), out
-    assert re.search(r"^all_reduce +model ", out, re.M), out    # the tensor-parallel sums
+    assert re.search(r"^all_reduce +model ", out, re.M), out  # the tensor-parallel sums
     assert f"planner: {planner}" in out
-    step_time = re.search(r"^step time, modelled: ([\d.]+) ms \(([\d.]+) ms of collectives \+ "
-                          r"([\d.]+) ms of local work - ([\d.]+) ms the layer loop hides\)$", out, re.M)
+    step_time = re.search(
+        r"^step time, modelled: ([\d.]+) ms \(([\d.]+) ms of collectives \+ "
+        r"([\d.]+) ms of local work - ([\d.]+) ms the layer loop hides\)$",
+        out,
+        re.M,
+    )
     total, collectives, work, hidden = map(float, step_time.groups())
     assert total > 0 and abs(total - (collectives + work - hidden)) < 2e-3
-    assert re.search(r"^memory per device, modelled: [\d.]+ MiB \([\d.]+ MiB of parameters, "
-                     r"optimizer state and batch \+ [\d.]+ MiB the loops hold; other intermediates "
-                     r"not counted\); fits in 4.0 GiB each of 8 CPU devices \(32.0 GiB of host "
-                     r"memory shared\)$", out, re.M), out
+    assert re.search(
+        r"^memory per device, modelled: [\d.]+ MiB \([\d.]+ MiB of parameters, "
+        r"optimizer state and batch \+ [\d.]+ MiB the loops hold; other intermediates "
+        r"not counted\); fits in 4.0 GiB each of 8 CPU devices \(32.0 GiB of host "
+        r"memory shared\)$",
+        out,
+        re.M,
+    ), out
     assert list(tmp_path.iterdir()) == []
 
 
@@ -70,19 +96,24 @@ def test_explain_refuses_a_bad_config_like_train(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["explain", "--set", "strategy={batch: data, embd: data}"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("config error: strategy {'batch': 'data', 'embd': 'data'}: the rules "
-                          "table names logical axis 'embd'") and err.count("\n") == 1, err
+    assert (
+        err.startswith(
+            "config error: strategy {'batch': 'data', 'embd': 'data'}: the rules table names logical axis 'embd'"
+        )
+        and err.count("\n") == 1
+    ), err
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("config,params", [("1b.yaml", "886.1M"), ("3b.yaml", "3.02B"),
-                                           ("7b-2d.yaml", "6.74B")])
+@pytest.mark.parametrize("config,params", [("1b.yaml", "886.1M"), ("3b.yaml", "3.02B"), ("7b-2d.yaml", "6.74B")])
 def test_a_model_too_large_for_the_devices_is_refused_before_anything_is_allocated(
-        config, params, tmp_path, capsys, monkeypatch, host_of_32_gib):
+    config, params, tmp_path, capsys, monkeypatch, host_of_32_gib
+):
     _nothing_allocated(monkeypatch)
     out = tmp_path / "run"
-    code = cli.main(["train", "--config", str(CONFIGS / config), "--set", "data.path=null",
-                     "--out", str(out), "--no-progress"])
+    code = cli.main(
+        ["train", "--config", str(CONFIGS / config), "--set", "data.path=null", "--out", str(out), "--no-progress"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     needs = re.match(
@@ -92,7 +123,8 @@ def test_a_model_too_large_for_the_devices_is_refused_before_anything_is_allocat
         r"the layers keep for the backward\), more than 4.0 GiB each of 8 CPU devices \(32.0 GiB "
         r"of host memory shared\)\. Run it on accelerators with at least \1 GiB each \(this "
         r"machine has CPU devices only\), or make the step need less per device: more devices",
-        err)
+        err,
+    )
     assert needs, err
     assert float(needs.group(1)) > 4.0
     assert not out.exists()
@@ -109,12 +141,32 @@ def test_ctrl_c_ends_training_with_one_line_naming_the_last_checkpoint(tmp_path)
     disk finished (its checksums written), the line names the newest."""
     out = tmp_path / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "shardflow.train", "--out", str(out), "--steps", "1000",
-         "--no-progress", "--set", "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8, "
-                                   "max_seq_len: 32}",
-         "--set", "batch_size=8", "--set", "data.seq_len=32", "--set", "eval_every=0",
-         "--set", "checkpoint.every=2", "--set", "compute_dtype=float32"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "shardflow.train",
+            "--out",
+            str(out),
+            "--steps",
+            "1000",
+            "--no-progress",
+            "--set",
+            "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8, max_seq_len: 32}",
+            "--set",
+            "batch_size=8",
+            "--set",
+            "data.seq_len=32",
+            "--set",
+            "eval_every=0",
+            "--set",
+            "checkpoint.every=2",
+            "--set",
+            "compute_dtype=float32",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 240
     while not (out / "checkpoints" / "2" / "checksums.json").exists():
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
@@ -129,24 +181,36 @@ def test_ctrl_c_ends_training_with_one_line_naming_the_last_checkpoint(tmp_path)
     assert "Traceback" not in stderr, stderr
     steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and all((out / "checkpoints" / str(s) / "checksums.json").exists() for s in steps)
-    last = re.fullmatch(r"interrupted after step (\d+); last checkpoint: step (\d+) in (.+)",
-                        stderr.splitlines()[-1])
+    last = re.fullmatch(r"interrupted after step (\d+); last checkpoint: step (\d+) in (.+)", stderr.splitlines()[-1])
     assert last, stderr
     assert int(last.group(2)) == steps[-1] <= int(last.group(1)) + 1
     assert last.group(3) == str(out / "checkpoints")
 
 
-def test_a_step_the_planner_refuses_is_one_line_before_anything_is_written(tmp_path, capsys,
-                                                                           monkeypatch):
+def test_a_step_the_planner_refuses_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
     import shardflow as sf
 
     def refuse(run, step_fn):
         raise sf.ShardingError("llama.py:66: dim 2 of size 4 is not divisible by 8")
+
     monkeypatch.setattr(loop, "plan_step", refuse)
     out = tmp_path / "run"
-    code = cli.main(["train", "--out", str(out), "--steps", "2", "--no-progress",
-                     "--set", "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8}",
-                     "--set", "data.seq_len=32", "--set", "checkpoint.every=1"])
+    code = cli.main(
+        [
+            "train",
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--no-progress",
+            "--set",
+            "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8}",
+            "--set",
+            "data.seq_len=32",
+            "--set",
+            "checkpoint.every=1",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("sharding error: ") and err.count("\n") == 1, err
@@ -154,13 +218,26 @@ def test_a_step_the_planner_refuses_is_one_line_before_anything_is_written(tmp_p
     assert not out.exists()
 
 
-def test_a_mesh_axis_the_strategy_leaves_unused_is_one_warning_line(tmp_path, capsys, monkeypatch,
-                                                                    host_of_32_gib):
+def test_a_mesh_axis_the_strategy_leaves_unused_is_one_warning_line(tmp_path, capsys, monkeypatch, host_of_32_gib):
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["explain", "--set", "model={preset: tiny, n_layers: 2}",
-                     "--set", "mesh={data: 2, model: 4}", "--set", "strategy=dp"]) == 0
+    assert (
+        cli.main(
+            [
+                "explain",
+                "--set",
+                "model={preset: tiny, n_layers: 2}",
+                "--set",
+                "mesh={data: 2, model: 4}",
+                "--set",
+                "strategy=dp",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
-    assert ("warning: mesh axis 'model' (4 devices) splits nothing under strategy 'dp': every "
-            "device along it repeats the same work on the same data. Use a strategy that names "
-            "it, or leave it out of the mesh\n") in err, err
+    assert (
+        "warning: mesh axis 'model' (4 devices) splits nothing under strategy 'dp': every "
+        "device along it repeats the same work on the same data. Use a strategy that names "
+        "it, or leave it out of the mesh\n"
+    ) in err, err
     assert "ReplicatedAxisWarning" not in err

@@ -1,21 +1,22 @@
 """Optimal communication: explain's bytes equal the analytical optimum of each strategy, and
 the compiled HLO runs those collectives (bytes within 1 %)."""
+
 import math
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import programs as pg
 import pytest
 from jax.sharding import PartitionSpec as PS
 
-import programs as pg
 import shardflow as sf
 from shardflow import hlo
 
-
 # the user's line, with the library line that made the value beside it when a library did
 USER_LINE = r"[\w.]+\.py:\d+( \([\w./]+\.py:\d+\))?"
+
 
 def nbytes(tree):
     return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
@@ -56,14 +57,15 @@ def llama_step_plan(strategy, shape):
 
 # ------------------------------------------------------------------------------ data parallel
 
+
 @pytest.mark.parametrize("shape", [{"data": 8}, {"data": 2, "model": 4}])
 def test_dp_gradient_all_reduce(shape):
     plan, params, n = llama_step_plan("dp", shape)
     tensors = tensor_collectives(plan)
     assert {c.kind for c in tensors} == {"all_reduce"}
     assert sum(c.bytes for c in tensors) == pytest.approx(2 * ring(n) * nbytes(params), abs=len(tensors))
-    assert len(tensors) == len(jax.tree.leaves(params))            # each gradient reduced once
-    assert scalar_bytes(plan) <= 2 * 2 * ring(n) * 4                # the loss, at most one more scalar
+    assert len(tensors) == len(jax.tree.leaves(params))  # each gradient reduced once
+    assert scalar_bytes(plan) <= 2 * 2 * ring(n) * 4  # the loss, at most one more scalar
 
 
 @pytest.mark.parametrize("shape", [{"data": 8}, {"data": 4, "model": 2}])
@@ -92,12 +94,16 @@ def test_tp_mlp_one_all_reduce_per_block():
     params = pg.layer_params(cfg, pg.rng(0))
     params = {k: params[k] for k in ("w1", "w2", "w3")}
     x = pg.rng(1).standard_normal((cfg.batch, cfg.seq, cfg.dim)).astype(np.float32)
-    f = sf.parallelize(lambda p, x: x + pg.swiglu(x, p), mesh=mesh,
-                       in_specs=(pg.param_specs(params, "2d", mesh), PS("data")), out_specs=PS("data"))
+    f = sf.parallelize(
+        lambda p, x: x + pg.swiglu(x, p),
+        mesh=mesh,
+        in_specs=(pg.param_specs(params, "2d", mesh), PS("data")),
+        out_specs=PS("data"),
+    )
     plan = check(f, params, x)
     (c,) = plan.collectives
     assert (c.kind, c.axes) == ("all_reduce", ("model",))
-    assert c.bytes == 2 * ring(4) * x.nbytes / 2                     # the block output, per data shard
+    assert c.bytes == 2 * ring(4) * x.nbytes / 2  # the block output, per data shard
     np.testing.assert_allclose(np.asarray(f(params, x)), x + pg.swiglu(x, params), rtol=1e-5, atol=1e-5)
 
 
@@ -107,8 +113,7 @@ def test_tp_attention_one_all_reduce_per_block():
     params = {k: params[k] for k in ("wq", "wk", "wv", "wo")}
     x = pg.rng(1).standard_normal((cfg.batch, cfg.seq, cfg.dim)).astype(np.float32)
     fn = lambda p, x: x + pg.gqa_attention(x, p, cfg)
-    f = sf.parallelize(fn, mesh=mesh, in_specs=(pg.param_specs(params, "2d", mesh), PS("data")),
-                       out_specs=PS("data"))
+    f = sf.parallelize(fn, mesh=mesh, in_specs=(pg.param_specs(params, "2d", mesh), PS("data")), out_specs=PS("data"))
     plan = check(f, params, x)
     (c,) = plan.collectives
     assert (c.kind, c.axes) == ("all_reduce", ("model",))
@@ -212,12 +217,10 @@ def test_a_partial_sum_is_reduced_before_a_narrowing_cast():
     step = sf.parallelize(fn, mesh=mesh, in_specs=(PS("data", "model"), PS("model")), out_specs=PS("data"))
     (c,) = step.explain(x, w).collectives
     assert c.kind == "all_reduce" and c.dtype == "float32", c
-    np.testing.assert_allclose(np.asarray(step(x, w), np.float32), np.asarray(jax.jit(fn)(x, w), np.float32),
-                               atol=4e-3)
+    np.testing.assert_allclose(np.asarray(step(x, w), np.float32), np.asarray(jax.jit(fn)(x, w), np.float32), atol=4e-3)
 
 
-@pytest.mark.parametrize("spec,share", [(PS("data"), 2), (PS(None, "model"), 4), (PS("data", "model"), 8),
-                                         (PS(), 1)])
+@pytest.mark.parametrize("spec,share", [(PS("data"), 2), (PS(None, "model"), 4), (PS("data", "model"), 8), (PS(), 1)])
 def test_explain_counts_each_devices_matmul_flops(spec, share):
     """Plan.flops: a matmul's 2·m·k·n over the devices that divide it (a scan's body per trip),
     and the elementwise work none."""
@@ -239,6 +242,7 @@ def test_explain_names_a_user_line_inside_library_code_too(strategy, mesh):
     jnp helpers) carry no user frame; their collectives are named by the user's call."""
     from shardflow import train
     from shardflow.train import config
+
     cfg = config.Config()
     cfg.model = {"preset": "tiny", "n_layers": 2}
     cfg.strategy, cfg.mesh, cfg.batch_size, cfg.data.seq_len = strategy, mesh, 8, 64
@@ -281,12 +285,12 @@ def test_gradient_accumulation_reduces_once_after_the_loop():
         def body(g, mb):
             loss, gi = jax.value_and_grad(pg.llama_loss)(params, mb[0], mb[1], cfg)
             return jax.tree.map(jnp.add, g, gi), loss
+
         g, losses = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), (toks, tgts))
         return g, losses.mean()
 
     ps = pg.param_specs(params, "dp", mesh)
-    f = sf.parallelize(accumulate, mesh=mesh, in_specs=(ps, PS(None, "data"), PS(None, "data")),
-                       out_specs=(ps, PS()))
+    f = sf.parallelize(accumulate, mesh=mesh, in_specs=(ps, PS(None, "data"), PS(None, "data")), out_specs=(ps, PS()))
     plan = check(f, params, toks, tgts)
     tensors = tensor_collectives(plan)
     assert all(c.count == 1 and c.kind == "all_reduce" for c in tensors)

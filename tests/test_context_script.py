@@ -1,5 +1,6 @@
 """benchmarks/context.py end to end on tiny shapes (simulated CPU devices): every variant runs
 and reports its time and ratio to one device."""
+
 import json
 import math
 
@@ -27,7 +28,19 @@ def test_training_rows_report_each_variants_compiled_memory(tmp_path):
     only grows from one variant to the next). At these sizes the variants differ by kilobytes
     (all-gather 72,499,136 B, ring 72,455,064 on XLA:CPU): only that each is reported is checked."""
     script = load_script()
-    rows = script.main(["--cpu-check", "--train", "--variants", "all_gather,ring", "--steps", "1",
-                        "--warmup", "1", "--out", str(tmp_path / "train.json")])
+    rows = script.main(
+        [
+            "--cpu-check",
+            "--train",
+            "--variants",
+            "all_gather,ring",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path / "train.json"),
+        ]
+    )
     assert [(r["variant"], r["status"]) for r in rows] == [("all_gather", "ok"), ("ring", "ok")]
     assert all(0 < r["compiled_gb"] < 1 for r in rows)

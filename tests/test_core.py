@@ -1,6 +1,7 @@
 """The core's skeleton: one pricer, decisions on the equations, the pass list and its checked
 facts, and the program forms real code uses (with_sharding_constraint, a user's shard_map, a dim
 split against mesh order)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,7 @@ from shardflow import conversion
 from shardflow.passes.propagate import Propagation
 from shardflow.program import all_eqns
 from shardflow.registry import DECISION, decision_of
-from shardflow.specs import B, P, S, Partial
+from shardflow.specs import B, P, Partial, S
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 MESHES = {1: {"data": 8}, 2: {"data": 2, "model": 4}, 3: {"pod": 2, "data": 2, "model": 2}}
@@ -31,6 +32,7 @@ def _same(f, fn, *args, rtol=1e-6):
 
 
 # ------------------------------------------------------------------------------ one pricer
+
 
 def _atoms(rank):
     return [B, P, Partial("max")] + [S(d) for d in range(rank)]
@@ -72,7 +74,9 @@ def test_the_issue_example_is_priced_as_the_plan_that_runs():
     links = sf.LinkModel()
     steps = conversion.plan((16, 64), np.float32, (S(0), S(1)), (S(1), S(1)), mesh, links)
     assert [(s.kind, s.axes, s.bytes) for s in steps if s.is_collective] == [
-        ("all_gather", ("model",), 1536), ("all_to_all", ("data",), 1024)]
+        ("all_gather", ("model",), 1536),
+        ("all_to_all", ("data",), 1024),
+    ]
     priced = conversion.seconds((16, 64), np.float32, (S(0), S(1)), (S(1), S(1)), mesh, links)
     assert priced == pytest.approx(conversion.steps_seconds(steps, links))
     assert priced < conversion.steps_seconds(direct, links)
@@ -90,12 +94,15 @@ def test_explain_reports_the_modelled_time_of_each_collective(mesh):
 
 # ------------------------------------------------------------------------------ decisions and passes
 
+
 def _train_step():
     def loss(w, x):
         return jnp.mean(jnp.tanh(x @ w["a"]) @ w["b"])
 
-    w = {"a": np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32),
-         "b": np.random.default_rng(1).standard_normal((32, 8)).astype(np.float32)}
+    w = {
+        "a": np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32),
+        "b": np.random.default_rng(1).standard_normal((32, 8)).astype(np.float32),
+    }
     x = np.random.default_rng(2).standard_normal((8, 16)).astype(np.float32)
     return jax.grad(loss), (w, x), ({"a": PS(None, "y"), "b": PS("y")}, PS("x"))
 
@@ -108,22 +115,25 @@ def test_every_equation_carries_its_decision(mesh):
         d = decision_of(eqn)
         assert d is not None and len(d.ins) == len(eqn.invars)
         if eqn.primitive is jax.lax.dot_general_p:
-            assert len(d.sigs) == 2          # one 1-D signature per mesh axis
-    assert DECISION in str(program)          # JAX's printer shows them
+            assert len(d.sigs) == 2  # one 1-D signature per mesh axis
+    assert DECISION in str(program)  # JAX's printer shows them
 
 
 def _rebuild_every_equation(program):
     """A pass that makes a new equation object of every equation, keeping params."""
+
     def rebuild(jaxpr):
         return jaxpr.replace(eqns=[e.replace() for e in jaxpr.eqns])
+
     return program.replace(jaxpr=program.jaxpr.replace(jaxpr=rebuild(program.jaxpr.jaxpr)))
 
 
 def test_a_pass_inserted_after_propagate_keeps_every_decision(mesh):
     """Decisions survive rewriting (they were side tables keyed by id(eqn) and were lost)."""
     fn, args, in_specs = _train_step()
-    rebuild = sf.passes.Pass("rebuild", _rebuild_every_equation, requires=(sf.passes.SHARDED,),
-                               ensures=(sf.passes.SHARDED,))
+    rebuild = sf.passes.Pass(
+        "rebuild", _rebuild_every_equation, requires=(sf.passes.SHARDED,), ensures=(sf.passes.SHARDED,)
+    )
     passes = sf.passes.insert_after(sf.passes.DEFAULT, "propagate", rebuild)
     plain = sf.parallelize(fn, mesh=mesh, in_specs=in_specs)
     rebuilt = sf.parallelize(fn, mesh=mesh, in_specs=in_specs, passes=passes)
@@ -137,8 +147,10 @@ def test_a_pass_that_breaks_a_fact_it_ensures_is_caught(mesh, monkeypatch):
 
     def drop_decisions(program):
         def strip(jaxpr):
-            return jaxpr.replace(eqns=[e.replace(params={k: v for k, v in e.params.items() if k != DECISION})
-                                       for e in jaxpr.eqns])
+            return jaxpr.replace(
+                eqns=[e.replace(params={k: v for k, v in e.params.items() if k != DECISION}) for e in jaxpr.eqns]
+            )
+
         return program.replace(jaxpr=program.jaxpr.replace(jaxpr=strip(program.jaxpr.jaxpr)))
 
     bad = sf.passes.Pass("bad", drop_decisions, requires=(sf.passes.SHARDED,), ensures=(sf.passes.SHARDED,))
@@ -157,10 +169,12 @@ def test_a_pass_runs_only_after_the_facts_it_requires(mesh):
 
 # ------------------------------------------------------------------------------ real programs' forms
 
+
 def _layers_step(spec):
     def loss(ws, x):
         def layer(h, w):
             return jnp.tanh(h @ w), None
+
         return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
 
     ws = np.random.default_rng(0).standard_normal((3, 16, 16)).astype(np.float32) / 4
@@ -190,9 +204,11 @@ def test_a_layer_loop_that_recomputes_is_unrolled_each_recomputation_barred_behi
     115.8 rolled: benchmarks/results/scaling.md. XLA:CPU drops
     optimization barriers, so on CPU no remat saves memory, jax.jit's of an unrolled Python loop
     neither.) Equal to one device."""
+
     def loss(ws, x):
         def layer(h, w):
             return jnp.tanh(jnp.tanh(h @ w) @ w.T), None
+
         layer = jax.checkpoint(layer, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
         return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
 
@@ -205,8 +221,10 @@ def test_a_layer_loop_that_recomputes_is_unrolled_each_recomputation_barred_behi
     barriers = [line for line in text.splitlines() if "stablehlo.optimization_barrier" in line]
     # the cotangent handed down, and the trip's h and w
     assert len(barriers) == 8, barriers
-    assert all(sorted(line.split(" : ")[1].split(", ")) == ["tensor<32x64xf32>"] * 2 + ["tensor<64x128xf32>"]
-               for line in barriers), barriers
+    assert all(
+        sorted(line.split(" : ")[1].split(", ")) == ["tensor<32x64xf32>"] * 2 + ["tensor<64x128xf32>"]
+        for line in barriers
+    ), barriers
     np.testing.assert_allclose(np.asarray(f(ws, x)), np.asarray(jax.jit(step)(ws, x)), rtol=1e-5, atol=1e-6)
 
 
@@ -226,6 +244,7 @@ def test_a_remat_outside_loops_keeps_its_optimization_barrier():
 
 def test_with_sharding_constraint_is_a_pin(mesh):
     """It failed with "contains a manual axes ... not allowed"; now it pins like sf.constrain."""
+
     def fn(x):
         h = jnp.sin(x) * 2
         h = jax.lax.with_sharding_constraint(h, NamedSharding(mesh, PS(None, "y")))
@@ -249,10 +268,10 @@ def test_with_sharding_constraint_of_an_unknown_axis_names_the_line(mesh):
 def test_a_users_shard_map_runs_as_a_region(mesh):
     """It failed with KeyError 'subfuns'. Its in/out specs are the region's boundary shardings;
     its body runs as written, with the user's own collectives."""
+
     def fn(a, w):
         h = jnp.tanh(a @ w)
-        region = jax.shard_map(lambda b: jax.lax.psum(b * 2, "y"), mesh=mesh, in_specs=PS("x", "y"),
-                               out_specs=PS("x"))
+        region = jax.shard_map(lambda b: jax.lax.psum(b * 2, "y"), mesh=mesh, in_specs=PS("x", "y"), out_specs=PS("x"))
         return region(h).sum(0)
 
     a = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
@@ -270,9 +289,15 @@ def test_a_shard_map_on_another_mesh_is_refused(mesh):
         sf.parallelize(fn, mesh=mesh, in_specs=PS())(np.ones((8, 4), np.float32))
 
 
-@pytest.mark.parametrize("in_spec, out_spec", [
-    (PS(("y", "x")), PS(("y", "x"))), (PS(("y", "x")), PS("x")), (PS("x"), PS(("y", "x"))),
-    (PS(None, ("y", "x")), PS(None, ("x", "y")))])
+@pytest.mark.parametrize(
+    "in_spec, out_spec",
+    [
+        (PS(("y", "x")), PS(("y", "x"))),
+        (PS(("y", "x")), PS("x")),
+        (PS("x"), PS(("y", "x"))),
+        (PS(None, ("y", "x")), PS(None, ("x", "y"))),
+    ],
+)
 def test_a_dim_split_against_mesh_order(mesh, in_spec, out_spec):
     """GSPMD takes P(('y', 'x')) on {x: 2, y: 4}; shardflow refused it. The blocks are permuted
     into mesh order once, at the boundary: one ppermute, bytes in explain."""
@@ -286,7 +311,7 @@ def test_a_dim_split_against_mesh_order(mesh, in_spec, out_spec):
     reordered = [s for s in (in_spec, out_spec) if sf.specs.split_orders(s, mesh)]
     assert len(permutes) == len(reordered)
     for c in permutes:
-        assert c.bytes == x.nbytes // 8          # each device sends its whole block once
+        assert c.bytes == x.nbytes // 8  # each device sends its whole block once
 
 
 def test_a_reduce_scatter_into_a_dim_split_against_mesh_order(mesh):
@@ -307,10 +332,16 @@ def test_a_constraint_against_mesh_order_is_refused_with_the_line(mesh):
 def test_the_compiler_imports_private_jax_api_in_one_module():
     import pathlib
     import re
+
     root = pathlib.Path(sf.__file__).resolve().parent
-    hits = [p for p in list(root.rglob("*.py")) + list((root.parent / "passes").rglob("*.py"))
-            + list((root.parent / "kernels").rglob("*.py")) + list((root.parent / "models").rglob("*.py"))
-            if re.search(r"jax\._src", p.read_text())]
+    hits = [
+        p
+        for p in list(root.rglob("*.py"))
+        + list((root.parent / "passes").rglob("*.py"))
+        + list((root.parent / "kernels").rglob("*.py"))
+        + list((root.parent / "models").rglob("*.py"))
+        if re.search(r"jax\._src", p.read_text())
+    ]
     assert [p.name for p in hits] == ["_compat.py"], hits
 
 
@@ -322,14 +353,21 @@ def test_a_literal_converted_on_a_one_device_axis():
     _same(sf.parallelize(fn, mesh=sf.make_mesh({"data": 1}), in_specs=PS("data")), fn, x)
 
 
-@pytest.mark.parametrize("spec, widths", [
-    (PS(None, "y"), ((4, 4), (8, 8))), (PS("x", "y"), ((4, 4), (8, 8))), (PS("x"), ((3, 5), (2, 2))),
-    (PS(None, "y"), ((0, 0), (0, 16)))])
+@pytest.mark.parametrize(
+    "spec, widths",
+    [
+        (PS(None, "y"), ((4, 4), (8, 8))),
+        (PS("x", "y"), ((4, 4), (8, 8))),
+        (PS("x"), ((3, 5), (2, 2))),
+        (PS(None, "y"), ((0, 0), (0, 16))),
+    ],
+)
 def test_pad_on_a_split_dim_exchanges_halos(mesh, spec, widths):
     """Edge padding on a split dim moved the whole input (gathered, 2.3-9.3x GSPMD's bytes); now
     the rows each output block needs are ppermuted from the blocks that hold them, priced and
     listed in explain like any collective."""
     from shardflow import hlo
+
     x = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
     fn = lambda a: jnp.tanh(jnp.pad(a, widths, constant_values=0.5)) * 2.0  # noqa: E731
     f = sf.parallelize(fn, mesh=mesh, in_specs=spec, out_specs=spec)
@@ -379,10 +417,11 @@ def test_argmax_over_a_split_dim_gathers_each_blocks_winner_not_the_operand(spec
     the first occurrence, as one device does. (Priced by bytes, no latency: at this size four
     small gathers cost more α than one gather of the operand, which the default model keeps.)"""
     from shardflow import hlo
+
     mesh = sf.make_mesh({"x": 2, "y": 4})
     x = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
-    x[[3, 9, 14], 5] = 7.0          # a tie across blocks: the first row wins
-    x[[12, 2], 6] = np.nan           # a NaN wins argmax; the first one
+    x[[3, 9, 14], 5] = 7.0  # a tie across blocks: the first row wins
+    x[[12, 2], 6] = np.nan  # a NaN wins argmax; the first one
     x[[1, 13], 7] = -7.0
     fn = lambda a: (jnp.argmax(a, axis=0), jnp.argmin(a, axis=0))  # noqa: E731
     f = sf.parallelize(fn, mesh=mesh, in_specs=spec, out_specs=PS(), links=sf.LinkModel(alpha=0.0))
@@ -404,6 +443,7 @@ def test_the_lowered_program_asks_gpus_for_no_dynamic_slice_fusion(mesh):
     import types
 
     from shardflow.passes.lower import compiler_options
+
     assert compiler_options(mesh) == {}
     gpu = types.SimpleNamespace(devices=np.asarray([types.SimpleNamespace(platform="gpu")]))
     assert compiler_options(gpu) == {"xla_gpu_enable_dynamic_slice_fusion": False}
@@ -416,11 +456,11 @@ def test_a_scatter_into_a_split_table_drops_the_rows_a_device_does_not_hold(mesh
     select over the updates (they cost 2.3-2.6x GSPMD's flops on the suite's scatter_add rows)."""
     r = np.random.default_rng(3)
     x, updates = r.standard_normal((64, 32)).astype(np.float32), r.standard_normal((16, 32)).astype(np.float32)
-    idx = r.integers(-70, 70, (16,)).astype(np.int32)      # negative and out of range included
+    idx = r.integers(-70, 70, (16,)).astype(np.int32)  # negative and out of range included
     fn = lambda a, i, u: a.at[i].add(u, mode=mode)  # noqa: E731
     f = sf.parallelize(fn, mesh=mesh, in_specs=(PS(("x", "y")), PS(), PS()), out_specs=PS(("x", "y")))
     _same(f, fn, x, idx, updates)
-    emitted = f.lower(x, idx, updates).as_text().splitlines()   # before XLA's own expansion of the scatter
+    emitted = f.lower(x, idx, updates).as_text().splitlines()  # before XLA's own expansion of the scatter
     assert not [line for line in emitted if "stablehlo.select" in line and "xf32>" in line]
     assert len([line for line in emitted if '"stablehlo.scatter"' in line]) == 1
     # one element per update, its column index out of range too (clamped under "clip")

@@ -1,4 +1,5 @@
 """passes.cse: each computation once, what nothing reads dropped, the values unchanged."""
+
 import collections
 
 import jax
@@ -42,8 +43,11 @@ def test_two_norms_of_the_gradients_square_and_sum_each_once():
     and sums them. One square of each part and one sum per gradient are left. A zero and its
     square are made again where read, not shared: two gradients of one shape each add their
     own (one value, it would be laid out for the first gradient and converted for the other)."""
-    grads = {"a": np.arange(12.0, dtype=np.float32).reshape(3, 4), "b": np.ones((5,), np.float32),
-             "c": np.ones((3, 4), np.float32)}
+    grads = {
+        "a": np.arange(12.0, dtype=np.float32).reshape(3, 4),
+        "b": np.ones((5,), np.float32),
+        "c": np.ones((3, 4), np.float32),
+    }
 
     def fn(g):
         return optax.tree.norm(g), optax.tree.norm(g) * 2.0
@@ -53,8 +57,11 @@ def test_two_norms_of_the_gradients_square_and_sum_each_once():
     assert _counts(before)["reduce_sum"] == 6 and _counts(before)["square"] == 12
     assert _counts(after)["reduce_sum"] == 3 and _counts(after)["square"] == 6
     assert _counts(after)["broadcast_in_dim"] == 3
-    zeros_squared = [eqn.invars[1] for eqn in after.jaxpr.jaxpr.eqns if eqn.primitive.name == "add"
-                     and len(eqn.outvars[0].aval.shape) > 0]
+    zeros_squared = [
+        eqn.invars[1]
+        for eqn in after.jaxpr.jaxpr.eqns
+        if eqn.primitive.name == "add" and len(eqn.outvars[0].aval.shape) > 0
+    ]
     assert len(zeros_squared) == len(set(zeros_squared)) == 3
     _same_values(before, after, *jax.tree.leaves(grads))
 
@@ -62,9 +69,10 @@ def test_two_norms_of_the_gradients_square_and_sum_each_once():
 def test_expansions_are_made_where_read_and_nothing_read_is_kept():
     """Two equal broadcasts both read stay two equations; a constant computed twice from the
     same operands (a RoPE table's cosine) is one; a value nothing reads goes, an effect stays."""
+
     def fn(x):
-        unused = jnp.sin(x)                                   # noqa: F841 (dropped)
-        jax.debug.callback(lambda: None)                      # an effect: kept
+        unused = jnp.sin(x)  # noqa: F841 (dropped)
+        jax.debug.callback(lambda: None)  # an effect: kept
         t = jnp.arange(6, dtype=jnp.float32)
         return x + jnp.zeros_like(x) + jnp.cos(t), x * jnp.zeros_like(x) * jnp.cos(t)
 
@@ -86,11 +94,12 @@ def test_a_computation_repeated_runs_once(mesh):
     squared and summed once, the broadcasts of constants made again where used, and the
     program's values those of the program as written. Inside a loop body alike. Through
     sf.parallelize on a mesh, with the planner after it."""
+
     def step(w, x):
         g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
-        norm = jnp.sqrt(jnp.sum(g ** 2))
+        norm = jnp.sqrt(jnp.sum(g**2))
         clipped = g * jnp.minimum(1.0, 1.0 / norm)
-        logged = jnp.sqrt(jnp.sum(g ** 2))
+        logged = jnp.sqrt(jnp.sum(g**2))
         ones = jnp.ones_like(w) + jnp.ones_like(w) * logged
 
         def body(c, _):
@@ -108,7 +117,7 @@ def test_a_computation_repeated_runs_once(mesh):
     written = sum(e.primitive.name == "integer_pow" for e in jaxpr.eqns)
     assert (written, _count(program, "integer_pow")) == (3, 1)
     assert _count(program, "sin") == 1
-    assert _count(program, "broadcast_in_dim") >= 2          # the two ones_like: made where used
+    assert _count(program, "broadcast_in_dim") >= 2  # the two ones_like: made where used
     for got, want in zip(f(w, x), jax.jit(step)(w, x)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 

@@ -1,10 +1,12 @@
 """Token files, `prepare`, and batches that are a pure function of the step."""
+
 import json
 
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardflow.train import data
 
@@ -18,8 +20,7 @@ def test_byte_prepare_round_trips_the_text(tmp_path, sources):
     out = data.prepare(sources[:3], tmp_path, tokenizer="byte", val_fraction=0.01)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == 256 and meta["dtype"] == "uint16"
-    tokens = np.concatenate([np.fromfile(out / "train.bin", np.uint16),
-                             np.fromfile(out / "val.bin", np.uint16)])
+    tokens = np.concatenate([np.fromfile(out / "train.bin", np.uint16), np.fromfile(out / "val.bin", np.uint16)])
     expected = b"".join(p.read_bytes().replace(b"\0", b"") + b"\0" for p in sources[:3])
     assert tokens.tobytes()[::2] == expected  # little-endian uint16: low byte is the token
     assert meta["train_tokens"] + meta["val_tokens"] == len(expected)
@@ -64,13 +65,15 @@ def test_prepare_rejects_missing_inputs(tmp_path):
 
 def test_bpe_prepare_says_when_the_text_yields_a_smaller_vocabulary(tmp_path, capsys):
     from tokenizers import Tokenizer
+
     src = tmp_path / "a.txt"
     src.write_text("the quick brown fox jumps over the lazy dog\n" * 50)
     out = data.prepare([src], tmp_path / "d", tokenizer="bpe", vocab_size=32000)
     real = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
     assert 256 < real < 32000
-    assert (f"warning: the text yields a BPE vocabulary of {real:,} tokens, fewer than the "
-            "32,000 asked for") in capsys.readouterr().err
+    assert (
+        f"warning: the text yields a BPE vocabulary of {real:,} tokens, fewer than the 32,000 asked for"
+    ) in capsys.readouterr().err
     # what training checks model.vocab_size against
     assert json.loads((out / "meta.json").read_text())["vocab_size"] == real
     assert data.TokenFile(out).vocab_size == real

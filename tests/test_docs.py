@@ -17,6 +17,7 @@ The convention for fenced blocks in those files:
   leading and trailing whitespace, so the quotation cannot go stale.
 - Every other fence (```text, ```bash, ```yaml, a bare ```) is not run.
 """
+
 import dataclasses
 import os
 import re
@@ -37,11 +38,11 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 @dataclasses.dataclass(frozen=True)
 class Block:
     path: Path
-    line: int              # the Markdown line of the block's first line of code
+    line: int  # the Markdown line of the block's first line of code
     lang: str
-    excerpt: str | None    # the quoted file's path, for an excerpt
+    excerpt: str | None  # the quoted file's path, for an excerpt
     code: str
-    prints: str | None     # the ```text block right after it, if any
+    prints: str | None  # the ```text block right after it, if any
 
     @property
     def name(self) -> str:
@@ -54,11 +55,12 @@ def blocks(path: Path) -> list[Block]:
     found = list(FENCE.finditer(text))
     out = []
     for i, m in enumerate(found):
-        before = text[:m.start()]
+        before = text[: m.start()]
         excerpt = EXCERPT.search(before[-300:])
         after = found[i + 1] if i + 1 < len(found) else None
-        prints = (after.group(2) if after and after.group(1) == "text" and not text[m.end():after.start()].strip()
-                  else None)
+        prints = (
+            after.group(2) if after and after.group(1) == "text" and not text[m.end() : after.start()].strip() else None
+        )
         out.append(Block(path, before.count("\n") + 2, m.group(1), excerpt and excerpt.group(1), m.group(2), prints))
     return out
 
@@ -82,8 +84,14 @@ def cpu_only_env(devices: int | None = None) -> dict:
 
 def run_python(script: Path, cwd: Path, args=(), timeout: float = 600) -> subprocess.CompletedProcess:
     """`python script args...` in cwd (script's folder), a fresh process on a CPU-only machine."""
-    return subprocess.run([sys.executable, script.name, *args], cwd=cwd, env=cpu_only_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, script.name, *args],
+        cwd=cwd,
+        env=cpu_only_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_the_convention_finds_every_python_block():
@@ -101,11 +109,14 @@ def test_python_block_runs_alone(block, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(block.code)
     done = run_python(script, tmp_path)
-    assert done.returncode == 0, (f"{block.name}: the block starting on this line failed (its line N is the "
-                                  f"file's line {block.line} + N - 1):\n{done.stderr[-6000:]}")
+    assert done.returncode == 0, (
+        f"{block.name}: the block starting on this line failed (its line N is the "
+        f"file's line {block.line} + N - 1):\n{done.stderr[-6000:]}"
+    )
     if block.prints is not None:
-        assert done.stdout == block.prints, (f"{block.name}: the block prints\n{done.stdout}\nwhere the text "
-                                             f"block after it shows\n{block.prints}")
+        assert done.stdout == block.prints, (
+            f"{block.name}: the block prints\n{done.stdout}\nwhere the text block after it shows\n{block.prints}"
+        )
 
 
 @pytest.mark.parametrize("block", [b for p in DOCS for b in blocks(p) if b.excerpt], ids=lambda b: b.name)
@@ -118,13 +129,20 @@ def test_excerpts_quote_the_file_they_name(block):
 def links(path: Path) -> list[tuple[int, str]]:
     """(line, target) of every relative link of ``path`` outside fenced blocks."""
     text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), path.read_text())
-    return [(text[:m.start()].count("\n") + 1, m.group(1)) for m in LINK.finditer(text)
-            if not re.match(r"[a-z][a-z0-9+.-]*:", m.group(1)) and not m.group(1).startswith("#")]
+    return [
+        (text[: m.start()].count("\n") + 1, m.group(1))
+        for m in LINK.finditer(text)
+        if not re.match(r"[a-z][a-z0-9+.-]*:", m.group(1)) and not m.group(1).startswith("#")
+    ]
 
 
 def test_links_find_their_files():
-    broken = [f"{p.relative_to(ROOT)}:{line}: {target}" for p in DOCS for line, target in links(p)
-              if not (p.parent / target.split("#")[0]).exists()]
+    broken = [
+        f"{p.relative_to(ROOT)}:{line}: {target}"
+        for p in DOCS
+        for line, target in links(p)
+        if not (p.parent / target.split("#")[0]).exists()
+    ]
     assert not broken, "relative links to no file:\n" + "\n".join(broken)
 
 

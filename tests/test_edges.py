@@ -1,5 +1,6 @@
 """Edge cases of the compiler that must either agree with ``jax.jit`` on one device or be
 refused with an ``sf.ShardingError`` that says what to change."""
+
 import warnings
 
 import jax
@@ -26,7 +27,7 @@ def mesh():
 # lookup gives under its mode: clamped (CLIP, PROMISE_IN_BOUNDS, as XLA runs it) or the fill value.
 
 VOCAB, WIDTH = 4096, 8
-TABLE = (np.arange(VOCAB * WIDTH, dtype=np.float32).reshape(VOCAB, WIDTH) + 1)   # no row is zero
+TABLE = np.arange(VOCAB * WIDTH, dtype=np.float32).reshape(VOCAB, WIDTH) + 1  # no row is zero
 IDS = np.array([[-VOCAB - 3, -1, 0, 5], [VOCAB - 1, VOCAB, VOCAB + 1, 10 * VOCAB]], np.int32)
 
 
@@ -53,8 +54,9 @@ LOOKUPS = {
 
 def _vocab_split(step, *args) -> bool:
     """Whether the plan looks the table up block by block (the lookup's result partial over 'model')."""
-    return any(primitive == "gather" and isinstance(sbp[1], Partial)
-               for primitive, _, _, sbp in step.explain(*args).values)
+    return any(
+        primitive == "gather" and isinstance(sbp[1], Partial) for primitive, _, _, sbp in step.explain(*args).values
+    )
 
 
 @pytest.mark.parametrize("name", LOOKUPS)
@@ -69,8 +71,9 @@ UPDATES = np.arange(IDS.size * WIDTH, dtype=np.float32).reshape(IDS.shape + (WID
 
 
 def _lax_scatter_add(mode):
-    dn = lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(0,),
-                                     scatter_dims_to_operand_dims=(0,))
+    dn = lax.ScatterDimensionNumbers(
+        update_window_dims=(2,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
+    )
     return lambda table, ids, updates: lax.scatter_add(table, ids[..., None], updates, dn, mode=mode)
 
 
@@ -93,21 +96,23 @@ def test_out_of_range_scatter_add_into_a_vocab_split_table_agrees_with_jit(mesh,
     program = step.program(TABLE, IDS, UPDATES)
     scatters = [e for e in program.jaxpr.jaxpr.eqns if e.primitive is lax.scatter_add_p]
     assert scatters and all(decision_of(e).named("vocab") for e in scatters), program
-    np.testing.assert_array_equal(np.asarray(step(TABLE, IDS, UPDATES)),
-                                  np.asarray(jax.jit(fn)(TABLE, IDS, UPDATES)))
+    np.testing.assert_array_equal(np.asarray(step(TABLE, IDS, UPDATES)), np.asarray(jax.jit(fn)(TABLE, IDS, UPDATES)))
 
 
 # ------------------------------------------------------------------------------ a loop of no trips
 
+
 def _scan_over_no_rows(x):
     def body(carry, row):
         return carry * 2 + row.sum(), carry * row
+
     return jax.lax.scan(body, x.sum(0), jnp.zeros((0, x.shape[1])), length=0)
 
 
 def _scan_of_no_trips(x):
     def body(carry, _):
         return jnp.tanh(carry) @ jnp.ones((x.shape[1], x.shape[1])), carry.sum(0)
+
     return jax.lax.scan(body, x, None, length=0)
 
 
@@ -115,10 +120,12 @@ def _scan_of_no_trips(x):
 @pytest.mark.parametrize("fn", [_scan_over_no_rows, _scan_of_no_trips])
 def test_a_scan_of_length_zero_agrees_with_jit(mesh, fn, passes):
     x = np.arange(32, dtype=np.float32).reshape(8, 4)
-    step = sf.parallelize(fn, mesh=mesh, in_specs=PS("data", "model"),
-                          passes=sf.passes.SOLVER if passes == "solver" else None)
-    grad = sf.parallelize(jax.grad(lambda x: sum(jnp.sum(y) for y in jax.tree.leaves(fn(x)))), mesh=mesh,
-                          in_specs=PS("data"))
+    step = sf.parallelize(
+        fn, mesh=mesh, in_specs=PS("data", "model"), passes=sf.passes.SOLVER if passes == "solver" else None
+    )
+    grad = sf.parallelize(
+        jax.grad(lambda x: sum(jnp.sum(y) for y in jax.tree.leaves(fn(x)))), mesh=mesh, in_specs=PS("data")
+    )
     for f, ref in [(step, fn), (grad, grad.fn)]:
         got, want = f(x), jax.jit(ref)(x)
         assert jax.tree.structure(got) == jax.tree.structure(want)
@@ -129,12 +136,29 @@ def test_a_scan_of_length_zero_agrees_with_jit(mesh, fn, passes):
 
 # ------------------------------------------------------------------------------ memory budgets with units
 
-@pytest.mark.parametrize("budget, nbytes", [
-    (4096, 4096), (np.int64(4096), 4096), (40e9, 40_000_000_000), ("4096", 4096), ("4096B", 4096),
-    ("40GB", 40_000_000_000), ("40 GB", 40_000_000_000), ("40gb", 40_000_000_000), ("1.5 GB", 1_500_000_000),
-    ("40GiB", 40 * 2**30), ("0.5 KiB", 512), ("2MB", 2_000_000), ("3 MiB", 3 * 2**20), ("1TB", 10**12),
-    ("1 TiB", 2**40), ("1.1 kB", 1100),
-], ids=str)
+
+@pytest.mark.parametrize(
+    "budget, nbytes",
+    [
+        (4096, 4096),
+        (np.int64(4096), 4096),
+        (40e9, 40_000_000_000),
+        ("4096", 4096),
+        ("4096B", 4096),
+        ("40GB", 40_000_000_000),
+        ("40 GB", 40_000_000_000),
+        ("40gb", 40_000_000_000),
+        ("1.5 GB", 1_500_000_000),
+        ("40GiB", 40 * 2**30),
+        ("0.5 KiB", 512),
+        ("2MB", 2_000_000),
+        ("3 MiB", 3 * 2**20),
+        ("1TB", 10**12),
+        ("1 TiB", 2**40),
+        ("1.1 kB", 1100),
+    ],
+    ids=str,
+)
 def test_a_memory_budget_is_bytes_or_a_string_with_units(mesh, budget, nbytes):
     step = sf.parallelize(lambda x: x * 2, mesh=mesh, in_specs=PS("data"), memory_budget=budget)
     assert step.memory_budget == nbytes and type(step.memory_budget) is int
@@ -145,19 +169,20 @@ def test_a_memory_budget_string_bounds_the_solver_in_bytes(mesh):
         return jnp.tanh(x @ w).sum()
 
     args = (np.ones((64, 64), np.float32), np.ones((8, 64), np.float32))
-    step = sf.parallelize(mlp, mesh=mesh, in_specs=(sf.AUTO, PS("data")), passes=sf.passes.SOLVER,
-                          memory_budget="4KiB")
+    step = sf.parallelize(mlp, mesh=mesh, in_specs=(sf.AUTO, PS("data")), passes=sf.passes.SOLVER, memory_budget="4KiB")
     assert step.explain(*args).memory_bytes <= 4096
     with pytest.raises(sf.ShardingError, match=r"memory_budget=1,024 bytes per device"):
-        sf.parallelize(mlp, mesh=mesh, in_specs=(sf.AUTO, PS("data")), passes=sf.passes.SOLVER,
-                       memory_budget="1KiB").explain(*args)
+        sf.parallelize(
+            mlp, mesh=mesh, in_specs=(sf.AUTO, PS("data")), passes=sf.passes.SOLVER, memory_budget="1KiB"
+        ).explain(*args)
 
 
 # ------------------------------------------------------------------------------ passes by name
 
+
 def test_passes_named_by_string_are_the_passes_of_that_name(mesh):
     x = np.arange(64, dtype=np.float32).reshape(8, 8)
-    fn = lambda x: jnp.tanh(x @ x.T).sum(0)   # noqa: E731
+    fn = lambda x: jnp.tanh(x @ x.T).sum(0)  # noqa: E731
     named = sf.parallelize(fn, mesh=mesh, in_specs=PS("data"), passes=["inline", "cse", "solve", "boxing"])
     assert named.passes == sf.passes.SOLVER
     mixed = sf.parallelize(fn, mesh=mesh, in_specs=PS("data"), passes=[sf.passes.DEFAULT[0], "propagate", "boxing"])
@@ -168,6 +193,7 @@ def test_passes_named_by_string_are_the_passes_of_that_name(mesh):
 
 
 # ------------------------------------------------------------------------------ sf.plan with nothing to rank
+
 
 def _mlp(w, x):
     return jnp.tanh(x @ w).sum()
@@ -183,9 +209,13 @@ def test_a_memory_budget_that_refuses_every_mesh_says_what_the_leanest_plan_hold
     with pytest.raises(sf.ShardingError) as refusal:
         sf.plan(_mlp, *MLP, in_specs=(sf.AUTO, PS("data")), memory_budget="100B")
     message = str(refusal.value)
-    assert f"memory_budget=100 bytes per device refuses every mesh shape tried; the leanest plan found without " \
-           f"it holds {least:,} bytes per device" in message and f"on {lean}:" in message, message
-    assert message.count("memory_budget=100 bytes per device") == 1 + len(free), message   # and each refusal
+    assert (
+        f"memory_budget=100 bytes per device refuses every mesh shape tried; the leanest plan found without "
+        f"it holds {least:,} bytes per device"
+        in message
+        and f"on {lean}:" in message
+    ), message
+    assert message.count("memory_budget=100 bytes per device") == 1 + len(free), message  # and each refusal
 
 
 def test_every_mesh_refused_says_why_for_each():
@@ -195,25 +225,28 @@ def test_every_mesh_refused_says_why_for_each():
 
 # ------------------------------------------------------------------------------ a mesh axis no value uses
 
+
 def _mlp_grad(w1, w2, x):
     return jax.grad(lambda w1, w2: jnp.sum(jnp.tanh(x @ w1) @ w2))(w1, w2)
 
 
-MLP_GRAD_ARGS = (np.ones((16, 32), np.float32) / 16, np.ones((32, 16), np.float32) / 32,
-                 np.ones((16, 16), np.float32))
+MLP_GRAD_ARGS = (np.ones((16, 32), np.float32) / 16, np.ones((32, 16), np.float32) / 32, np.ones((16, 16), np.float32))
 
 
 def test_a_mesh_axis_no_value_uses_is_warned_of_by_name(mesh):
     step = sf.parallelize(_mlp_grad, mesh=mesh, in_specs=(PS(), PS(), PS("data")))
-    with pytest.warns(sf.ReplicatedAxisWarning, match=r"mesh axis 'model' \(4 devices\) of _mlp_grad "
-                                                      r"\(test_edges.py:\d+\): no value is split or partial over "
-                                                      r"it: every device along it runs the same work on the same "
-                                                      r"data") as caught:
+    with pytest.warns(
+        sf.ReplicatedAxisWarning,
+        match=r"mesh axis 'model' \(4 devices\) of _mlp_grad "
+        r"\(test_edges.py:\d+\): no value is split or partial over "
+        r"it: every device along it runs the same work on the same "
+        r"data",
+    ) as caught:
         step(*MLP_GRAD_ARGS)
     assert len(caught) == 1 and "'data'" not in str(caught[0].message), [str(w.message) for w in caught]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        step(*MLP_GRAD_ARGS)            # once per compiled program, not per call
+        step(*MLP_GRAD_ARGS)  # once per compiled program, not per call
         step.explain(*MLP_GRAD_ARGS)
 
 
@@ -222,19 +255,39 @@ def _ring_loss(q, k, v):
 
 
 def _pipelined(layers, hp, x, tg):
-    return sf.pipeline(lambda w, h: jnp.tanh(h @ w), layers, x, head=lambda hp, y, t: jnp.mean((y @ hp - t) ** 2),
-                       head_params=hp, head_args=tg, stages=2, microbatches=2)
+    return sf.pipeline(
+        lambda w, h: jnp.tanh(h @ w),
+        layers,
+        x,
+        head=lambda hp, y, t: jnp.mean((y @ hp - t) ** 2),
+        head_params=hp,
+        head_args=tg,
+        stages=2,
+        microbatches=2,
+    )
 
 
-REPLICATION_FREE = {   # (mesh, fn, in_specs, args): every axis splits some value
+REPLICATION_FREE = {  # (mesh, fn, in_specs, args): every axis splits some value
     "dp": ({"data": 8}, _mlp_grad, (PS(), PS(), PS("data")), MLP_GRAD_ARGS),
     "fsdp": ({"data": 8}, _mlp_grad, (PS("data"), PS(None, "data"), PS("data")), MLP_GRAD_ARGS),
     "tp": ({"data": 2, "model": 4}, _mlp_grad, (PS(None, "model"), PS("model"), PS("data")), MLP_GRAD_ARGS),
-    "pipeline": ({"data": 2, "pipe": 2}, jax.grad(_pipelined, argnums=(0, 1)), (PS(), PS(), PS("data"), PS("data")),
-                 (np.ones((4, 8, 8), np.float32) / 8, np.ones((8, 3), np.float32), np.ones((8, 8), np.float32),
-                  np.ones((8, 3), np.float32))),
-    "context": ({"data": 2, "context": 4}, jax.grad(_ring_loss, argnums=(0, 1, 2)), PS("data", "context"),
-                tuple(np.ones((2, 32, 4, 8), np.float32) for _ in range(3))),
+    "pipeline": (
+        {"data": 2, "pipe": 2},
+        jax.grad(_pipelined, argnums=(0, 1)),
+        (PS(), PS(), PS("data"), PS("data")),
+        (
+            np.ones((4, 8, 8), np.float32) / 8,
+            np.ones((8, 3), np.float32),
+            np.ones((8, 8), np.float32),
+            np.ones((8, 3), np.float32),
+        ),
+    ),
+    "context": (
+        {"data": 2, "context": 4},
+        jax.grad(_ring_loss, argnums=(0, 1, 2)),
+        PS("data", "context"),
+        tuple(np.ones((2, 32, 4, 8), np.float32) for _ in range(3)),
+    ),
 }
 
 
@@ -262,19 +315,22 @@ def test_the_axes_no_value_uses_are_named_in_one_warning(mesh):
     with pytest.warns(sf.ReplicatedAxisWarning) as caught:
         step(*MLP_GRAD_ARGS)
     assert len(caught) == 1 and str(caught[0].message).startswith(
-        "mesh axes 'data' (2 devices) and 'model' (4 devices) of _mlp_grad"), str(caught[0].message)
+        "mesh axes 'data' (2 devices) and 'model' (4 devices) of _mlp_grad"
+    ), str(caught[0].message)
     assert "unless the 8 copies are intended" in str(caught[0].message)
     assert caught[0].filename == __file__
 
 
 # ------------------------------------------------------------------------------ explain's summary line
 
+
 def test_explains_total_counts_every_collective_a_call_runs(mesh):
     def loss(ws, x):
         return jnp.mean(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0] ** 2)
 
     plan = sf.parallelize(jax.value_and_grad(loss), mesh=mesh, in_specs=(PS(None, "model"), PS("data"))).explain(
-        np.ones((3, 16, 16), np.float32), np.ones((8, 16), np.float32))
+        np.ones((3, 16, 16), np.float32), np.ones((8, 16), np.float32)
+    )
     runs = sum(c.count for c in plan.collectives)
-    assert runs > len(plan.collectives)            # rows inside the 3-layer loop run 3 times a call
+    assert runs > len(plan.collectives)  # rows inside the 3-layer loop run 3 times a call
     assert f"in {runs} collectives ({len(plan.collectives)} distinct), " in str(plan), str(plan)

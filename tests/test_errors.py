@@ -2,13 +2,15 @@
 the user's source line — never a raw TypeError / ZeroDivisionError / AttributeError from inside
 shardflow, JAX or XLA. Inputs that are fine (empty arrays, linear solves, complex values) run and
 agree with the unsharded function."""
+
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as PS
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as PS
 
 import shardflow as sf
 
@@ -60,73 +62,174 @@ def w1(spec):
 
 
 REFUSALS = [  # (id, the refused call, what its message must name besides the call's line)
-    ("too-few-specs", lambda mesh: sf.parallelize(two, mesh=mesh, in_specs=(PS(),))(X, X),
-     [f"in_specs {(PS(),)!r} do not match", "args of two (test_errors.py:", "no spec for args[1]"]),
-    ("missing-key", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=({"w1": PS()}, PS()))(PARAMS, X),
-     [f"in_specs[0] {({'w1': PS()})!r}", "args[0] of layer", "no spec for args[0]['w2']"]),
-    ("extra-key", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=(dict(w1=PS(), w2=PS(), w3=PS()), PS()))(PARAMS, X),
-     ["in_specs[0] {", "in_specs[0]['w3'] matches no argument"]),
-    ("list-for-tuple", lambda mesh: sf.parallelize(pair, mesh=mesh, in_specs=([PS(), PS()],))((X, X)),
-     [f"in_specs[0] {[PS(), PS()]!r}", "in_specs[0] is a list of 2, args[0] a tuple of 2"]),
-    ("out-specs-tree", lambda mesh: sf.parallelize(twice, mesh=mesh, in_specs=PS(), out_specs=(PS(), PS(), PS()))(X),
-     [f"out_specs {(PS(), PS(), PS())!r}", "of twice (test_errors.py:", "out_specs[2] matches no output"]),
-    ("unclosed", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("S(3"))(PARAMS, X),
-     ["in_specs[0]['w1'] for argument args[0]['w1'] float32[8, 12]", "'S(3'", "unbalanced parentheses"]),
-    ("unknown-sbp", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("Q, B"))(PARAMS, X),
-     ["in_specs[0]['w1'] for argument args[0]['w1'] float32[8, 12]", "cannot read SBP 'Q' in spec 'Q, B'"]),
-    ("split-of-a-name", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("S(a), B"))(PARAMS, X),
-     ["in_specs[0]['w1'] for argument args[0]['w1']", "'S(a), B'", "S takes the tensor dim to split, an int"]),
-    ("empty-entry", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("B,,B"))(PARAMS, X),
-     ["in_specs[0]['w1'] for argument args[0]['w1']", "in spec 'B,,B': an empty entry"]),
-    ("unknown-axis", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1(PS("tensor")))(PARAMS, X),
-     ["in_specs[0]['w1'] for argument args[0]['w1']", f"unknown mesh axis 'tensor' in {PS('tensor')}"]),
-    ("out-spec-typo", lambda mesh: sf.parallelize(twice, mesh=mesh, in_specs=PS(), out_specs=(PS(), "S(1), Q"))(X),
-     ["out_specs[1] for output 1 float32[8, 12] of twice", "cannot read SBP 'Q' in spec 'S(1), Q'"]),
-    ("split-past-rank", lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("S(3), B"))(PARAMS, X),
-     ["in_specs[0]['w1'] for argument args[0]['w1']", "S(3) on mesh axis 'data' under spec (S(3), B)", "rank 2"]),
-    ("partial-avg", lambda mesh: sf.P("avg"),
-     ["P('avg')", "'sum', 'max' or 'min'"]),
-    ("mesh-too-big", lambda mesh: sf.make_mesh({"data": 2, "model": 8}),
-     ["make_mesh({'data': 2, 'model': 8}): needs 16 devices, 8 are available",
-      "jax.config.update('jax_num_cpu_devices', 16)", "XLA_FLAGS=--xla_force_host_platform_device_count=16"]),
-    ("mesh-axis-named-twice", lambda mesh: sf.parallelize(double, mesh=Mesh(mesh.devices, ("data", "data")),
-                                                          in_specs=PS("data"))(X),
-     ["mesh= of double (test_errors.py:", "mesh axis 'data' is named 2 times in ('data', 'data')",
-      "each mesh axis needs its own name"]),
-    ("budget-unit", lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), memory_budget="40 gigs"),
-     ["memory_budget='40 gigs' of double (test_errors.py:", "'40GB'", "'40GiB'", "an int of bytes"]),
-    ("budget-type", lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), memory_budget=[40]),
-     ["memory_budget=[40] of double", "is a list", "an int of bytes"]),
-    ("budget-zero", lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), memory_budget="0GB"),
-     ["memory_budget='0GB' of double", "is 0 bytes", "a positive number of bytes"]),
-    ("budget-fraction", lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), memory_budget=1.5),
-     ["memory_budget=1.5 of double", "a whole number of bytes"]),
-    ("budget-of-plan", lambda mesh: sf.plan(double, X, in_specs=PS(), memory_budget="lots"),
-     ["memory_budget='lots' of double", "an int of bytes"]),
-    ("pass-by-name", lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), passes=["inline", "solver"]),
-     ["passes[1] 'solver' of double (test_errors.py:", "no pass is named 'solver'",
-      "'inline', 'cse', 'propagate', 'solve', 'boxing'"]),
-    ("pass-of-another-type", lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), passes=[len]),
-     ["passes[0] <built-in function len> of double", "neither a Pass nor a pass's name"]),
-    ("passes-that-do-not-box", lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), passes=["inline", "solve"]),
-     ["passes ('inline', 'solve') of double", "end without 'boxed'", "sf.passes.DEFAULT"]),
-    ("plan-on-no-axes", lambda mesh: sf.plan(double, X, in_specs=PS(), axes=()),
-     ["sf.plan of double (test_errors.py:", "axes=() names no mesh axis", "axes=('data', 'model')"]),
-    ("plan-on-an-axis-named-twice", lambda mesh: sf.plan(double, X, in_specs=PS(), axes=("data", "data")),
-     ["sf.plan of double", "mesh axis 'data' is named 2 times in axes=('data', 'data')"]),
-    ("plan-on-no-mesh-shapes", lambda mesh: sf.plan(double, X, in_specs=PS(), mesh_shapes=[]),
-     ["sf.plan of double", "mesh_shapes=[] names no mesh shape"]),
-    ("alternatives-of-a-function", lambda mesh: sf.alternatives(double, X),
-     ["sf.alternatives of double (test_errors.py:", "a function, not a parallelized step",
-      "sf.alternatives(sf.parallelize(double, mesh=..., in_specs=...), *args)"]),
-    ("alternatives-bad-pattern", lambda mesh: sf.alternatives(sf.parallelize(layer, mesh=mesh, in_specs=w1(PS())),
-                                                              PARAMS, X, only="args[0"),
-     ["sf.alternatives of layer (test_errors.py:", "only='args[0' is not a regular expression",
-      "unterminated character set", "args[0]['w1'], args[0]['w2'], args[1]"]),
-    ("alternatives-matching-nothing", lambda mesh: sf.alternatives(sf.parallelize(layer, mesh=mesh, in_specs=w1(PS())),
-                                                                   PARAMS, X, only="args[1]"),
-     ["sf.alternatives of layer", "only='args[1]' matches no argument", "args[0]['w1'], args[0]['w2'], args[1]",
-      "'[' opens a character class", "re.escape('args[1]')"]),
+    (
+        "too-few-specs",
+        lambda mesh: sf.parallelize(two, mesh=mesh, in_specs=(PS(),))(X, X),
+        [f"in_specs {(PS(),)!r} do not match", "args of two (test_errors.py:", "no spec for args[1]"],
+    ),
+    (
+        "missing-key",
+        lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=({"w1": PS()}, PS()))(PARAMS, X),
+        [f"in_specs[0] { ({'w1': PS()})!r}", "args[0] of layer", "no spec for args[0]['w2']"],
+    ),
+    (
+        "extra-key",
+        lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=(dict(w1=PS(), w2=PS(), w3=PS()), PS()))(PARAMS, X),
+        ["in_specs[0] {", "in_specs[0]['w3'] matches no argument"],
+    ),
+    (
+        "list-for-tuple",
+        lambda mesh: sf.parallelize(pair, mesh=mesh, in_specs=([PS(), PS()],))((X, X)),
+        [f"in_specs[0] {[PS(), PS()]!r}", "in_specs[0] is a list of 2, args[0] a tuple of 2"],
+    ),
+    (
+        "out-specs-tree",
+        lambda mesh: sf.parallelize(twice, mesh=mesh, in_specs=PS(), out_specs=(PS(), PS(), PS()))(X),
+        [f"out_specs {(PS(), PS(), PS())!r}", "of twice (test_errors.py:", "out_specs[2] matches no output"],
+    ),
+    (
+        "unclosed",
+        lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("S(3"))(PARAMS, X),
+        ["in_specs[0]['w1'] for argument args[0]['w1'] float32[8, 12]", "'S(3'", "unbalanced parentheses"],
+    ),
+    (
+        "unknown-sbp",
+        lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("Q, B"))(PARAMS, X),
+        ["in_specs[0]['w1'] for argument args[0]['w1'] float32[8, 12]", "cannot read SBP 'Q' in spec 'Q, B'"],
+    ),
+    (
+        "split-of-a-name",
+        lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("S(a), B"))(PARAMS, X),
+        ["in_specs[0]['w1'] for argument args[0]['w1']", "'S(a), B'", "S takes the tensor dim to split, an int"],
+    ),
+    (
+        "empty-entry",
+        lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("B,,B"))(PARAMS, X),
+        ["in_specs[0]['w1'] for argument args[0]['w1']", "in spec 'B,,B': an empty entry"],
+    ),
+    (
+        "unknown-axis",
+        lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1(PS("tensor")))(PARAMS, X),
+        ["in_specs[0]['w1'] for argument args[0]['w1']", f"unknown mesh axis 'tensor' in {PS('tensor')}"],
+    ),
+    (
+        "out-spec-typo",
+        lambda mesh: sf.parallelize(twice, mesh=mesh, in_specs=PS(), out_specs=(PS(), "S(1), Q"))(X),
+        ["out_specs[1] for output 1 float32[8, 12] of twice", "cannot read SBP 'Q' in spec 'S(1), Q'"],
+    ),
+    (
+        "split-past-rank",
+        lambda mesh: sf.parallelize(layer, mesh=mesh, in_specs=w1("S(3), B"))(PARAMS, X),
+        ["in_specs[0]['w1'] for argument args[0]['w1']", "S(3) on mesh axis 'data' under spec (S(3), B)", "rank 2"],
+    ),
+    ("partial-avg", lambda mesh: sf.P("avg"), ["P('avg')", "'sum', 'max' or 'min'"]),
+    (
+        "mesh-too-big",
+        lambda mesh: sf.make_mesh({"data": 2, "model": 8}),
+        [
+            "make_mesh({'data': 2, 'model': 8}): needs 16 devices, 8 are available",
+            "jax.config.update('jax_num_cpu_devices', 16)",
+            "XLA_FLAGS=--xla_force_host_platform_device_count=16",
+        ],
+    ),
+    (
+        "mesh-axis-named-twice",
+        lambda mesh: sf.parallelize(double, mesh=Mesh(mesh.devices, ("data", "data")), in_specs=PS("data"))(X),
+        [
+            "mesh= of double (test_errors.py:",
+            "mesh axis 'data' is named 2 times in ('data', 'data')",
+            "each mesh axis needs its own name",
+        ],
+    ),
+    (
+        "budget-unit",
+        lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), memory_budget="40 gigs"),
+        ["memory_budget='40 gigs' of double (test_errors.py:", "'40GB'", "'40GiB'", "an int of bytes"],
+    ),
+    (
+        "budget-type",
+        lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), memory_budget=[40]),
+        ["memory_budget=[40] of double", "is a list", "an int of bytes"],
+    ),
+    (
+        "budget-zero",
+        lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), memory_budget="0GB"),
+        ["memory_budget='0GB' of double", "is 0 bytes", "a positive number of bytes"],
+    ),
+    (
+        "budget-fraction",
+        lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), memory_budget=1.5),
+        ["memory_budget=1.5 of double", "a whole number of bytes"],
+    ),
+    (
+        "budget-of-plan",
+        lambda mesh: sf.plan(double, X, in_specs=PS(), memory_budget="lots"),
+        ["memory_budget='lots' of double", "an int of bytes"],
+    ),
+    (
+        "pass-by-name",
+        lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), passes=["inline", "solver"]),
+        [
+            "passes[1] 'solver' of double (test_errors.py:",
+            "no pass is named 'solver'",
+            "'inline', 'cse', 'propagate', 'solve', 'boxing'",
+        ],
+    ),
+    (
+        "pass-of-another-type",
+        lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), passes=[len]),
+        ["passes[0] <built-in function len> of double", "neither a Pass nor a pass's name"],
+    ),
+    (
+        "passes-that-do-not-box",
+        lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), passes=["inline", "solve"]),
+        ["passes ('inline', 'solve') of double", "end without 'boxed'", "sf.passes.DEFAULT"],
+    ),
+    (
+        "plan-on-no-axes",
+        lambda mesh: sf.plan(double, X, in_specs=PS(), axes=()),
+        ["sf.plan of double (test_errors.py:", "axes=() names no mesh axis", "axes=('data', 'model')"],
+    ),
+    (
+        "plan-on-an-axis-named-twice",
+        lambda mesh: sf.plan(double, X, in_specs=PS(), axes=("data", "data")),
+        ["sf.plan of double", "mesh axis 'data' is named 2 times in axes=('data', 'data')"],
+    ),
+    (
+        "plan-on-no-mesh-shapes",
+        lambda mesh: sf.plan(double, X, in_specs=PS(), mesh_shapes=[]),
+        ["sf.plan of double", "mesh_shapes=[] names no mesh shape"],
+    ),
+    (
+        "alternatives-of-a-function",
+        lambda mesh: sf.alternatives(double, X),
+        [
+            "sf.alternatives of double (test_errors.py:",
+            "a function, not a parallelized step",
+            "sf.alternatives(sf.parallelize(double, mesh=..., in_specs=...), *args)",
+        ],
+    ),
+    (
+        "alternatives-bad-pattern",
+        lambda mesh: sf.alternatives(sf.parallelize(layer, mesh=mesh, in_specs=w1(PS())), PARAMS, X, only="args[0"),
+        [
+            "sf.alternatives of layer (test_errors.py:",
+            "only='args[0' is not a regular expression",
+            "unterminated character set",
+            "args[0]['w1'], args[0]['w2'], args[1]",
+        ],
+    ),
+    (
+        "alternatives-matching-nothing",
+        lambda mesh: sf.alternatives(sf.parallelize(layer, mesh=mesh, in_specs=w1(PS())), PARAMS, X, only="args[1]"),
+        [
+            "sf.alternatives of layer",
+            "only='args[1]' matches no argument",
+            "args[0]['w1'], args[0]['w2'], args[1]",
+            "'[' opens a character class",
+            "re.escape('args[1]')",
+        ],
+    ),
 ]
 
 
@@ -143,6 +246,7 @@ def test_every_refusal_names_the_value_the_spec_and_the_line(mesh, refused, frag
 
 def test_a_refusal_pickles_as_it_reads():
     import pickle
+
     error = sf.ShardingError("spec 7 is not a sharding spec")
     assert str(error).startswith("test_errors.py:") and str(error).endswith(": spec 7 is not a sharding spec")
     assert str(pickle.loads(pickle.dumps(error))) == str(error)
@@ -150,7 +254,9 @@ def test_a_refusal_pickles_as_it_reads():
 
 def test_a_cpu_machine_gets_its_devices_as_the_refusal_says():
     """On one CPU device the README's mesh is refused with the way out, and the way out works."""
-    import subprocess, sys
+    import subprocess
+    import sys
+
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     mesh = "import shardflow as sf; print(sf.make_mesh({'data': 2, 'model': 4}).devices.shape)"
     refused = subprocess.run([sys.executable, "-c", mesh], env=env, capture_output=True, text=True)
@@ -162,27 +268,37 @@ def test_a_cpu_machine_gets_its_devices_as_the_refusal_says():
 
 # ------------------------------------------------------------------------------ specs of other types
 
+
 @pytest.mark.parametrize("spec", [0, 1.5, object()], ids=["int", "float", "object"])
 def test_in_spec_of_another_type(mesh, spec):
     f = sf.parallelize(double, mesh=mesh, in_specs=spec)
-    with pytest.raises(sf.ShardingError, match=ARG + r": spec .* \((int|float|object)\) is not a sharding spec; "
-                                                 r"a spec is one SBP per mesh axis \('data', 'model'\), "
-                                                 r"e\.g\. \(sf\.S\(0\), sf\.B\)"):
+    with pytest.raises(
+        sf.ShardingError,
+        match=ARG + r": spec .* \((int|float|object)\) is not a sharding spec; "
+        r"a spec is one SBP per mesh axis \('data', 'model'\), "
+        r"e\.g\. \(sf\.S\(0\), sf\.B\)",
+    ):
         f(X)
 
 
 def test_in_spec_of_another_type_in_a_tree(mesh):
     f = sf.parallelize(lambda x, y: x + y, mesh=mesh, in_specs=(PS("data"), 7))
-    with pytest.raises(sf.ShardingError, match=r"argument args\[1\] float32\[8, 12\] of <lambda> "
-                                               r"\(test_errors.py:\d+\): spec 7 \(int\) is not a sharding spec"):
+    with pytest.raises(
+        sf.ShardingError,
+        match=r"argument args\[1\] float32\[8, 12\] of <lambda> "
+        r"\(test_errors.py:\d+\): spec 7 \(int\) is not a sharding spec",
+    ):
         f(X, X)
 
 
 @pytest.mark.parametrize("spec", [3, 2.0, object()], ids=["int", "float", "object"])
 def test_out_spec_of_another_type(mesh, spec):
     f = sf.parallelize(double, mesh=mesh, in_specs=PS("data"), out_specs=spec)
-    with pytest.raises(sf.ShardingError, match=r"output 0 float32\[8, 12\] of double \(test_errors.py:\d+\): "
-                                               r"spec .* is not a sharding spec"):
+    with pytest.raises(
+        sf.ShardingError,
+        match=r"output 0 float32\[8, 12\] of double \(test_errors.py:\d+\): "
+        r"spec .* is not a sharding spec",
+    ):
         f(X)
 
 
@@ -192,15 +308,21 @@ def test_constraint_of_another_type_names_the_line(mesh, spec):
         return sf.constrain(x * 3, spec) + 1
 
     f = sf.parallelize(fn, mesh=mesh, in_specs=PS("data"))
-    with pytest.raises(sf.ShardingError, match=r"constrain\w* of float32\[8, 12\] at test_errors.py:\d+: "
-                                               r"spec .* is not a sharding spec"):
+    with pytest.raises(
+        sf.ShardingError,
+        match=r"constrain\w* of float32\[8, 12\] at test_errors.py:\d+: "
+        r"spec .* is not a sharding spec",
+    ):
         f(X)
 
 
 def test_tuple_of_non_sbp_entries_says_what_a_spec_is(mesh):
     f = sf.parallelize(lambda x: sf.constrain(x, (0, None)), mesh=mesh, in_specs=PS())
-    with pytest.raises(sf.ShardingError, match=r"constrain\w* of float32\[8, 12\] at test_errors.py:\d+: spec "
-                                               r"\(0, None\) is neither SBP .* a spec is one SBP"):
+    with pytest.raises(
+        sf.ShardingError,
+        match=r"constrain\w* of float32\[8, 12\] at test_errors.py:\d+: spec "
+        r"\(0, None\) is neither SBP .* a spec is one SBP",
+    ):
         f(X)
 
 
@@ -208,8 +330,11 @@ def test_unreadable_string_names_the_value(mesh):
     with pytest.raises(sf.ShardingError, match=ARG + r": cannot read SBP 'S\(x\)' in spec 'S\(x\), B'"):
         sf.parallelize(double, mesh=mesh, in_specs="S(x), B")(X)
     # a mesh axis name where an SBP string goes: the PartitionSpec was meant
-    with pytest.raises(sf.ShardingError, match=ARG + r": cannot read SBP 'data'.*did you mean "
-                                               r"PartitionSpec\('data'\)\?"):
+    with pytest.raises(
+        sf.ShardingError,
+        match=ARG + r": cannot read SBP 'data'.*did you mean "
+        r"PartitionSpec\('data'\)\?",
+    ):
         sf.parallelize(double, mesh=mesh, in_specs="data")(X)
 
 
@@ -226,21 +351,38 @@ def test_split_of_a_numpy_int_is_an_int(mesh):
 
 # ------------------------------------------------------------------------------ meshes
 
-@pytest.mark.parametrize("axes, message", [
-    ({"data": 0}, r"make_mesh\(\{'data': 0\}\): mesh axis 'data' has size 0; a mesh axis size is a positive int"),
-    ({"data": -2}, r"mesh axis 'data' has size -2; a mesh axis size is a positive int"),
-    ({"data": 2.5}, r"mesh axis 'data' has size 2\.5; a mesh axis size is a positive int"),
-    ({"data": 2.0}, r"mesh axis 'data' has size 2\.0; a mesh axis size is a positive int"),
-    ({"data": "2"}, r"mesh axis 'data' has size '2'; a mesh axis size is a positive int"),
-    ({"data": True}, r"mesh axis 'data' has size True"),
-    ({}, r"make_mesh\(\{\}\): a mesh needs at least one axis, e.g. sf\.make_mesh\(\{'data': 2, 'model': 4\}\)"),
-    ({0: 2}, r"make_mesh\(\{0: 2\}\): mesh axis name 0 is not a non-empty string"),
-    ({"": 2}, r"mesh axis name '' is not a non-empty string"),
-    ([("data", 2), ("data", 2)], r"mesh axis 'data' is named 2 times; each mesh axis needs its own name"),
-    ("data", r"make_mesh\('data'\): expected a dict of mesh axis name -> size"),
-    (8, r"make_mesh\(8\): expected a dict of mesh axis name -> size"),
-], ids=["zero", "negative", "float", "float-int", "str", "bool", "empty", "int-name", "empty-name",
-        "duplicate", "str-axes", "int-axes"])
+
+@pytest.mark.parametrize(
+    "axes, message",
+    [
+        ({"data": 0}, r"make_mesh\(\{'data': 0\}\): mesh axis 'data' has size 0; a mesh axis size is a positive int"),
+        ({"data": -2}, r"mesh axis 'data' has size -2; a mesh axis size is a positive int"),
+        ({"data": 2.5}, r"mesh axis 'data' has size 2\.5; a mesh axis size is a positive int"),
+        ({"data": 2.0}, r"mesh axis 'data' has size 2\.0; a mesh axis size is a positive int"),
+        ({"data": "2"}, r"mesh axis 'data' has size '2'; a mesh axis size is a positive int"),
+        ({"data": True}, r"mesh axis 'data' has size True"),
+        ({}, r"make_mesh\(\{\}\): a mesh needs at least one axis, e.g. sf\.make_mesh\(\{'data': 2, 'model': 4\}\)"),
+        ({0: 2}, r"make_mesh\(\{0: 2\}\): mesh axis name 0 is not a non-empty string"),
+        ({"": 2}, r"mesh axis name '' is not a non-empty string"),
+        ([("data", 2), ("data", 2)], r"mesh axis 'data' is named 2 times; each mesh axis needs its own name"),
+        ("data", r"make_mesh\('data'\): expected a dict of mesh axis name -> size"),
+        (8, r"make_mesh\(8\): expected a dict of mesh axis name -> size"),
+    ],
+    ids=[
+        "zero",
+        "negative",
+        "float",
+        "float-int",
+        "str",
+        "bool",
+        "empty",
+        "int-name",
+        "empty-name",
+        "duplicate",
+        "str-axes",
+        "int-axes",
+    ],
+)
 def test_make_mesh_refuses(axes, message):
     with pytest.raises(sf.ShardingError, match=message):
         sf.make_mesh(axes)
@@ -257,11 +399,15 @@ def test_make_mesh_of_a_mesh(mesh):
 
 
 def test_dict_as_mesh_says_to_call_make_mesh():
-    with pytest.raises(sf.ShardingError, match=r"mesh=\{'data': 2\} of double \(test_errors.py:\d+\) is a dict, "
-                                               r"not a jax\.sharding\.Mesh; make one with "
-                                               r"sf\.make_mesh\(\{'data': 2\}\)"):
+    with pytest.raises(
+        sf.ShardingError,
+        match=r"mesh=\{'data': 2\} of double \(test_errors.py:\d+\) is a dict, "
+        r"not a jax\.sharding\.Mesh; make one with "
+        r"sf\.make_mesh\(\{'data': 2\}\)",
+    ):
         sf.parallelize(double, mesh={"data": 2}, in_specs=PS("data"))(X)
     with pytest.raises(sf.ShardingError, match=r"mesh=\{'data': 2\} of f \(test_errors.py:\d+\) is a dict"):
+
         @sf.parallelize(mesh={"data": 2}, in_specs=PS("data"))
         def f(x):
             return x
@@ -270,8 +416,11 @@ def test_dict_as_mesh_says_to_call_make_mesh():
 @pytest.mark.parametrize("bad", ["data", None, ("data", 2), "devices"], ids=["str", "None", "tuple", "devices"])
 def test_non_mesh_as_mesh(bad):
     bad = jax.devices()[:2] if bad == "devices" else bad
-    with pytest.raises(sf.ShardingError, match=r"mesh=.* of double \(test_errors.py:\d+\) is a \w+, not a "
-                                               r"jax\.sharding\.Mesh; make one with sf\.make_mesh\("):
+    with pytest.raises(
+        sf.ShardingError,
+        match=r"mesh=.* of double \(test_errors.py:\d+\) is a \w+, not a "
+        r"jax\.sharding\.Mesh; make one with sf\.make_mesh\(",
+    ):
         sf.parallelize(double, mesh=bad, in_specs=PS())(X)
 
 
@@ -293,17 +442,19 @@ def complex_max(x):
 def test_complex_max_on_a_split_dim(mesh):
     """reduce_max offers no S(d) -> P(max) for complex values: XLA has no complex max all-reduce."""
     _agree(sf.parallelize(complex_max, mesh=mesh, in_specs=PS("data")), complex_max, COMPLEX)
-    _agree(sf.parallelize(complex_max, mesh=mesh, in_specs=PS("data"), out_specs=PS("model")), complex_max,
-           COMPLEX)
+    _agree(sf.parallelize(complex_max, mesh=mesh, in_specs=PS("data"), out_specs=PS("model")), complex_max, COMPLEX)
 
 
 def test_partial_max_of_a_complex_value_is_refused(mesh):
     def fn(x):
         return sf.constrain(x, "B, P(max)") * 1
 
-    with pytest.raises(sf.ShardingError, match=r"complex64\[8, 4\] at test_errors.py:\d+: P\(max\) on mesh axis "
-                                               r"'model' under spec \(B, P\(max\)\); XLA has no max all-reduce of "
-                                               r"complex values"):
+    with pytest.raises(
+        sf.ShardingError,
+        match=r"complex64\[8, 4\] at test_errors.py:\d+: P\(max\) on mesh axis "
+        r"'model' under spec \(B, P\(max\)\); XLA has no max all-reduce of "
+        r"complex values",
+    ):
         sf.parallelize(fn, mesh=mesh, in_specs=PS())(COMPLEX)
     # a real value may be P(max)
     _agree(sf.parallelize(fn, mesh=mesh, in_specs=PS()), lambda x: x, COMPLEX.real.copy())

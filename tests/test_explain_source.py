@@ -1,6 +1,7 @@
 """explain's source column names the user's line — the innermost frame of the user's own code —
 never a frame of optax, flax, JAX or shardflow, nor a placeholder; the library line that made the
 value stands beside it, ``test_explain_source.py:30 (optax/_classification.py:400)``."""
+
 import os
 import types
 
@@ -84,6 +85,7 @@ def test_which_files_are_the_users():
     assert is_user_file(__file__)
     # the trainer is code its user reads and edits, as in the tiny_model notebook's explain
     import shardflow.train.loop
+
     assert is_user_file(shardflow.train.loop.__file__)
 
 
@@ -97,19 +99,23 @@ def test_explain_says_when_a_weight_pinned_split_is_gathered_whole():
 
     m = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
     w = np.ones((16, 16), np.float32)
+
     def f(w, x):
         return jnp.tanh(x @ w)
+
     kw = dict(mesh=m, in_specs=(jax.P(None, "model"), jax.P("data")), out_specs=jax.P("data"))
     plan = sf.parallelize(f, **kw).explain(w, np.ones((512, 16), np.float32))
     ((name, src, dst, where, sent),) = plan.gathered
-    assert (name, src, dst, sent) == ("args[0]", "(B, S(1))", "(B, B)", 768) and where.startswith("test_explain_source.py:")
+    assert (name, src, dst, sent) == ("args[0]", "(B, S(1))", "(B, B)", 768) and where.startswith(
+        "test_explain_source.py:"
+    )
     assert "gathered whole over an axis its spec splits: args[0] (B, S(1)) -> (B, B)" in str(plan)
     assert sf.parallelize(f, **kw).explain(w, np.ones((8, 16), np.float32)).gathered == []
 
 
 def layer_loop_loss(ws, x):
     h = jax.lax.scan(lambda h, w: (jax.numpy.tanh(h @ w), None), x, ws)[0]
-    return jax.numpy.mean(h ** 2)
+    return jax.numpy.mean(h**2)
 
 
 WS, X = np.ones((3, 16, 16), np.float32) / 16, np.ones((8, 16), np.float32)
@@ -123,12 +129,15 @@ def test_a_layer_loop_under_value_and_grad_is_attributed_to_the_users_lines(mesh
     plan = f.explain(WS, X)
     mine = {line_of(layer_loop_loss), line_of(layer_loop_loss, 2)}
     assert plan.collectives and all(c.source in mine for c in plan.collectives), plan
-    assert any(c.count == 3 for c in plan.collectives), plan      # a conversion inside the loop's body
+    assert any(c.count == 3 for c in plan.collectives), plan  # a conversion inside the loop's body
     assert all(source in mine or source.startswith("args[") for _, source, _, _ in plan.values), plan.values
 
 
 def test_a_function_wrapped_in_value_and_grad_is_named_at_its_own_line(mesh):
     f = sf.parallelize(jax.value_and_grad(layer_loop_loss), mesh=mesh, in_specs=(PS(None, "model"),))
-    with pytest.raises(sf.ShardingError, match=rf"args of layer_loop_loss \({line_of(layer_loop_loss, 0)}\): "
-                                               r"no spec for args\[1\]"):
+    with pytest.raises(
+        sf.ShardingError,
+        match=rf"args of layer_loop_loss \({line_of(layer_loop_loss, 0)}\): "
+        r"no spec for args\[1\]",
+    ):
         f(WS, X)

@@ -2,6 +2,7 @@
 each strategy): shardflow's result equals the function's on one device (jax.jit without
 shardings), max relative error <= 1e-4 in fp32. Rows shardflow fails today are listed in
 gspmd_programs.XFAIL with the reason, as strict expected failures: a fix flags them."""
+
 import importlib.util
 import sys
 from pathlib import Path

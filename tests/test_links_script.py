@@ -1,10 +1,10 @@
 """benchmarks/links.py: the link model's calibration, run on 8 simulated CPU devices (the
 numbers are the CPU's; what is checked is that every kind runs with the shapes it claims and
 the fit recovers a line)."""
+
 import json
 
 import pytest
-
 from benchmark_scripts import load
 
 
@@ -25,9 +25,23 @@ def test_sent_bytes_are_the_ring_formulas_conversion_prices():
 
 def test_every_kind_runs_over_each_axis(tmp_path):
     out = tmp_path / "links.json"
-    load_script().main(["--mesh", '{"data": 2, "model": 4}', "--sizes-mb", "0.0625", "0.125",
-                        "--iters", "1", "--rounds", "1", "--out", str(out)])
+    load_script().main(
+        [
+            "--mesh",
+            '{"data": 2, "model": 4}',
+            "--sizes-mb",
+            "0.0625",
+            "0.125",
+            "--iters",
+            "1",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     fits = json.loads(out.read_text())["fits"]
     assert [(f["axis"], f["size"], f["kind"]) for f in fits] == [
-        (axis, n, kind) for axis, n in (("data", 2), ("model", 4)) for kind in load_script().KINDS]
+        (axis, n, kind) for axis, n in (("data", 2), ("model", 4)) for kind in load_script().KINDS
+    ]
     assert all(p["seconds"] > 0 for f in fits for p in f["points"])

@@ -1,4 +1,5 @@
 """Models: annotations → specs, and every strategy preset computing the single-device loss."""
+
 import json
 import re
 
@@ -10,21 +11,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardflow import models, train
-from shardflow.train import config, data
 from shardflow.models import sharding
+from shardflow.train import config
 
 ENGINE = "shardflow"  # the default engine; test_strategy_matches_single_device covers jit too
 
-SMALL_LLAMA = dict(preset="tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
-                   ffn_dim=128, max_seq_len=32)
-SMALL_GPT2 = dict(preset="gpt2-tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
-                  head_dim=16, ffn_dim=128, max_seq_len=32)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return data.prepare(data.stdlib_sources(max_bytes=300_000)[:10],
-                        tmp_path_factory.mktemp("tokens"))
+SMALL_LLAMA = dict(
+    preset="tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, ffn_dim=128, max_seq_len=32
+)
+SMALL_GPT2 = dict(
+    preset="gpt2-tiny", d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, ffn_dim=128, max_seq_len=32
+)
 
 
 def small_config(data_dir, out, **overrides):
@@ -57,8 +54,8 @@ def _single_device_losses(cfg):
     losses = []
     for step in range(cfg.steps):
         windows = run.data.windows(
-            run.data.window_starts(step, (1, cfg.batch_size), cfg.data.seq_len, cfg.data.seed),
-            cfg.data.seq_len)
+            run.data.window_starts(step, (1, cfg.batch_size), cfg.data.seq_len, cfg.data.seed), cfg.data.seq_len
+        )
         batch = {"inputs": windows[..., :-1], "targets": windows[..., 1:]}
         params, opt_state, metrics = step_fn(params, opt_state, batch)
         losses.append(float(metrics["loss"]))
@@ -66,14 +63,15 @@ def _single_device_losses(cfg):
 
 
 def test_decorator_and_flax_metadata_both_name_axes():
-    llama_axes, missing = models.param_logical_axes(nnx.eval_shape(
-        lambda: models.build(models.ModelConfig(**{k: v for k, v in SMALL_LLAMA.items()
-                                                   if k != "preset"}))))
+    llama_axes, missing = models.param_logical_axes(
+        nnx.eval_shape(
+            lambda: models.build(models.ModelConfig(**{k: v for k, v in SMALL_LLAMA.items() if k != "preset"}))
+        )
+    )
     assert missing == []
     assert llama_axes["layers"]["attn"]["wk"] == ("layers", "embed", "kv_heads", "head_dim")
     assert llama_axes["embedding"] == ("vocab", "embed")
-    gpt2_axes, missing = models.param_logical_axes(nnx.eval_shape(
-        lambda: models.build(models.preset("gpt2-tiny"))))
+    gpt2_axes, missing = models.param_logical_axes(nnx.eval_shape(lambda: models.build(models.preset("gpt2-tiny"))))
     assert missing == []
     assert gpt2_axes["layers"]["fc"]["kernel"] == ("layers", "embed", "mlp")  # with_partitioning
     assert gpt2_axes["wte"]["embedding"] == ("vocab", "embed")
@@ -115,6 +113,7 @@ def test_train_step_matmuls_run_in_compute_dtype(preset, compute_dtype):
     """Every matmul of the step (forward and backward) takes and gives compute_dtype: the
     models compute in the dtype of the parameters the trainer hands them."""
     from jax.extend.core import ClosedJaxpr
+
     cfg = config.Config()
     cfg.model = {"preset": preset, "n_layers": 2}
     cfg.batch_size, cfg.data.seq_len, cfg.compute_dtype = 8, 32, compute_dtype
@@ -141,8 +140,7 @@ def test_train_step_matmuls_run_in_compute_dtype(preset, compute_dtype):
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_forward_shapes_and_remat_agree(model):
-    fields = {k: v for k, v in (SMALL_LLAMA if model == "llama" else SMALL_GPT2).items()
-              if k != "preset"}
+    fields = {k: v for k, v in (SMALL_LLAMA if model == "llama" else SMALL_GPT2).items() if k != "preset"}
     fields["family"] = model
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
     plain = models.build(models.ModelConfig(**fields))
@@ -164,8 +162,7 @@ CASES = {
     "2d": ("2d", {"data": 2, "model": 4}, {}),
     "dp-accum": ("dp", {"data": 4, "model": 2}, {"grad_accum": 2}),
     "gpt2-tp": ("tp", {"data": 2, "model": 4}, {"model": SMALL_GPT2}),
-    "explicit-rules": ({"batch": "model", "mlp": "data", "vocab": "data"},
-                       {"data": 2, "model": 4}, {}),
+    "explicit-rules": ({"batch": "model", "mlp": "data", "vocab": "data"}, {"data": 2, "model": 4}, {}),
 }
 SHARDFLOW_CASES = ["dp", "fsdp", "tp", "tp_sp", "2d", "gpt2-tp"]
 # The jit engine differs from strategy to strategy only in its specs; these cover every kind of
@@ -178,8 +175,7 @@ def strategy_config(case, engine, data_dir, out):
     return small_config(data_dir, out, strategy=strategy, mesh=mesh, engine=engine, **extra)
 
 
-@pytest.mark.parametrize("engine,case", [("jit", c) for c in JIT_CASES] +
-                         [("shardflow", c) for c in SHARDFLOW_CASES])
+@pytest.mark.parametrize("engine,case", [("jit", c) for c in JIT_CASES] + [("shardflow", c) for c in SHARDFLOW_CASES])
 def test_strategy_matches_single_device(engine, case, data_dir, tmp_path):
     cfg = strategy_config(case, engine, data_dir, tmp_path)
     expected = single_device_losses(cfg)
@@ -191,6 +187,7 @@ def test_strategy_matches_single_device(engine, case, data_dir, tmp_path):
 def test_activation_constraints_reach_the_traced_step(data_dir, tmp_path):
     """The model's constrain() calls become sharding constraints of the step: the residual
     stream is split along the sequence under tp_sp, along the batch only under dp."""
+
     def pinned_specs(strategy, mesh):
         cfg = small_config(data_dir, tmp_path, strategy=strategy, mesh=mesh, engine="jit")
         run = train.setup(cfg)
@@ -202,5 +199,4 @@ def test_activation_constraints_reach_the_traced_step(data_dir, tmp_path):
 
     assert pinned_specs("dp", {"data": 8}) == {"P('data', None, None)"}
     # residual stream [batch, seq, embed]; logits [batch, seq, vocab] split on vocab
-    assert pinned_specs("tp_sp", {"data": 2, "model": 4}) == {"P('data', 'model', None)",
-                                                              "P('data', None, 'model')"}
+    assert pinned_specs("tp_sp", {"data": 2, "model": 4}) == {"P('data', 'model', None)", "P('data', None, 'model')"}

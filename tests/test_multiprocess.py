@@ -1,6 +1,7 @@
 """Multi-host training, run as two processes on this machine: two `shardflow train` processes
 of 4 CPU devices each, joined by jax.distributed (gloo collectives), must train exactly as one
 process of 8 devices, and the checkpoint they write together must restore in one process."""
+
 import json
 import os
 import socket
@@ -10,11 +11,10 @@ import sys
 import jax
 import numpy as np
 import yaml
-
-from shardflow import train
 from test_docs import cpu_only_env
 from test_models import small_config
-from test_train import data_dir  # noqa: F401  (fixture)
+
+from shardflow import train
 
 
 def free_port() -> int:
@@ -28,8 +28,9 @@ def run_processes(cfg, n_processes: int, devices_each: int, timeout: float = 900
     os.makedirs(cfg.out, exist_ok=True)
     with open(path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f)
-    return launch([sys.executable, "-m", "shardflow.train", "--config", path, "--no-progress"],
-                  n_processes, devices_each, timeout)
+    return launch(
+        [sys.executable, "-m", "shardflow.train", "--config", path, "--no-progress"], n_processes, devices_each, timeout
+    )
 
 
 def launch(command, n_processes: int, devices_each: int, timeout: float) -> list[str]:
@@ -38,8 +39,12 @@ def launch(command, n_processes: int, devices_each: int, timeout: float) -> list
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []
     for i in range(n_processes):
-        env = dict(cpu_only_env(devices_each), JAX_COORDINATOR_ADDRESS=coordinator,
-                   JAX_NUM_PROCESSES=str(n_processes), JAX_PROCESS_ID=str(i))
+        env = dict(
+            cpu_only_env(devices_each),
+            JAX_COORDINATOR_ADDRESS=coordinator,
+            JAX_NUM_PROCESSES=str(n_processes),
+            JAX_PROCESS_ID=str(i),
+        )
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
@@ -55,8 +60,7 @@ def launch(command, n_processes: int, devices_each: int, timeout: float) -> list
 
 def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(data_dir, tmp_path):  # noqa: F811
     def cfg(out, steps=3):
-        c = small_config(data_dir, tmp_path / out, steps=steps, strategy="2d",
-                         mesh={"data": 2, "model": 4})
+        c = small_config(data_dir, tmp_path / out, steps=steps, strategy="2d", mesh={"data": 2, "model": 4})
         c.checkpoint.every = 3
         c.checkpoint.async_save = False
         return c
@@ -69,13 +73,15 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(data_
 
     one = train.train(cfg("one"), progress=False)
     assert sorted(two) == sorted(one["losses"]) == [1, 2, 3]
-    np.testing.assert_allclose([two[s] for s in (1, 2, 3)], [one["losses"][s] for s in (1, 2, 3)],
-                               rtol=1e-5)
+    np.testing.assert_allclose([two[s] for s in (1, 2, 3)], [one["losses"][s] for s in (1, 2, 3)], rtol=1e-5)
 
     restored = train.train(cfg("two"), progress=False)  # one process, 8 devices
     assert restored["start_step"] == 3 and restored["losses"] == {}
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-                 jax.device_get(one["params"]), jax.device_get(restored["params"]))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+        jax.device_get(one["params"]),
+        jax.device_get(restored["params"]),
+    )
 
 
 PLAN_IN_EACH_PROCESS = r"""
@@ -135,8 +141,12 @@ def test_processes_plan_with_process_0s_solve_and_refuse_plans_that_differ(tmp_p
         assert "whole PLANNER solver (optimal" in out, out
         assert "cut on 0 PLANNER greedy (the solver did not run: out of iterations (simulated))" in out, out
         assert "cut on 1 PLANNER solver (optimal" in out, out
-        assert "differ on 1 REFUSED script.py:36: the 2 processes planned different programs (processes [1] " \
-               "differ from process 0" in out, out
+        assert (
+            "differ on 1 REFUSED script.py:36: the 2 processes planned different programs (processes [1] "
+            "differ from process 0" in out
+        ), out
     assert "raise on 0 RAISED HiGHS crashed (simulated)" in outputs[0], outputs[0]
-    assert "raise on 0 REFUSED script.py:36: the solve on process 0, whose result every process plans with, " \
-           "raised RuntimeError: HiGHS crashed (simulated)" in outputs[1], outputs[1]
+    assert (
+        "raise on 0 REFUSED script.py:36: the solve on process 0, whose result every process plans with, "
+        "raised RuntimeError: HiGHS crashed (simulated)" in outputs[1]
+    ), outputs[1]

@@ -7,6 +7,7 @@ Hypothesis draws arrays from non-finite and signed-zero values (and -NaN, whose 
 set), a mesh of one or two axes and a split of the array, per op. Finite values are small
 binary fractions so that sums and products are exact in any order.
 """
+
 import functools
 
 import jax
@@ -65,11 +66,16 @@ BINARY = {
 # bfloat16 too where the cross-device max/min or an ordering runs (sums stay float32: exact).
 BF16 = {"max", "max0", "max1", "min", "max_of_neg1", "argmax0", "sort0", "maximum", "lt", "max_of_maximum"}
 
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def parallelized(name, mesh_name, spec_index):
     fn = UNARY.get(name) or BINARY[name]
     spec = SPECS[mesh_name][spec_index]
@@ -77,7 +83,7 @@ def parallelized(name, mesh_name, spec_index):
     return sf.parallelize(fn, mesh=sf.make_mesh(MESHES[mesh_name]), in_specs=(spec,) * arity)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(name):
     return jax.jit(UNARY.get(name) or BINARY[name])
 
@@ -85,7 +91,8 @@ def reference(name):
 def arrays(n):
     """``n`` arrays of SHAPE drawn from VALUES (by index, keeping -NaN's sign)."""
     return st.tuples(*[hnp.arrays(np.int8, SHAPE, elements=st.integers(0, len(VALUES) - 1))] * n).map(
-        lambda idx: tuple(VALUES[i] for i in idx))
+        lambda idx: tuple(VALUES[i] for i in idx)
+    )
 
 
 def check(name, dtype, case, xs):
@@ -98,8 +105,9 @@ def check(name, dtype, case, xs):
         assert g.dtype == w.dtype and g.shape == w.shape
         if g.dtype == jnp.bfloat16:
             g, w = g.astype(np.float32), w.astype(np.float32)
-        np.testing.assert_array_equal(g, w, err_msg=f"{name} {dtype.__name__} {mesh_name} {spec}\n"
-                                                     f"inputs: {[np.asarray(x).tolist() for x in xs]}")
+        np.testing.assert_array_equal(
+            g, w, err_msg=f"{name} {dtype.__name__} {mesh_name} {spec}\ninputs: {[np.asarray(x).tolist() for x in xs]}"
+        )
 
 
 def dtypes_of(name):
@@ -139,5 +147,5 @@ def test_max_over_devices_returns_nan(dtype):
         par = sf.parallelize(fn, mesh=sf.make_mesh(MESHES["2d"]), in_specs=(PS("data", "model"),))
         got, want = np.asarray(par(x), np.float32), np.asarray(jax.jit(fn)(x), np.float32)
         np.testing.assert_array_equal(got, want)
-        numbers = ~np.isnan(want)   # max(-0, +0) is +0 either way; a NaN's sign bit is not compared
+        numbers = ~np.isnan(want)  # max(-0, +0) is +0 either way; a NaN's sign bit is not compared
         np.testing.assert_array_equal(np.signbit(got[numbers]), np.signbit(want[numbers]))

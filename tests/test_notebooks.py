@@ -24,6 +24,7 @@ Declared noise:
   moves in the 7th digit or crosses a rounding boundary passes, and one that moves in the
   4th significant digit fails. Integers (bytes, shapes, counts, line numbers) must be equal.
 """
+
 import difflib
 import json
 import re
@@ -31,7 +32,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from test_docs import run_python
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
@@ -90,9 +90,12 @@ def differences(now: str | None, stored: str | None, collapse_whitespace=False) 
         now, stored = " ".join(now.split()), " ".join(stored.split())
     skeleton_now, skeleton_stored = FLOAT.sub("<float>", now), FLOAT.sub("<float>", stored)
     if skeleton_now != skeleton_stored:
-        return [f"  {line}" for line in difflib.unified_diff(
-            skeleton_stored.splitlines(), skeleton_now.splitlines(), "stored", "now", n=0,
-            lineterm="")] or [f"  now:    {skeleton_now!r}\n  stored: {skeleton_stored!r}"]
+        return [
+            f"  {line}"
+            for line in difflib.unified_diff(
+                skeleton_stored.splitlines(), skeleton_now.splitlines(), "stored", "now", n=0, lineterm=""
+            )
+        ] or [f"  now:    {skeleton_now!r}\n  stored: {skeleton_stored!r}"]
     out = []
     for a, b in zip(FLOAT.finditer(now), FLOAT.finditer(stored)):
         x, y = float(a.group(0)), float(b.group(0))
@@ -104,12 +107,10 @@ def differences(now: str | None, stored: str | None, collapse_whitespace=False) 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_prints_its_stored_outputs(path, tmp_path):
     (tmp_path / "run_notebook.py").write_text(RUNNER)
-    done = run_python(tmp_path / "run_notebook.py", tmp_path,
-                      args=[str(path), str(tmp_path / "shown.json")])
+    done = run_python(tmp_path / "run_notebook.py", tmp_path, args=[str(path), str(tmp_path / "shown.json")])
     assert done.returncode == 0, f"{path.name} failed:\n{done.stdout[-500:]}\n{done.stderr[-6000:]}"
     shown = json.loads((tmp_path / "shown.json").read_text())
-    code = [(i, c) for i, c in enumerate(json.loads(path.read_text())["cells"])
-            if c["cell_type"] == "code"]
+    code = [(i, c) for i, c in enumerate(json.loads(path.read_text())["cells"]) if c["cell_type"] == "code"]
     report = []
     for (i, cell), now in zip(code, shown):
         stored = stored_outputs(cell)
@@ -117,19 +118,24 @@ def test_notebook_prints_its_stored_outputs(path, tmp_path):
             bad = differences(now[what], stored[what], collapse)
             if bad:
                 report.append(f"cell {i} {what}:\n" + "\n".join(bad))
-    assert not report, (f"{path.name}: stored outputs differ from a fresh run (re-run and store "
-                        "them, see this test's docstring):\n" + "\n".join(report))
+    assert not report, (
+        f"{path.name}: stored outputs differ from a fresh run (re-run and store "
+        "them, see this test's docstring):\n" + "\n".join(report)
+    )
 
 
 def test_the_comparison_catches_drift_and_allows_declared_noise():
-    assert not differences("resumed (/tmp/shardflow-notebook-ab_1/checkpoints)\n",
-                           "resumed (/var/tmp/shardflow-notebook-q7o/checkpoints)\n")
+    assert not differences(
+        "resumed (/tmp/shardflow-notebook-ab_1/checkpoints)\n",
+        "resumed (/var/tmp/shardflow-notebook-q7o/checkpoints)\n",
+    )
     assert not differences("(5.4922695, 5.492269992828369)", "(5.492269992828369, 5.492269992828369)")
-    assert not differences("{10: 3.907}", "{10: 3.906}")          # a rounding boundary
-    assert differences("{10: 3.909}", "{10: 3.906}")              # two units of the last digit
-    assert differences("5.4925", "5.492269992828369")             # the 4th decimal
-    assert differences("98,304 bytes", "98,305 bytes")            # integers are exact
-    assert differences("loop.py:95", "_classification.py:400")    # explain's source column
-    assert not differences("[CpuDevice(id=0),\n CpuDevice(id=1)]", "[CpuDevice(id=0), CpuDevice(id=1)]",
-                           collapse_whitespace=True)
+    assert not differences("{10: 3.907}", "{10: 3.906}")  # a rounding boundary
+    assert differences("{10: 3.909}", "{10: 3.906}")  # two units of the last digit
+    assert differences("5.4925", "5.492269992828369")  # the 4th decimal
+    assert differences("98,304 bytes", "98,305 bytes")  # integers are exact
+    assert differences("loop.py:95", "_classification.py:400")  # explain's source column
+    assert not differences(
+        "[CpuDevice(id=0),\n CpuDevice(id=1)]", "[CpuDevice(id=0), CpuDevice(id=1)]", collapse_whitespace=True
+    )
     assert differences("x\n", None) and not differences(None, None)

@@ -3,13 +3,15 @@ gradient of a pipelined stack of layers plus a head equal plain autodiff of the 
 one device — the primitive bound outside parallelize, the per-device executor in a shard_map,
 and sf.parallelize composing the pipeline axis with data and tensor parallelism — for every
 built-in schedule of shardflow.schedules."""
+
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import shardflow as sf
 from shardflow import pipelining as pp
@@ -28,8 +30,10 @@ def head_fn(hp, y, tgt):
 
 def model(n_layers, m, seed=0):
     r = np.random.default_rng(seed)
-    layers = {"w": jnp.asarray(r.standard_normal((n_layers, d, d)) / 3, jnp.float32),
-              "b": jnp.asarray(r.standard_normal((n_layers, d)) / 3, jnp.float32)}
+    layers = {
+        "w": jnp.asarray(r.standard_normal((n_layers, d, d)) / 3, jnp.float32),
+        "b": jnp.asarray(r.standard_normal((n_layers, d)) / 3, jnp.float32),
+    }
     hp = jnp.asarray(r.standard_normal((d, 3)), jnp.float32)
     x = jnp.asarray(r.standard_normal((m * mbsz, d)), jnp.float32)
     tg = jnp.asarray(r.standard_normal((m * mbsz, 3)), jnp.float32)
@@ -38,9 +42,11 @@ def model(n_layers, m, seed=0):
 
 def plain_loss(layers, hp, x, tg, m):
     """The un-pipelined model: every layer in turn, the head's loss averaged over micro-batches."""
+
     def one(x, t):
         h = jax.lax.scan(lambda h, w: (layer(w, h), None), x, layers)[0]
         return head_fn(hp, h, t)
+
     return jnp.mean(jax.vmap(one)(strided(x, m), strided(tg, m)))
 
 
@@ -59,33 +65,51 @@ def check(table):
     p, m, v = table.stages, table.microbatches, table.chunks
     layers, hp, x, tg = model(p * v * Lc, m)
     want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, m)
-    got = jax.value_and_grad(lambda *a: sf.pipeline(layer, a[0], a[2], head=head_fn, head_params=a[1],
-                                                    head_args=a[3], stages=p, microbatches=m, schedule=table),
-                             argnums=(0, 1, 2))(layers, hp, x, tg)
-    assert_close(got, want)          # the primitive bound outside parallelize: micro-batches in turn
+    got = jax.value_and_grad(
+        lambda *a: sf.pipeline(
+            layer, a[0], a[2], head=head_fn, head_params=a[1], head_args=a[3], stages=p, microbatches=m, schedule=table
+        ),
+        argnums=(0, 1, 2),
+    )(layers, hp, x, tg)
+    assert_close(got, want)  # the primitive bound outside parallelize: micro-batches in turn
 
     # the per-device program, in a shard_map over the pipeline axis
     order = np.array([[table.virtual_stage(s, c) for c in range(v)] for s in range(p)])
     stage = [a.reshape((p * v, Lc) + a.shape[1:])[order] for a in jax.tree.leaves(layers)]
     xs, tgs = strided(x, m), strided(tg, m)
     chunk = jax.tree.unflatten(jax.tree.structure(layers), [jax.ShapeDtypeStruct(a.shape[2:], a.dtype) for a in stage])
-    jaxprs = pp.bodies_of(layer, head_fn, chunk, jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype), hp,
-                          jax.ShapeDtypeStruct(tgs.shape[1:], tgs.dtype))
+    jaxprs = pp.bodies_of(
+        layer,
+        head_fn,
+        chunk,
+        jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype),
+        hp,
+        jax.ShapeDtypeStruct(tgs.shape[1:], tgs.dtype),
+    )
     bodies = pp.callables(jaxprs)
     mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
 
     def body(stage, hp, xs, tgs):
         return pp.execute(bodies, table, stage, [hp], xs, [tgs], axis="pipe")
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("pipe"), P(), P(), P()),
-                              out_specs=(P(), P("pipe"), P(), P()), check_vma=False))
+
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("pipe"), P(), P(), P()), out_specs=(P(), P("pipe"), P(), P()), check_vma=False
+        )
+    )
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
     loss, d_stage, (d_hp,), d_xs = f(put(stage, P("pipe")), put(hp, P()), put(xs, P()), put(tgs, P()))
     inverse = np.argsort(order.reshape(-1))
-    d_layers = [np.asarray(g).reshape((p * v * Lc,) + g.shape[3:]) if v == 1 else
-                np.asarray(g).reshape((p * v, Lc) + g.shape[3:])[inverse].reshape((p * v * Lc,) + g.shape[3:])
-                for g in d_stage]
-    assert_close((loss, d_layers, d_hp, np.asarray(d_xs).swapaxes(0, 1).reshape(x.shape)),
-                 (want[0], jax.tree.leaves(want[1][0]), want[1][1], want[1][2]))
+    d_layers = [
+        np.asarray(g).reshape((p * v * Lc,) + g.shape[3:])
+        if v == 1
+        else np.asarray(g).reshape((p * v, Lc) + g.shape[3:])[inverse].reshape((p * v * Lc,) + g.shape[3:])
+        for g in d_stage
+    ]
+    assert_close(
+        (loss, d_layers, d_hp, np.asarray(d_xs).swapaxes(0, 1).reshape(x.shape)),
+        (want[0], jax.tree.leaves(want[1][0]), want[1][1], want[1][2]),
+    )
 
 
 SCHEDULES = schedules.BUILTIN
@@ -127,16 +151,21 @@ def test_bf16_gradients_are_summed_over_micro_batches_in_float32(axes):
     m = 16
     layers, hp, x, tg = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model(2 * Lc, m, seed=3))
     table = schedules.one_f_one_b(2, m)
-    per_micro = [jax.grad(lambda l, h: plain_loss(l, h, xi, ti, 1), argnums=(0, 1))(layers, hp)
-                 for xi, ti in zip(strided(x, m), strided(tg, m))]
+    per_micro = [
+        jax.grad(lambda l, h: plain_loss(l, h, xi, ti, 1), argnums=(0, 1))(layers, hp)
+        for xi, ti in zip(strided(x, m), strided(tg, m))
+    ]
     want = jax.tree.map(lambda *g: (sum(a.astype(jnp.float32) for a in g) / m).astype(jnp.bfloat16), *per_micro)
-    step = sf.parallelize(pipelined_step(table if "pipe" in axes else schedules.one_f_one_b(1, m)),
-                          mesh=sf.make_mesh(axes), in_specs=(P("pipe") if "pipe" in axes else P(), P(), P(), P()))
+    step = sf.parallelize(
+        pipelined_step(table if "pipe" in axes else schedules.one_f_one_b(1, m)),
+        mesh=sf.make_mesh(axes),
+        in_specs=(P("pipe") if "pipe" in axes else P(), P(), P(), P()),
+    )
     _, (d_layers, d_hp, _) = step(layers, hp, x, tg)
     for got, exp in zip(jax.tree.leaves((d_layers, d_hp)), jax.tree.leaves(want)):
         assert got.dtype == jnp.bfloat16
         got, exp = np.asarray(got, np.float32), np.asarray(exp, np.float32)
-        np.testing.assert_array_less(np.abs(got - exp), np.abs(exp) * 2.0 ** -7 + 1e-6)
+        np.testing.assert_array_less(np.abs(got - exp), np.abs(exp) * 2.0**-7 + 1e-6)
 
 
 def pipelined_step(table):
@@ -144,17 +173,24 @@ def pipelined_step(table):
 
     def step(layers, hp, x, tg):
         def loss(layers, hp, x):
-            return sf.pipeline(layer, layers, x, head=head_fn, head_params=hp, head_args=tg,
-                               stages=p, microbatches=m, schedule=table)
+            return sf.pipeline(
+                layer, layers, x, head=head_fn, head_params=hp, head_args=tg, stages=p, microbatches=m, schedule=table
+            )
+
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(layers, hp, x)
+
     return step
 
 
-@pytest.mark.parametrize("axes,layer_spec,batch_spec", [
-    ({"pipe": 4}, P("pipe"), P()),
-    ({"pipe": 4, "data": 2}, P("pipe"), P("data")),
-    ({"pipe": 2, "model": 4}, P("pipe", None, "model"), P()),
-], ids=["pp4", "pp4-dp2", "pp2-tp4"])
+@pytest.mark.parametrize(
+    "axes,layer_spec,batch_spec",
+    [
+        ({"pipe": 4}, P("pipe"), P()),
+        ({"pipe": 4, "data": 2}, P("pipe"), P("data")),
+        ({"pipe": 2, "model": 4}, P("pipe", None, "model"), P()),
+    ],
+    ids=["pp4", "pp4-dp2", "pp2-tp4"],
+)
 @pytest.mark.parametrize("schedule", ["1f1b", "1f1b-fused", "interleaved", "zb-h1", "zb-v", "zb-fused"])
 def test_parallelize_equals_one_device(axes, layer_spec, batch_spec, schedule):
     p, m = axes["pipe"], 2 * axes["pipe"]
@@ -162,19 +198,26 @@ def test_parallelize_equals_one_device(axes, layer_spec, batch_spec, schedule):
     layers, hp, x, tg = model(p * table.chunks * Lc, m)
     want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, m)
     specs = {"w": layer_spec, "b": P(*layer_spec[:2])}
-    step = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh(axes),
-                          in_specs=(specs, P(), batch_spec, batch_spec),
-                          out_specs=(P(), (specs, P(), batch_spec)))
+    step = sf.parallelize(
+        pipelined_step(table),
+        mesh=sf.make_mesh(axes),
+        in_specs=(specs, P(), batch_spec, batch_spec),
+        out_specs=(P(), (specs, P(), batch_spec)),
+    )
     assert_close(step(layers, hp, x, tg), want)
 
 
-@pytest.mark.parametrize("axes,layer_spec,batch_spec", [
-    ({"pipe": 4}, P("pipe"), P()),
-    ({"pipe": 4, "data": 2}, P("pipe"), P("data")),
-    ({"pipe": 2, "model": 4}, P("pipe", None, "model"), P()),
-    ({"data": 2, "pipe": 4}, P("pipe", None, "data"), P("data")),
-    ({"model": 4, "pipe": 2}, P("pipe", None, "model"), P()),
-], ids=["pp4", "pp4-dp2", "pp2-tp4", "dp2-pp4-fsdp", "tp4-pp2"])
+@pytest.mark.parametrize(
+    "axes,layer_spec,batch_spec",
+    [
+        ({"pipe": 4}, P("pipe"), P()),
+        ({"pipe": 4, "data": 2}, P("pipe"), P("data")),
+        ({"pipe": 2, "model": 4}, P("pipe", None, "model"), P()),
+        ({"data": 2, "pipe": 4}, P("pipe", None, "data"), P("data")),
+        ({"model": 4, "pipe": 2}, P("pipe", None, "model"), P()),
+    ],
+    ids=["pp4", "pp4-dp2", "pp2-tp4", "dp2-pp4-fsdp", "tp4-pp2"],
+)
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-fused"])
 def test_the_solver_lays_out_the_stages_with_the_program(axes, layer_spec, batch_spec, schedule):
     """passes.solve solves the five bodies with the program — one layout per value crossing
@@ -188,8 +231,13 @@ def test_the_solver_lays_out_the_stages_with_the_program(axes, layer_spec, batch
     specs = {"w": layer_spec, "b": P(*layer_spec[:2])}
     plans = []
     for passes in (sf.passes.DEFAULT, sf.passes.SOLVER):
-        step = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh(axes), passes=passes,
-                              in_specs=(specs, P(), batch_spec, batch_spec), out_specs=(P(), (specs, P(), batch_spec)))
+        step = sf.parallelize(
+            pipelined_step(table),
+            mesh=sf.make_mesh(axes),
+            passes=passes,
+            in_specs=(specs, P(), batch_spec, batch_spec),
+            out_specs=(P(), (specs, P(), batch_spec)),
+        )
         plans.append(step.explain(layers, hp, x, tg))
     greedy, solved = plans
     assert solved.planner.startswith("solver (optimal") and "greedy" not in solved.planner, solved.planner
@@ -206,8 +254,12 @@ def test_sf_auto_lays_out_the_head_and_the_batch_of_a_pipeline():
     layers, hp, x, tg = model(2 * Lc, 4)
     want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 4)
     specs = {"w": P("pipe", None, "model"), "b": P("pipe")}
-    step = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh({"pipe": 2, "model": 4}), passes=sf.passes.SOLVER,
-                          in_specs=(specs, sf.AUTO, sf.AUTO, P()))
+    step = sf.parallelize(
+        pipelined_step(table),
+        mesh=sf.make_mesh({"pipe": 2, "model": 4}),
+        passes=sf.passes.SOLVER,
+        in_specs=(specs, sf.AUTO, sf.AUTO, P()),
+    )
     assert "sf.AUTO chose 2 input layouts" in step.explain(layers, hp, x, tg).planner
     assert_close(step(layers, hp, x, tg), want)
 
@@ -219,17 +271,32 @@ def test_without_a_pipeline_axis_the_stages_run_in_turn(planner):
     layers, hp, x, tg = model(4 * Lc, 8)
     want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 8)
     with pytest.raises(sf.ShardingError, match="axis 'pipe', which the mesh"):
-        sf.parallelize(pipelined_step(table), mesh=sf.make_mesh({"data": 2}), passes=passes,
-                       in_specs=(P(), P(), P("data"), P("data")))(layers, hp, x, tg)
-    step = sf.parallelize(pipelined_step(SCHEDULES["1f1b"](1, 8)), mesh=sf.make_mesh({"data": 2}), passes=passes,
-                          in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), (P(), P(), P("data"))))
+        sf.parallelize(
+            pipelined_step(table),
+            mesh=sf.make_mesh({"data": 2}),
+            passes=passes,
+            in_specs=(P(), P(), P("data"), P("data")),
+        )(layers, hp, x, tg)
+    step = sf.parallelize(
+        pipelined_step(SCHEDULES["1f1b"](1, 8)),
+        mesh=sf.make_mesh({"data": 2}),
+        passes=passes,
+        in_specs=(P(), P(), P("data"), P("data")),
+        out_specs=(P(), (P(), P(), P("data"))),
+    )
     assert_close(step(layers, hp, x, tg), want)
     assert step.explain(layers, hp, x, tg).planner.startswith(planner)
 
 
-@pytest.mark.parametrize("schedule,counts", [("1f1b", [3, 2, 2, 1]), ("zb-h1", [3, 2, 2, 1]),
-                                             ("interleaved", [2, 2, 1, 1, 1, 1, 2, 2]),
-                                             ("zb-v", [1, 2, 2, 1, 1, 1, 1, 3])])
+@pytest.mark.parametrize(
+    "schedule,counts",
+    [
+        ("1f1b", [3, 2, 2, 1]),
+        ("zb-h1", [3, 2, 2, 1]),
+        ("interleaved", [2, 2, 1, 1, 1, 1, 2, 2]),
+        ("zb-v", [1, 2, 2, 1, 1, 1, 1, 3]),
+    ],
+)
 def test_uneven_stages_equal_one_device(schedule, counts):
     """layers_per_stage: stages (virtual stages, with chunks) padded to the largest count, the
     padding skipped."""
@@ -239,9 +306,21 @@ def test_uneven_stages_equal_one_device(schedule, counts):
 
     def step(layers, hp, x, tg):
         def loss(layers, hp, x):
-            return sf.pipeline(layer, layers, x, head=head_fn, head_params=hp, head_args=tg, stages=4,
-                               microbatches=8, schedule=table, layers_per_stage=counts)
+            return sf.pipeline(
+                layer,
+                layers,
+                x,
+                head=head_fn,
+                head_params=hp,
+                head_args=tg,
+                stages=4,
+                microbatches=8,
+                schedule=table,
+                layers_per_stage=counts,
+            )
+
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(layers, hp, x)
+
     assert_close(step(layers, hp, x, tg), want)
     parallel = sf.parallelize(step, mesh=sf.make_mesh({"pipe": 4}), in_specs=(P(), P(), P(), P()))
     assert_close(parallel(layers, hp, x, tg), want)
@@ -250,22 +329,45 @@ def test_uneven_stages_equal_one_device(schedule, counts):
 def test_uneven_stages_are_checked():
     layers, hp, x, tg = model(8, 8)
     with pytest.raises(ValueError, match=r"layers_per_stage \[3, 3, 2, 1\] must be 4 counts"):
-        sf.pipeline(layer, layers, x, head=head_fn, head_params=hp, head_args=tg, stages=4,
-                    microbatches=8, layers_per_stage=[3, 3, 2, 1])
+        sf.pipeline(
+            layer,
+            layers,
+            x,
+            head=head_fn,
+            head_params=hp,
+            head_args=tg,
+            stages=4,
+            microbatches=8,
+            layers_per_stage=[3, 3, 2, 1],
+        )
     with pytest.raises(ValueError, match=r"must be 8 counts of at least 1, for 4 stages x 2 chunks"):
-        sf.pipeline(layer, layers, x, head=head_fn, head_params=hp, head_args=tg, stages=4,
-                    microbatches=8, schedule="interleaved", layers_per_stage=[2, 2, 2, 2])
+        sf.pipeline(
+            layer,
+            layers,
+            x,
+            head=head_fn,
+            head_params=hp,
+            head_args=tg,
+            stages=4,
+            microbatches=8,
+            schedule="interleaved",
+            layers_per_stage=[2, 2, 2, 2],
+        )
 
 
 def test_bf16_loss_keeps_its_dtype():
     table = SCHEDULES["1f1b"](4, 8)
     layers, hp, x, tg = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model(4 * Lc, 8))
     want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 8)
-    got = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh({"pipe": 4}),
-                         in_specs=(P("pipe"), P(), P(), P()))(layers, hp, x, tg)
+    got = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh({"pipe": 4}), in_specs=(P("pipe"), P(), P(), P()))(
+        layers, hp, x, tg
+    )
     assert jax.tree.map(lambda a: a.dtype, got) == jax.tree.map(lambda a: a.dtype, want)
-    assert_close(jax.tree.map(lambda a: a.astype(jnp.float32), got),
-                 jax.tree.map(lambda a: a.astype(jnp.float32), want), tol=3e-2)
+    assert_close(
+        jax.tree.map(lambda a: a.astype(jnp.float32), got),
+        jax.tree.map(lambda a: a.astype(jnp.float32), want),
+        tol=3e-2,
+    )
 
 
 def test_compiled_memory_falls_with_the_schedules_live_activations():
@@ -273,14 +375,17 @@ def test_compiled_memory_falls_with_the_schedules_live_activations():
     GPipe keeps m, so at m = 4p its compiled step needs less memory."""
     wide = 64
     r = np.random.default_rng(0)
-    layers = {"w": jnp.asarray(r.standard_normal((4, wide, wide)) / 8, jnp.float32),
-              "b": jnp.zeros((4, wide), jnp.float32)}
+    layers = {
+        "w": jnp.asarray(r.standard_normal((4, wide, wide)) / 8, jnp.float32),
+        "b": jnp.zeros((4, wide), jnp.float32),
+    }
     hp = jnp.asarray(r.standard_normal((wide, 3)), jnp.float32)
     x, tg = jnp.ones((16 * 32, wide), jnp.float32), jnp.ones((16 * 32, 3), jnp.float32)
     temp = {}
     for name in ("gpipe", "1f1b"):
-        step = sf.parallelize(pipelined_step(SCHEDULES[name](4, 16)), mesh=sf.make_mesh({"pipe": 4}),
-                              in_specs=(P("pipe"), P(), P(), P()))
+        step = sf.parallelize(
+            pipelined_step(SCHEDULES[name](4, 16)), mesh=sf.make_mesh({"pipe": 4}), in_specs=(P("pipe"), P(), P(), P())
+        )
         temp[name] = step.lower(layers, hp, x, tg).compile().memory_analysis().temp_size_in_bytes
     assert temp["1f1b"] < 0.8 * temp["gpipe"], temp
 
@@ -293,19 +398,30 @@ def test_fsdp_weights_enter_a_stage_whole_once_a_step_not_once_a_micro_batch():
     layers, hp, x, tg = model(4 * Lc, 8)
     want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 8)
     specs = {"w": P("pipe", "data", None), "b": P("pipe", "data")}
-    step = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh({"data": 2, "pipe": 4}),
-                          in_specs=(specs, P(), P("data"), P("data")), out_specs=(P(), (specs, P(), P("data"))))
-    on_data = [c for c in step.explain(layers, hp, x, tg).collectives
-               if c.axes == ("data",) and c.kind in ("all_gather", "reduce_scatter")]
+    step = sf.parallelize(
+        pipelined_step(table),
+        mesh=sf.make_mesh({"data": 2, "pipe": 4}),
+        in_specs=(specs, P(), P("data"), P("data")),
+        out_specs=(P(), (specs, P(), P("data"))),
+    )
+    on_data = [
+        c
+        for c in step.explain(layers, hp, x, tg).collectives
+        if c.axes == ("data",) and c.kind in ("all_gather", "reduce_scatter")
+    ]
     assert {c.kind for c in on_data} == {"all_gather", "reduce_scatter"}, on_data
     assert all(c.count == 1 for c in on_data), [(c.kind, c.count, c.source) for c in on_data]
     assert_close(step(layers, hp, x, tg), want)
 
 
-@pytest.mark.parametrize("axes,layer_spec,batch_spec", [
-    ({"data": 2, "pipe": 4}, P("pipe", "data", None), P("data")),
-    ({"model": 4, "pipe": 2}, P("pipe", None, "model"), P()),
-], ids=["dp2-pp4-fsdp", "tp4-pp2"])
+@pytest.mark.parametrize(
+    "axes,layer_spec,batch_spec",
+    [
+        ({"data": 2, "pipe": 4}, P("pipe", "data", None), P("data")),
+        ({"model": 4, "pipe": 2}, P("pipe", None, "model"), P()),
+    ],
+    ids=["dp2-pp4-fsdp", "tp4-pp2"],
+)
 def test_the_pipeline_axis_anywhere_in_the_mesh(axes, layer_spec, batch_spec):
     """Inside a stage the pipeline axis splits nothing (each of its devices runs its own stage):
     with it after another axis, propagation once split the stage's values over it — a reshape
@@ -315,8 +431,12 @@ def test_the_pipeline_axis_anywhere_in_the_mesh(axes, layer_spec, batch_spec):
     layers, hp, x, tg = model(axes["pipe"] * Lc, 2 * axes["pipe"])
     want = jax.value_and_grad(plain_loss, argnums=(0, 1, 2))(layers, hp, x, tg, 2 * axes["pipe"])
     specs = {"w": layer_spec, "b": P(*layer_spec[:2])}
-    step = sf.parallelize(pipelined_step(table), mesh=sf.make_mesh(axes),
-                          in_specs=(specs, P(), batch_spec, batch_spec), out_specs=(P(), (specs, P(), batch_spec)))
+    step = sf.parallelize(
+        pipelined_step(table),
+        mesh=sf.make_mesh(axes),
+        in_specs=(specs, P(), batch_spec, batch_spec),
+        out_specs=(P(), (specs, P(), batch_spec)),
+    )
     own = "sf_pipeline passes activations"
     assert all(c.reason.startswith(own) for c in step.explain(layers, hp, x, tg).collectives if "pipe" in c.axes)
     assert_close(step(layers, hp, x, tg), want)
@@ -342,18 +462,42 @@ def count_loss(hp, y, tgt):
     return jnp.sum(y @ hp > tgt)
 
 
-@pytest.mark.parametrize("layer_fn, head, message", [
-    (widening, head_fn, r"layer_fn widening \(test_pipeline.py:\d+\) must map a micro-batch's activations "
-                        r"h float32\[4, 8\] to the same shape and dtype; it returns float32\[4, 16\]"),
-    (to_bf16, head_fn, r"layer_fn to_bf16 \(test_pipeline.py:\d+\) must map .* float32\[4, 8\] .*; "
-                       r"it returns bfloat16\[4, 8\]"),
-    (two_outputs, head_fn, r"layer_fn two_outputs \(test_pipeline.py:\d+\) must map .*; it returns "
-                           r"\(float32\[4, 8\], float32\[4, 8\]\)"),
-    (layer, per_row_loss, r"head per_row_loss \(test_pipeline.py:\d+\) must return a micro-batch's loss, a "
-                          r"float scalar; it returns float32\[4\] \(y float32\[4, 8\]\)"),
-    (layer, count_loss, r"head count_loss \(test_pipeline.py:\d+\) must return .* a float scalar; it returns "
-                        r"int32\[\]"),
-], ids=["shape", "dtype", "tuple", "non-scalar-loss", "integer-loss"])
+@pytest.mark.parametrize(
+    "layer_fn, head, message",
+    [
+        (
+            widening,
+            head_fn,
+            r"layer_fn widening \(test_pipeline.py:\d+\) must map a micro-batch's activations "
+            r"h float32\[4, 8\] to the same shape and dtype; it returns float32\[4, 16\]",
+        ),
+        (
+            to_bf16,
+            head_fn,
+            r"layer_fn to_bf16 \(test_pipeline.py:\d+\) must map .* float32\[4, 8\] .*; "
+            r"it returns bfloat16\[4, 8\]",
+        ),
+        (
+            two_outputs,
+            head_fn,
+            r"layer_fn two_outputs \(test_pipeline.py:\d+\) must map .*; it returns "
+            r"\(float32\[4, 8\], float32\[4, 8\]\)",
+        ),
+        (
+            layer,
+            per_row_loss,
+            r"head per_row_loss \(test_pipeline.py:\d+\) must return a micro-batch's loss, a "
+            r"float scalar; it returns float32\[4\] \(y float32\[4, 8\]\)",
+        ),
+        (
+            layer,
+            count_loss,
+            r"head count_loss \(test_pipeline.py:\d+\) must return .* a float scalar; it returns "
+            r"int32\[\]",
+        ),
+    ],
+    ids=["shape", "dtype", "tuple", "non-scalar-loss", "integer-loss"],
+)
 def test_a_layer_or_head_of_the_wrong_shape_is_named(layer_fn, head, message):
     layers, hp, x, tg = model(4, 2)
     with pytest.raises(sf.ShardingError, match=r"^test_pipeline.py:\d+: sf.pipeline: " + message):

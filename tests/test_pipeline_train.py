@@ -2,6 +2,7 @@
 layers): the pipelined loss and its gradients equal the plain loss's, on one device and under
 sf.parallelize composed with data and tensor parallelism; the trainer under every schedule
 follows the un-pipelined loss curve; a checkpoint restores across pipeline sizes."""
+
 import json
 
 import jax
@@ -9,12 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from test_models import SMALL_GPT2, SMALL_LLAMA, single_device_losses, small_config
 
 import shardflow as sf
 from shardflow import models, train
 from shardflow.models import PipelineConfig, sharding
 from shardflow.train import cli
-from test_models import SMALL_GPT2, SMALL_LLAMA, data_dir, single_device_losses, small_config  # noqa: F401
 
 
 def model_and_batch(fields, batch=16, seq=16, **overrides):
@@ -28,6 +29,7 @@ def model_and_batch(fields, batch=16, seq=16, **overrides):
 def value_and_grad(graphdef, pipeline):
     def loss(params, inputs, targets):
         return nnx.merge(graphdef, params).loss(inputs, targets, pipeline=pipeline)
+
     return jax.value_and_grad(loss)
 
 
@@ -40,10 +42,14 @@ LLAMA4 = {**SMALL_LLAMA, "n_layers": 4}
 GPT2_4 = {**SMALL_GPT2, "n_layers": 4}
 
 
-@pytest.mark.parametrize("fields,overrides,pipeline", [
-    (LLAMA4, {"tie_embeddings": True, "remat": "full"}, PipelineConfig(2, 4, "zb-v")),
-    (GPT2_4, {}, PipelineConfig(2, 2, "interleaved")),
-], ids=["llama-tied-remat-zbv", "gpt2-interleaved"])
+@pytest.mark.parametrize(
+    "fields,overrides,pipeline",
+    [
+        (LLAMA4, {"tie_embeddings": True, "remat": "full"}, PipelineConfig(2, 4, "zb-v")),
+        (GPT2_4, {}, PipelineConfig(2, 2, "interleaved")),
+    ],
+    ids=["llama-tied-remat-zbv", "gpt2-interleaved"],
+)
 def test_pipelined_loss_equals_the_plain_loss_on_one_device(fields, overrides, pipeline):
     """Outside parallelize sf.pipeline runs the micro-batches in turn: the same numbers."""
     _, graphdef, params, inputs, targets = model_and_batch(fields, **overrides)
@@ -70,8 +76,7 @@ def parallelized(case, passes=None):
     mesh = sf.make_mesh(mesh)
     rules = sharding.with_pipeline(models.get_rules(strategy))
     specs = models.param_specs(nnx.eval_shape(lambda: models.build(cfg)), rules, mesh)
-    assert all(spec[0] == "pipe" for spec in jax.tree.leaves(
-        specs["layers"], is_leaf=lambda x: isinstance(x, P)))
+    assert all(spec[0] == "pipe" for spec in jax.tree.leaves(specs["layers"], is_leaf=lambda x: isinstance(x, P)))
     batch = sharding.spec_for(("batch", None), rules)
     grad = value_and_grad(graphdef, PipelineConfig(mesh.shape["pipe"], 2 * mesh.shape["pipe"], schedule))
 
@@ -80,8 +85,11 @@ def parallelized(case, passes=None):
             return grad(params, inputs, targets)
 
     kwargs = {} if passes is None else {"passes": passes}
-    return (sf.parallelize(step, mesh=mesh, in_specs=(specs, batch, batch), out_specs=(P(), specs), **kwargs),
-            (params, inputs, targets), want)
+    return (
+        sf.parallelize(step, mesh=mesh, in_specs=(specs, batch, batch), out_specs=(P(), specs), **kwargs),
+        (params, inputs, targets),
+        want,
+    )
 
 
 @pytest.mark.parametrize("case", list(PARALLELIZED))
@@ -104,8 +112,9 @@ def test_the_solver_lays_out_the_stages_with_the_step(case):
 
 
 def test_with_pipeline_puts_the_layers_on_the_pipe_axis():
-    assert models.spec_for(("layers", "embed", "mlp"), sharding.with_pipeline(models.RULES["2d"])) \
-        == P("pipe", "data", "model")
+    assert models.spec_for(("layers", "embed", "mlp"), sharding.with_pipeline(models.RULES["2d"])) == P(
+        "pipe", "data", "model"
+    )
     assert models.RULES["pp_dp"] == sharding.with_pipeline(models.RULES["dp"])
     with pytest.raises(ValueError, match=r"put the stacked layers \('layers'\) on 'data'"):
         sharding.with_pipeline({"layers": "data"})
@@ -113,26 +122,65 @@ def test_with_pipeline_puts_the_layers_on_the_pipe_axis():
 
 # ------------------------------------------------------------------------------ the trainer
 
+
 def _argv(data_dir, out, *extra):
     model = ", ".join(f"{k}: {v}" for k, v in {**SMALL_LLAMA, "n_layers": 8}.items())
-    return ["train", "--steps", "3", "--out", str(out), "--no-progress",
-            "--set", f"data.path={data_dir}", "--set", "data.seq_len=32",
-            "--set", f"model={{{model}}}", "--set", "batch_size=8", "--set", "log_every=1",
-            "--set", "compute_dtype=float32", "--set", "checkpoint.every=0",
-            "--set", "eval_every=0", *extra]
+    return [
+        "train",
+        "--steps",
+        "3",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--set",
+        f"data.path={data_dir}",
+        "--set",
+        "data.seq_len=32",
+        "--set",
+        f"model={{{model}}}",
+        "--set",
+        "batch_size=8",
+        "--set",
+        "log_every=1",
+        "--set",
+        "compute_dtype=float32",
+        "--set",
+        "checkpoint.every=0",
+        "--set",
+        "eval_every=0",
+        *extra,
+    ]
 
 
-@pytest.mark.parametrize("schedule,uneven", [(name, None) for name in
-                                             ("gpipe", "1f1b", "1f1b-fused", "interleaved", "zb-h1", "zb-v", "zb-fused")]
-                         + [("1f1b-fused", "[3, 2, 2, 1]")], ids=lambda x: x and x.replace(", ", "-"))
+@pytest.mark.parametrize(
+    "schedule,uneven",
+    [(name, None) for name in ("gpipe", "1f1b", "1f1b-fused", "interleaved", "zb-h1", "zb-v", "zb-fused")]
+    + [("1f1b-fused", "[3, 2, 2, 1]")],
+    ids=lambda x: x and x.replace(", ", "-"),
+)
 def test_cli_trains_under_each_schedule_on_the_unpipelined_curve(schedule, uneven, data_dir, tmp_path):
     """`shardflow train` with mesh {data: 2, pipe: 4}: the first steps' losses are those of
     the same steps without a pipeline (on one device); also with stages of 3, 2, 2 and 1 layers."""
     out = tmp_path / "run"
     extra = ["--set", f"pipeline.layers_per_stage={uneven}"] if uneven else []
-    assert cli.main(_argv(data_dir, out, "--set", "mesh={data: 2, pipe: 4}",
-                          "--set", "pipeline.stages=4", "--set", "pipeline.microbatches=4",
-                          "--set", f"pipeline.schedule={schedule}", *extra)) == 0
+    assert (
+        cli.main(
+            _argv(
+                data_dir,
+                out,
+                "--set",
+                "mesh={data: 2, pipe: 4}",
+                "--set",
+                "pipeline.stages=4",
+                "--set",
+                "pipeline.microbatches=4",
+                "--set",
+                f"pipeline.schedule={schedule}",
+                *extra,
+            )
+        )
+        == 0
+    )
     got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     cfg = small_config(data_dir, tmp_path)
     cfg.model = {**SMALL_LLAMA, "n_layers": 8}
@@ -145,9 +193,27 @@ def test_cli_trains_with_the_solver_planning_the_stages(data_dir, tmp_path):
     """`planner: solver` with a pipeline under tensor parallelism ({pipe: 2, model: 4}): the
     solver lays out the stages with the step, and the first steps' losses are one device's."""
     out = tmp_path / "run"
-    assert cli.main(_argv(data_dir, out, "--set", "mesh={pipe: 2, model: 4}", "--set", "strategy=pp_tp",
-                          "--set", "planner=solver", "--set", "pipeline.stages=2",
-                          "--set", "pipeline.microbatches=4", "--set", "pipeline.schedule=zb-h1")) == 0
+    assert (
+        cli.main(
+            _argv(
+                data_dir,
+                out,
+                "--set",
+                "mesh={pipe: 2, model: 4}",
+                "--set",
+                "strategy=pp_tp",
+                "--set",
+                "planner=solver",
+                "--set",
+                "pipeline.stages=2",
+                "--set",
+                "pipeline.microbatches=4",
+                "--set",
+                "pipeline.schedule=zb-h1",
+            )
+        )
+        == 0
+    )
     got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     cfg = small_config(data_dir, tmp_path)
     cfg.model = {**SMALL_LLAMA, "n_layers": 8}
@@ -158,6 +224,7 @@ def test_a_checkpoint_restores_across_pipeline_sizes(data_dir, tmp_path):
     """Parameters keep their global [layers, ...] shapes, so a step saved with 4 stages (and
     fsdp: the mesh {data: 2, pipe: 4} runs with the pipe axis outermost) loads into 2 stages
     and into no pipeline at all."""
+
     def cfg(mesh, stages, strategy):
         c = small_config(data_dir, tmp_path, steps=1, mesh=mesh, strategy=strategy)
         c.model = {**SMALL_LLAMA, "n_layers": 4}
@@ -167,8 +234,10 @@ def test_a_checkpoint_restores_across_pipeline_sizes(data_dir, tmp_path):
     saved = train.train(cfg({"data": 2, "pipe": 4}, 4, "fsdp"), progress=False)
     assert np.isfinite(saved["losses"][1])
     saved = jax.device_get(saved["params"])
-    for mesh, stages, strategy, spec in [({"data": 4, "pipe": 2}, 2, "dp", P("pipe", None, None, None)),
-                                         ({"data": 8}, None, "fsdp", P(None, "data", None, None))]:
+    for mesh, stages, strategy, spec in [
+        ({"data": 4, "pipe": 2}, 2, "dp", P("pipe", None, None, None)),
+        ({"data": 8}, None, "fsdp", P(None, "data", None, None)),
+    ]:
         result = train.train(cfg(mesh, stages, strategy), progress=False)
         assert result["start_step"] == 1 and result["losses"] == {}
         assert result["params"]["layers"]["attn"]["wq"].sharding.spec == spec

@@ -1,5 +1,6 @@
 """Hypothesis: random small programs under random specs equal themselves on one device, and
 every conversion between two NdSbps preserves the value and costs what the table says."""
+
 import os
 
 import jax
@@ -39,9 +40,10 @@ def meshes():
 
 # ------------------------------------------------------------------------------ conversions
 
+
 @settings(max_examples=100, **SETTINGS)
 @given(src=nd_sbp(partial=True), mid=nd_sbp(partial=True), dst=nd_sbp(partial=False))
-@example(src=(S(0), S(1)), mid=(P, P), dst=(S(1), S(1)))     # one reduce-scatter over both axes
+@example(src=(S(0), S(1)), mid=(P, P), dst=(S(1), S(1)))  # one reduce-scatter over both axes
 @example(src=(B, B), mid=(S(0), P), dst=(S(0), S(0)))
 def test_every_conversion_preserves_the_value(src, mid, dst):
     x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
@@ -53,14 +55,17 @@ def test_every_conversion_preserves_the_value(src, mid, dst):
     np.testing.assert_allclose(np.asarray(out), x * 1.5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("src, dst, kind, factor", [
-    ((S(0), B), (B, B), "all_gather", 1 / 2),            # (n-1)/n of the gathered tensor
-    ((P, B), (B, B), "all_reduce", 2 * 1 / 2),           # 2(n-1)/n
-    ((B, P), (B, S(1)), "reduce_scatter", 3 / 4),        # (n-1)/n of the reduced tensor
-    ((B, S(0)), (B, S(1)), "all_to_all", 3 / 4 / 4),     # (n-1)/n of the local block
-    ((B, B), (S(0), S(1)), None, 0),                     # local slices
-    ((S(0), S(1)), (P, P), None, 0),                     # own shard in place, zeros elsewhere
-])
+@pytest.mark.parametrize(
+    "src, dst, kind, factor",
+    [
+        ((S(0), B), (B, B), "all_gather", 1 / 2),  # (n-1)/n of the gathered tensor
+        ((P, B), (B, B), "all_reduce", 2 * 1 / 2),  # 2(n-1)/n
+        ((B, P), (B, S(1)), "reduce_scatter", 3 / 4),  # (n-1)/n of the reduced tensor
+        ((B, S(0)), (B, S(1)), "all_to_all", 3 / 4 / 4),  # (n-1)/n of the local block
+        ((B, B), (S(0), S(1)), None, 0),  # local slices
+        ((S(0), S(1)), (P, P), None, 0),  # own shard in place, zeros elsewhere
+    ],
+)
 def test_conversion_bytes_follow_the_table(src, dst, kind, factor):
     steps = conversion.plan((8, 16), np.float32, src, dst, MESH)
     sent = conversion.total_bytes(steps)
@@ -77,7 +82,9 @@ def test_every_routed_conversion_preserves_the_value_and_costs_no_more_than_the_
     bandwidth_only = sf.LinkModel(alpha=0.0)
     for a, b in ((src, mid), (mid, dst)):
         routed = conversion.plan(x.shape, np.float32, a, b, MESH, bandwidth_only)
-        assert conversion.total_bytes(routed) <= conversion.total_bytes(conversion.plan(x.shape, np.float32, a, b, MESH))
+        assert conversion.total_bytes(routed) <= conversion.total_bytes(
+            conversion.plan(x.shape, np.float32, a, b, MESH)
+        )
 
     def fn(x):
         return sf.constrain(sf.constrain(sf.constrain(x, src) * 1.5, mid) + 0.0, dst)
@@ -86,12 +93,15 @@ def test_every_routed_conversion_preserves_the_value_and_costs_no_more_than_the_
     np.testing.assert_allclose(np.asarray(out), x * 1.5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("src, dst, direct, routed", [
-    # all-reduce over model (1.5 T) / slice over data, all-reduce the half, gather it (1.25 T)
-    ((B, P), (B, B), ["all_reduce"], ["all_reduce", "all_gather"]),
-    # gather both dims / gather over data, all-to-all over model, slice over data
-    ((S(0), S(1)), (S(1), S(0)), ["all_gather", "all_gather"], ["all_gather", "all_to_all"]),
-])
+@pytest.mark.parametrize(
+    "src, dst, direct, routed",
+    [
+        # all-reduce over model (1.5 T) / slice over data, all-reduce the half, gather it (1.25 T)
+        ((B, P), (B, B), ["all_reduce"], ["all_reduce", "all_gather"]),
+        # gather both dims / gather over data, all-to-all over model, slice over data
+        ((S(0), S(1)), (S(1), S(0)), ["all_gather", "all_gather"], ["all_gather", "all_to_all"]),
+    ],
+)
 def test_a_route_through_another_layout_is_taken_where_it_moves_fewer_bytes(src, dst, direct, routed):
     shape = (64, 64)
     plain = conversion.plan(shape, np.float32, src, dst, MESH)
@@ -116,14 +126,21 @@ def test_a_value_of_more_layouts_than_routed_takes_the_direct_plan():
 
 
 @settings(max_examples=EXAMPLES, **SETTINGS)
-@given(src=nd_sbp(3, partial=True), mid=nd_sbp(3, partial=True), dst=nd_sbp(3, partial=True),
-       shape=st.sampled_from([(32, 4096), (8, 16, 4), (32, 4096, 8), (8, 2048, 4096)]), alpha=st.sampled_from([0.0, 5e-6]))
-@example(src=(S(0), S(0)), mid=(B, B), dst=(B, S(1)), shape=(32, 4096), alpha=5e-6)   # one gather over both axes
+@given(
+    src=nd_sbp(3, partial=True),
+    mid=nd_sbp(3, partial=True),
+    dst=nd_sbp(3, partial=True),
+    shape=st.sampled_from([(32, 4096), (8, 16, 4), (32, 4096, 8), (8, 2048, 4096)]),
+    alpha=st.sampled_from([0.0, 5e-6]),
+)
+@example(src=(S(0), S(0)), mid=(B, B), dst=(B, S(1)), shape=(32, 4096), alpha=5e-6)  # one gather over both axes
 def test_no_chain_of_conversions_is_priced_below_the_conversion(src, mid, dst, shape, alpha):
     """Every step a direct plan takes is a hop of the router, so the price is a shortest path:
     converting through any layout between costs at least as much."""
-    if not all(sf.specs.divides(shape, s, MESH) and all(t.dim < len(shape) for t in s if isinstance(t, S))
-               for s in (src, mid, dst)):
+    if not all(
+        sf.specs.divides(shape, s, MESH) and all(t.dim < len(shape) for t in s if isinstance(t, S))
+        for s in (src, mid, dst)
+    ):
         return
     price = lambda a, b: conversion.seconds(shape, np.float32, a, b, MESH, sf.LinkModel(alpha=alpha))
     assert price(src, dst) <= price(src, mid) + price(mid, dst) + 1e-11
@@ -169,29 +186,37 @@ _COLUMN_SCALES = np.linspace(0.5, 1.5, 16).astype(np.float32)
 
 @jax.jit
 def _scale_columns(x):
-    return x * _COLUMN_SCALES[:x.shape[1]]
+    return x * _COLUMN_SCALES[: x.shape[1]]
 
 
 def _ops():
     unary = {
-        "tanh": jnp.tanh, "exp": lambda x: jnp.exp(0.1 * x), "square": lambda x: x * x * 0.5,
-        "neg": jnp.negative, "cumsum0": lambda x: jnp.cumsum(x, 0) * 0.1,
-        "cumsum1": lambda x: jnp.cumsum(x, 1) * 0.1, "softmax0": lambda x: jax.nn.softmax(x, 0),
-        "softmax1": lambda x: jax.nn.softmax(x, 1), "center0": lambda x: x - jnp.mean(x, 0, keepdims=True),
-        "center1": lambda x: x - jnp.max(x, 1, keepdims=True), "T": lambda x: x.T,
+        "tanh": jnp.tanh,
+        "exp": lambda x: jnp.exp(0.1 * x),
+        "square": lambda x: x * x * 0.5,
+        "neg": jnp.negative,
+        "cumsum0": lambda x: jnp.cumsum(x, 0) * 0.1,
+        "cumsum1": lambda x: jnp.cumsum(x, 1) * 0.1,
+        "softmax0": lambda x: jax.nn.softmax(x, 0),
+        "softmax1": lambda x: jax.nn.softmax(x, 1),
+        "center0": lambda x: x - jnp.mean(x, 0, keepdims=True),
+        "center1": lambda x: x - jnp.max(x, 1, keepdims=True),
+        "T": lambda x: x.T,
         "reshape": lambda x: x.reshape(x.shape[1], x.shape[0]),
         "split_merge": lambda x: x.reshape(x.shape[0], 4, x.shape[1] // 4).sum(-1).repeat(4, 1),
-        "concat_slice": lambda x: jnp.concatenate([x, 2 * x], 0)[x.shape[0]:],
+        "concat_slice": lambda x: jnp.concatenate([x, 2 * x], 0)[x.shape[0] :],
         "take": lambda x: x[jnp.arange(x.shape[0])[::-1] % x.shape[0]],
         "pad_slice": lambda x: jnp.pad(x, ((0, 0), (1, 1)))[:, 1:-1],
-        "scan": lambda x: jax.lax.scan(lambda c, xi: (jnp.tanh(0.5 * c + xi), c.sum(0)), x,
-                                       jnp.stack([x, -x, 2 * x]))[0],
+        "scan": lambda x: jax.lax.scan(lambda c, xi: (jnp.tanh(0.5 * c + xi), c.sum(0)), x, jnp.stack([x, -x, 2 * x]))[
+            0
+        ],
         "scan_ys": lambda x: jax.lax.scan(lambda c, xi: (c + 1, xi * c), 1.0, jnp.stack([x, x.T.T]))[1].sum(0),
         "fori": lambda x: jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ x.T @ c * 0.01 + c), x),
         "remat": jax.checkpoint(lambda x: jnp.tanh(x) * x),
         "jit_const": _scale_columns,  # a jit closing over a constant array
         "scan_remat_jit": lambda x: jax.lax.scan(
-            jax.checkpoint(lambda c, xi: (_scale_columns(c) + xi, None)), x, jnp.stack([x, -x]))[0],
+            jax.checkpoint(lambda c, xi: (_scale_columns(c) + xi, None)), x, jnp.stack([x, -x])
+        )[0],
     }
     binary = {"add": jnp.add, "mul": jnp.multiply, "sub": jnp.subtract, "max": jnp.maximum}
     return unary, binary
@@ -237,11 +262,12 @@ def build(steps):
 
 
 @settings(max_examples=EXAMPLES, **SETTINGS)
-@given(steps=st.lists(STEP, min_size=1, max_size=6),
-       specs=st.tuples(nd_sbp(), nd_sbp(), nd_sbp()),
-       mesh=st.sampled_from(sorted(MESHES)))
-@example(steps=[("unary", "scan_remat_jit", 0), ("matmul", 3, 1)],
-         specs=((S(0), S(1)), (B, S(0)), (B, B)), mesh="2x4")
+@given(
+    steps=st.lists(STEP, min_size=1, max_size=6),
+    specs=st.tuples(nd_sbp(), nd_sbp(), nd_sbp()),
+    mesh=st.sampled_from(sorted(MESHES)),
+)
+@example(steps=[("unary", "scan_remat_jit", 0), ("matmul", 3, 1)], specs=((S(0), S(1)), (B, S(0)), (B, B)), mesh="2x4")
 def test_random_program_equals_single_device(steps, specs, mesh):
     r = np.random.default_rng(0)
     args = [r.standard_normal(SHAPES[k]).astype(np.float32) for k in "abc"]

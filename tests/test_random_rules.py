@@ -1,5 +1,6 @@
 """Random numbers under parallelize: each device generates its own slice of the bits
 (threefry is counter based with jax_threefry_partitionable), bit-identical to one device."""
+
 import re
 
 import jax
@@ -22,13 +23,17 @@ def mesh(sizes):
 
 def same(a, b):
     """Bit-identical leaves (key arrays compared by their data)."""
+
     def data(x):
         return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         x, y = np.asarray(data(x)), np.asarray(data(y))
         assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(x.view(f"u{x.dtype.itemsize}") if x.dtype.kind == "f" else x,
-                                      y.view(f"u{y.dtype.itemsize}") if y.dtype.kind == "f" else y)
+        np.testing.assert_array_equal(
+            x.view(f"u{x.dtype.itemsize}") if x.dtype.kind == "f" else x,
+            y.view(f"u{y.dtype.itemsize}") if y.dtype.kind == "f" else y,
+        )
 
 
 def threefry_sizes(lowered_text):
@@ -46,8 +51,15 @@ def dropout(key, x):
     return jnp.where(keep, x / 0.9, 0.0)
 
 
-X_SPECS = [PS("data", "model"), PS("model", "data"), PS(None, ("data", "model")), PS(("model", "data"), None),
-           PS("data", None), PS(None, "model"), PS()]
+X_SPECS = [
+    PS("data", "model"),
+    PS("model", "data"),
+    PS(None, ("data", "model")),
+    PS(("model", "data"), None),
+    PS("data", None),
+    PS(None, "model"),
+    PS(),
+]
 
 
 @pytest.mark.parametrize("spec", X_SPECS, ids=str)
@@ -61,16 +73,17 @@ def test_dropout_mask_equals_one_device(spec):
 def test_dropout_mask_meets_its_activations_without_collectives():
     """The bits take the split of the value the mask is applied to (no all_to_all of the mask)."""
     key, x = jax.random.key(0), jnp.ones((8, 16))
-    par = sf.parallelize(dropout, mesh=mesh(MESH_2D), in_specs=(PS(), PS("data", "model")),
-                         out_specs=PS("data", "model"))
+    par = sf.parallelize(
+        dropout, mesh=mesh(MESH_2D), in_specs=(PS(), PS("data", "model")), out_specs=PS("data", "model")
+    )
     plan = par.explain(key, x)
     assert "0 collectives" in str(plan), plan
 
 
 SAMPLERS = {
     "normal_f32": lambda k: jax.random.normal(k, (8, 4, 16)),
-    "normal_bf16": lambda k: jax.random.normal(k, (8, 4, 16), jnp.bfloat16),      # 8-bit random bits
-    "uniform_f16": lambda k: jax.random.uniform(k, (8, 4, 16), jnp.float16),      # 16-bit
+    "normal_bf16": lambda k: jax.random.normal(k, (8, 4, 16), jnp.bfloat16),  # 8-bit random bits
+    "uniform_f16": lambda k: jax.random.uniform(k, (8, 4, 16), jnp.float16),  # 16-bit
     "randint": lambda k: jax.random.randint(k, (8, 4, 16), -5, 1000),
     "bits_u8": lambda k: jax.random.bits(k, (8, 4, 16), jnp.uint8),
     "bits_u32": lambda k: jax.random.bits(k, (8, 4, 16), jnp.uint32),
@@ -78,8 +91,13 @@ SAMPLERS = {
     "vmapped_keys": lambda k: jax.vmap(lambda kk: jax.random.normal(kk, (4, 16)))(jax.random.split(k, 8)),
     "raw_uint32_key": lambda k: jax.random.normal(jax.random.key_data(k), (8, 4, 16)),
 }
-OUT_SPECS = [PS("data", None, "model"), PS("model", "data"), PS(None, None, ("data", "model")),
-             PS(("data", "model")), PS(None, "data")]
+OUT_SPECS = [
+    PS("data", None, "model"),
+    PS("model", "data"),
+    PS(None, None, ("data", "model")),
+    PS(("data", "model")),
+    PS(None, "data"),
+]
 
 
 @pytest.mark.parametrize("spec", OUT_SPECS, ids=str)
@@ -93,8 +111,10 @@ def test_samples_equal_one_device(name, spec):
 
 def test_samples_on_one_axis_mesh_and_split_keys():
     """Keys split along their own dim (an argument), and bits split along a dim of the bits."""
+
     def fn(keys):
         return jax.vmap(lambda k: jax.random.uniform(k, (3, 16)))(keys)
+
     keys = jax.random.split(jax.random.key(3), 8)
     for in_spec, out_spec in [(PS("x"), PS("x")), (PS(), PS(None, None, "x")), (PS("x"), PS(None, None, "x"))]:
         par = sf.parallelize(fn, mesh=mesh(MESH_1D), in_specs=(in_spec,), out_specs=out_spec)
@@ -125,7 +145,7 @@ def test_not_partitionable_stays_whole_and_equal():
         par = sf.parallelize(fn, mesh=mesh(MESH_2D), in_specs=(PS(),), out_specs=PS("data", "model"))
         same(par(key), jax.jit(fn)(key))
         whole = threefry_sizes(jax.jit(fn).lower(key).as_text())
-        assert threefry_sizes(par.lower(key).as_text()) == whole and whole   # whole on every device
+        assert threefry_sizes(par.lower(key).as_text()) == whole and whole  # whole on every device
     key = jax.random.key(1, impl="rbg")
     par = sf.parallelize(fn, mesh=mesh(MESH_2D), in_specs=(PS(),), out_specs=PS("data", "model"))
     same(par(key), jax.jit(fn)(key))
@@ -134,12 +154,11 @@ def test_not_partitionable_stays_whole_and_equal():
 def test_global_counters_past_2_32():
     """The uint64 row-major index as (hi, lo) uint32 words, for a shape of more than 2**32
     elements (no device holds one here: the counters of one small block are checked)."""
-    whole, block = (5, 2 ** 30, 3), (2, 4, 3)
-    starts = (3, 2 ** 30 - 4, 0)
-    hi, lo = jax.jit(lambda s: random_rules._global_counters(whole, block, s))(
-        tuple(jnp.int32(s) for s in starts))
+    whole, block = (5, 2**30, 3), (2, 4, 3)
+    starts = (3, 2**30 - 4, 0)
+    hi, lo = jax.jit(lambda s: random_rules._global_counters(whole, block, s))(tuple(jnp.int32(s) for s in starts))
     idx = np.indices(block).astype(np.uint64) + np.array(starts, np.uint64).reshape(3, 1, 1, 1)
-    flat = (idx[0] * np.uint64(whole[1] * whole[2]) + idx[1] * np.uint64(whole[2]) + idx[2])
+    flat = idx[0] * np.uint64(whole[1] * whole[2]) + idx[1] * np.uint64(whole[2]) + idx[2]
     np.testing.assert_array_equal(np.asarray(hi), (flat >> np.uint64(32)).astype(np.uint32))
     np.testing.assert_array_equal(np.asarray(lo), (flat & np.uint64(0xFFFFFFFF)).astype(np.uint32))
 
@@ -181,8 +200,12 @@ def test_nnx_dropout_runs_split_with_no_fallbacks():
 
     specs = jax.tree_util.tree_map_with_path(spec, state)
     x = jax.random.normal(jax.random.key(2), (8, 4, 16))
-    par = sf.parallelize(fwd, mesh=mesh(MESH_2D), in_specs=(specs, PS("data")),
-                         out_specs=((PS("data"), PS("data", None, "model")), specs))
+    par = sf.parallelize(
+        fwd,
+        mesh=mesh(MESH_2D),
+        in_specs=(specs, PS("data")),
+        out_specs=((PS("data"), PS("data", None, "model")), specs),
+    )
     plan = par.explain(state, x)
     assert plan.fallbacks == [], plan.fallbacks
     (y, hidden), new_state = par(state, x)
@@ -193,5 +216,5 @@ def test_nnx_dropout_runs_split_with_no_fallbacks():
     np.testing.assert_allclose(hidden, hidden1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(y, y1, rtol=1e-5, atol=1e-6)
     sizes = threefry_sizes(par.lower(state, x).as_text())
-    assert max(sizes) == 8 * 4 * 32 // 8, sizes     # the mask: 1/8 of (8, 4, 32) on each device
+    assert max(sizes) == 8 * 4 * 32 // 8, sizes  # the mask: 1/8 of (8, 4, 32) on each device
     assert not any(kind == "all_to_all" for kind in re.findall(r"^(\w+)", str(plan), re.M))

@@ -1,4 +1,5 @@
 """The README's usage example runs as written and does what it says."""
+
 import pathlib
 import re
 
@@ -13,14 +14,13 @@ def test_readme_usage_example_runs(tmp_path):
     the README shows, line for line, and a finite loss."""
     text = README.read_text()
     block = re.search(r"## Usage\s+.*?```python\n(.*?)```", text, re.S).group(1)
-    (tmp_path / "train.py").write_text(
-        block + "\nimport math\nassert math.isfinite(float(l)), l\n")
+    (tmp_path / "train.py").write_text(block + "\nimport math\nassert math.isfinite(float(l)), l\n")
     done = run_python(tmp_path / "train.py", tmp_path)
     assert done.returncode == 0, done.stderr[-6000:]
     printed = done.stdout
     assert "all_reduce" in printed and "total:" in printed
     shown = re.search(r"\n```\n(kind .*?\ntotal: .*?)\n```", text, re.S).group(1)
-    assert printed.splitlines()[:len(shown.splitlines())] == shown.splitlines()
+    assert printed.splitlines()[: len(shown.splitlines())] == shown.splitlines()
 
 
 def test_quickstart_test_command_is_what_ci_runs():

@@ -6,6 +6,7 @@ cell links the raw JSON, relative to the markdown file, and the link's fragment 
 ratio comes from: a JSON pointer (RFC 6901) to a number, or two pointers joined by `÷` for
 their quotient.
 """
+
 import json
 import re
 import urllib.parse
@@ -111,26 +112,42 @@ def test_headline_ratios_are_their_raw_figures(markdown):
 
 def test_a_wrong_ratio_or_a_broken_pointer_is_caught(tmp_path):
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "raw.json").write_text(json.dumps(
-        {"rows": [{"tokens_per_s": 82186.0}, {"tokens_per_s": 96310.0}], "a/b": {"x~y": 2.5}}))
+    (tmp_path / "run" / "raw.json").write_text(
+        json.dumps({"rows": [{"tokens_per_s": 82186.0}, {"tokens_per_s": 96310.0}], "a/b": {"x~y": 2.5}})
+    )
     link = "[raw](run/raw.json#/rows/1/tokens_per_s÷/rows/0/tokens_per_s)"
     table = tmp_path / "README.md"
-    table.write_text("\n".join([
-        "| metric | ratio | device | date | raw |", "|---|---|---|---|---|",
-        f"| right | 1.17× | 1 × H200 | 2026-12-02 | {link} |",
-        f"| right, three digits, bold | **1.172×** | 1 × H200 | 2026-12-02 | {link} |",
-        f"| wrong | 1.18× | 1 × H200 | 2026-12-02 | {link} |",
-        "| escaped pointer | 2.5× | cpu | 2026-12-02 | [raw](run/raw.json#/a~1b/x~0y) |",
-        "| broken pointer | 1.17× | 1 × H200 | 2026-12-02 | [raw](run/raw.json#/rows/2/tokens_per_s) |",
-        "| not a number | 1.17× | 1 × H200 | 2026-12-02 | [raw](run/raw.json#/rows/0) |",
-        "| no file | 1.17× | 1 × H200 | 2026-12-02 | [raw](run/none.json#/rows/0) |",
-        "", "| metric | ratio | device | date | raw |", "|---|---|---|---|---|",
-        f"| second table, wrong | 0.85× | 1 × H200 | 2026-12-02 | {link} |",
-    ]) + "\n")
+    table.write_text(
+        "\n".join(
+            [
+                "| metric | ratio | device | date | raw |",
+                "|---|---|---|---|---|",
+                f"| right | 1.17× | 1 × H200 | 2026-12-02 | {link} |",
+                f"| right, three digits, bold | **1.172×** | 1 × H200 | 2026-12-02 | {link} |",
+                f"| wrong | 1.18× | 1 × H200 | 2026-12-02 | {link} |",
+                "| escaped pointer | 2.5× | cpu | 2026-12-02 | [raw](run/raw.json#/a~1b/x~0y) |",
+                "| broken pointer | 1.17× | 1 × H200 | 2026-12-02 | [raw](run/raw.json#/rows/2/tokens_per_s) |",
+                "| not a number | 1.17× | 1 × H200 | 2026-12-02 | [raw](run/raw.json#/rows/0) |",
+                "| no file | 1.17× | 1 × H200 | 2026-12-02 | [raw](run/none.json#/rows/0) |",
+                "",
+                "| metric | ratio | device | date | raw |",
+                "|---|---|---|---|---|",
+                f"| second table, wrong | 0.85× | 1 × H200 | 2026-12-02 | {link} |",
+            ]
+        )
+        + "\n"
+    )
     rows = headline_rows(table)
     assert [r["metric"] for r in rows] == [
-        "right", "right, three digits, bold", "wrong", "escaped pointer", "broken pointer",
-        "not a number", "no file", "second table, wrong"]
+        "right",
+        "right, three digits, bold",
+        "wrong",
+        "escaped pointer",
+        "broken pointer",
+        "not a number",
+        "no file",
+        "second table, wrong",
+    ]
     errors = {r["metric"]: mismatch(table, r) for r in rows}
     assert errors["right"] is None and errors["right, three digits, bold"] is None
     assert errors["escaped pointer"] is None

@@ -1,6 +1,7 @@
 """Ring attention (context="ring"): q, k and v split along the sequence over a mesh axis, K/V
 passed around it. Forward and the three gradients equal one device; explain lists the ring's
 ppermutes with the bytes of the formula; nothing gathers K/V."""
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -11,7 +12,6 @@ from jax.sharding import PartitionSpec as PS
 import shardflow as sf
 from shardflow.ops import Layout, attention
 from shardflow.ring_attention import causal_work
-from test_models import data_dir  # noqa: F401  (fixture)
 
 
 def inputs(b=2, s=32, hq=8, hkv=4, d=16, seed=0, dtype=np.float32):
@@ -24,11 +24,22 @@ def rel_l2(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
-def ring_step(mesh_axes, seq_axes, *, causal, backend="xla", offsets=(0, 0), return_lse=False, layout=None,
-              context="ring"):
+def ring_step(
+    mesh_axes, seq_axes, *, causal, backend="xla", offsets=(0, 0), return_lse=False, layout=None, context="ring"
+):
     def loss(q, k, v):
-        out = attention(q, k, v, causal=causal, q_offset=offsets[0], kv_offset=offsets[1],
-                        return_lse=return_lse, backend=backend, context=context, layout=layout)
+        out = attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            q_offset=offsets[0],
+            kv_offset=offsets[1],
+            return_lse=return_lse,
+            backend=backend,
+            context=context,
+            layout=layout,
+        )
         if return_lse:
             out, lse = out
             return jnp.sum(jnp.tanh(out)) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), out
@@ -36,8 +47,7 @@ def ring_step(mesh_axes, seq_axes, *, causal, backend="xla", offsets=(0, 0), ret
 
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
     seq = PS(None, seq_axes)
-    step = sf.parallelize(fn, mesh=sf.make_mesh(mesh_axes), in_specs=seq,
-                          out_specs=((PS(), seq), (seq, seq, seq)))
+    step = sf.parallelize(fn, mesh=sf.make_mesh(mesh_axes), in_specs=seq, out_specs=((PS(), seq), (seq, seq, seq)))
     return fn, step
 
 
@@ -60,8 +70,7 @@ def test_ring_equals_one_device(causal, heads_kv, n):
 def test_ring_with_offsets_and_lse_interpret_kernels(traced):
     """The Pallas GPU kernels in interpret mode, global offsets, the lse returned and differentiated."""
     offsets = (jnp.int32(3), jnp.int32(3)) if traced else (3, 3)
-    fn, step = ring_step({"context": 4}, "context", causal=True, backend="interpret", offsets=offsets,
-                         return_lse=True)
+    fn, step = ring_step({"context": 4}, "context", causal=True, backend="interpret", offsets=offsets, return_lse=True)
     q, k, v = inputs(s=64, d=32)
     want, got = jax.jit(fn)(q, k, v), step(q, k, v)
     for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -87,8 +96,11 @@ def test_ring_bytes_are_the_formula(dtype):
     q, k, v = (jnp.asarray(x, dtype) for x in inputs(b=b, s=s, hkv=hkv, d=d))
     block, size = b * (s // n) * hkv * d, jnp.dtype(dtype).itemsize
     ppermutes = [c for c in step.explain(q, k, v).collectives if c.kind == "ppermute"]
-    assert sum(c.bytes * c.count for c in ppermutes) == (2 * 2 * (n - 1) * block * size   # k, v: fwd + bwd
-                                               + 2 * (n - 1) * block * 4 + 2 * block * size)   # dk, dv
+    assert sum(c.bytes * c.count for c in ppermutes) == (
+        2 * 2 * (n - 1) * block * size  # k, v: fwd + bwd
+        + 2 * (n - 1) * block * 4
+        + 2 * block * size
+    )  # dk, dv
 
 
 def packed_segments(b, s, seed=0):
@@ -98,11 +110,18 @@ def packed_segments(b, s, seed=0):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("variant,mesh,axes", [
-    ("ring", {"context": 4}, "context"), ("zigzag", {"context": 4}, "context"),
-    ("striped", {"context": 2}, "context"), ("all_gather", {"context": 8}, "context"),
-    ("ulysses", {"context": 4}, "context"), ("hybrid", {"data": 2, "model": 4}, ("data", "model")),
-    ("ring", {"context": 8}, "context")])
+@pytest.mark.parametrize(
+    "variant,mesh,axes",
+    [
+        ("ring", {"context": 4}, "context"),
+        ("zigzag", {"context": 4}, "context"),
+        ("striped", {"context": 2}, "context"),
+        ("all_gather", {"context": 8}, "context"),
+        ("ulysses", {"context": 4}, "context"),
+        ("hybrid", {"data": 2, "model": 4}, ("data", "model")),
+        ("ring", {"context": 8}, "context"),
+    ],
+)
 def test_segment_ids_on_every_variant(variant, mesh, axes, causal):
     """Packed documents (segment ids split with the tokens): a ring passes the keys' ids with
     their K/V block, all_gather keeps them whole, Ulysses gathers them; forward and gradients
@@ -117,8 +136,9 @@ def test_segment_ids_on_every_variant(variant, mesh, axes, causal):
 
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
     seq = PS(None, axes)
-    step = sf.parallelize(fn, mesh=sf.make_mesh(mesh), in_specs=(seq, seq, seq, seq),
-                          out_specs=((PS(), seq), (seq, seq, seq)))
+    step = sf.parallelize(
+        fn, mesh=sf.make_mesh(mesh), in_specs=(seq, seq, seq, seq), out_specs=((PS(), seq), (seq, seq, seq))
+    )
     q, k, v = inputs(s=64)
     ids = packed_segments(2, 64)
     if layout is not None:
@@ -126,23 +146,26 @@ def test_segment_ids_on_every_variant(variant, mesh, axes, causal):
     want, got = jax.jit(fn)(q, k, v, ids), step(q, k, v, ids)
     for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert rel_l2(a, e) <= 1e-5
-    if layout is not None:        # and the layout means the natural-order attention
-        plain = attention(*(np.asarray(layout.unpermute(x)) for x in (q, k, v)), causal=causal,
-                          segment_ids=np.asarray(layout.unpermute(ids)), backend="xla")
+    if layout is not None:  # and the layout means the natural-order attention
+        plain = attention(
+            *(np.asarray(layout.unpermute(x)) for x in (q, k, v)),
+            causal=causal,
+            segment_ids=np.asarray(layout.unpermute(ids)),
+            backend="xla",
+        )
         np.testing.assert_allclose(np.asarray(layout.unpermute(want[0][1])), np.asarray(plain), rtol=1e-5, atol=1e-6)
 
 
 def test_segment_ids_on_a_ring_through_the_pallas_kernels():
     """The interpret-mode Pallas GPU kernels take a block's query ids and another block's key
     ids as a pair."""
+
     def loss(q, k, v, ids):
-        return jnp.sum(jnp.tanh(attention(q, k, v, causal=True, segment_ids=ids, backend="interpret",
-                                          context="ring")))
+        return jnp.sum(jnp.tanh(attention(q, k, v, causal=True, segment_ids=ids, backend="interpret", context="ring")))
 
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
     seq = PS(None, "context")
-    step = sf.parallelize(fn, mesh=sf.make_mesh({"context": 2}), in_specs=(seq,) * 4,
-                          out_specs=(PS(), (seq, seq, seq)))
+    step = sf.parallelize(fn, mesh=sf.make_mesh({"context": 2}), in_specs=(seq,) * 4, out_specs=(PS(), (seq, seq, seq)))
     q, k, v = inputs(s=64, d=32)
     ids = packed_segments(2, 64, seed=1)
     for a, e in zip(jax.tree.leaves(step(q, k, v, ids)), jax.tree.leaves(jax.jit(fn)(q, k, v, ids))):
@@ -155,8 +178,17 @@ def test_unknown_context_is_refused():
         attention(q, k, v, context="zigzag")
 
 
-@pytest.mark.parametrize("family,context", [("llama", "ring"), ("llama", "all_gather"), ("llama", "zigzag"),
-                                            ("llama", "striped"), ("gpt2", "zigzag"), ("llama", "zigzag-all_gather")])
+@pytest.mark.parametrize(
+    "family,context",
+    [
+        ("llama", "ring"),
+        ("llama", "all_gather"),
+        ("llama", "zigzag"),
+        ("llama", "striped"),
+        ("gpt2", "zigzag"),
+        ("llama", "zigzag-all_gather"),
+    ],
+)
 def test_the_model_trains_with_its_sequence_over_a_context_axis(family, context, data_dir, tmp_path):
     """`shardflow train` on {data: 2, context: 4} (strategy cp: the sequence split over
     `context` everywhere) follows the one-device loss curve, under each variant; zigzag and
@@ -164,24 +196,54 @@ def test_the_model_trains_with_its_sequence_over_a_context_axis(family, context,
     their token order."""
     import json
 
-    from shardflow.train import cli
     from test_models import SMALL_GPT2, SMALL_LLAMA, single_device_losses, small_config
+
+    from shardflow.train import cli
 
     fields = SMALL_LLAMA if family == "llama" else SMALL_GPT2
     model = ", ".join(f"{k}: {v}" for k, v in {**fields, "context": context}.items())
     out = tmp_path / "run"
-    assert cli.main(["train", "--steps", "3", "--out", str(out), "--no-progress",
-                     "--set", f"data.path={data_dir}", "--set", "data.seq_len=32",
-                     "--set", f"model={{{model}}}", "--set", "batch_size=8", "--set", "log_every=1",
-                     "--set", "compute_dtype=float32", "--set", "checkpoint.every=0", "--set", "eval_every=0",
-                     "--set", "mesh={data: 2, context: 4}", "--set", "strategy=cp"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--steps",
+                "3",
+                "--out",
+                str(out),
+                "--no-progress",
+                "--set",
+                f"data.path={data_dir}",
+                "--set",
+                "data.seq_len=32",
+                "--set",
+                f"model={{{model}}}",
+                "--set",
+                "batch_size=8",
+                "--set",
+                "log_every=1",
+                "--set",
+                "compute_dtype=float32",
+                "--set",
+                "checkpoint.every=0",
+                "--set",
+                "eval_every=0",
+                "--set",
+                "mesh={data: 2, context: 4}",
+                "--set",
+                "strategy=cp",
+            ]
+        )
+        == 0
+    )
     got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     cfg = small_config(data_dir, tmp_path)
     cfg.model = dict(fields)
     want = single_device_losses(cfg)
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    if context != "ring" and context.partition("-")[0] in ("zigzag", "striped"):   # the layout is in effect
+    if context != "ring" and context.partition("-")[0] in ("zigzag", "striped"):  # the layout is in effect
         from shardflow import train
+
         run_cfg = small_config(data_dir, tmp_path, mesh={"data": 2, "context": 4}, strategy="cp")
         run_cfg.model = {**fields, "context": context}
         model_cfg = train.setup(run_cfg).model_cfg
@@ -194,20 +256,21 @@ def test_ulysses_resplits_by_heads_with_all_to_alls(causal):
     """context="ulysses": q, k, v (seq-split) all-to-all'd to a heads split, the attention
     local, the results back; equal to one device, and only all_to_alls move K/V."""
     fn, step = ring_step({"context": 4}, "context", causal=causal)
+
     def loss(q, k, v):
         out = attention(q, k, v, causal=causal, backend="xla", context="ulysses")
         return jnp.sum(jnp.tanh(out)), out
+
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
     seq = PS(None, "context")
-    step = sf.parallelize(fn, mesh=sf.make_mesh({"context": 4}), in_specs=seq,
-                          out_specs=((PS(), seq), (seq, seq, seq)))
+    step = sf.parallelize(fn, mesh=sf.make_mesh({"context": 4}), in_specs=seq, out_specs=((PS(), seq), (seq, seq, seq)))
     q, k, v = inputs(hkv=4)
     for a, e in zip(jax.tree.leaves(step(q, k, v)), jax.tree.leaves(jax.jit(fn)(q, k, v))):
         assert rel_l2(a, e) <= 1e-5
     kinds = {c.kind for c in step.explain(q, k, v).collectives if c.shape != ()}
     assert kinds == {"all_to_all"}, kinds
     with pytest.raises(sf.ShardingError, match="no signature of sf_attention_fwd fits mesh axis 'context'"):
-        step(*inputs(hkv=2))       # 2 kv heads do not split over 4 devices
+        step(*inputs(hkv=2))  # 2 kv heads do not split over 4 devices
 
 
 @pytest.mark.parametrize("kind", ["zigzag", "striped"])
@@ -230,11 +293,13 @@ def test_balanced_layouts_on_a_ring_equal_one_device(kind, causal, n, heads_kv):
 
 def lowered_eqns(step, *args):
     """Every equation of the lowered program, inside switch branches and regions too."""
+
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             yield eqn
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 yield from walk(sub)
+
     return list(walk(jax.make_jaxpr(step)(*args).jaxpr))
 
 
@@ -274,8 +339,9 @@ def test_zigzag_steps_are_unmasked_calls_without_a_branch(n):
     _, step = ring_step({"context": n}, "context", causal=True, layout=Layout("zigzag", n))
     configs = block_configs(step, *inputs())
     assert switch_branches(step, *inputs()) == []
-    assert sorted((c.causal, c.static_offset_delta) for c in configs) == \
-        sorted(2 * ([(True, 0)] * 2 + [(False, 0)] * (1 + 2 * (n - 1))))
+    assert sorted((c.causal, c.static_offset_delta) for c in configs) == sorted(
+        2 * ([(True, 0)] * 2 + [(False, 0)] * (1 + 2 * (n - 1)))
+    )
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -293,13 +359,16 @@ def test_causal_work_per_device(n):
 def test_hybrid_ulysses_inside_a_ring():
     """context="hybrid" with the sequence over (data, model) = (2, 4): Ulysses all-to-alls on
     model (the inner axis), a ring on data; equal to one device."""
+
     def loss(q, k, v):
         out = attention(q, k, v, causal=True, backend="xla", context="hybrid")
         return jnp.sum(jnp.tanh(out)), out
+
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
     seq = PS(None, ("data", "model"))
-    step = sf.parallelize(fn, mesh=sf.make_mesh({"data": 2, "model": 4}), in_specs=seq,
-                          out_specs=((PS(), seq), (seq, seq, seq)))
+    step = sf.parallelize(
+        fn, mesh=sf.make_mesh({"data": 2, "model": 4}), in_specs=seq, out_specs=((PS(), seq), (seq, seq, seq))
+    )
     q, k, v = inputs(s=64, hkv=4)
     for a, e in zip(jax.tree.leaves(step(q, k, v)), jax.tree.leaves(jax.jit(fn)(q, k, v))):
         assert rel_l2(a, e) <= 1e-5
@@ -320,13 +389,18 @@ def test_ring_bytes_in_the_compiled_hlo_match_explain():
     w = np.stack([np.eye(16, dtype=np.float32) * (1 + i / 10) for i in range(3)])
 
     def loss(w, q, k, v):
-        def layer(x, wi):      # self-attention: K/V differ per layer (no rotation is loop-invariant)
+        def layer(x, wi):  # self-attention: K/V differ per layer (no rotation is loop-invariant)
             return x + attention(x @ wi, x * k, x + v, causal=True, backend="xla", context="ring"), None
+
         return jnp.sum(jnp.tanh(jax.lax.scan(layer, q, w)[0]))
 
     seq = PS(None, "context")
-    step = sf.parallelize(jax.grad(loss, argnums=(0, 1, 2, 3)), mesh=sf.make_mesh({"context": 4}),
-                          in_specs=(PS(), seq, seq, seq), out_specs=(PS(), seq, seq, seq))
+    step = sf.parallelize(
+        jax.grad(loss, argnums=(0, 1, 2, 3)),
+        mesh=sf.make_mesh({"context": 4}),
+        in_specs=(PS(), seq, seq, seq),
+        out_specs=(PS(), seq, seq, seq),
+    )
     listed = sum(c.bytes * c.count for c in step.explain(w, q, k, v).collectives if c.kind == "ppermute")
     compiled = step.lower(w, q, k, v).compile().as_text()
     ran = sum(c.bytes * c.count for c in hlo.collectives(compiled) if c.kind == "ppermute")
@@ -349,7 +423,7 @@ def test_gathered_kv_on_a_balanced_layout_equals_one_device(kind, causal, n, hea
     counts = {}
     for c in step.explain(q, k, v).collectives:
         counts[c.kind] = counts.get(c.kind, 0) + c.count
-    assert counts == {"all_gather": 2, "ppermute": n - 1, "all_reduce": 1}, counts   # all_reduce: the loss
+    assert counts == {"all_gather": 2, "ppermute": n - 1, "all_reduce": 1}, counts  # all_reduce: the loss
 
 
 def test_gathered_kv_bf16_over_two_axes_with_segment_ids():
@@ -364,8 +438,9 @@ def test_gathered_kv_bf16_over_two_axes_with_segment_ids():
 
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
     seq = PS(None, ("data", "model"))
-    step = sf.parallelize(fn, mesh=sf.make_mesh({"data": 2, "model": 4}), in_specs=seq,
-                          out_specs=(PS(), (seq, seq, seq)))
+    step = sf.parallelize(
+        fn, mesh=sf.make_mesh({"data": 2, "model": 4}), in_specs=seq, out_specs=(PS(), (seq, seq, seq))
+    )
     q, k, v = (np.asarray(layout.permute(x)) for x in inputs(s=64))
     want = jax.jit(fn)(q, k, v, ids)
     got = step(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), ids)
@@ -386,21 +461,31 @@ def test_gathered_kv_bytes_are_the_formula_and_the_compiled_hlos(dtype):
     w = jnp.asarray(np.stack([np.eye(d, dtype=np.float32) * (1 + i / 10) for i in range(3)]), dtype)
 
     def loss(w, q, k, v):
-        def layer(x, wi):      # K/V differ per layer: no collective is loop-invariant
-            return x + attention(x @ wi, x * k, x + v, causal=True,
-                                 backend="xla", context="all_gather", layout=layout), None
+        def layer(x, wi):  # K/V differ per layer: no collective is loop-invariant
+            return x + attention(
+                x @ wi, x * k, x + v, causal=True, backend="xla", context="all_gather", layout=layout
+            ), None
+
         return jnp.sum(jnp.tanh(jax.lax.scan(layer, q, w)[0].astype(jnp.float32)))
 
     seq = PS(None, "context")
-    step = sf.parallelize(jax.grad(loss, argnums=(0, 1, 2, 3)), mesh=sf.make_mesh({"context": n}),
-                          in_specs=(PS(), seq, seq, seq), out_specs=(PS(), seq, seq, seq))
+    step = sf.parallelize(
+        jax.grad(loss, argnums=(0, 1, 2, 3)),
+        mesh=sf.make_mesh({"context": n}),
+        in_specs=(PS(), seq, seq, seq),
+        out_specs=(PS(), seq, seq, seq),
+    )
     block, size = b * (s // n) * hkv * d, jnp.dtype(dtype).itemsize
-    listed = {kind: sum(c.bytes * c.count for c in step.explain(w, q, k, v).collectives if c.kind == kind)
-              for kind in ("all_gather", "ppermute")}
-    assert listed == {"all_gather": 3 * 2 * 2 * (n - 1) * block * size,     # 3 layers, fwd + bwd, K and V
-                      "ppermute": 3 * (n - 1) * 2 * block * size}, listed    # dK, dV sums
+    listed = {
+        kind: sum(c.bytes * c.count for c in step.explain(w, q, k, v).collectives if c.kind == kind)
+        for kind in ("all_gather", "ppermute")
+    }
+    assert listed == {
+        "all_gather": 3 * 2 * 2 * (n - 1) * block * size,  # 3 layers, fwd + bwd, K and V
+        "ppermute": 3 * (n - 1) * 2 * block * size,
+    }, listed  # dK, dV sums
     if dtype != np.float32:
-        return      # XLA:CPU widens a bf16 all-gather to float32: the HLO's bytes only in f32
+        return  # XLA:CPU widens a bf16 all-gather to float32: the HLO's bytes only in f32
     compiled = hlo.collectives(step.lower(w, q, k, v).compile().as_text())
     for kind, want in listed.items():
         ran = sum(c.bytes * c.count for c in compiled if c.kind == kind)
@@ -408,31 +493,57 @@ def test_gathered_kv_bytes_are_the_formula_and_the_compiled_hlos(dtype):
 
 
 @pytest.mark.parametrize("context", ["ring", "ulysses"])
-def test_the_cp_tp_strategy_trains_context_by_tensor_parallel_on_the_one_device_curve(
-        context, data_dir, tmp_path):
+def test_the_cp_tp_strategy_trains_context_by_tensor_parallel_on_the_one_device_curve(context, data_dir, tmp_path):
     """Strategy cp_tp on {data: 2, context: 2, model: 2}: the sequence over `context`, the heads,
     mlp and vocab over `model` — no explicit table — follows the one-device loss curve, and
     every parameter the preset names is split over `model`."""
     import json
 
+    from test_models import SMALL_LLAMA, single_device_losses, small_config
+
     from shardflow import train
     from shardflow.train import cli
-    from test_models import SMALL_LLAMA, single_device_losses, small_config
 
     model = ", ".join(f"{k}: {v}" for k, v in {**SMALL_LLAMA, "context": context}.items())
     out = tmp_path / "run"
-    assert cli.main(["train", "--steps", "3", "--out", str(out), "--no-progress",
-                     "--set", f"data.path={data_dir}", "--set", "data.seq_len=32",
-                     "--set", f"model={{{model}}}", "--set", "batch_size=8", "--set", "log_every=1",
-                     "--set", "compute_dtype=float32", "--set", "checkpoint.every=0",
-                     "--set", "eval_every=0", "--set", "mesh={data: 2, context: 2, model: 2}",
-                     "--set", "strategy=cp_tp"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--steps",
+                "3",
+                "--out",
+                str(out),
+                "--no-progress",
+                "--set",
+                f"data.path={data_dir}",
+                "--set",
+                "data.seq_len=32",
+                "--set",
+                f"model={{{model}}}",
+                "--set",
+                "batch_size=8",
+                "--set",
+                "log_every=1",
+                "--set",
+                "compute_dtype=float32",
+                "--set",
+                "checkpoint.every=0",
+                "--set",
+                "eval_every=0",
+                "--set",
+                "mesh={data: 2, context: 2, model: 2}",
+                "--set",
+                "strategy=cp_tp",
+            ]
+        )
+        == 0
+    )
     got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     cfg = small_config(data_dir, tmp_path)
     cfg.model = dict(SMALL_LLAMA)
     np.testing.assert_allclose(got, single_device_losses(cfg), rtol=1e-5)
-    run_cfg = small_config(data_dir, tmp_path, mesh={"data": 2, "context": 2, "model": 2},
-                           strategy="cp_tp")
+    run_cfg = small_config(data_dir, tmp_path, mesh={"data": 2, "context": 2, "model": 2}, strategy="cp_tp")
     run_cfg.model = {**SMALL_LLAMA, "context": context}
     specs = train.setup(run_cfg).param_specs
     assert specs["layers"]["mlp"]["w_up"] == jax.P(None, None, "model")

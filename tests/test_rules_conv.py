@@ -1,6 +1,7 @@
 """Convolutions, pooling and their gradients, and dynamic_slice / dynamic_update_slice / pad on
 a split dim (shardflow/rules/conv.py, shardflow/rules/indexing.py): each against one device, with
 no fallback for these primitives and bytes in line with what the strategy needs."""
+
 import functools
 
 import flax.linen as nn
@@ -55,10 +56,12 @@ def value_and_grads(fn, argnums):
     def loss(*args):
         out = fn(*args)
         return jnp.sum(out * jnp.cos(out))
+
     return jax.value_and_grad(loss, argnums=argnums)
 
 
 # ------------------------------------------------------------------------------ convolutions
+
 
 def case_linen_conv_2d(mesh):
     """flax.linen.Conv NHWC, stride 2, SAME; data parallel: weight gradient P, one all-reduce."""
@@ -78,6 +81,7 @@ def case_nnx_conv_1d_grouped(mesh, argnums=0):
 
     def fn(state, x):
         return nnx.merge(graphdef, state)(x)
+
     specs = jax.tree.map(lambda v: PS(None, None, ch) if v.ndim == 3 else PS(ch), state)
     return value_and_grads(fn, argnums), (state, rand(1, 8, 12, 8)), (specs, PS(batch, None, ch))
 
@@ -89,6 +93,7 @@ def case_nnx_conv_2d_dp(mesh, argnums=0):
 
     def fn(state, x):
         return nnx.merge(graphdef, state)(x)
+
     return value_and_grads(fn, argnums), (state, rand(2, 8, 6, 6, 4)), (PS(), PS(mesh.axis_names))
 
 
@@ -97,8 +102,10 @@ def case_depthwise_nch(mesh):
     x, w = rand(3, 4, 16, 10), rand(4, 16, 1, 3)
 
     def fn(x, w):
-        return lax.conv_general_dilated(x, w, (1,), ((1, 1),), dimension_numbers=("NCH", "OIH", "NCH"),
-                                        feature_group_count=16)
+        return lax.conv_general_dilated(
+            x, w, (1,), ((1, 1),), dimension_numbers=("NCH", "OIH", "NCH"), feature_group_count=16
+        )
+
     batch, ch = axes(mesh)
     return value_and_grads(fn, (0, 1)), (x, w), (PS(batch, ch), PS(ch))
 
@@ -108,19 +115,23 @@ def case_input_feature_nchw(mesh):
     x, w = rand(4, 2, 16, 7, 7), rand(5, 8, 16, 2, 2)
 
     def fn(x, w):
-        return lax.conv_general_dilated(x, w, (1, 1), "VALID", rhs_dilation=(2, 1),
-                                        dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        return lax.conv_general_dilated(
+            x, w, (1, 1), "VALID", rhs_dilation=(2, 1), dimension_numbers=("NCHW", "OIHW", "NCHW")
+        )
+
     names = mesh.axis_names
     return value_and_grads(fn, (0, 1)), (x, w), (PS(None, names), PS(None, names))
 
 
 def case_batch_group(mesh):
     """A conv with batch_group_count=4 itself: lhs batch groups split with the kernel's O."""
-    x, w = rand(5, 16, 6, 3), rand(5, 3, 3, 8)     # N=16 (4 groups), C=3 ; O=8
+    x, w = rand(5, 16, 6, 3), rand(5, 3, 3, 8)  # N=16 (4 groups), C=3 ; O=8
 
     def fn(x, w):
-        return lax.conv_general_dilated(x, w, (1,), "SAME", dimension_numbers=("NHC", "HIO", "NHC"),
-                                        batch_group_count=4)
+        return lax.conv_general_dilated(
+            x, w, (1,), "SAME", dimension_numbers=("NHC", "HIO", "NHC"), batch_group_count=4
+        )
+
     _, ch = axes(mesh)
     return fn, (x, w), (PS(ch), PS(None, None, ch))
 
@@ -131,12 +142,22 @@ def case_patchify(mesh):
 
     def fn(x, w):
         return lax.conv_general_dilated(x, w, (4, 4), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
     return value_and_grads(fn, (0, 1)), (x, w), (PS(None, mesh.axis_names), PS())
 
 
-CONV_CASES = {f.__name__[5:]: f for f in (case_linen_conv_2d, case_nnx_conv_1d_grouped, case_nnx_conv_2d_dp,
-                                          case_depthwise_nch, case_input_feature_nchw, case_batch_group,
-                                          case_patchify)}
+CONV_CASES = {
+    f.__name__[5:]: f
+    for f in (
+        case_linen_conv_2d,
+        case_nnx_conv_1d_grouped,
+        case_nnx_conv_2d_dp,
+        case_depthwise_nch,
+        case_input_feature_nchw,
+        case_batch_group,
+        case_patchify,
+    )
+}
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
@@ -145,10 +166,10 @@ def test_conv(case, mesh_name):
     mesh = sf.make_mesh(MESHES[mesh_name])
     fn, args, in_specs = CONV_CASES[case](mesh)
     plan = check(fn, args, in_specs, mesh)
-    if case == "patchify":   # the image is split on H end to end: only the weight gradient moves
+    if case == "patchify":  # the image is split on H end to end: only the weight gradient moves
         w_bytes = 4 * 4 * 3 * 8 * 4
         assert plan.total_bytes <= 2 * w_bytes + 64, str(plan)
-    if case == "linen_conv_2d":   # dp: the gradients' all-reduce and the loss, nothing else
+    if case == "linen_conv_2d":  # dp: the gradients' all-reduce and the loss, nothing else
         assert all(c.kind == "all_reduce" for c in plan.collectives), str(plan)
 
 
@@ -158,8 +179,10 @@ def test_grouped_conv_rejects_split_groups():
     x, w = rand(7, 4, 6, 16), rand(8, 3, 8, 16)
 
     def fn(x, w):
-        return lax.conv_general_dilated(x, w, (1,), "SAME", dimension_numbers=("NHC", "HIO", "NHC"),
-                                        feature_group_count=2)
+        return lax.conv_general_dilated(
+            x, w, (1,), "SAME", dimension_numbers=("NHC", "HIO", "NHC"), feature_group_count=2
+        )
+
     mesh = sf.make_mesh({"data": 8})
     check(value_and_grads(fn, 1), (x, w), (PS(None, None, "data"), PS(None, None, "data")), mesh)
 
@@ -172,6 +195,7 @@ def test_grouped_conv_input_gradient(case):
 
 
 # ------------------------------------------------------------------------------ pooling
+
 
 def case_max_pool(mesh):
     batch, ch = axes(mesh)
@@ -204,18 +228,29 @@ def case_avg_pool_1d_same(mesh):
 def case_reduce_window_generic(mesh):
     def fn(x):
         return lax.reduce_window(x, 1.0, lax.mul, (1, 2, 1), (1, 2, 1), "VALID")
+
     return fn, (rand(13, 8, 6, 4),), (PS(mesh.axis_names),)
 
 
 def case_reduce_window_min(mesh):
     def fn(x):
         return lax.reduce_window(x, jnp.inf, lax.min, (1, 3, 1), (1, 1, 1), "SAME")
+
     return fn, (rand(14, 8, 6, 4),), (PS(mesh.axis_names),)
 
 
-POOL_CASES = {f.__name__[5:]: f for f in (case_max_pool, case_max_pool_same_overlapping, case_max_pool_height,
-                                          case_avg_pool, case_avg_pool_1d_same, case_reduce_window_generic,
-                                          case_reduce_window_min)}
+POOL_CASES = {
+    f.__name__[5:]: f
+    for f in (
+        case_max_pool,
+        case_max_pool_same_overlapping,
+        case_max_pool_height,
+        case_avg_pool,
+        case_avg_pool_1d_same,
+        case_reduce_window_generic,
+        case_reduce_window_min,
+    )
+}
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
@@ -230,6 +265,7 @@ def test_pool(case, mesh_name):
 
 # ------------------------------------------------------------------------------ slicing a split dim
 
+
 def test_dynamic_slice_offset():
     """A small dynamic slice of a dim split 8 ways: each device contributes its part (P, reduced)
     instead of gathering the table or moving it whole to another split (all_to_all)."""
@@ -238,7 +274,8 @@ def test_dynamic_slice_offset():
 
     def fn(table, i):
         return jnp.sin(lax.dynamic_slice_in_dim(table, i, 4, axis=0))
-    starts = [(table, jnp.int32(i)) for i in (-3, 0, 30, 32, 60, 254, 300)]   # block edges, clamped
+
+    starts = [(table, jnp.int32(i)) for i in (-3, 0, 30, 32, 60, 254, 300)]  # block edges, clamped
     plan = check(fn, (table, jnp.int32(29)), (PS("data"), PS()), mesh, more=starts)
     all_to_all = 7 / 8 * table.size * 4 / 8
     assert plan.total_bytes < all_to_all / 2, str(plan)
@@ -250,6 +287,7 @@ def test_dynamic_slice_offset_2d():
 
     def fn(x, i, j):
         return lax.dynamic_slice(x, (0, i, j), (8, 5, 3)) * 2.0
+
     more = [(x, jnp.int32(i), jnp.int32(j)) for i, j in ((0, 0), (30, 15), (-1, 4))]
     plan = check(fn, (x, jnp.int32(7), jnp.int32(13)), (PS("data", "model", None), PS(), PS()), mesh, more=more)
     assert plan.total_bytes < 3 / 4 * x.size * 4 / 2 / 4, str(plan)
@@ -262,6 +300,7 @@ def test_dynamic_update_slice_offset():
 
     def fn(cache, upd, i):
         return lax.dynamic_update_slice_in_dim(cache, upd, i, axis=0) + 1.0
+
     more = [(cache, upd, jnp.int32(i)) for i in (-2, 0, 6, 8, 62)]
     plan = check(fn, (cache, upd, jnp.int32(29)), (PS("data"), PS(), PS()), mesh, out_specs=PS("data"), more=more)
     assert plan.total_bytes == 0, str(plan)
@@ -274,6 +313,7 @@ def test_pad_interior_split():
 
     def fn(x):
         return lax.pad(x, 0.5, ((1, 1, 2), (0, 0, 0))) * 3.0
+
     plan = check(fn, (x,), (PS(("data", "model")),), mesh, out_specs=PS(("data", "model")))
     assert plan.total_bytes == 0, str(plan)
 
@@ -285,11 +325,13 @@ def test_dynamic_slice_of_partial():
 
     def fn(x, z, i):
         return lax.dynamic_slice_in_dim(x.T @ z, i, 4, axis=0)
+
     plan = check(fn, (x, z, jnp.int32(9)), (PS("data"), PS("data"), PS()), mesh)
     assert plan.total_bytes <= 2 * 7 / 8 * 4 * 64 * 4, str(plan)
 
 
 # ------------------------------------------------------------------------------ a CNN train step
+
 
 class CNN(nn.Module):
     c1: int = 8
@@ -315,9 +357,11 @@ def cnn_step(batch=16, hw=8, c1=8, c2=16):
         def loss(p):
             logits = model.apply(p, x)
             return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
         value, grads = jax.value_and_grad(loss)(params)
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt, value
+
     return step, (params, opt, x, y)
 
 
@@ -328,12 +372,13 @@ def cnn_specs(strategy, mesh, args):
     batch, ch = axes(mesh)
 
     def param_spec(leaf):
-        if strategy == "fsdp":        # each parameter split on its last dim that divides
+        if strategy == "fsdp":  # each parameter split on its last dim that divides
             dims = [d for d in reversed(range(leaf.ndim)) if leaf.shape[d] % n == 0]
             return PS(*([None] * dims[0] + [names])) if dims else PS()
-        if strategy == "tp" and leaf.ndim == 4:     # conv kernels: output channels
+        if strategy == "tp" and leaf.ndim == 4:  # conv kernels: output channels
             return PS(None, None, None, ch)
         return PS()
+
     batch_axes = names if strategy in ("dp", "fsdp") else batch
     p_specs, o_specs = jax.tree.map(param_spec, params), jax.tree.map(param_spec, opt)
     return (p_specs, o_specs, PS(batch_axes), PS(batch_axes)), (p_specs, o_specs, PS())
@@ -351,12 +396,13 @@ def test_cnn_train_step(strategy, capsys):
     plan = check(step, args, in_specs, mesh, out_specs=out_specs)
     param_bytes = sum(p.size * 4 for p in jax.tree.leaves(args[0]))
     n = mesh.devices.size
-    shardings = functools.partial(jax.tree.map, lambda s: NamedSharding(mesh, s),
-                                  is_leaf=lambda s: isinstance(s, PS))
+    shardings = functools.partial(jax.tree.map, lambda s: NamedSharding(mesh, s), is_leaf=lambda s: isinstance(s, PS))
     gspmd = jax.jit(step, in_shardings=shardings(in_specs), out_shardings=shardings(out_specs))
     gspmd_bytes = hlo.total_bytes(gspmd.lower(*args).compile().as_text(), weighted=True)
     with capsys.disabled():
-        print(f"\nCNN step {strategy} on {dict(MESHES['2x4'])}: shardflow {plan.total_bytes:,} bytes, "
-              f"GSPMD {gspmd_bytes:,} bytes, param bytes {param_bytes:,}")
+        print(
+            f"\nCNN step {strategy} on {dict(MESHES['2x4'])}: shardflow {plan.total_bytes:,} bytes, "
+            f"GSPMD {gspmd_bytes:,} bytes, param bytes {param_bytes:,}"
+        )
     if strategy == "dp":
         assert plan.total_bytes <= 2 * (n - 1) / n * param_bytes + 256, str(plan)

@@ -1,4 +1,5 @@
 """benchmarks/scaling.py end to end on the tiny preset (8 simulated CPU devices, conftest.py)."""
+
 import json
 import math
 
@@ -11,10 +12,30 @@ def load_script():
 
 def test_scaling_tiny_tp_both_engines(tmp_path):
     out = tmp_path / "scaling.json"
-    rows = load_script().main(["--preset", "tiny", "--strategies", "tp", "--steps", "1",
-                               "--warmup", "1", "--batch", "1", "--seq", "64", "--out", str(out)])
+    rows = load_script().main(
+        [
+            "--preset",
+            "tiny",
+            "--strategies",
+            "tp",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--batch",
+            "1",
+            "--seq",
+            "64",
+            "--out",
+            str(out),
+        ]
+    )
     assert [(r["strategy"], r["engine"]) for r in rows] == [
-        ("1-device", "shardflow"), ("1-device", "jit"), ("tp", "shardflow"), ("tp", "jit")]
+        ("1-device", "shardflow"),
+        ("1-device", "jit"),
+        ("tp", "shardflow"),
+        ("tp", "jit"),
+    ]
     for r in rows:
         assert r["status"] == "ok", r
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
@@ -41,9 +62,13 @@ def test_kernel_time_splits_nccl_by_collective_and_counts_its_exposed_time(monke
     """A profiled step's NCCL time by collective (from the kernel names), and the time an NCCL
     kernel runs with nothing else beside it (ns, one GPU)."""
     scaling = load_script()
-    kernels = [(0, 100, "nvjet_gemm"), (50, 150, "ncclDevKernel_AllGather_RING_LL"),
-               (150, 170, "ncclDevKernel_ReduceScatter_RING_LL"), (170, 200, "loop_add_fusion"),
-               (200, 240, "ncclDevKernel_SendRecv")]
+    kernels = [
+        (0, 100, "nvjet_gemm"),
+        (50, 150, "ncclDevKernel_AllGather_RING_LL"),
+        (150, 170, "ncclDevKernel_ReduceScatter_RING_LL"),
+        (170, 200, "loop_add_fusion"),
+        (200, 240, "ncclDevKernel_SendRecv"),
+    ]
     monkeypatch.setattr(scaling, "traced_kernels", lambda *args: [kernels])
     (g,) = scaling.kernel_time(None, None, None, None)["kernel_time_per_gpu"]
     assert g["nccl_ms_by_kind"] == {"AllGather": 1e-4, "SendRecv": 4e-5, "ReduceScatter": 2e-5}

@@ -1,5 +1,6 @@
 """shardflow.slots: a jaxpr's stacked inputs read from, and its stacked results written into or
 added to, rows of a buffer by the scans themselves."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,21 +13,22 @@ L, D = 5, 3
 
 def layers(w, x):
     """A scan over stacked layers: ys are per-layer values (a gradient's shape), the carry x."""
+
     def body(h, wi):
         return jnp.tanh(h * wi), (h * wi).astype(jnp.bfloat16)
+
     return lax.scan(body, x, w, reverse=True)
 
 
 def top_level_shapes(fn, *args):
-    return [(e.primitive.name, tuple(v.aval.shape)) for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns
-            for v in e.outvars]
+    return [(e.primitive.name, tuple(v.aval.shape)) for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns for v in e.outvars]
 
 
 def test_results_are_added_to_their_row_by_the_scan_that_makes_them():
     r = np.random.default_rng(0)
     w, x = jnp.asarray(r.standard_normal((L, D)), jnp.float32), jnp.asarray(r.standard_normal(D), jnp.float32)
     jaxpr = jax.make_jaxpr(layers)(w, x)
-    buf = jnp.asarray(r.standard_normal((2, L, D)), jnp.float32)       # [slots, layers, ...], float32
+    buf = jnp.asarray(r.standard_normal((2, L, D)), jnp.float32)  # [slots, layers, ...], float32
     slot = jnp.int32(1)
 
     def run(buf, w, x):
@@ -53,7 +55,7 @@ def test_a_result_no_scan_makes_is_added_whole():
 def test_a_scan_over_rows_runs_unrolled_each_layer_reading_its_own_array():
     r = np.random.default_rng(1)
     w, x = jnp.asarray(r.standard_normal((L, D)), jnp.float32), jnp.asarray(r.standard_normal(D), jnp.float32)
-    jaxpr = jax.make_jaxpr(lambda w, x: (*layers(w, x), w.sum()))(w, x)   # a reverse scan, and one other use
+    jaxpr = jax.make_jaxpr(lambda w, x: (*layers(w, x), w.sum()))(w, x)  # a reverse scan, and one other use
     buf = jnp.zeros((2, L, D), jnp.float32)
 
     def run(w, x):

@@ -2,10 +2,11 @@
 its model on small random programs; what it chooses runs equal to one device and costs, as
 explain prices the plan, no more than greedy propagation; what it does not model goes to
 greedy, and explain says which planner ran."""
+
 import contextlib
-import math
 import functools
 import itertools
+import math
 import os
 
 import jax
@@ -14,7 +15,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
+from programs import assert_trees_close
 from scipy import optimize
+from test_random_programs import BINARY, UNARY, build, nd_sbp
 
 import shardflow as sf
 import shardflow.ops  # noqa: F401  (sf.ops: the attention primitive)
@@ -23,15 +26,13 @@ from shardflow.passes import inline, solve
 from shardflow.passes.propagate import Propagation, reduced
 from shardflow.program import Program, is_literal
 from shardflow.specs import B, S, Split
-from programs import assert_trees_close
-from test_random_programs import BINARY, UNARY, build, nd_sbp
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 EXAMPLES = int(os.environ.get("SHARDFLOW_HYPOTHESIS_EXAMPLES", "200"))
 STRAIGHT = sorted(k for k in UNARY if not any(w in k for w in ("scan", "fori", "remat")))  # regions: greedy
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mesh(name):
     data, model = (int(n) for n in name.split("x"))
     return sf.make_mesh({"data": data, "model": model})
@@ -44,6 +45,7 @@ def inlined(fn, args, mesh, in_sbp, out_sbp) -> Program:
 
 def model_cost(prop, jaxpr, out_sbp, assignment, memo) -> float:
     """The solver's objective for one strategy per equation, computed directly."""
+
     def seconds(v, a, r):
         key = (v, a, r)
         if key not in memo:
@@ -71,6 +73,7 @@ CHAIN_OPS = ("add", "mul", "tanh", "matmul", "T", "sum0", "sum1")
 def chain(ops):
     """A program of a few primitives on (a [8, 16], b [16, 8]), each op one equation on the
     latest value (and a same-shaped input where it takes two)."""
+
     def fn(a, b):
         x = a
         for op in ops:
@@ -88,12 +91,16 @@ def chain(ops):
             elif op in ("sum0", "sum1") and x.ndim == 2:
                 x = jnp.sum(x, axis=int(op[-1]))
         return x
+
     return fn
 
 
 @settings(max_examples=50, **SETTINGS)
-@given(ops=st.lists(st.sampled_from(CHAIN_OPS), min_size=1, max_size=3),
-       specs=st.tuples(nd_sbp(), nd_sbp()), out=st.one_of(st.none(), nd_sbp()))
+@given(
+    ops=st.lists(st.sampled_from(CHAIN_OPS), min_size=1, max_size=3),
+    specs=st.tuples(nd_sbp(), nd_sbp()),
+    out=st.one_of(st.none(), nd_sbp()),
+)
 @example(ops=["matmul", "matmul"], specs=((S(1), S(1)), (S(1), S(0))), out=None)
 @example(ops=["T", "matmul"], specs=((S(1), S(0)), (B, B)), out=None)
 def test_the_optimum_is_the_brute_force_minimum(ops, specs, out):
@@ -125,12 +132,16 @@ STEP = st.one_of(
     st.tuples(st.just("unary"), st.sampled_from(STRAIGHT), st.integers(0, 50)),
     st.tuples(st.just("binary"), st.sampled_from(sorted(BINARY)), st.integers(0, 50), st.integers(0, 50)),
     st.tuples(st.just("matmul"), st.integers(0, 50), st.integers(0, 50)),
-    st.tuples(st.just("constrain"), st.integers(0, 50), nd_sbp()))
+    st.tuples(st.just("constrain"), st.integers(0, 50), nd_sbp()),
+)
 
 
 @settings(max_examples=max(EXAMPLES // 4, 10), **SETTINGS)
-@given(steps=st.lists(STEP, min_size=1, max_size=6), specs=st.tuples(nd_sbp(), nd_sbp(), nd_sbp()),
-       mesh_name=st.sampled_from(["2x4", "4x2"]))
+@given(
+    steps=st.lists(STEP, min_size=1, max_size=6),
+    specs=st.tuples(nd_sbp(), nd_sbp(), nd_sbp()),
+    mesh_name=st.sampled_from(["2x4", "4x2"]),
+)
 def test_solved_programs_equal_one_device_and_cost_no_more_than_greedy(steps, specs, mesh_name):
     r = np.random.default_rng(0)
     args = [r.standard_normal(s).astype(np.float32) for s in ((8, 16), (16, 8), (8, 16))]
@@ -147,15 +158,22 @@ def test_solved_programs_equal_one_device_and_cost_no_more_than_greedy(steps, sp
 
 def test_an_mlp_gradient_under_tensor_parallelism_beats_greedy():
     """Greedy gathers where the solver keeps the Megatron layout; both equal one device."""
+
     def loss(x, w1, w2):
         return jnp.sum((jnp.tanh(x @ w1) @ w2) ** 2)
 
     r = np.random.default_rng(0)
-    args = (r.standard_normal((16, 32)).astype(np.float32), r.standard_normal((32, 64)).astype(np.float32) / 8,
-            r.standard_normal((64, 32)).astype(np.float32) / 8)
+    args = (
+        r.standard_normal((16, 32)).astype(np.float32),
+        r.standard_normal((32, 64)).astype(np.float32) / 8,
+        r.standard_normal((64, 32)).astype(np.float32) / 8,
+    )
     grad = jax.grad(loss, argnums=(1, 2))
-    kw = dict(mesh=mesh("2x4"), in_specs=(jax.P("data"), jax.P(None, "model"), jax.P("model")),
-              out_specs=(jax.P(None, "model"), jax.P("model")))
+    kw = dict(
+        mesh=mesh("2x4"),
+        in_specs=(jax.P("data"), jax.P(None, "model"), jax.P("model")),
+        out_specs=(jax.P(None, "model"), jax.P("model")),
+    )
     solved, greedy = sf.parallelize(grad, passes=sf.passes.SOLVER, **kw), sf.parallelize(grad, **kw)
     for a, e in zip(solved(*args), jax.jit(grad)(*args)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5)
@@ -167,18 +185,27 @@ def test_a_data_parallel_gradient_is_all_reduced_not_computed_whole_on_every_dev
     """By the α-β model alone, a small data-parallel step is cheapest gathering its batch and
     running every matmul whole (one small all-gather instead of an all-reduce per gradient).
     The solver divides every matmul's flops as far as its operands allow, as GSPMD would."""
+
     def loss(w1, w2, x):
         return jnp.mean((jnp.tanh(x @ w1) @ w2) ** 2)
 
     r = np.random.default_rng(0)
-    args = (r.standard_normal((16, 32)).astype(np.float32) / 4, r.standard_normal((32, 16)).astype(np.float32) / 4,
-            r.standard_normal((16, 16)).astype(np.float32))
+    args = (
+        r.standard_normal((16, 32)).astype(np.float32) / 4,
+        r.standard_normal((32, 16)).astype(np.float32) / 4,
+        r.standard_normal((16, 16)).astype(np.float32),
+    )
     grad = jax.grad(loss, argnums=(0, 1))
-    step = sf.parallelize(grad, mesh=sf.make_mesh({"data": 8}), in_specs=(jax.P(), jax.P(), jax.P("data")),
-                          out_specs=(jax.P(), jax.P()), passes=sf.passes.SOLVER)
+    step = sf.parallelize(
+        grad,
+        mesh=sf.make_mesh({"data": 8}),
+        in_specs=(jax.P(), jax.P(), jax.P("data")),
+        out_specs=(jax.P(), jax.P()),
+        passes=sf.passes.SOLVER,
+    )
     plan = step.explain(*args)
     assert plan.planner.startswith("solver"), plan.planner
-    assert {c.kind for c in plan.collectives} == {"all_reduce"}, str(plan)       # no batch gathered
+    assert {c.kind for c in plan.collectives} == {"all_reduce"}, str(plan)  # no batch gathered
     # each weight's gradient all-reduced once (jax 0.11 reduces w2's before its transpose: (16, 32))
     assert sorted(math.prod(c.shape) * c.count for c in plan.collectives if c.shape) == [512, 512], str(plan)
     for a, e in zip(step(*args), jax.jit(grad)(*args)):
@@ -189,8 +216,9 @@ def mlp_grad(w1, w2, x):
     return jax.grad(lambda w1, w2: jnp.sum(jnp.tanh(x @ w1) @ w2) ** 2, argnums=(0, 1))(w1, w2)
 
 
-MLP_ARGS = tuple(np.random.default_rng(0).standard_normal(s).astype(np.float32) / 4
-                 for s in ((16, 32), (32, 16), (16, 16)))
+MLP_ARGS = tuple(
+    np.random.default_rng(0).standard_normal(s).astype(np.float32) / 4 for s in ((16, 32), (32, 16), (16, 16))
+)
 
 
 @pytest.mark.parametrize("mesh_name", ["1x8", "2x4", "4x2", "8x1"])
@@ -205,34 +233,42 @@ def test_auto_finds_the_exhaustive_optimum_over_parameter_layouts(mesh_name):
     prop = Propagation(program).seeded()
     _, chosen, optimum, _ = solve.choose(prop, program.jaxpr.jaxpr, program.out_sbp)
     w1, w2 = program.jaxpr.jaxpr.invars[:2]
-    best = min(solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2]
-               for a in solve.layouts(prop, w1.aval) for b in solve.layouts(prop, w2.aval)
-               for p in [inlined(mlp_grad, MLP_ARGS, m, (a, b, batch), (None, None))])
+    best = min(
+        solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2]
+        for a in solve.layouts(prop, w1.aval)
+        for b in solve.layouts(prop, w2.aval)
+        for p in [inlined(mlp_grad, MLP_ARGS, m, (a, b, batch), (None, None))]
+    )
     assert optimum == pytest.approx(best, rel=1e-6, abs=1e-12)
     assert set(chosen) == {w1, w2}
 
 
 def attention_grad(wq, wo, x):
     """An attention block's weight gradients: q = k = v = x·wq per head, softmax attention, wo."""
+
     def loss(wq, wo):
         q = jnp.einsum("bsd,dhe->bshe", x, wq)
         p = jax.nn.softmax(jnp.einsum("bqhe,bkhe->bhqk", q, q) / 4.0, axis=-1)
         return jnp.sum(jnp.einsum("bhqk,bkhe,hed->bqd", p, q, wo) ** 2)
+
     return jax.grad(loss, argnums=(0, 1))(wq, wo)
 
 
 def sf_attention_grad(wq, wo, x):
     """``attention_grad`` with shardflow's causal attention primitive (its forward and backward
     equations solved like the rest)."""
+
     def loss(wq, wo):
         q = jnp.einsum("bsd,dhe->bshe", x, wq)
         o = sf.ops.attention(q, q, q, causal=True, backend="xla")
         return jnp.sum(jnp.einsum("bqhe,hed->bqd", o, wo) ** 2)
+
     return jax.grad(loss, argnums=(0, 1))(wq, wo)
 
 
-ATTENTION_ARGS = tuple(np.random.default_rng(1).standard_normal(s).astype(np.float32) / 4
-                       for s in ((16, 4, 8), (4, 8, 16), (8, 8, 16)))
+ATTENTION_ARGS = tuple(
+    np.random.default_rng(1).standard_normal(s).astype(np.float32) / 4 for s in ((16, 4, 8), (4, 8, 16), (8, 8, 16))
+)
 
 
 @pytest.mark.parametrize("block", [attention_grad, sf_attention_grad])
@@ -253,9 +289,11 @@ def test_auto_finds_the_exhaustive_optimum_of_an_attention_block(axes, auto, blo
     _, chosen, optimum, _ = solve.choose(prop, program.jaxpr.jaxpr, program.out_sbp)
     invars = program.jaxpr.jaxpr.invars
     choices = [solve.layouts(prop, invars[k].aval) if k in auto else [fixed[k]] for k in (0, 1)]
-    best = min(solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2]
-               for a, b in itertools.product(*choices)
-               for p in [inlined(block, ATTENTION_ARGS, m, (a, b, batch), (None, None))])
+    best = min(
+        solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2]
+        for a, b in itertools.product(*choices)
+        for p in [inlined(block, ATTENTION_ARGS, m, (a, b, batch), (None, None))]
+    )
     assert optimum == pytest.approx(best, rel=1e-6, abs=1e-12)
     assert set(chosen) == {invars[k] for k in auto}
 
@@ -291,9 +329,13 @@ def test_a_memory_budget_on_the_inputs_is_kept_at_the_least_cost():
     program = base.replace(memory_budget=budget)
     _, chosen, optimum, _ = solve.choose(Propagation(program).seeded(), program.jaxpr.jaxpr, program.out_sbp)
     assert sum(local_bytes(v.aval, s, m) for v, s in chosen.items()) + 512 <= budget
-    fits = [p for a in solve.layouts(prop, w1.aval) for b in solve.layouts(prop, w2.aval)
-            if local_bytes(w1.aval, a, m) + local_bytes(w2.aval, b, m) + 512 <= budget
-            for p in [inlined(mlp_grad, MLP_ARGS, m, (a, b, batch), outs)]]
+    fits = [
+        p
+        for a in solve.layouts(prop, w1.aval)
+        for b in solve.layouts(prop, w2.aval)
+        if local_bytes(w1.aval, a, m) + local_bytes(w2.aval, b, m) + 512 <= budget
+        for p in [inlined(mlp_grad, MLP_ARGS, m, (a, b, batch), outs)]
+    ]
     best = min(solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2] for p in fits)
     assert optimum == pytest.approx(best, rel=1e-6) and optimum > free[2]
 
@@ -304,8 +346,9 @@ def test_a_memory_budget_on_the_inputs_is_kept_at_the_least_cost():
     with pytest.raises(sf.ShardingError, match=r"infeasible.*memory_budget=900 bytes per device.*take 512"):
         sf.parallelize(mlp_grad, passes=sf.passes.SOLVER, memory_budget=900, **kw).explain(*MLP_ARGS)
     with pytest.raises(sf.ShardingError, match="greedy planner does not keep to a memory budget"):
-        sf.parallelize(mlp_grad, memory_budget=budget, mesh=m, in_specs=(jax.P(), jax.P(), jax.P("data"))
-                       ).explain(*MLP_ARGS)
+        sf.parallelize(mlp_grad, memory_budget=budget, mesh=m, in_specs=(jax.P(), jax.P(), jax.P("data"))).explain(
+            *MLP_ARGS
+        )
 
 
 def test_plan_solves_every_factoring_of_the_devices_and_ranks_them():
@@ -337,6 +380,7 @@ def test_a_scan_is_solved_with_its_body():
     """A scan's body is solved with the program around it: its carry one layout at the start and
     end of every iteration, its costs counted once per iteration. The plan equals one device,
     costs no more than greedy's, and sf.AUTO inputs feeding the loop are chosen too."""
+
     def f(w, x):
         h = jnp.tanh(x @ w)
         return jax.lax.scan(lambda c, hi: (jnp.tanh(c + hi), c * hi), h[0], h)[0] @ w.T
@@ -359,6 +403,7 @@ def test_a_checkpointed_scan_body_is_solved_with_the_scan():
     """A layer loop whose body is rematerialised (jax.checkpoint inside lax.scan, as the presets
     run with remat): the remat's operands are the scan body's inputs, whose layouts the solver
     chooses with the loop; one solve, equal to one device."""
+
     def f(ws, x):
         layer = jax.checkpoint(lambda h, w: (jnp.tanh(h @ w) + h, None))
         return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
@@ -378,6 +423,7 @@ def test_other_control_flow_is_laid_out_by_greedy_and_the_rest_solved_around_it(
     """A while loop's layout is greedy's (its body propagated from its operands); the equations
     around it are solved, and explain says so. With sf.AUTO inputs greedy cannot lay the loop
     out: the solver refuses, naming the loop."""
+
     def f(w, x):
         h = jnp.tanh(x @ w)
         c = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] + h[1])), (0, h[0]))[1]
@@ -385,33 +431,37 @@ def test_other_control_flow_is_laid_out_by_greedy_and_the_rest_solved_around_it(
 
     r = np.random.default_rng(0)
     w, x = r.standard_normal((16, 16)).astype(np.float32) / 4, r.standard_normal((4, 8, 16)).astype(np.float32)
-    step = sf.parallelize(f, mesh=mesh("2x4"), in_specs=(jax.P(None, "model"), jax.P(None, "data")),
-                          passes=sf.passes.SOLVER)
+    step = sf.parallelize(
+        f, mesh=mesh("2x4"), in_specs=(jax.P(None, "model"), jax.P(None, "data")), passes=sf.passes.SOLVER
+    )
     np.testing.assert_allclose(np.asarray(step(w, x)), np.asarray(jax.jit(f)(w, x)), rtol=1e-5, atol=1e-6)
     plan = step.explain(w, x)
     assert plan.planner.startswith("solver (optimal") and "1 control-flow equation laid out by greedy" in plan.planner
     greedy = sf.parallelize(f, mesh=mesh("2x4"), in_specs=(jax.P(None, "model"), jax.P(None, "data"))).explain(w, x)
     assert plan.modelled_seconds <= greedy.modelled_seconds * (1 + 1e-9)
     with pytest.raises(sf.ShardingError, match=r"sf.AUTO for args\[0\]: the solver did not run \(while at"):
-        sf.parallelize(f, mesh=mesh("2x4"), in_specs=(sf.AUTO, jax.P(None, "data")),
-                       passes=sf.passes.SOLVER).explain(w, x)
+        sf.parallelize(f, mesh=mesh("2x4"), in_specs=(sf.AUTO, jax.P(None, "data")), passes=sf.passes.SOLVER).explain(
+            w, x
+        )
 
 
 def test_pins_hold():
     """sf.constrain fixes a value's NdSbp, whatever it costs."""
+
     def f(x):
         return jnp.tanh(sf.constrain(x * 2, (S(1), B))) + 1
 
     x = np.ones((8, 16), np.float32)
-    step = sf.parallelize(f, mesh=mesh("2x4"), in_specs=((S(0), B),), out_specs=(S(0), B),
-                          passes=sf.passes.SOLVER)
+    step = sf.parallelize(f, mesh=mesh("2x4"), in_specs=((S(0), B),), out_specs=(S(0), B), passes=sf.passes.SOLVER)
     np.testing.assert_allclose(np.asarray(step(x)), np.tanh(2 * x) + 1, rtol=1e-6)
     assert [c.kind for c in step.explain(x).collectives] == ["all_to_all", "all_to_all"]
 
 
-@pytest.mark.parametrize("case,strategy", [(case, strategy) for case in ("mlp", "vocab_ce")
-                                           for strategy in ("dp", "fsdp", "tp", "sp", "2d")]
-                         + [("attention", "fsdp"), ("attention", "2d")])
+@pytest.mark.parametrize(
+    "case,strategy",
+    [(case, strategy) for case in ("mlp", "vocab_ce") for strategy in ("dp", "fsdp", "tp", "sp", "2d")]
+    + [("attention", "fsdp"), ("attention", "2d")],
+)
 def test_the_equivalence_programs_solved(case, strategy):
     """The oracle suite's straight-line programs (tests/programs.py) under each strategy: the
     solver runs, equals one device, and its plan costs no more than greedy's. The attention
@@ -444,8 +494,9 @@ def test_the_iteration_limit_hands_the_program_to_greedy_whatever_the_clock(monk
     step = sf.parallelize(fn, mesh=m, in_specs=in_specs, out_specs=out_specs, passes=sf.passes.SOLVER)
     assert_trees_close(step(*args), jax.jit(fn)(*args))
     planner = step.explain(*args).planner
-    assert planner.startswith("greedy (the solver did not run: the LP relaxation stopped: Iteration limit reached "
-                              "after 1 iterations"), planner
+    assert planner.startswith(
+        "greedy (the solver did not run: the LP relaxation stopped: Iteration limit reached after 1 iterations"
+    ), planner
 
 
 def test_loops_laid_out_by_greedy_after_a_time_limit_are_said_to_be_left_out(monkeypatch):
@@ -462,8 +513,13 @@ def test_loops_laid_out_by_greedy_after_a_time_limit_are_said_to_be_left_out(mon
     monkeypatch.setattr(solve, "choose", slow_loops)
     r = np.random.default_rng(0)
     ws, x = r.standard_normal((4, 64, 64)).astype(np.float32) / 8, r.standard_normal((64, 64)).astype(np.float32)
-    step = sf.parallelize(_layers_grad, mesh=mesh("2x4"), in_specs=(jax.P(), jax.P(("data", "model"))),
-                          out_specs=jax.P(), passes=sf.passes.SOLVER)
+    step = sf.parallelize(
+        _layers_grad,
+        mesh=mesh("2x4"),
+        in_specs=(jax.P(), jax.P(("data", "model"))),
+        out_specs=jax.P(),
+        passes=sf.passes.SOLVER,
+    )
     planner = step.explain(ws, x).planner
     assert planner.startswith("solver (optimal"), planner
     assert "the loops among them: solving them ran out of time, and the optimum leaves out" in planner, planner
@@ -474,6 +530,7 @@ def _layers_grad(ws, x):
     def loss(ws):
         h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
         return jnp.sum(h * h)
+
     return jax.grad(loss)(ws)
 
 
@@ -486,11 +543,12 @@ def test_a_memory_budget_bounds_what_the_layer_loops_hold():
     falling back to a plan that breaks it."""
     r = np.random.default_rng(0)
     ws, x = r.standard_normal((4, 64, 64)).astype(np.float32) / 8, r.standard_normal((64, 64)).astype(np.float32)
-    kw = dict(mesh=mesh("2x4"), in_specs=(jax.P(), jax.P(("data", "model"))), out_specs=jax.P(),
-              passes=sf.passes.SOLVER)
+    kw = dict(
+        mesh=mesh("2x4"), in_specs=(jax.P(), jax.P(("data", "model"))), out_specs=jax.P(), passes=sf.passes.SOLVER
+    )
     free = sf.parallelize(_layers_grad, **kw).explain(ws, x)
     assert free.input_bytes == ws.nbytes + x.nbytes // 8
-    assert free.loop_bytes >= ws.nbytes                    # the stacked gradients, whole
+    assert free.loop_bytes >= ws.nbytes  # the stacked gradients, whole
     assert "held by loops" in str(free)
     step = sf.parallelize(_layers_grad, memory_budget=free.memory_bytes - 1, **kw)
     tight = step.explain(ws, x)
@@ -498,8 +556,11 @@ def test_a_memory_budget_bounds_what_the_layer_loops_hold():
     assert tight.memory_bytes < free.memory_bytes and tight.loop_bytes < ws.nbytes
     assert tight.modelled_seconds > free.modelled_seconds
     assert_trees_close(step(ws, x), jax.jit(_layers_grad)(ws, x))
-    with pytest.raises(sf.ShardingError, match=r"memory_budget=70,000 bytes: the solver did not run \(the LP "
-                                               r"relaxation is infeasible.*of which the inputs with specs take 67,584"):
+    with pytest.raises(
+        sf.ShardingError,
+        match=r"memory_budget=70,000 bytes: the solver did not run \(the LP "
+        r"relaxation is infeasible.*of which the inputs with specs take 67,584",
+    ):
         sf.parallelize(_layers_grad, memory_budget=70_000, **kw).explain(ws, x)
 
 
@@ -511,7 +572,7 @@ def test_a_loop_hides_its_gradient_reductions_behind_its_matmuls():
     r = np.random.default_rng(0)
     ws, x = r.standard_normal((4, 64, 64)).astype(np.float32) / 8, r.standard_normal((64, 64)).astype(np.float32)
     kw = dict(mesh=mesh("2x4"), in_specs=(jax.P(), jax.P(("data", "model"))), out_specs=jax.P())
-    slow = sf.LinkModel(flops=1e9)               # matmuls slow enough to hide every reduction
+    slow = sf.LinkModel(flops=1e9)  # matmuls slow enough to hide every reduction
     step = sf.parallelize(_layers_grad, passes=sf.passes.SOLVER, links=slow, **kw)
     assert_trees_close(step(ws, x), jax.jit(_layers_grad)(ws, x))
     plan = step.explain(ws, x)
@@ -523,18 +584,19 @@ def test_a_loop_hides_its_gradient_reductions_behind_its_matmuls():
     assert free.explain(ws, x).hidden_seconds == 0.0
 
 
-def train_config(strategy="tp", mesh={"data": 2, "model": 4}, batch_size=16, preset="tiny", seq=128):
+def train_config(strategy="tp", mesh=None, batch_size=16, preset="tiny", seq=128):
     """The trainer's config of a preset (tiny unless said) under the solver, ``batch_size`` x
     ``seq`` tokens, tensor-parallel on {data: 2, model: 4} unless said."""
     from shardflow.train import config
 
+    mesh = {"data": 2, "model": 4} if mesh is None else mesh
     cfg = config.Config(engine="shardflow", strategy=strategy, mesh=mesh, planner="solver", batch_size=batch_size)
     cfg.model = {"preset": preset}
     cfg.data.seq_len = seq
     return cfg
 
 
-def train_step_shapes(strategy="tp", mesh={"data": 2, "model": 4}, batch_size=16, preset="tiny", seq=128):
+def train_step_shapes(strategy="tp", mesh=None, batch_size=16, preset="tiny", seq=128):
     """(config, run, state shapes, batch shapes) of ``train_config``'s train step."""
     from shardflow import train
 
@@ -545,7 +607,7 @@ def train_step_shapes(strategy="tp", mesh={"data": 2, "model": 4}, batch_size=16
     return cfg, run, state, {"inputs": tokens, "targets": tokens}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_tp_plan():
     """The solver's explain plan of ``train_step_shapes`` (one solve per test process)."""
     _, run, state, batch = train_step_shapes()
@@ -589,7 +651,7 @@ def test_tensor_parallel_attention_runs_batch_split_where_its_weights_are_cheape
     assert not [c for c in plan.collectives if c.kind == "all_to_all"], str(plan)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def llama_1b_plan(strategy, mesh=(("data", 2), ("model", 4)), batch=2):
     """(plan, layers, state) of the 1b preset's train step under the solver, ``batch`` sequences
     of 2048 tokens on ``mesh``. By default one sequence per data replica on {data: 2, model: 4}:
@@ -616,10 +678,12 @@ def test_sequence_parallel_llama_layers_run_megatron_sp_at_the_1b_preset():
     plan, layers, state = llama_1b_plan("tp_sp")
     assert plan.planner.startswith("solver (optimal"), plan.planner
     activations, rest = _per_layer(plan, layers, (2, 2048, 2048))
-    assert [(c.kind, c.axes) for c in activations] == 4 * [("all_gather", ("model",)), ("reduce_scatter", ("model",))], \
-        str(plan)
+    assert [(c.kind, c.axes) for c in activations] == 4 * [
+        ("all_gather", ("model",)),
+        ("reduce_scatter", ("model",)),
+    ], str(plan)
     weights = {leaf.shape[1:] for block in state[0]["layers"].values() for leaf in block.values()}
-    for c in rest:       # a norm scale's gradient is reduced as [D] or as its [1, 1, D] broadcast
+    for c in rest:  # a norm scale's gradient is reduced as [D] or as its [1, 1, D] broadcast
         assert c.kind == "all_reduce" and (c.shape in weights or c.shape == (1, 1, 2048)), str(c)
         assert c.axes == (("data", "model") if np.prod(c.shape) == 2048 else ("data",)), str(c)
     assert not [c for c in plan.collectives if c.kind == "all_to_all"], str(plan)
@@ -639,10 +703,11 @@ def test_tensor_parallel_llama_layers_move_megatrons_bytes_at_the_1b_preset():
     assert plan.planner.startswith("solver (optimal"), plan.planner
     activations, rest = _per_layer(plan, layers, (2, 2048, 2048))
     assert {c.axes for c in activations} == {("model",)}, str(plan)
-    all_reduce = 2048 * 2048 * 2 * 2 * 3 // 4     # a replica's [S, D] in bf16, a ring's 2 (n-1)/n on 4 devices
+    all_reduce = 2048 * 2048 * 2 * 2 * 3 // 4  # a replica's [S, D] in bf16, a ring's 2 (n-1)/n on 4 devices
     assert sum(c.bytes for c in activations) == 4 * all_reduce, str(plan)
-    assert not [c for c in rest if "model" in c.axes and c.shape not in {(2, 2048, 1), (2048,), (1, 1, 2048)}], \
-        str(plan)
+    assert not [c for c in rest if "model" in c.axes and c.shape not in {(2, 2048, 1), (2048,), (1, 1, 2048)}], str(
+        plan
+    )
     assert not [c for c in plan.collectives if c.kind == "all_to_all"], str(plan)
     assert not plan.gathered, plan.gathered
 
@@ -659,8 +724,9 @@ def test_fully_sharded_llama_layers_run_fsdps_collectives_at_the_1b_preset():
     would send 115 MB."""
     plan, layers, state = llama_1b_plan("fsdp", (("data", 8),), 8)
     assert plan.planner.startswith("solver (optimal"), plan.planner
-    weights = sorted(leaf.shape[1:] for block in state[0]["layers"].values() for leaf in block.values()
-                     if leaf.ndim > 2)
+    weights = sorted(
+        leaf.shape[1:] for block in state[0]["layers"].values() for leaf in block.values() if leaf.ndim > 2
+    )
     per_layer = [c for c in plan.collectives if c.count == layers]
     assert all(c.axes == ("data",) for c in per_layer), str(plan)
     assert sorted(c.shape for c in per_layer if c.kind == "all_gather") == sorted(2 * weights), str(plan)
@@ -669,8 +735,7 @@ def test_fully_sharded_llama_layers_run_fsdps_collectives_at_the_1b_preset():
     assert [c.shape for c in per_layer if c.kind == "all_reduce"] == [(2048,)] * 2, str(plan)
     a2a = [c for c in plan.collectives if c.kind == "all_to_all"]
     assert [(c.shape, c.count) for c in a2a] == [((8, 2048, 2048), 1)] * 2, str(plan)
-    assert [name for name, *_ in plan.gathered if not name.endswith("[layer]")] == ["args[0]['lm_head']"], \
-        plan.gathered
+    assert [name for name, *_ in plan.gathered if not name.endswith("[layer]")] == ["args[0]['lm_head']"], plan.gathered
 
 
 def test_fsdp_gathers_each_layer_weight_per_layer_where_the_whole_weights_do_not_fit():
@@ -688,13 +753,16 @@ def test_fsdp_gathers_each_layer_weight_per_layer_where_the_whole_weights_do_not
     hoisted = [name for name, *_ in free.gathered if "['layers']" in name]
     assert sorted(name.split("'")[-2] for name in hoisted) == sorted(weights), free.gathered
     from shardflow import train
+
     cfg.planner = "greedy"
     greedy = train.setup(cfg).train_step().explain(*state, batch)
     cfg.planner = "solver"
     whole = sum(np.prod(leaf.shape) * 2 for name, leaf in _layer_weights(state) if name in weights)  # bf16
     assert free.loop_bytes - greedy.loop_bytes == pytest.approx(2 * whole * 7 / 8)
-    assert sorted({(c.kind, c.count) for c in free.collectives if c.shape[:1] == (n_layers,)}) == \
-        [("all_gather", 1), ("reduce_scatter", 1)], str(free)
+    assert sorted({(c.kind, c.count) for c in free.collectives if c.shape[:1] == (n_layers,)}) == [
+        ("all_gather", 1),
+        ("reduce_scatter", 1),
+    ], str(free)
     step = run.train_step()
     step.memory_budget = greedy.memory_bytes
     plan = step.explain(*state, batch)
@@ -704,8 +772,9 @@ def test_fsdp_gathers_each_layer_weight_per_layer_where_the_whole_weights_do_not
     assert sorted(c.kind for c in per_layer) == ["all_gather"] * 14 + ["reduce_scatter"] * 7, str(plan)
     assert not [c for c in plan.collectives if c.kind == "all_to_all"], str(plan)
     gathered = sorted((c.shape, c.dtype) for c in per_layer if c.kind == "all_gather")
-    assert gathered == sorted(2 * [(leaf.shape[1:], "bfloat16") for name, leaf in _layer_weights(state)
-                                   if name in weights])
+    assert gathered == sorted(
+        2 * [(leaf.shape[1:], "bfloat16") for name, leaf in _layer_weights(state) if name in weights]
+    )
     assert not [name for name, *_ in plan.gathered if "[layer]" not in name and "['layers']" in name]
 
 
@@ -795,19 +864,19 @@ def test_a_fractional_relaxation_is_branched_to_the_integer_optimum_and_says_it_
 def test_a_time_limit_in_branch_and_bound_keeps_the_relax_and_fix_plan_with_the_lp_bound(monkeypatch):
     real = optimize.milp
 
-    def milp(cost, bounds, **kwargs):    # the whole program's branch and bound runs out of time
+    def milp(cost, bounds, **kwargs):  # the whole program's branch and bound runs out of time
         if np.all(bounds.lb == 0) and np.all(bounds.ub == 1):
             return optimize.OptimizeResult(x=None, status=1, message="Time limit reached")
         return real(cost, bounds=bounds, **kwargs)
 
     monkeypatch.setattr(optimize, "milp", milp)
     m = _odd_cycle()
-    y = m.var(1e-6, integral=True)         # a column the relaxation settles (0): fixed there
+    y = m.var(1e-6, integral=True)  # a column the relaxation settles (0): fixed there
     m.row([(y, 1.0)], 0.0, 1.0)
     result = m.solve(time_limit=30)
     assert result.status == 0 and result.x[y] == 0
     assert result.fun == pytest.approx(-1.0)
-    assert result.bound == pytest.approx(-1.5)          # the relaxation's: not proven optimal
+    assert result.bound == pytest.approx(-1.5)  # the relaxation's: not proven optimal
 
 
 def test_a_relax_and_fix_plan_as_cheap_as_the_relaxation_ends_the_solve(monkeypatch):
@@ -819,7 +888,7 @@ def test_a_relax_and_fix_plan_as_cheap_as_the_relaxation_ends_the_solve(monkeypa
 
     def relaxation(*args, **kwargs):
         result = real(*args, **kwargs)
-        result.fun = -1.0                      # in the solver's units (cost x 1e6)
+        result.fun = -1.0  # in the solver's units (cost x 1e6)
         return result
 
     def milp(cost, bounds, **kwargs):
@@ -830,10 +899,10 @@ def test_a_relax_and_fix_plan_as_cheap_as_the_relaxation_ends_the_solve(monkeypa
     monkeypatch.setattr(solve, "_relaxation", relaxation)
     monkeypatch.setattr(optimize, "milp", milp)
     m = _odd_cycle()
-    y = m.var(1e-6, integral=True)             # a column the relaxation settles (0): fixed there
+    y = m.var(1e-6, integral=True)  # a column the relaxation settles (0): fixed there
     m.row([(y, 1.0)], 0.0, 1.0)
     result = m.solve(time_limit=30)
-    assert calls == [False]                    # the fixed problem only, not the whole one
+    assert calls == [False]  # the fixed problem only, not the whole one
     assert result.status == 0 and result.x[y] == 0 and round(result.x.sum()) == 1
     assert result.fun == pytest.approx(-1.0) and result.bound == pytest.approx(-1.0)
 
@@ -844,8 +913,10 @@ def _adamw_step():
     import optax
 
     r = np.random.default_rng(0)
-    params = {"w1": r.standard_normal((64, 128)).astype(np.float32) / 8,
-              "w2": r.standard_normal((128, 64)).astype(np.float32) / 8}
+    params = {
+        "w1": r.standard_normal((64, 128)).astype(np.float32) / 8,
+        "w2": r.standard_normal((128, 64)).astype(np.float32) / 8,
+    }
     opt = optax.adamw(1e-3)
     state = opt.init(params)
     x = r.standard_normal((32, 64)).astype(np.float32)
@@ -856,7 +927,7 @@ def _adamw_step():
         return optax.apply_updates(params, updates), state
 
     args = (params, state, x)
-    split = (Split(0), Split(0))                    # dim 0 over (data, model)
+    split = (Split(0), Split(0))  # dim 0 over (data, model)
     in_sbp = [split if np.ndim(leaf) == 2 else (B, B) for leaf in jax.tree.leaves((params, state))]
     in_sbp.append((Split(0), B))
     out_sbp = in_sbp[:-1]
@@ -919,16 +990,24 @@ def test_every_process_solves_a_program_to_the_same_plan():
     two processes of different hash seeds, is the same plan, collective for collective."""
     import subprocess
     import sys
-    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_solve; "
-              "_, run, state, batch = test_solve.train_step_shapes('2d'); "
-              "plan = run.train_step().explain(*state, batch); "
-              "import re; print(re.sub(r'solved in [0-9.]+ s', '', plan.planner)); print(plan.modelled_seconds); "
-              "print(*[(c.kind, c.axes, c.shape, c.count, c.source) for c in plan.collectives], sep='\\n')")
+
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_solve; "
+        "_, run, state, batch = test_solve.train_step_shapes('2d'); "
+        "plan = run.train_step().explain(*state, batch); "
+        "import re; print(re.sub(r'solved in [0-9.]+ s', '', plan.planner)); print(plan.modelled_seconds); "
+        "print(*[(c.kind, c.axes, c.shape, c.count, c.source) for c in plan.collectives], sep='\\n')"
+    )
     plans = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed, JAX_PLATFORMS="cpu")
-        done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env,
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-c", script, os.path.dirname(__file__)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         plans.append(done.stdout)
     assert plans[0].startswith("solver (optimal"), plans[0][:300]
@@ -948,8 +1027,13 @@ def test_one_alternatives_call_starts_each_relaxation_from_the_last_optimal_basi
         return result
 
     monkeypatch.setattr(solve, "_relaxation", counted)
-    step = sf.parallelize(mlp_grad, mesh=sf.make_mesh({"data": 2, "model": 4}), passes=sf.passes.SOLVER,
-                          in_specs=(jax.P(), jax.P(), jax.P("data")), out_specs=(jax.P(), jax.P()))
+    step = sf.parallelize(
+        mlp_grad,
+        mesh=sf.make_mesh({"data": 2, "model": 4}),
+        passes=sf.passes.SOLVER,
+        in_specs=(jax.P(), jax.P(), jax.P("data")),
+        out_specs=(jax.P(), jax.P()),
+    )
     step.explain(*MLP_ARGS)
 
     def figures():
@@ -958,7 +1042,7 @@ def test_one_alternatives_call_starts_each_relaxation_from_the_last_optimal_basi
         return [(a.argument, str(a.spec), a.seconds) for a in found], sum(iterations)
 
     shared, warm = figures()
-    monkeypatch.setattr(solve, "shared_solves", contextlib.nullcontext)   # sf.alternatives imports it per call
+    monkeypatch.setattr(solve, "shared_solves", contextlib.nullcontext)  # sf.alternatives imports it per call
     alone, cold = figures()
     assert len(shared) > 10 and shared == alone
     assert warm < cold / 2, (warm, cold)

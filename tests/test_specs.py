@@ -1,4 +1,5 @@
 """SBP <-> PartitionSpec, and every refusal a user can meet, with what it must name."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +31,7 @@ def test_an_sbp_atom_is_one_object_per_value_immutable_and_pickles_to_itself():
     way of making an atom gives the one object, and nothing can change it."""
     import copy
     import pickle
+
     assert sf.S(np.int64(1)) is sf.S(1) is sf.to_sbp("S(1)", sf.make_mesh({"data": 8}))[0]
     assert sf.P is sf.P("sum") and sf.P("max") is sf.P("max") is not sf.P and sf.B is type(sf.B)()
     for atom in (sf.S(2), sf.B, sf.P, sf.P("min")):
@@ -44,8 +46,18 @@ def test_an_sbp_atom_is_one_object_per_value_immutable_and_pickles_to_itself():
         sf.P("mean")
 
 
-@pytest.mark.parametrize("sbp", [(sf.S(0), sf.B), (sf.B, sf.S(1)), (sf.S(1), sf.S(0)), (sf.S(0), sf.S(0)),
-                                 (sf.B, sf.B), (sf.P, sf.S(0)), (sf.B, sf.P)])
+@pytest.mark.parametrize(
+    "sbp",
+    [
+        (sf.S(0), sf.B),
+        (sf.B, sf.S(1)),
+        (sf.S(1), sf.S(0)),
+        (sf.S(0), sf.S(0)),
+        (sf.B, sf.B),
+        (sf.P, sf.S(0)),
+        (sf.B, sf.P),
+    ],
+)
 def test_partition_spec_round_trip(mesh, sbp):
     assert sf.to_sbp(sf.to_partition_spec(sbp, mesh, 2), mesh, 2) == sbp
 
@@ -56,6 +68,7 @@ def test_make_mesh_refuses_too_many_devices():
 
 
 # ------------------------------------------------------------------------------ bad input
+
 
 def double(x):
     return x * 2
@@ -69,7 +82,9 @@ X = np.ones((8, 12), np.float32)
 
 
 def test_unknown_mesh_axis(mesh):
-    with pytest.raises(sf.ShardingError, match=r"float32\[8, 12\] of double \(test_specs.py:\d+\): unknown mesh axis 'tensor'"):
+    with pytest.raises(
+        sf.ShardingError, match=r"float32\[8, 12\] of double \(test_specs.py:\d+\): unknown mesh axis 'tensor'"
+    ):
         run(mesh, PS("tensor"), X)
 
 
@@ -89,7 +104,10 @@ def test_mesh_axis_used_twice(mesh):
 
 
 def test_indivisible_dimension_is_never_replicated(mesh):
-    with pytest.raises(sf.ShardingError, match=r"float32\[6, 12\] at double \(test_specs.py:\d+\): dim 0 of size 6 is not divisible by 4"):
+    with pytest.raises(
+        sf.ShardingError,
+        match=r"float32\[6, 12\] at double \(test_specs.py:\d+\): dim 0 of size 6 is not divisible by 4",
+    ):
         run(mesh, PS("model"), np.ones((6, 12), np.float32))
 
 
@@ -114,7 +132,9 @@ def test_conflicting_constraints_name_both_lines(mesh):
         z = sf.constrain(x, PS(None, "model"))
         return y + z
 
-    with pytest.raises(sf.ShardingError, match=r"conflicting constraints on float32\[8, 12\].*test_specs.py:\d+.*test_specs.py:\d+"):
+    with pytest.raises(
+        sf.ShardingError, match=r"conflicting constraints on float32\[8, 12\].*test_specs.py:\d+.*test_specs.py:\d+"
+    ):
         run(mesh, PS(), X, fn=fn)
 
 
@@ -153,8 +173,7 @@ def test_decorator_form_and_inputs_of_any_sharding(mesh):
 
 def test_donated_arguments_are_consumed(mesh):
     x = jax.device_put(np.ones((8, 12), np.float32), jax.sharding.NamedSharding(mesh, PS("data")))
-    f = sf.parallelize(lambda x: x * 2, mesh=mesh, in_specs=PS("data"), out_specs=PS("data"),
-                       donate_argnums=0)
+    f = sf.parallelize(lambda x: x * 2, mesh=mesh, in_specs=PS("data"), out_specs=PS("data"), donate_argnums=0)
     np.testing.assert_array_equal(np.asarray(f(x)), 2 * np.ones((8, 12)))
     assert x.is_deleted()
 
@@ -172,10 +191,8 @@ def test_typed_prng_keys_pass_whole_or_split(mesh):
     g = sf.parallelize(per_row, mesh=mesh, in_specs=(PS("data"), PS("data")), out_specs=PS("data"))
     np.testing.assert_allclose(np.asarray(g(keys, x)), np.asarray(per_row(keys, x)), rtol=1e-6)
 
-    split = sf.parallelize(lambda key: jax.random.split(key, 4), mesh=mesh, in_specs=PS(),
-                           out_specs=PS())
-    assert np.array_equal(jax.random.key_data(split(key)),
-                          jax.random.key_data(jax.random.split(key, 4)))
+    split = sf.parallelize(lambda key: jax.random.split(key, 4), mesh=mesh, in_specs=PS(), out_specs=PS())
+    assert np.array_equal(jax.random.key_data(split(key)), jax.random.key_data(jax.random.split(key, 4)))
     gather = sf.parallelize(lambda keys: keys, mesh=mesh, in_specs=PS("data"), out_specs=PS())
     assert np.array_equal(jax.random.key_data(gather(keys)), jax.random.key_data(keys))
     assert "key<fry>[8]" in str(gather.explain(keys))
@@ -192,8 +209,9 @@ def test_jits_closing_over_constants_inside_loops_branches_and_remat(mesh):
 
     def f(a, pred):
         y, _ = jax.lax.scan(lambda c, r: (c + scale_rows(r), None), jnp.zeros(8), a)
-        w = jax.lax.while_loop(lambda c: c[1] < 2, lambda c: (scale_rows(c[0]), c[1] + 1),
-                               (jax.lax.stop_gradient(y), 0))[0]  # no reverse-mode through while
+        w = jax.lax.while_loop(
+            lambda c: c[1] < 2, lambda c: (scale_rows(c[0]), c[1] + 1), (jax.lax.stop_gradient(y), 0)
+        )[0]  # no reverse-mode through while
         y = y + w
         y = jax.lax.cond(pred, scale_rows, lambda r: r, y)
         remat = jax.checkpoint(lambda c, r: (scale_rows(c * r), None))
@@ -202,8 +220,9 @@ def test_jits_closing_over_constants_inside_loops_branches_and_remat(mesh):
 
     loss = lambda a, pred: jnp.sum(f(a, pred) ** 2)
     a = jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32)
-    g = sf.parallelize(jax.value_and_grad(loss), mesh=mesh, in_specs=(PS(None, "model"), PS()),
-                       out_specs=(PS(), PS(None, "model")))
+    g = sf.parallelize(
+        jax.value_and_grad(loss), mesh=mesh, in_specs=(PS(None, "model"), PS()), out_specs=(PS(), PS(None, "model"))
+    )
     for pred in (True, False):
         value, grad = g(a, pred)
         ref_value, ref_grad = jax.jit(jax.value_and_grad(loss))(a, pred)
@@ -218,17 +237,25 @@ def test_keyword_arguments_are_refused_with_the_way_out(mesh):
         return x * scale
 
     g = sf.parallelize(f, mesh=mesh, in_specs=(PS("data"),), out_specs=PS("data"))
-    with pytest.raises(TypeError, match=r"f \(test_specs.py:\d+\) was called with keyword "
-                                        r"arguments \['scale'\].*functools.partial"):
+    with pytest.raises(
+        TypeError,
+        match=r"f \(test_specs.py:\d+\) was called with keyword "
+        r"arguments \['scale'\].*functools.partial",
+    ):
         g(jnp.ones((8, 4)), scale=3.0)
 
 
 def test_spec_of_another_type_is_refused_by_every_entry_point(mesh):
-    with pytest.raises(sf.ShardingError, match=r"weights: spec 3 \(int\) is not a sharding spec; a spec is one SBP "
-                                               r"per mesh axis \('data', 'model'\), e\.g\. \(sf\.S\(0\), sf\.B\) or "
-                                               r"'S\(0\), B', a PartitionSpec such as PartitionSpec\('data'\), or None"):
+    with pytest.raises(
+        sf.ShardingError,
+        match=r"weights: spec 3 \(int\) is not a sharding spec; a spec is one SBP "
+        r"per mesh axis \('data', 'model'\), e\.g\. \(sf\.S\(0\), sf\.B\) or "
+        r"'S\(0\), B', a PartitionSpec such as PartitionSpec\('data'\), or None",
+    ):
         sf.to_sbp(3, mesh, 2, what="weights")
     with pytest.raises(sf.ShardingError, match=r"value: spec 1\.5 \(float\) is not a sharding spec"):
         sf.to_partition_spec(1.5, mesh)
-    with pytest.raises(sf.ShardingError, match=r"value: cannot read SBP 'model'.*did you mean PartitionSpec\('model'\)"):
+    with pytest.raises(
+        sf.ShardingError, match=r"value: cannot read SBP 'model'.*did you mean PartitionSpec\('model'\)"
+    ):
         sf.to_sbp("model", mesh)

@@ -1,6 +1,7 @@
 """split_vjp cuts a backward into B (input gradient + stash) and W (weight gradient): together
 they compute the backward's numbers, and no equation runs twice — W holds only the weight
 gradients' matmuls, B only the input gradient's."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +20,7 @@ def mlp(w, h):
     return jnp.tanh(h @ w["w"] + w["b"]) @ w["v"]
 
 
-def gated(w, h):           # two matmuls sharing an input, a norm scale: Llama's MLP in small
+def gated(w, h):  # two matmuls sharing an input, a norm scale: Llama's MLP in small
     n = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * w["scale"]
     return h + (jax.nn.silu(n @ w["w"]) * (n @ w["b"])) @ w["v"]
 
@@ -28,26 +29,32 @@ def remat(w, h):
     return jax.checkpoint(gated)(w, h)
 
 
-def masked(w, h):          # an uneven stage's padding layer: predication by lax.cond
+def masked(w, h):  # an uneven stage's padding layer: predication by lax.cond
     return jax.lax.cond(w["b"][0] > -10, lambda: mlp(w, h), lambda: h)
 
 
-def nested(w, h):          # a layer that is itself a scan over two sub-steps
+def nested(w, h):  # a layer that is itself a scan over two sub-steps
     return jax.lax.scan(lambda h, _: (mlp(w, h), None), h, None, length=2)[0]
 
 
 SHARED = jnp.full((d, d), 0.1, jnp.float32)
 
 
-def closes_over(w, h):     # a weight shared by every layer: its gradient sums in a scan carry
+def closes_over(w, h):  # a weight shared by every layer: its gradient sums in a scan carry
     return mlp(w, h) @ SHARED + h
 
 
 # name: (layer, matmuls per layer in W, in B). W: one per weight. B: one per matmul the input
 # gradient passes; under remat also the two of the forward it recomputes (n @ w, n @ b); a layer
 # under lax.cond is cut like the others, in both conds' branches.
-LAYERS = dict(mlp=(mlp, 2, 2), gated=(gated, 3, 3), remat=(remat, 3, 3 + 2), masked=(masked, 2, 2),
-              nested=(nested, 4, 4), closes_over=(closes_over, 2, 3))
+LAYERS = dict(
+    mlp=(mlp, 2, 2),
+    gated=(gated, 3, 3),
+    remat=(remat, 3, 3 + 2),
+    masked=(masked, 2, 2),
+    nested=(nested, 4, 4),
+    closes_over=(closes_over, 2, 3),
+)
 
 
 def params(n_layers, seed=0):
@@ -58,8 +65,7 @@ def params(n_layers, seed=0):
 
 def backward_of(layer, stack, x):
     """backward(stack leaves, residuals, dy) -> (d stack leaves, dx) as pipelining traces it."""
-    return backward_of_fn(lambda stack, x: jax.lax.scan(lambda h, w: (layer(w, h), None), x, stack)[0],
-                          stack, x)
+    return backward_of_fn(lambda stack, x: jax.lax.scan(lambda h, w: (layer(w, h), None), x, stack)[0], stack, x)
 
 
 def backward_of_fn(f, w, x):
@@ -169,7 +175,7 @@ def test_a_scan_of_padded_layers_cuts_its_cond():
     split = split_equals_backward(backward, residuals, y, n)
     assert split.n_stash > 0
     dots = [count(j.jaxpr, "dot_general") for j in (backward, split.b, split.w)]
-    assert dots == [4 * 4, 4 * 2, 4 * 2]         # per layer: 2 in B's true branch, 2 in W's
+    assert dots == [4 * 4, 4 * 2, 4 * 2]  # per layer: 2 in B's true branch, 2 in W's
     assert cond_matmuls(split.b.jaxpr) == [(4, d), (4, 2 * d)]
     assert cond_matmuls(split.w.jaxpr) == [(d, 2 * d), (2 * d, d)]
 
@@ -180,10 +186,12 @@ def test_a_switch_shares_stash_slots_between_its_branches():
     it does not use; each index gives the backward's numbers."""
     w = {k: v[0] for k, v in params(1).items() if k in ("w", "v")}
     x = jnp.asarray(np.random.default_rng(1).standard_normal((4, d)), jnp.float32)
-    branches = [lambda w, x: jnp.tanh(x @ w["w"]) @ w["v"],          # stashes d(x @ w): [4, 2d]
-                lambda w, x: x @ w["w"][:, :d] * 2,                   # stashes 2 dy: [4, d]
-                lambda w, x: jnp.sin(x @ w["w"]) @ w["v"],           # stashes d(x @ w): [4, 2d]
-                lambda w, x: x]                                        # stashes nothing
+    branches = [
+        lambda w, x: jnp.tanh(x @ w["w"]) @ w["v"],  # stashes d(x @ w): [4, 2d]
+        lambda w, x: x @ w["w"][:, :d] * 2,  # stashes 2 dy: [4, d]
+        lambda w, x: jnp.sin(x @ w["w"]) @ w["v"],  # stashes d(x @ w): [4, 2d]
+        lambda w, x: x,
+    ]  # stashes nothing
     for i in range(len(branches)):
         backward, residuals, y, n = backward_of_fn(lambda w, x: jax.lax.switch(i, branches, w, x), w, x)
         split = split_equals_backward(backward, residuals, y, n)
@@ -197,9 +205,10 @@ def test_a_switch_shares_stash_slots_between_its_branches():
 def test_a_llama_block_splits_into_its_seven_input_and_seven_weight_matmuls(remat):
     """The model's own layer as sf.pipeline traces it: W runs the 7 weight-gradient matmuls
     of each block (q, k, v, o, gate, up, down) and nothing of the input gradient."""
+    from test_models import SMALL_LLAMA
+
     from shardflow import models, pipelining
     from shardflow.models.pipeline import layer_step
-    from test_models import SMALL_LLAMA
 
     fields = {k: v for k, v in SMALL_LLAMA.items() if k not in ("preset", "n_layers")}
     cfg = models.preset(SMALL_LLAMA["preset"], **fields, n_layers=2, remat=remat)
@@ -208,8 +217,7 @@ def test_a_llama_block_splits_into_its_seven_input_and_seven_weight_matmuls(rema
     cos, sin = models.llama.rope_tables(8, cfg.head_dim, cfg.rope_theta)
     step = layer_step(graphdef, remat, cos, sin)
     x = jax.ShapeDtypeStruct((2, 8, cfg.d_model), jnp.float32)
-    bodies = pipelining.bodies_of(lambda layer, h: step(h, layer), lambda hp, y, a: jnp.sum(y), layers,
-                                  x, (), ())
+    bodies = pipelining.bodies_of(lambda layer, h: step(h, layer), lambda hp, y, a: jnp.sum(y), layers, x, (), ())
     w_dots, b_dots = count(bodies.backward_w.jaxpr, "dot_general"), count(bodies.backward_x.jaxpr, "dot_general")
     assert w_dots == 2 * 7
     assert b_dots + w_dots == count(bodies.backward.jaxpr, "dot_general")
@@ -236,6 +244,7 @@ def random_layer(steps, remat):
             else:
                 x = x * w[f"s{i}"]
         return x * w["out"]
+
     return jax.checkpoint(layer) if remat else layer
 
 
@@ -252,8 +261,12 @@ def random_stack(steps, n_layers, seed):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(steps=st.lists(st.sampled_from(STEPS), min_size=1, max_size=6), remat=st.booleans(),
-       n_layers=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+@given(
+    steps=st.lists(st.sampled_from(STEPS), min_size=1, max_size=6),
+    remat=st.booleans(),
+    n_layers=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
 def test_random_layers_split_exactly(steps, remat, n_layers, seed):
     """B then W computes the backward's numbers; no matmul runs twice; W holds one matmul per
     weight matmul per layer (and, under remat, recomputation that only W reads)."""

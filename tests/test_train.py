@@ -1,4 +1,5 @@
 """`shardflow train`: resume, cross-mesh restore, config errors, NaN stop, CLI and logs."""
+
 import json
 import re
 import shutil
@@ -6,16 +7,10 @@ import shutil
 import jax
 import numpy as np
 import pytest
-
-from shardflow import train
-from shardflow.train import cli, config, data, loop
 from test_models import ENGINE, small_config
 
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return data.prepare(data.stdlib_sources(max_bytes=300_000)[:10],
-                        tmp_path_factory.mktemp("tokens"))
+from shardflow import train
+from shardflow.train import cli, config, loop
 
 
 def test_resume_gives_the_uninterrupted_loss_sequence(data_dir, tmp_path):
@@ -32,8 +27,9 @@ def test_resume_gives_the_uninterrupted_loss_sequence(data_dir, tmp_path):
     assert sorted(first["losses"]) == [1, 2, 3]
     second = train.train(cfg(tmp_path / "split"), progress=False)
     assert second["start_step"] == 3 and sorted(second["losses"]) == [4, 5, 6]
-    assert [whole[s] for s in range(1, 7)] == [first["losses"][s] for s in (1, 2, 3)] + \
-        [second["losses"][s] for s in (4, 5, 6)]
+    assert [whole[s] for s in range(1, 7)] == [first["losses"][s] for s in (1, 2, 3)] + [
+        second["losses"][s] for s in (4, 5, 6)
+    ]
 
 
 def test_restore_onto_a_different_mesh_gives_the_same_parameters(data_dir, tmp_path):
@@ -41,8 +37,7 @@ def test_restore_onto_a_different_mesh_gives_the_same_parameters(data_dir, tmp_p
     saved.checkpoint.every = 2
     params_dp = jax.device_get(train.train(saved, progress=False)["params"])
 
-    restored_cfg = small_config(data_dir, tmp_path, steps=2, strategy="tp",
-                                mesh={"data": 2, "model": 4})
+    restored_cfg = small_config(data_dir, tmp_path, steps=2, strategy="tp", mesh={"data": 2, "model": 4})
     restored_cfg.checkpoint.every = 2
     result = train.train(restored_cfg, progress=False)
     assert result["start_step"] == 2 and result["losses"] == {}
@@ -58,29 +53,37 @@ def test_resuming_another_models_checkpoint_is_a_config_error(data_dir, tmp_path
     other = small_config(data_dir, tmp_path, steps=4)
     other.checkpoint.every = 2
     other.model = {**other.model, "n_layers": other.model.get("n_layers", 2) + 1}
-    with pytest.raises(config.ConfigError, match=r"checkpoint at step 2 .* holds other arrays .*"
-                                                 r"layers.*saved \(\d+,.*config that wrote it, or "
-                                                 r"start this run in a fresh --out directory$"):
+    with pytest.raises(
+        config.ConfigError,
+        match=r"checkpoint at step 2 .* holds other arrays .*"
+        r"layers.*saved \(\d+,.*config that wrote it, or "
+        r"start this run in a fresh --out directory$",
+    ):
         train.train(other, progress=False)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["optimiser.lr=1e-3"], "unknown config key 'optimiser'"),
-    (["optimizer.learning_rate=1e-3"], "unknown config key 'optimizer.learning_rate'"),
-    (["model.dim=3"], "unknown config key 'model.dim'"),
-    (["mesh={data: 4}"], "mesh {'data': 4} has 4 devices but 8 are available"),
-    (["batch_size=12"], "not divisible by the data axes"),
-    (["batch_size=16", "grad_accum=4"], "micro-batch 4"),
-    (["strategy=tp", "mesh={data: 8}"], "names mesh axis 'model'"),
-    (["strategy=tp", "mesh={data: 1, model: 8}", "model.n_kv_heads=2", "model.n_heads=4"],
-     "kv_heads.* does not divide|dimension 2 \\(size 2\\)"),
-    (["strategy=zero9"], "unknown strategy 'zero9'"),
-    (["data.seq_len=-1"], "data.seq_len must be a positive integer, got -1"),
-    (["optimizer.lr=abc"], "optimizer.lr must be a number > 0, got 'abc'"),
-    (["optimizer.beta2=1.0"], "optimizer.beta2 must be a number in \\[0, 1\\), got 1.0"),
-    (["checkpoint.keep=0"], "checkpoint.keep must be a positive integer"),
-    (["data.path=/nonexistent"], "data.path '/nonexistent' is not a prepared data dir"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["optimiser.lr=1e-3"], "unknown config key 'optimiser'"),
+        (["optimizer.learning_rate=1e-3"], "unknown config key 'optimizer.learning_rate'"),
+        (["model.dim=3"], "unknown config key 'model.dim'"),
+        (["mesh={data: 4}"], "mesh {'data': 4} has 4 devices but 8 are available"),
+        (["batch_size=12"], "not divisible by the data axes"),
+        (["batch_size=16", "grad_accum=4"], "micro-batch 4"),
+        (["strategy=tp", "mesh={data: 8}"], "names mesh axis 'model'"),
+        (
+            ["strategy=tp", "mesh={data: 1, model: 8}", "model.n_kv_heads=2", "model.n_heads=4"],
+            "kv_heads.* does not divide|dimension 2 \\(size 2\\)",
+        ),
+        (["strategy=zero9"], "unknown strategy 'zero9'"),
+        (["data.seq_len=-1"], "data.seq_len must be a positive integer, got -1"),
+        (["optimizer.lr=abc"], "optimizer.lr must be a number > 0, got 'abc'"),
+        (["optimizer.beta2=1.0"], "optimizer.beta2 must be a number in \\[0, 1\\), got 1.0"),
+        (["checkpoint.keep=0"], "checkpoint.keep must be a positive integer"),
+        (["data.path=/nonexistent"], "data.path '/nonexistent' is not a prepared data dir"),
+    ],
+)
 def test_config_errors_are_clear_and_early(overrides, message, data_dir, tmp_path, monkeypatch):
     compiles = []
     monkeypatch.setattr(loop, "parallelize_step", lambda *a, **k: compiles.append(1))
@@ -109,11 +112,32 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):
 
 def test_cli_trains_and_writes_metrics_and_tensorboard(data_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    code = cli.main(["train", "--steps", "4", "--out", str(out), "--no-progress",
-                     "--set", f"data.path={data_dir}", "--set", f"engine={ENGINE}",
-                     "--set", "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8}",
-                     "--set", "batch_size=8", "--set", "data.seq_len=32", "--set", "log_every=2",
-                     "--set", "eval_every=3", "--set", "eval_batches=2"])
+    code = cli.main(
+        [
+            "train",
+            "--steps",
+            "4",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--set",
+            f"data.path={data_dir}",
+            "--set",
+            f"engine={ENGINE}",
+            "--set",
+            "model={preset: tiny, d_model: 64, n_layers: 1, head_dim: 8}",
+            "--set",
+            "batch_size=8",
+            "--set",
+            "data.seq_len=32",
+            "--set",
+            "log_every=2",
+            "--set",
+            "eval_every=3",
+            "--set",
+            "eval_batches=2",
+        ]
+    )
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 3, 4]
@@ -136,16 +160,18 @@ def test_prepare_command(tmp_path, capsys):
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["train_tokens"] > 1000
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--input", "/nonexistent.txt"], "missing: \\['/nonexistent.txt'\\]"),
-    (["--tokenizer", "bpe", "--vocab-size", "10"], "more than the 256 byte tokens, got vocab_size 10"),
-    (["--val-fraction", "1.5"], "val_fraction must be in \\(0, 1\\), got 1.5"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--input", "/nonexistent.txt"], "missing: \\['/nonexistent.txt'\\]"),
+        (["--tokenizer", "bpe", "--vocab-size", "10"], "more than the 256 byte tokens, got vocab_size 10"),
+        (["--val-fraction", "1.5"], "val_fraction must be in \\(0, 1\\), got 1.5"),
+    ],
+)
 def test_prepare_errors_are_one_line(args, message, tmp_path, capsys):
     src = tmp_path / "a.txt"
     src.write_text("hello world\n")
-    argv = ["prepare", "--out", str(tmp_path / "d")] + (args if "--input" in args else
-                                                        ["--input", str(src)] + args)
+    argv = ["prepare", "--out", str(tmp_path / "d")] + (args if "--input" in args else ["--input", str(src)] + args)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("prepare error: ") and re.search(message, err), err
@@ -170,8 +196,13 @@ def test_cpu_platform_gets_simulated_devices(monkeypatch):
 def test_multi_process_environment_initializes_jax_distributed(monkeypatch):
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
-    for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
-                "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    for var in (
+        "JAX_COORDINATOR_ADDRESS",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_SIZE",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+    ):
         monkeypatch.delenv(var, raising=False)
     train.maybe_initialize_distributed()
     monkeypatch.setenv("SLURM_NTASKS", "1")
@@ -190,12 +221,13 @@ def _tensorboard_curve(tb_dir, tag):
     """{step: value} of ``tag`` as TensorBoard shows it: event files in the order written, a
     SessionLog.START at step s (a purge) hiding what earlier files logged from step s on."""
     from tensorboardX.proto.event_pb2 import Event, SessionLog
+
     curve = {}
     for path in sorted(tb_dir.iterdir()):  # event file names begin with their creation time
         raw, i = path.read_bytes(), 0
         while i < len(raw):  # TFRecords: length (8 bytes), its crc (4), data, data's crc (4)
-            length = int.from_bytes(raw[i:i + 8], "little")
-            event = Event.FromString(raw[i + 12:i + 12 + length])
+            length = int.from_bytes(raw[i : i + 8], "little")
+            event = Event.FromString(raw[i + 12 : i + 12 + length])
             i += 16 + length
             if event.session_log.status == SessionLog.START:
                 curve = {s: v for s, v in curve.items() if s < event.step}

@@ -1,4 +1,5 @@
 """dot_general, reductions and cumulative ops."""
+
 from __future__ import annotations
 
 import math
@@ -34,6 +35,7 @@ def _dot_general(eqn):
 
 def _reduce(partial):
     """Reducing a split dim leaves a ``partial`` value (None: that dim must be whole)."""
+
     def signatures(eqn):
         axes = tuple(eqn.params["axes"])
         (x,) = eqn.invars
@@ -47,6 +49,7 @@ def _reduce(partial):
         if partial == P:
             sigs.append(Sig((P,), (P,)))
         return sigs
+
     return signatures
 
 
@@ -74,6 +77,7 @@ def _arg_signatures(eqn):
 def _winners(eqn, ins, sigs, mesh) -> tuple:
     """The all_gathers the "winners" lowering runs: of each block's winning values and indices."""
     from shardflow.conversion import Step
+
     (x,), (out,) = eqn.invars, eqn.outvars
     (axis,) = eqn.params["axes"]
     axes = split_axes(ins[0], axis, mesh.axis_names)
@@ -81,10 +85,18 @@ def _winners(eqn, ins, sigs, mesh) -> tuple:
         return ()
     n = math.prod(axis_sizes(mesh)[a] for a in axes)
     block = local_shape(x.aval.shape, ins[0], mesh)
-    block = block[:axis] + block[axis + 1:]
-    return tuple(Step("all_gather", axes, 0, local_shape=block, bytes=(n - 1) * math.prod(block) * dtype.itemsize,
-                      value=ShapedArray(out.aval.shape, dtype))
-                 for dtype in (np.dtype(x.aval.dtype), np.dtype(out.aval.dtype)))
+    block = block[:axis] + block[axis + 1 :]
+    return tuple(
+        Step(
+            "all_gather",
+            axes,
+            0,
+            local_shape=block,
+            bytes=(n - 1) * math.prod(block) * dtype.itemsize,
+            value=ShapedArray(out.aval.shape, dtype),
+        )
+        for dtype in (np.dtype(x.aval.dtype), np.dtype(out.aval.dtype))
+    )
 
 
 def _lower_arg(local, eqn, ins):
@@ -104,8 +116,13 @@ def _lower_arg(local, eqn, ins):
     return jnp.squeeze(jnp.take_along_axis(indices, first[None], 0), 0)
 
 
-defrule(lax.argmax_p, lax.argmin_p, lower=_lower_arg, comm=_winners,
-        comm_reason="gathers each block's winner over the axes that split its reduced dim")(_arg_signatures)
+defrule(
+    lax.argmax_p,
+    lax.argmin_p,
+    lower=_lower_arg,
+    comm=_winners,
+    comm_reason="gathers each block's winner over the axes that split its reduced dim",
+)(_arg_signatures)
 
 
 @defrule(lax.cumsum_p, lax.cumprod_p, lax.cummax_p, lax.cummin_p, lax.cumlogsumexp_p)
@@ -113,5 +130,5 @@ def _cumulative(eqn):
     (x,) = eqn.invars
     sigs = [Sig((S(d),), (S(d),)) for d in range(rank(x)) if d != eqn.params["axis"]]
     if eqn.primitive is lax.cumsum_p:
-        sigs.append(Sig((P,), (P,)))      # linear: a partial sum stays partial
+        sigs.append(Sig((P,), (P,)))  # linear: a partial sum stays partial
     return sigs

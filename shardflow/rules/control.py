@@ -2,12 +2,14 @@
 (sf.constrain, with_sharding_constraint), conversions (sf_box), scan, while, cond, remat and a
 user's own shard_map. Each propagate rule annotates its bodies and returns the equation with its
 Decision; each lower rule runs the equation on local blocks."""
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import ClosedJaxpr, DropVar, primitives as prims
+from jax.extend.core import ClosedJaxpr, DropVar
+from jax.extend.core import primitives as prims
 
 from shardflow import _compat, conversion, explain
 from shardflow.primitives import box_p, constrain_p
@@ -23,15 +25,17 @@ def rebody(old, new_jaxpr):
 
 # ------------------------------------------------------------------------------ pins
 
+
 def _pin_propagate(prop, eqn):
-    x, (out,) = eqn.invars[0], eqn.outvars
+    x = eqn.invars[0]
     sbp = prop.pinned(eqn)
     if not is_literal(x):
         prev = prop.constrained.get(x)
         if prev is not None and prev[0] != sbp:
             raise ShardingError(
                 f"conflicting constraints on {describe(x.aval)}: {format_sbp(prev[0])} at {prev[1]} and "
-                f"{format_sbp(sbp)} at {source_line(eqn)}")
+                f"{format_sbp(sbp)} at {source_line(eqn)}"
+            )
         prop.constrained[x] = (sbp, source_line(eqn))
     return prop.decide(eqn, Decision((sbp,), (sbp,)))
 
@@ -40,9 +44,11 @@ def _sharding_constraint_spec(eqn):
     sharding = eqn.params["sharding"]
     spec = getattr(sharding, "spec", sharding)
     if eqn.params.get("unconstrained_dims"):
-        raise ShardingError(f"with_sharding_constraint at {source_line(eqn)}: unconstrained dims "
-                            f"{sorted(eqn.params['unconstrained_dims'])} in {spec} are not supported; "
-                            "name the axes of every dim")
+        raise ShardingError(
+            f"with_sharding_constraint at {source_line(eqn)}: unconstrained dims "
+            f"{sorted(eqn.params['unconstrained_dims'])} in {spec} are not supported; "
+            "name the axes of every dim"
+        )
     return spec
 
 
@@ -52,6 +58,8 @@ def _identity(local, eqn, ins):
 
 defrule(constrain_p, propagate=_pin_propagate, pin=lambda eqn: eqn.params["spec"].spec, lower=_identity)
 defrule(prims.sharding_constraint_p, propagate=_pin_propagate, pin=_sharding_constraint_spec, lower=_identity)
+
+
 def _lower_box(local, eqn, ins):
     if 0 in ins[0].shape:  # an empty block: nothing to move (XLA refuses to all_gather a 0-size dim)
         return lax.reshape(ins[0], local.shape(eqn.outvars[0]))
@@ -62,6 +70,7 @@ defrule(box_p, lower=_lower_box)
 
 
 # ------------------------------------------------------------------------------ scan
+
 
 def unstacked(sbp):
     """The NdSbp of one slice of a value stacked on a new leading dim, or None."""
@@ -79,7 +88,7 @@ def _propagate_scan(prop, eqn):
     closed = eqn.params["jaxpr"]
     body = open_jaxpr(closed)
     cur = [prop.of(a) for a in eqn.invars]
-    consts, init, xs = cur[:nc], cur[nc:nc + nk], cur[nc + nk:]
+    consts, init, xs = cur[:nc], cur[nc : nc + nk], cur[nc + nk :]
     xs_outer = [tuple(B if s == Split(0) else s for s in x) for x in xs]
     xs_inner = [unstacked(x) for x in xs_outer]
     src = source_line(eqn)
@@ -96,12 +105,15 @@ def _propagate_scan(prop, eqn):
 
     carry = prop.loop(run, init)
     ys = [want or prop.of(v) for v, want in zip(body.outvars[nk:], ys_wanted)]
-    decision = Decision(tuple(consts + carry + xs_outer), tuple(carry) + tuple(stacked(s) for s in ys),
-                        bodies=(("jaxpr", tuple(carry) + tuple(ys_wanted)),))
+    decision = Decision(
+        tuple(consts + carry + xs_outer),
+        tuple(carry) + tuple(stacked(s) for s in ys),
+        bodies=(("jaxpr", tuple(carry) + tuple(ys_wanted)),),
+    )
     return prop.decide(eqn, decision, src, jaxpr=rebody(closed, annotated[-1]))
 
 
-UNROLLED_TRIPS = 128    # loops of at most this many trips (and ``_straight_line``) are lowered unrolled
+UNROLLED_TRIPS = 128  # loops of at most this many trips (and ``_straight_line``) are lowered unrolled
 
 
 class Slices(list):
@@ -129,11 +141,12 @@ def _lower_scan(local, eqn, ins):
     p = eqn.params
     nc, nk = scan_arity(p)
     body = local.body_fn(p["jaxpr"])
-    consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+    consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
     n = p["length"]
-    if n == 0:   # no trips: the carries as they came, the stacked outputs empty
-        return list(init) + [None if isinstance(v, DropVar) else jnp.zeros(local.shape(v), v.aval.dtype)
-                             for v in eqn.outvars[nk:]]
+    if n == 0:  # no trips: the carries as they came, the stacked outputs empty
+        return list(init) + [
+            None if isinstance(v, DropVar) else jnp.zeros(local.shape(v), v.aval.dtype) for v in eqn.outvars[nk:]
+        ]
     if n <= UNROLLED_TRIPS and local.loop is None and _straight_line(local.p, open_jaxpr(p["jaxpr"])):
         return _lower_unrolled(local, body, eqn, consts, init, xs)
     xs = [x.stacked() if isinstance(x, Slices) else x for x in xs]
@@ -169,8 +182,11 @@ def _lower_unrolled(local, body, eqn, consts, init, xs):
     with local.looping("unrolled"):
         for i in range(n):
             k = n - 1 - i if p["reverse"] else i
-            out = body(*consts, *carry, *(x[k] if isinstance(x, Slices) else lax.index_in_dim(x, k, keepdims=False)
-                                          for x in xs))
+            out = body(
+                *consts,
+                *carry,
+                *(x[k] if isinstance(x, Slices) else lax.index_in_dim(x, k, keepdims=False) for x in xs),
+            )
             carry = list(out[:nk])
             for y, o in zip(ys, out[nk:]):
                 y[k] = o
@@ -182,12 +198,13 @@ defrule(lax.scan_p, propagate=_propagate_scan, lower=_lower_scan, trips=lambda e
 
 # ------------------------------------------------------------------------------ while
 
+
 def _propagate_while(prop, eqn):
     cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
     cond_closed, body_closed = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
     cond, body = open_jaxpr(cond_closed), open_jaxpr(body_closed)
     cur = [prop.of(a) for a in eqn.invars]
-    cconsts, bconsts, init = cur[:cn], cur[cn:cn + bn], cur[cn + bn:]
+    cconsts, bconsts, init = cur[:cn], cur[cn : cn + bn], cur[cn + bn :]
     src = source_line(eqn)
     annotated = []
 
@@ -199,17 +216,21 @@ def _propagate_while(prop, eqn):
 
     carry = prop.loop(run, init)
     new_cond, new_body = annotated[-1]
-    decision = Decision(tuple(cconsts + bconsts + carry), tuple(carry),
-                        bodies=(("cond_jaxpr", (prop.whole,)), ("body_jaxpr", tuple(carry))))
-    return prop.decide(eqn, decision, src, cond_jaxpr=rebody(cond_closed, new_cond),
-                       body_jaxpr=rebody(body_closed, new_body))
+    decision = Decision(
+        tuple(cconsts + bconsts + carry),
+        tuple(carry),
+        bodies=(("cond_jaxpr", (prop.whole,)), ("body_jaxpr", tuple(carry))),
+    )
+    return prop.decide(
+        eqn, decision, src, cond_jaxpr=rebody(cond_closed, new_cond), body_jaxpr=rebody(body_closed, new_body)
+    )
 
 
 def _lower_while(local, eqn, ins):
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     cond, body = local.body_fn(p["cond_jaxpr"]), local.body_fn(p["body_jaxpr"])
-    cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+    cconsts, bconsts, init = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
     with local.looping():
         return lax.while_loop(lambda c: cond(*cconsts, *c)[0], lambda c: body(*bconsts, *c), list(init))
 
@@ -218,6 +239,7 @@ defrule(lax.while_p, propagate=_propagate_while, lower=_lower_while)
 
 
 # ------------------------------------------------------------------------------ cond
+
 
 def _propagate_cond(prop, eqn):
     cur = [prop.of(a) for a in eqn.invars]
@@ -240,6 +262,7 @@ defrule(lax.cond_p, propagate=_propagate_cond, lower=_lower_cond)
 
 # ------------------------------------------------------------------------------ remat
 
+
 def _propagate_remat(prop, eqn):
     """remat / checkpoint: the body runs on the operands as they are."""
     cur = [prop.of(a) for a in eqn.invars]
@@ -259,7 +282,7 @@ def _lower_remat(local, eqn, ins):
     forward's remat is re-bound so, for whoever differentiates the lowered program."""
     p = eqn.params
     body = local.body_fn(open_jaxpr(p["jaxpr"]))
-    if not p["differentiated"]:     # a forward: still a remat for whoever differentiates the program
+    if not p["differentiated"]:  # a forward: still a remat for whoever differentiates the program
         return jax.checkpoint(lambda *a: body(*a), prevent_cse=p["prevent_cse"], policy=p["policy"])(*ins)
     guarded = p["prevent_cse"] if isinstance(p["prevent_cse"], tuple) else (p["prevent_cse"],) * len(ins)
     if local.loop == "unrolled":
@@ -275,17 +298,22 @@ defrule(*REMAT_PRIMITIVES, propagate=_propagate_remat, lower=_lower_remat)
 
 # ------------------------------------------------------------------------------ a user's shard_map
 
+
 def _shard_map_sbp(prop, eqn, specs, avals, what):
     """The NdSbp of a user shard_map's in/out specs on shardflow's mesh; axes the shard_map does
     not make manual see whole values (B)."""
     mesh = eqn.params["mesh"]
     src = source_line(eqn)
     if dict(zip(mesh.axis_names, mesh.axis_sizes)) != dict(zip(prop.names, prop.mesh.axis_sizes)):
-        raise ShardingError(f"jax.shard_map at {src} runs on mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}, "
-                            f"the parallelized function on {dict(zip(prop.names, prop.mesh.axis_sizes))}; "
-                            "use the same mesh")
-    return [to_sbp(spec, prop.mesh, len(aval.shape), what=f"{what} {i} {describe(aval)} of jax.shard_map at {src}")
-            for i, (spec, aval) in enumerate(zip(specs, avals))]
+        raise ShardingError(
+            f"jax.shard_map at {src} runs on mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}, "
+            f"the parallelized function on {dict(zip(prop.names, prop.mesh.axis_sizes))}; "
+            "use the same mesh"
+        )
+    return [
+        to_sbp(spec, prop.mesh, len(aval.shape), what=f"{what} {i} {describe(aval)} of jax.shard_map at {src}")
+        for i, (spec, aval) in enumerate(zip(specs, avals))
+    ]
 
 
 def _propagate_shard_map(prop, eqn):

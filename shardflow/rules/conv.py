@@ -39,6 +39,7 @@ batch and channels) splits S -> S, bound unchanged (window params are per dim). 
 is linear (P -> P), reduce_window_max keeps a partial max (P(max) -> P(max)), and max-pool's
 derivatives are linear in the cotangent / tangent (P, B -> P).
 """
+
 from __future__ import annotations
 
 import math
@@ -64,6 +65,7 @@ def _local_window(n_in, n_out, window, stride, pad, base_dil=1, win_dil=1) -> bo
 
 
 # ------------------------------------------------------------------------------ conv_general_dilated
+
 
 def _conv_dims(eqn):
     lhs_spec, rhs_spec, out_spec = eqn.params["dimension_numbers"]
@@ -104,8 +106,7 @@ def _conv_signatures(eqn):
         n_l, n_r, n_o = shape(lhs)[l], shape(rhs)[r], shape(out)[o]
         if _local_window(n_l, n_o, n_r, strides[i], tuple(pads[i]), lhs_dil[i], rhs_dil[i]):
             sigs.append(Sig((S(l), B), (S(o),)))
-        elif (strides[i] == 1 and lhs_dil[i] == 1 and tuple(pads[i]) == (0, 0) and n_r > 1
-              and n_l == n_r * rhs_dil[i]):
+        elif strides[i] == 1 and lhs_dil[i] == 1 and tuple(pads[i]) == (0, 0) and n_r > 1 and n_l == n_r * rhs_dil[i]:
             # out[k] = sum_j lhs[j * dil + k] rhs[j]: the weight gradient of non-overlapping windows
             sigs.append(Sig((S(l), S(r)), (P,)))
     sigs += [Sig((P, B), (P,)), Sig((B, P), (P,))]
@@ -122,7 +123,7 @@ def _whole_groups(eqn, decision, mesh) -> bool:
     on_l = [i for i, s in enumerate(decision.ins[0]) if s == S(gdim)]
     on_r = [i for i, s in enumerate(decision.ins[1]) if s == S(ro)]
     k_r = math.prod(axis_sizes(mesh)[mesh.axis_names[i]] for i in on_r)
-    return groups % k_r == 0 and on_l == on_r[:len(on_l)]
+    return groups % k_r == 0 and on_l == on_r[: len(on_l)]
 
 
 def _lower_conv(local, eqn, ins):
@@ -136,8 +137,8 @@ def _lower_conv(local, eqn, ins):
         idx_l, k_l = local.shard_index(eqn.invars[0], gdim)
         if k_r > 1:
             per_group = eqn.invars[0].aval.shape[gdim] // groups
-            mine = groups // k_r                    # groups of this device's block of O
-            if k_l != k_r:                          # the lhs block holds more groups: take ours
+            mine = groups // k_r  # groups of this device's block of O
+            if k_l != k_r:  # the lhs block holds more groups: take ours
                 start = (idx_r * mine - idx_l * (groups // k_l)) * per_group
                 lhs = lax.dynamic_slice_in_dim(lhs, start, mine * per_group, gdim)
             key = "feature_group_count" if params["feature_group_count"] > 1 else "batch_group_count"
@@ -157,14 +158,25 @@ defrule(lax.conv_general_dilated_p, lower=_lower_conv, flops=_conv_flops, admits
 
 # ------------------------------------------------------------------------------ windowed reductions
 
+
 def _window_dims(eqn, operand, result):
     p = eqn.params
     n = len(shape(operand))
     base = p.get("base_dilation", (1,) * n)
     wdil = p.get("window_dilation", (1,) * n)
-    return [d for d in range(n)
-            if _local_window(shape(operand)[d], shape(result)[d], p["window_dimensions"][d],
-                             p["window_strides"][d], tuple(p["padding"][d]), base[d], wdil[d])]
+    return [
+        d
+        for d in range(n)
+        if _local_window(
+            shape(operand)[d],
+            shape(result)[d],
+            p["window_dimensions"][d],
+            p["window_strides"][d],
+            tuple(p["padding"][d]),
+            base[d],
+            wdil[d],
+        )
+    ]
 
 
 def _reduce_window(partial):
@@ -174,6 +186,7 @@ def _reduce_window(partial):
         if partial is not None:
             sigs.append(Sig((partial,), (partial,)))
         return sigs
+
     return signatures
 
 
@@ -184,14 +197,14 @@ defrule(lax.reduce_window_min_p)(_reduce_window(Partial("min")))
 
 @defrule(lax.reduce_window_p)
 def _reduce_window_generic(eqn):
-    n = len(eqn.outvars)                      # operands, then as many init values
+    n = len(eqn.outvars)  # operands, then as many init values
     dims = _window_dims(eqn, eqn.invars[0], eqn.outvars[0])
     return [Sig(every(n, S(d)) + every(n, B), every(n, S(d))) for d in dims]
 
 
 @defrule(lax.select_and_scatter_add_p)
 def _select_and_scatter_add(eqn):
-    source, operand = eqn.invars             # source: shaped like the pooled result
+    source, operand = eqn.invars  # source: shaped like the pooled result
     dims = _window_dims(eqn, operand, source)
     return [Sig((S(d), S(d)), (S(d),)) for d in dims] + [Sig((P, B), (P,))]
 

@@ -1,4 +1,5 @@
 """Slicing, padding, gather and scatter: the ops whose params hold global positions."""
+
 from __future__ import annotations
 
 import functools
@@ -21,10 +22,16 @@ def _pad_signatures(eqn):
     # they overlap (``pad_halo``: a few ppermutes, priced and shown like any collective). No
     # P -> P although pad is linear: the partial value would be reduced at the padded size.
     config = eqn.params["padding_config"]
-    sigs = [Sig((S(d), B), (S(d),)) for d, (lo, hi, interior) in enumerate(config)
-            if (lo, hi, interior) == (0, 0, 0) or (lo >= 0 and hi >= 0 and interior > 0 and lo + hi == interior)]
-    sigs += [Sig((S(d), B), (S(d),), "halo") for d, (lo, hi, interior) in enumerate(config)
-             if interior == 0 and lo >= 0 and hi >= 0 and lo + hi > 0]
+    sigs = [
+        Sig((S(d), B), (S(d),))
+        for d, (lo, hi, interior) in enumerate(config)
+        if (lo, hi, interior) == (0, 0, 0) or (lo >= 0 and hi >= 0 and interior > 0 and lo + hi == interior)
+    ]
+    sigs += [
+        Sig((S(d), B), (S(d),), "halo")
+        for d, (lo, hi, interior) in enumerate(config)
+        if interior == 0 and lo >= 0 and hi >= 0 and lo + hi > 0
+    ]
     return sigs
 
 
@@ -40,10 +47,10 @@ def _halo_rounds(eqn, d, n):
     padding fix them."""
     lo, _, _ = eqn.params["padding_config"][d]
     size, padded = eqn.invars[0].aval.shape[d], eqn.outvars[0].aval.shape[d]
-    if size % n or padded % n:   # not a valid split of this dim (propagation refuses it)
+    if size % n or padded % n:  # not a valid split of this dim (propagation refuses it)
         return []
     b, b_out = size // n, padded // n
-    needs = {}   # (src, dst) -> (first, last) input rows of block src that output block dst takes
+    needs = {}  # (src, dst) -> (first, last) input rows of block src that output block dst takes
     for i in range(n):
         first, last = max(0, i * b_out - lo), min(size, (i + 1) * b_out - lo)
         for j in range(first // b, (last - 1) // b + 1) if first < last else ():
@@ -72,12 +79,16 @@ def pad_halo(eqn, ins, sigs, mesh) -> tuple:
     """The collectives the "halo" lowering runs: per halo dim, in order, one ppermute per round
     that moves rows to another device (the block then has that dim's output size)."""
     from shardflow.conversion import Step
+
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     steps = []
     halo = _halo_dims(eqn, sigs)
-    block = [n if d in halo else n + lo + hi + interior * max(n - 1, 0)     # as _lower_pad sends it
-             for d, (n, (lo, hi, interior)) in enumerate(zip(local_shape(eqn.invars[0].aval.shape, ins[0], mesh),
-                                                            eqn.params["padding_config"]))]
+    block = [
+        n if d in halo else n + lo + hi + interior * max(n - 1, 0)  # as _lower_pad sends it
+        for d, (n, (lo, hi, interior)) in enumerate(
+            zip(local_shape(eqn.invars[0].aval.shape, ins[0], mesh), eqn.params["padding_config"])
+        )
+    ]
     itemsize = np.dtype(eqn.invars[0].aval.dtype).itemsize
     for d in halo:
         axes = _halo_axes(ins[0], d, mesh.axis_names)
@@ -108,7 +119,7 @@ def _exchange(local, eqn, x, value, d, axes):
     size, padded = eqn.invars[0].aval.shape[d], eqn.outvars[0].aval.shape[d]
     b, b_out = size // n, padded // n
     me, _ = local.shard_index(eqn.invars[0], d)
-    out = jnp.zeros(x.shape[:d] + (b_out,) + x.shape[d + 1:], x.dtype)
+    out = jnp.zeros(x.shape[:d] + (b_out,) + x.shape[d + 1 :], x.dtype)
     rows_out = lax.broadcasted_iota(jnp.int32, out.shape, d)
     rounds = _halo_rounds(eqn, d, n)
     # One round that reaches every block: each output row is an input row of what arrived or a
@@ -122,37 +133,45 @@ def _exchange(local, eqn, x, value, d, axes):
         sent = lax.dynamic_slice_in_dim(x, jnp.asarray(send_start)[me], rows, d)
         got = sent if all(j == i for j, i in pairs) else lax.ppermute(sent, axes, perm=pairs)
         j = jnp.asarray(source)[me]
-        first = j * b + jnp.asarray(send_start)[jnp.maximum(j, 0)]          # input row of got's first row
-        offset = first + lo - me * b_out                                    # its output row here
+        first = j * b + jnp.asarray(send_start)[jnp.maximum(j, 0)]  # input row of got's first row
+        offset = first + lo - me * b_out  # its output row here
         fill = value.astype(x.dtype) if alone else jnp.zeros((), x.dtype)
         widened = lax.pad(got, fill, [(b_out, b_out, 0) if e == d else (0, 0, 0) for e in range(x.ndim)])
         placed = lax.dynamic_slice_in_dim(widened, jnp.clip(b_out - offset, 0, rows + b_out), b_out, d)
         if alone:
             return placed
-        row_in = me * b_out + rows_out - lo                                 # the input row of each output row
+        row_in = me * b_out + rows_out - lo  # the input row of each output row
         mine = (j >= 0) & (row_in >= j * b) & (row_in < (j + 1) * b) & (row_in >= first) & (row_in < first + rows)
         out = jnp.where(mine, placed, out)
     rows_global = me * b_out + rows_out
     return jnp.where((rows_global < lo) | (rows_global >= lo + size), value.astype(x.dtype), out)
 
 
-defrule(lax.pad_p, lower=_lower_pad, comm=pad_halo, comm_reason="exchanges the blocks of its split dims")(_pad_signatures)
+defrule(lax.pad_p, lower=_lower_pad, comm=pad_halo, comm_reason="exchanges the blocks of its split dims")(
+    _pad_signatures
+)
 
 
 def _lower_slice(local, eqn, ins):
     (x,) = ins
-    limit = [l if x.shape[d] == eqn.invars[0].aval.shape[d] else x.shape[d]
-             for d, l in enumerate(eqn.params["limit_indices"])]
-    return lax.slice_p.bind(x, start_indices=eqn.params["start_indices"], limit_indices=tuple(limit),
-                            strides=eqn.params["strides"])
+    limit = [
+        l if x.shape[d] == eqn.invars[0].aval.shape[d] else x.shape[d]
+        for d, l in enumerate(eqn.params["limit_indices"])
+    ]
+    return lax.slice_p.bind(
+        x, start_indices=eqn.params["start_indices"], limit_indices=tuple(limit), strides=eqn.params["strides"]
+    )
 
 
 @defrule(lax.slice_p, lower=_lower_slice)
 def _slice(eqn):
     x = eqn.invars[0]
     start, limit, strides = eqn.params["start_indices"], eqn.params["limit_indices"], eqn.params["strides"]
-    return [Sig((S(d),), (S(d),)) for d in range(rank(x))
-            if start[d] == 0 and limit[d] == shape(x)[d] and (strides is None or strides[d] == 1)]
+    return [
+        Sig((S(d),), (S(d),))
+        for d in range(rank(x))
+        if start[d] == 0 and limit[d] == shape(x)[d] and (strides is None or strides[d] == 1)
+    ]
 
 
 def _summable(x) -> bool:
@@ -178,8 +197,9 @@ def _local_start(local, eqn, d, start, size):
 
 
 def _pad_dims(x, dims, sizes):
-    return lax.pad(x, jnp.zeros((), x.dtype), [(sizes[d], sizes[d], 0) if d in dims else (0, 0, 0)
-                                                for d in range(x.ndim)])
+    return lax.pad(
+        x, jnp.zeros((), x.dtype), [(sizes[d], sizes[d], 0) if d in dims else (0, 0, 0) for d in range(x.ndim)]
+    )
 
 
 def _lower_dynamic_slice(local, eqn, ins):
@@ -187,7 +207,7 @@ def _lower_dynamic_slice(local, eqn, ins):
     full = eqn.invars[0].aval.shape
     offset = _offset_dims(eqn)
     sizes = eqn.params["slice_sizes"]
-    if offset:   # the part of the slice in this block, zeros elsewhere: the sum over blocks is it
+    if offset:  # the part of the slice in this block, zeros elsewhere: the sum over blocks is it
         x = _pad_dims(x, offset, sizes)
         idx = [_local_start(local, eqn, d, i, sizes[d]) if d in offset else i for d, i in enumerate(idx)]
     local_sizes = [x.shape[d] if s == full[d] else s for d, s in enumerate(sizes)]
@@ -202,7 +222,7 @@ def _dynamic_slice(eqn):
     if _summable(x):
         # a window smaller than a split dim: each device slices what of it lies in its block
         sigs += [Sig((S(d),) + every(len(idx), B), (P,), "offset") for d in range(rank(x)) if sizes[d] < shape(x)[d]]
-        sigs.append(Sig((P,) + every(len(idx), B), (P,)))     # linear in the operand, and smaller
+        sigs.append(Sig((P,) + every(len(idx), B), (P,)))  # linear in the operand, and smaller
     return sigs
 
 
@@ -217,8 +237,11 @@ def _lower_dynamic_update_slice(local, eqn, ins):
     padded = _pad_dims(x, offset, sizes)
     idx = [_local_start(local, eqn, d, i, sizes[d]) if d in offset else i for d, i in enumerate(idx)]
     out = lax.dynamic_update_slice_p.bind(padded, upd, *idx)
-    return lax.slice(out, [sizes[d] if d in offset else 0 for d in range(x.ndim)],
-                     [sizes[d] + x.shape[d] if d in offset else x.shape[d] for d in range(x.ndim)])
+    return lax.slice(
+        out,
+        [sizes[d] if d in offset else 0 for d in range(x.ndim)],
+        [sizes[d] + x.shape[d] if d in offset else x.shape[d] for d in range(x.ndim)],
+    )
 
 
 @defrule(lax.dynamic_update_slice_p, lower=_lower_dynamic_update_slice)
@@ -233,6 +256,7 @@ def _dynamic_update_slice(eqn):
 
 # ------------------------------------------------------------------------------ gather / scatter
 
+
 def gather_dims(eqn):
     """Dim bookkeeping of a gather: which operand/indices dims map to which output dims."""
     operand, indices = eqn.invars
@@ -241,8 +265,9 @@ def gather_dims(eqn):
     offset_out = tuple(dn.offset_dims)
     batch_out = [d for d in range(out_rank) if d not in offset_out]
     idx_batch = [d for d in range(rank(indices)) if d != rank(indices) - 1]  # index vector dim is last
-    operand_offset = [d for d in range(rank(operand))
-                      if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    operand_offset = [
+        d for d in range(rank(operand)) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims
+    ]
     return dn, offset_out, batch_out, idx_batch, operand_offset
 
 
@@ -297,8 +322,7 @@ def _lower_gather(local, eqn, ins):
     operand, indices = ins
     table = eqn.invars[0]
     dn = eqn.params["dimension_numbers"]
-    sizes = tuple(operand.shape[d] if s == table.aval.shape[d] else s
-                  for d, s in enumerate(eqn.params["slice_sizes"]))
+    sizes = tuple(operand.shape[d] if s == table.aval.shape[d] else s for d, s in enumerate(eqn.params["slice_sizes"]))
     params = dict(bind_params(eqn), slice_sizes=sizes)
     split = _vocab_dims(eqn)
     if not split:
@@ -324,15 +348,15 @@ def _gather(eqn):
     dn, offset_out, batch_out, idx_batch, operand_offset = gather_dims(eqn)
     sizes = eqn.params["slice_sizes"]
     sigs = []
-    for od, out_d in zip(operand_offset, offset_out):     # untouched operand dims
+    for od, out_d in zip(operand_offset, offset_out):  # untouched operand dims
         if od not in dn.start_index_map and sizes[od] == shape(operand)[od]:
             sigs.append(Sig((S(od), B), (S(out_d),)))
     for ob, ib in zip(dn.operand_batching_dims, dn.start_indices_batching_dims):
         sigs.append(Sig((S(ob), S(ib)), (S(batch_out[idx_batch.index(ib)]),)))
-    for ib, out_d in zip(idx_batch, batch_out):           # split the lookups, whole table
+    for ib, out_d in zip(idx_batch, batch_out):  # split the lookups, whole table
         if ib not in dn.start_indices_batching_dims:
             sigs.append(Sig((B, S(ib)), (S(out_d),)))
-    for k in dn.start_index_map:                          # vocab-split table: masked local lookup
+    for k in dn.start_index_map:  # vocab-split table: masked local lookup
         if k in dn.collapsed_slice_dims and sizes[k] == 1:
             sigs.append(Sig((S(k), B), (P,), "vocab"))
     return sigs
@@ -346,15 +370,25 @@ def _lower_scatter_add(local, eqn, ins):
     params = bind_params(eqn)
     if split:  # add only the updates of rows this device holds: the others fall outside its block
         index_map = dn.scatter_dims_to_operand_dims
-        if eqn.params["mode"] == lax.GatherScatterMode.CLIP:   # each window clamped into the whole table
-            operand_window = [d for d in range(rank(table))
-                              if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
-            window = [1 if k in dn.inserted_window_dims else
-                      shape(eqn.invars[2])[dn.update_window_dims[operand_window.index(k)]] for k in index_map]
-            indices = jnp.clip(indices, 0, jnp.asarray([shape(table)[k] - w for k, w in zip(index_map, window)],
-                                                       indices.dtype))
-        block_start = [(local.shard_index(table, k)[0] * operand.shape[k]).astype(indices.dtype)
-                       if k in split else jnp.zeros((), indices.dtype) for k in index_map]
+        if eqn.params["mode"] == lax.GatherScatterMode.CLIP:  # each window clamped into the whole table
+            operand_window = [
+                d for d in range(rank(table)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims
+            ]
+            window = [
+                1
+                if k in dn.inserted_window_dims
+                else shape(eqn.invars[2])[dn.update_window_dims[operand_window.index(k)]]
+                for k in index_map
+            ]
+            indices = jnp.clip(
+                indices, 0, jnp.asarray([shape(table)[k] - w for k, w in zip(index_map, window)], indices.dtype)
+            )
+        block_start = [
+            (local.shard_index(table, k)[0] * operand.shape[k]).astype(indices.dtype)
+            if k in split
+            else jnp.zeros((), indices.dtype)
+            for k in index_map
+        ]
         indices = indices - jnp.stack(block_start)
         # XLA skips an update whose window falls outside the operand: no mask, no select
         params = dict(params, mode=lax.GatherScatterMode.FILL_OR_DROP)
@@ -366,8 +400,9 @@ def _scatter_add(eqn):
     operand, indices, updates = eqn.invars
     dn = eqn.params["dimension_numbers"]
     upd_window = tuple(dn.update_window_dims)
-    operand_window = [d for d in range(rank(operand))
-                      if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    operand_window = [
+        d for d in range(rank(operand)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims
+    ]
     upd_scatter = [d for d in range(rank(updates)) if d not in upd_window]
     idx_batch = [d for d in range(rank(indices)) if d != rank(indices) - 1]
     sigs = []
@@ -376,10 +411,10 @@ def _scatter_add(eqn):
             sigs.append(Sig((S(od), B, S(ud)), (S(od),)))
     for ob, ib in zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims):
         sigs.append(Sig((S(ob), S(ib), S(upd_scatter[idx_batch.index(ib)])), (S(ob),)))
-    for ib, ud in zip(idx_batch, upd_scatter):            # each device adds its own updates
+    for ib, ud in zip(idx_batch, upd_scatter):  # each device adds its own updates
         if ib not in dn.scatter_indices_batching_dims:
             sigs.append(Sig((P, S(ib), S(ud)), (P,)))
-    for k in dn.scatter_dims_to_operand_dims:             # vocab-split table: masked local scatter
+    for k in dn.scatter_dims_to_operand_dims:  # vocab-split table: masked local scatter
         if k in dn.inserted_window_dims:
             sigs.append(Sig((S(k), B, B), (S(k),), "vocab"))
     sigs.append(Sig((P, B, P), (P,)))

@@ -14,6 +14,7 @@ Other PRNG implementations (rbg) and threefry with the flag off draw from a sequ
 not partition: the lowering then generates the whole bits on every device and keeps its block
 (still the right bits; the flops are those of running it whole, the ops after it run split).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,10 +26,9 @@ from jax import lax
 from jax.extend.core import primitives as prims
 
 from shardflow import _compat
-from shardflow.program import is_literal
 from shardflow.registry import Sig, bind_params, defrule
-from shardflow.rules.elementwise import SHAPE_KEEPING, elementwise, rank, shape
-from shardflow.specs import B, S, Split
+from shardflow.rules.elementwise import elementwise, rank, shape
+from shardflow.specs import B, S
 
 
 def _same_dims(eqn, n):
@@ -38,6 +38,7 @@ def _same_dims(eqn, n):
 
 
 # ------------------------------------------------------------------------------ bit casts
+
 
 @defrule(lax.bitcast_convert_type_p)
 def _bitcast_convert_type(eqn):
@@ -61,6 +62,7 @@ defrule(_compat.random_unwrap_p, prims.random_split_p)(lambda eqn: _same_dims(eq
 
 # ------------------------------------------------------------------------------ random bits
 
+
 def _random_bits_signatures(eqn):
     keys, out = eqn.invars[0], eqn.outvars[0]
     k = rank(keys)
@@ -72,8 +74,7 @@ def _random_bits_signatures(eqn):
 
 
 def _partitionable(keys_aval) -> bool:
-    return (_compat.prng_impl_name(keys_aval.dtype) == "threefry2x32"
-            and bool(jax.config.jax_threefry_partitionable))
+    return _compat.prng_impl_name(keys_aval.dtype) == "threefry2x32" and bool(jax.config.jax_threefry_partitionable)
 
 
 def _lower_random_bits(local, eqn, ins):
@@ -81,8 +82,8 @@ def _lower_random_bits(local, eqn, ins):
     params = bind_params(eqn)
     out = eqn.outvars[0]
     k = rank(eqn.invars[0])
-    whole = tuple(params["shape"])                  # one key's bits, global
-    block = tuple(local.shape(out)[k:])             # one key's bits, this device's block
+    whole = tuple(params["shape"])  # one key's bits, global
+    block = tuple(local.shape(out)[k:])  # one key's bits, this device's block
     if block == whole:  # split on key dims only (or not at all): each key's bits are whole
         return eqn.primitive.bind(keys, **params)
     starts = []
@@ -93,7 +94,7 @@ def _lower_random_bits(local, eqn, ins):
         # Not counter based: generate every bit, keep this device's block.
         bits = eqn.primitive.bind(keys, **params)
         return lax.dynamic_slice(bits, [jnp.int32(0)] * k + starts, tuple(keys.shape) + block)
-    data = jax.random.key_data(keys)               # uint32[*keys, 2]
+    data = jax.random.key_data(keys)  # uint32[*keys, 2]
     hi, lo = _global_counters(whole, block, starts)
     k1, k2 = data[..., 0], data[..., 1]
     if k:  # a key array: every key hashes the same counters (as vmap of random_bits does)
@@ -123,9 +124,9 @@ _LOW16 = np.uint32(0xFFFF)
 def _global_counters(whole, block, starts):
     """(hi, lo): the uint64 row-major index in ``whole`` of each element of the ``block`` that
     starts at ``starts`` (traced ints), as two uint32 arrays of the block's shape."""
-    strides = [math.prod(whole[d + 1:]) for d in range(len(whole))]
+    strides = [math.prod(whole[d + 1 :]) for d in range(len(whole))]
     index = [lax.broadcasted_iota(_U32, block, d) + starts[d].astype(_U32) for d in range(len(block))]
-    if math.prod(whole) < 2 ** 32:  # every index and stride fits in the low word
+    if math.prod(whole) < 2**32:  # every index and stride fits in the low word
         lo = sum((i * np.uint32(s) for i, s in zip(index, strides) if s), jnp.zeros(block, _U32))
         return jnp.zeros(block, _U32), lo
     hi = lo = jnp.zeros(block, _U32)
@@ -133,7 +134,7 @@ def _global_counters(whole, block, starts):
         term_hi, term_lo = _mul_wide(i, s & 0xFFFFFFFF)
         term_hi = term_hi + i * np.uint32(s >> 32)  # mod 2**64: the index is < 2**64
         lo = lo + term_lo
-        hi = hi + term_hi + (lo < term_lo).astype(_U32)   # the carry out of the low word
+        hi = hi + term_hi + (lo < term_lo).astype(_U32)  # the carry out of the low word
     return hi, lo
 
 
@@ -144,8 +145,12 @@ def _mul_wide(x, c: int):
     p00, p01, p10, p11 = x0 * c0, x0 * c1, x1 * c0, x1 * c1
     shift = np.uint32(16)
     mid = lax.shift_right_logical(p00, shift) + (p01 & _LOW16) + (p10 & _LOW16)
-    hi = (p11 + lax.shift_right_logical(p01, shift) + lax.shift_right_logical(p10, shift)
-          + lax.shift_right_logical(mid, shift))
+    hi = (
+        p11
+        + lax.shift_right_logical(p01, shift)
+        + lax.shift_right_logical(p10, shift)
+        + lax.shift_right_logical(mid, shift)
+    )
     return hi, x * np.uint32(c)
 
 

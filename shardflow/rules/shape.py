@@ -1,4 +1,5 @@
 """Shape ops: broadcasts, reshapes, transposes, concatenation, stacking, sorting, iota."""
+
 from __future__ import annotations
 
 from jax import lax
@@ -6,12 +7,16 @@ from jax import lax
 from shardflow import _compat
 from shardflow.registry import Sig, defrule
 from shardflow.rules.elementwise import every, rank, shape
-from shardflow.specs import B, P, S
+from shardflow.specs import P, S
 
 
 def _lower_broadcast_in_dim(local, eqn, ins):
-    return lax.broadcast_in_dim_p.bind(ins[0], shape=local.shape(eqn.outvars[0]),
-                                       broadcast_dimensions=eqn.params["broadcast_dimensions"], sharding=None)
+    return lax.broadcast_in_dim_p.bind(
+        ins[0],
+        shape=local.shape(eqn.outvars[0]),
+        broadcast_dimensions=eqn.params["broadcast_dimensions"],
+        sharding=None,
+    )
 
 
 @defrule(lax.broadcast_in_dim_p, lower=_lower_broadcast_in_dim)
@@ -28,6 +33,7 @@ def _broadcast_in_dim(eqn):
 def reshape_groups(in_shape, out_shape):
     """Pairs (in dim, out dim): the leading non-unit dims of the contiguous dim groups that a
     reshape maps onto each other. Splitting such an in dim splits its out dim the same way."""
+
     def leading(shape, lo, hi):
         return next((d for d in range(lo, hi) if shape[d] > 1), None)
 
@@ -36,9 +42,11 @@ def reshape_groups(in_shape, out_shape):
         gi, gj, a, b = i, j, 1, 1
         while True:
             if a <= b and i < len(in_shape):
-                a *= in_shape[i]; i += 1
+                a *= in_shape[i]
+                i += 1
             elif j < len(out_shape):
-                b *= out_shape[j]; j += 1
+                b *= out_shape[j]
+                j += 1
             else:
                 break
             if a == b and a > 1 or (i == len(in_shape) and j == len(out_shape)):
@@ -90,15 +98,17 @@ def _concatenate(eqn):
 @defrule(_compat.stack_p)
 def _stack(eqn):
     n, axis = len(eqn.invars), eqn.params["axis"]
-    return ([Sig(every(n, S(d)), (S(d if d < axis else d + 1),)) for d in range(rank(eqn.invars[0]))]
-            + [Sig(every(n, P), (P,))])
+    return [Sig(every(n, S(d)), (S(d if d < axis else d + 1),)) for d in range(rank(eqn.invars[0]))] + [
+        Sig(every(n, P), (P,))
+    ]
 
 
 @defrule(_compat.unstack_p)
 def _unstack(eqn):
     n, axis = len(eqn.outvars), eqn.params["axis"]
-    return ([Sig((S(d),), every(n, S(d if d < axis else d - 1))) for d in range(rank(eqn.invars[0])) if d != axis]
-            + [Sig((P,), every(n, P))])
+    return [Sig((S(d),), every(n, S(d if d < axis else d - 1))) for d in range(rank(eqn.invars[0])) if d != axis] + [
+        Sig((P,), every(n, P))
+    ]
 
 
 @defrule(lax.split_p)

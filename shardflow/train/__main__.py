@@ -1,4 +1,5 @@
 """``python -m shardflow.train ...``: the same as ``shardflow train ...``."""
+
 import sys
 
 from shardflow.train.cli import main

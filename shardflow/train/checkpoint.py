@@ -12,6 +12,7 @@ whose arrays do not match their checksums, or without checksums (its save did no
 aside (``STEP.damaged``), so the run can save those step numbers again. A step this process
 has no permission to read is not damaged: that is a CheckpointError, and nothing moves.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,25 +43,27 @@ class DamagedCheckpoint(CheckpointError):
 
 def abstract_like(tree, shardings):
     """ShapeDtypeStructs carrying the given shardings, for restoring ``tree``'s structure."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        tree, shardings)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 class Checkpoints:
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save,
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
             # When a step directory made in the background cannot be created, orbax's commit
             # threads wait out their 300 s signal timeout, and the process waits for them at
             # exit. Made in save() instead, the failure is an exception there.
-            async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+        )
         self.directory = Path(directory).absolute()
         _check_readable(self.directory)
-        self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                              item_handlers=ocp.StandardCheckpointHandler())
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
+        )
         self._async = async_save
         self._saving: int | None = None  # the step whose background save may still run
-        self._saving_checksums = None     # its arrays' checksums, written when it finishes
+        self._saving_checksums = None  # its arrays' checksums, written when it finishes
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -121,15 +124,19 @@ class Checkpoints:
         except Exception as e:  # whatever orbax makes of a broken folder
             raise DamagedCheckpoint(step, self._why(step, e, "reading its metadata: ")) from None
         if metadata is None:
-            raise DamagedCheckpoint(step, f"{self.directory / str(step) / 'default'} has no "
-                                          "readable _METADATA")
+            raise DamagedCheckpoint(step, f"{self.directory / str(step) / 'default'} has no readable _METADATA")
         saved = _shapes(metadata.tree)
         wanted = _shapes(abstract_state)
-        diff = [f"{k}: saved {saved.get(k, 'nothing')}, wanted {wanted.get(k, 'nothing')}"
-                for k in sorted(saved.keys() | wanted.keys()) if saved.get(k) != wanted.get(k)]
+        diff = [
+            f"{k}: saved {saved.get(k, 'nothing')}, wanted {wanted.get(k, 'nothing')}"
+            for k in sorted(saved.keys() | wanted.keys())
+            if saved.get(k) != wanted.get(k)
+        ]
         if diff:
-            raise ValueError(f"the checkpoint at step {step} in {self.directory} holds other arrays "
-                             f"than this run's ({len(diff)} differ): " + "; ".join(diff[:3]))
+            raise ValueError(
+                f"the checkpoint at step {step} in {self.directory} holds other arrays "
+                f"than this run's ({len(diff)} differ): " + "; ".join(diff[:3])
+            )
         try:
             with _reads_finish_before_their_loop_closes():
                 state = self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
@@ -161,7 +168,8 @@ class Checkpoints:
             raise CheckpointError(
                 f"no checkpoint in {self.directory} can be restored: "
                 + "; ".join(str(e) for e in damaged)
-                + f". Move {self.directory} away or pick another --out")
+                + f". Move {self.directory} away or pick another --out"
+            )
         return None
 
     def _set_aside(self, damaged: list[DamagedCheckpoint], good_step: int) -> None:
@@ -169,13 +177,19 @@ class Checkpoints:
             return
         if jax.process_index() == 0:
             for e in damaged:
-                aside = next(path for i in itertools.count()
-                             if not (path := self.directory / f"{e.step}.damaged{i or ''}").exists())
+                aside = next(
+                    path
+                    for i in itertools.count()
+                    if not (path := self.directory / f"{e.step}.damaged{i or ''}").exists()
+                )
                 (self.directory / str(e.step)).rename(aside)
-                print(f"warning: checkpoint {e}; resuming from step {good_step} (moved the "
-                      f"damaged step to {aside})", file=sys.stderr)
+                print(
+                    f"warning: checkpoint {e}; resuming from step {good_step} (moved the damaged step to {aside})",
+                    file=sys.stderr,
+                )
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
+
             multihost_utils.sync_global_devices("shardflow: damaged checkpoints set aside")
         self._manager.reload()
 
@@ -194,8 +208,7 @@ class Checkpoints:
         try:
             yield
         except Exception as e:
-            raise CheckpointError(f"{what} in {self.directory} failed: "
-                                  f"{type(e).__name__}: {e}") from e
+            raise CheckpointError(f"{what} in {self.directory} failed: {type(e).__name__}: {e}") from e
 
 
 class _DrainingLoop(asyncio.SelectorEventLoop):
@@ -235,8 +248,10 @@ def verify_checksums(step_dir: Path, step: int, state, *, partial: bool = False)
     wrong = [name for name in sorted(names) if restored.get(name) != saved.get(name)]
     if wrong:
         raise DamagedCheckpoint(
-            step, f"{len(wrong)} of its {len(restored)} arrays do not match their checksums "
-                  f"in {path.name}: {', '.join(wrong[:3])}{', ...' * (len(wrong) > 3)}")
+            step,
+            f"{len(wrong)} of its {len(restored)} arrays do not match their checksums "
+            f"in {path.name}: {', '.join(wrong[:3])}{', ...' * (len(wrong) > 3)}",
+        )
 
 
 @contextlib.contextmanager
@@ -274,7 +289,8 @@ def _check_readable(directory: Path) -> None:
         raise CheckpointError(
             f"{e.filename} cannot be read by this process ({e.strerror}): give it read "
             f"permission, or move that step out of {directory} to resume from an older "
-            "one") from None
+            "one"
+        ) from None
 
 
 def _checksum(x: jax.Array) -> jax.Array:
@@ -290,8 +306,12 @@ def _checksum(x: jax.Array) -> jax.Array:
     words = words.astype(jnp.uint32).ravel()
     position = jax.lax.iota(jnp.uint32, words.size)
     rotated = (words << 13) | (words >> 19)
-    return jnp.stack([jnp.sum(words * (position * np.uint32(0x9E3779B1) | 1), dtype=jnp.uint32),
-                      jnp.sum(rotated * (position * np.uint32(0x85EBCA77) | 1), dtype=jnp.uint32)])
+    return jnp.stack(
+        [
+            jnp.sum(words * (position * np.uint32(0x9E3779B1) | 1), dtype=jnp.uint32),
+            jnp.sum(rotated * (position * np.uint32(0x85EBCA77) | 1), dtype=jnp.uint32),
+        ]
+    )
 
 
 _checksums = jax.jit(lambda tree: jax.tree.map(_checksum, tree))
@@ -299,8 +319,7 @@ _checksums = jax.jit(lambda tree: jax.tree.map(_checksum, tree))
 
 def _digests(checksums) -> dict:
     """'path/to/leaf' -> its two checksum words as ints, as checksums.json holds them."""
-    return {name: [int(word) for word in np.asarray(value)]
-            for name, value in _named_leaves(checksums).items()}
+    return {name: [int(word) for word in np.asarray(value)] for name, value in _named_leaves(checksums).items()}
 
 
 def _named_leaves(tree) -> dict:
@@ -314,6 +333,7 @@ def _path_name(path) -> str:
             if hasattr(k, attr):
                 return str(getattr(k, attr))
         return str(k)
+
     return "/".join(name(k) for k in path)
 
 

@@ -4,6 +4,7 @@ Every key is a dataclass field, so a misspelt key is an error that lists the val
 :func:`validate` checks the mesh against the devices and the batch against the data axes —
 all before anything is traced or compiled.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +22,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass
 class DataConfig:
-    path: str | None = None   # a `shardflow prepare` output dir; None = embedded stdlib corpus
+    path: str | None = None  # a `shardflow prepare` output dir; None = embedded stdlib corpus
     seq_len: int = 128
     seed: int = 0
 
@@ -29,21 +30,21 @@ class DataConfig:
 @dataclasses.dataclass
 class OptimizerConfig:
     lr: float = 2e-3
-    min_lr_ratio: float = 0.1      # cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 30
-    weight_decay: float = 0.1      # not applied to norms, biases or other 1-D parameters
+    weight_decay: float = 0.1  # not applied to norms, biases or other 1-D parameters
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    clip_norm: float = 1.0         # global-norm gradient clipping; 0 disables
+    clip_norm: float = 1.0  # global-norm gradient clipping; 0 disables
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    every: int = 100               # steps between saves; 0 disables checkpointing
-    keep: int = 3                  # keep the last N
+    every: int = 100  # steps between saves; 0 disables checkpointing
+    keep: int = 3  # keep the last N
     async_save: bool = True
-    resume: bool = True            # from out/'s latest checkpoint; false: refused if out/ has any
+    resume: bool = True  # from out/'s latest checkpoint; false: refused if out/ has any
 
 
 @dataclasses.dataclass
@@ -51,10 +52,11 @@ class PipelineConfig:
     """Pipeline parallelism: the model's stacked layers split over mesh axis ``axis`` in
     ``stages`` stages, the batch (of each grad_accum step) in ``microbatches``, run by
     ``sf.pipeline`` in ``schedule``. ``stages: null`` (the default) pipelines nothing."""
-    stages: int | None = None      # the size of mesh axis `axis`; null = no pipeline
+
+    stages: int | None = None  # the size of mesh axis `axis`; null = no pipeline
     microbatches: int | None = None  # null = 2 * stages
-    schedule: str = "1f1b"         # gpipe, 1f1b, 1f1b-fused, interleaved, zb-h1, zb-v, zb-fused
-    chunks: int | None = None      # layer chunks per stage, interleaved only (null = 2)
+    schedule: str = "1f1b"  # gpipe, 1f1b, 1f1b-fused, interleaved, zb-h1, zb-v, zb-fused
+    chunks: int | None = None  # layer chunks per stage, interleaved only (null = 2)
     layers_per_stage: list | None = None  # e.g. [5, 4, 4, 3] (one per virtual stage with chunks); null = even
     axis: str = "pipe"
 
@@ -71,17 +73,17 @@ class Config:
     # A preset name (dp, fsdp, tp, tp_sp, 2d, pp, pp_dp, pp_tp) or an explicit {logical axis:
     # mesh axis} table. With a pipeline, the stacked layers go on its axis whatever the table.
     strategy: Any = "dp"
-    engine: str = "shardflow"      # "shardflow" (sf.parallelize) or "jit" (the jax.jit baseline)
-    planner: str = "greedy"        # shardflow's: "greedy" (passes.propagate) or "solver" (passes.solve)
-    batch_size: int = 16           # sequences per optimizer step, all devices together
-    grad_accum: int = 1            # micro-batches per optimizer step
+    engine: str = "shardflow"  # "shardflow" (sf.parallelize) or "jit" (the jax.jit baseline)
+    planner: str = "greedy"  # shardflow's: "greedy" (passes.propagate) or "solver" (passes.solve)
+    batch_size: int = 16  # sequences per optimizer step, all devices together
+    grad_accum: int = 1  # micro-batches per optimizer step
     compute_dtype: str = "bfloat16"  # parameters stay float32; this is the forward/backward dtype
     steps: int = 200
     seed: int = 0
     out: str = "runs/default"
     log_every: int = 10
-    eval_every: int = 100          # steps between val.bin losses (on logged steps); 0 = never
-    eval_batches: int = 4          # micro-batches of val.bin per evaluation
+    eval_every: int = 100  # steps between val.bin losses (on logged steps); 0 = never
+    eval_batches: int = 4  # micro-batches of val.bin per evaluation
     peak_flops: float | None = None  # per device; None = known accelerators, else MFU is n/a
 
     def to_dict(self) -> dict:
@@ -95,8 +97,7 @@ def _merge(obj, updates: dict, where: str):
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in updates.items():
         if key not in fields:
-            raise ConfigError(f"unknown config key {where + key!r}; valid keys here: "
-                              f"{', '.join(sorted(fields))}")
+            raise ConfigError(f"unknown config key {where + key!r}; valid keys here: {', '.join(sorted(fields))}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             _merge(current, value, f"{where}{key}.")
@@ -104,8 +105,7 @@ def _merge(obj, updates: dict, where: str):
             setattr(obj, key, {"preset": value})
         elif key == "model":
             if not isinstance(value, dict):
-                raise ConfigError(f"model must be a preset name or a mapping of model keys, "
-                                  f"got {value!r}")
+                raise ConfigError(f"model must be a preset name or a mapping of model keys, got {value!r}")
             setattr(obj, key, {**current, **value})
         else:
             setattr(obj, key, _as_float(value) if isinstance(current, float) else value)
@@ -127,8 +127,7 @@ def _parse_yaml(text: str, where: str):
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{where} is not valid YAML: {getattr(e, 'problem', None) or e}{at}") \
-            from None
+        raise ConfigError(f"{where} is not valid YAML: {getattr(e, 'problem', None) or e}{at}") from None
 
 
 def _set_path(tree: dict, dotted: str, value) -> None:
@@ -160,13 +159,13 @@ def load(path: str | None = None, overrides: list[str] = (), **direct) -> Config
 
 def model_config(cfg: Config):
     from shardflow.models import ModelConfig, preset
+
     fields = dict(cfg.model)
     name = fields.pop("preset", None)
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     for key, value in fields.items():
         if key not in defaults:
-            raise ConfigError(f"unknown config key 'model.{key}'; valid keys: preset, "
-                              f"{', '.join(sorted(defaults))}")
+            raise ConfigError(f"unknown config key 'model.{key}'; valid keys: preset, {', '.join(sorted(defaults))}")
         if isinstance(defaults[key], float):
             fields[key] = value = _as_float(value)
         ok, what = _MODEL_FIELD_CHECKS[type(defaults[key])]
@@ -181,17 +180,24 @@ def model_config(cfg: Config):
 def pipeline_config(cfg: Config):
     """The models' PipelineConfig of the run, or None where no pipeline is configured."""
     from shardflow.models import PipelineConfig as ModelPipeline
+
     pl = cfg.pipeline
     if pl.stages is None:
         return None
-    return ModelPipeline(stages=pl.stages, microbatches=pl.microbatches or 2 * pl.stages,
-                         schedule=pl.schedule, chunks=pl.chunks, axis=pl.axis,
-                         layers_per_stage=None if pl.layers_per_stage is None else tuple(pl.layers_per_stage))
+    return ModelPipeline(
+        stages=pl.stages,
+        microbatches=pl.microbatches or 2 * pl.stages,
+        schedule=pl.schedule,
+        chunks=pl.chunks,
+        axis=pl.axis,
+        layers_per_stage=None if pl.layers_per_stage is None else tuple(pl.layers_per_stage),
+    )
 
 
 def rules_for(cfg: Config) -> dict:
     """The strategy's rules table; with a pipeline of stages, the stacked layers on its axis."""
     from shardflow.models import get_rules, with_pipeline
+
     rules = get_rules(cfg.strategy)
     stages = cfg.pipeline.stages
     return with_pipeline(rules, cfg.pipeline.axis) if stages is not None and stages > 1 else rules
@@ -236,22 +242,25 @@ _CHECKS = {
     "optimizer.eps": (lambda x: _is_real(x) and x > 0, "a number > 0"),
     "optimizer.clip_norm": (lambda x: _is_real(x) and x >= 0, "a number >= 0 (0 disables)"),
     "out": (lambda x: isinstance(x, str) and x != "", "a directory path (a string)"),
-    "data.path": (lambda x: x is None or (isinstance(x, str) and x != ""),
-                  "a `shardflow prepare` directory's path (a string), or null"),
+    "data.path": (
+        lambda x: x is None or (isinstance(x, str) and x != ""),
+        "a `shardflow prepare` directory's path (a string), or null",
+    ),
     "checkpoint.every": (lambda x: _is_int(x) and x >= 0, "an integer >= 0 (0 disables)"),
     "checkpoint.keep": _positive_int,
     "checkpoint.async_save": _boolean,
     "checkpoint.resume": _boolean,
     "peak_flops": (lambda x: x is None or (_is_real(x) and x > 0), "a number > 0 (or null)"),
-    "pipeline.stages": (lambda x: x is None or (_is_int(x) and x >= 1),
-                        "a positive integer (or null: no pipeline)"),
-    "pipeline.microbatches": (lambda x: x is None or (_is_int(x) and x >= 1),
-                              "a positive integer (or null: 2 * stages)"),
-    "pipeline.chunks": (lambda x: x is None or (_is_int(x) and x >= 1),
-                        "a positive integer (or null)"),
-    "pipeline.layers_per_stage": (lambda x: x is None or (isinstance(x, (list, tuple)) and len(x) > 0
-                                                          and all(_is_int(n) and n >= 1 for n in x)),
-                                  "a list of positive integers (or null: an even split)"),
+    "pipeline.stages": (lambda x: x is None or (_is_int(x) and x >= 1), "a positive integer (or null: no pipeline)"),
+    "pipeline.microbatches": (
+        lambda x: x is None or (_is_int(x) and x >= 1),
+        "a positive integer (or null: 2 * stages)",
+    ),
+    "pipeline.chunks": (lambda x: x is None or (_is_int(x) and x >= 1), "a positive integer (or null)"),
+    "pipeline.layers_per_stage": (
+        lambda x: x is None or (isinstance(x, (list, tuple)) and len(x) > 0 and all(_is_int(n) and n >= 1 for n in x)),
+        "a list of positive integers (or null: an even split)",
+    ),
     "pipeline.schedule": (lambda x: isinstance(x, str), "a schedule's name"),
     "pipeline.axis": (lambda x: isinstance(x, str), "a mesh axis name"),
 }
@@ -283,13 +292,17 @@ def check_not_overwriting(cfg: Config) -> None:
     directory = Path(cfg.out) / "checkpoints"
     steps = checkpoint_steps(directory)
     if steps:
-        shown = ", ".join(map(str, steps)) if len(steps) <= 6 else \
-            f"{', '.join(map(str, steps[:3]))}, ..., {steps[-1]}; {len(steps)} in all"
+        shown = (
+            ", ".join(map(str, steps))
+            if len(steps) <= 6
+            else f"{', '.join(map(str, steps[:3]))}, ..., {steps[-1]}; {len(steps)} in all"
+        )
         raise ConfigError(
             f"checkpoint.resume is false but {directory} holds checkpoints (step"
             f"{'s' * (len(steps) > 1)} {shown}), which this run could not replace: orbax saves "
             f"no step at or below {steps[-1]} there. Resume from them (checkpoint.resume=true), "
-            f"train into a fresh --out directory, or delete {directory} yourself")
+            f"train into a fresh --out directory, or delete {directory} yourself"
+        )
 
 
 def checkpoint_steps(directory: Path) -> list[int]:
@@ -297,8 +310,7 @@ def checkpoint_steps(directory: Path) -> list[int]:
     named by its number), read without creating anything."""
     if not directory.is_dir():
         return []
-    return sorted(int(p.name) for p in directory.iterdir()
-                  if p.name.isascii() and p.name.isdigit() and p.is_dir())
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isascii() and p.name.isdigit() and p.is_dir())
 
 
 def _check_writable_dir(path: Path, what: str) -> None:
@@ -325,62 +337,75 @@ def validate(cfg: Config, n_devices: int) -> dict:
     if cfg.eval_every and not (_is_int(cfg.eval_batches) and cfg.eval_batches >= 1):
         raise ConfigError(f"eval_batches must be a positive integer, got {cfg.eval_batches!r}")
     if cfg.data.path is not None and not (Path(cfg.data.path) / "meta.json").exists():
-        raise ConfigError(f"data.path {cfg.data.path!r} is not a prepared data dir (no meta.json); "
-                          "create one with `shardflow prepare --input FILES --out DIR`")
+        raise ConfigError(
+            f"data.path {cfg.data.path!r} is not a prepared data dir (no meta.json); "
+            "create one with `shardflow prepare --input FILES --out DIR`"
+        )
     if cfg.mesh is not None and not isinstance(cfg.mesh, dict):
-        raise ConfigError(f"mesh must map axis names to sizes, e.g. {{data: 2, model: 4}}; "
-                          f"got {cfg.mesh!r}")
+        raise ConfigError(f"mesh must map axis names to sizes, e.g. {{data: 2, model: 4}}; got {cfg.mesh!r}")
     for axis, size in (cfg.mesh or {}).items():
         if not (_is_int(size) and size >= 1):
             raise ConfigError(f"mesh axis {axis!r} must have a positive integer size, got {size!r}")
     mesh = dict(cfg.mesh) if cfg.mesh else {"data": n_devices}
     if math.prod(mesh.values()) != n_devices:
-        raise ConfigError(f"mesh {mesh} has {math.prod(mesh.values())} devices but "
-                          f"{n_devices} are available")
+        raise ConfigError(f"mesh {mesh} has {math.prod(mesh.values())} devices but {n_devices} are available")
     pl = cfg.pipeline
     if pl.stages is not None:
         if cfg.engine != "shardflow":
-            raise ConfigError(f"pipeline runs under engine 'shardflow' (sf.parallelize runs its "
-                              f"schedule), not {cfg.engine!r}")
+            raise ConfigError(
+                f"pipeline runs under engine 'shardflow' (sf.parallelize runs its schedule), not {cfg.engine!r}"
+            )
         if pl.axis not in mesh and pl.stages > 1:
-            raise ConfigError(f"pipeline.stages {pl.stages} runs on mesh axis {pl.axis!r}, which "
-                              f"the mesh {mesh} lacks; give it one, e.g. mesh={{data: 2, "
-                              f"{pl.axis}: {pl.stages}}}")
+            raise ConfigError(
+                f"pipeline.stages {pl.stages} runs on mesh axis {pl.axis!r}, which "
+                f"the mesh {mesh} lacks; give it one, e.g. mesh={{data: 2, "
+                f"{pl.axis}: {pl.stages}}}"
+            )
         if pl.axis in mesh and mesh[pl.axis] != pl.stages:
-            raise ConfigError(f"pipeline.stages {pl.stages} must equal the size of mesh axis "
-                              f"{pl.axis!r} ({mesh[pl.axis]}, mesh {mesh})")
+            raise ConfigError(
+                f"pipeline.stages {pl.stages} must equal the size of mesh axis "
+                f"{pl.axis!r} ({mesh[pl.axis]}, mesh {mesh})"
+            )
     from shardflow.models import STACKED_AXIS, check_rules
+
     try:
         rules = rules_for(cfg)
         check_rules(rules, list(mesh))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if pl.stages is None and rules.get(STACKED_AXIS) is not None:
-        raise ConfigError(f"strategy {cfg.strategy!r} puts the stacked layers on mesh axis "
-                          f"{rules[STACKED_AXIS]!r}, which only a pipeline runs them on: set "
-                          f"pipeline.stages to its size")
+        raise ConfigError(
+            f"strategy {cfg.strategy!r} puts the stacked layers on mesh axis "
+            f"{rules[STACKED_AXIS]!r}, which only a pipeline runs them on: set "
+            f"pipeline.stages to its size"
+        )
     if pl.stages is None and mesh.get(pl.axis, 1) > 1:
-        raise ConfigError(f"mesh axis {pl.axis!r} has {mesh[pl.axis]} devices but no pipeline runs on "
-                          f"it (every one would compute the same): set pipeline.stages="
-                          f"{mesh[pl.axis]}, or drop the axis from the mesh")
+        raise ConfigError(
+            f"mesh axis {pl.axis!r} has {mesh[pl.axis]} devices but no pipeline runs on "
+            f"it (every one would compute the same): set pipeline.stages="
+            f"{mesh[pl.axis]}, or drop the axis from the mesh"
+        )
     if cfg.batch_size % cfg.grad_accum:
-        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by "
-                          f"grad_accum {cfg.grad_accum}")
+        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by grad_accum {cfg.grad_accum}")
     micro = cfg.batch_size // cfg.grad_accum
     batch_rule = rules.get("batch")
     batch_axes = () if batch_rule is None else (batch_rule,) if isinstance(batch_rule, str) else tuple(batch_rule)
     ways = math.prod(mesh[a] for a in batch_axes)
     if micro % ways:
-        raise ConfigError(f"micro-batch {micro} (batch_size {cfg.batch_size} / grad_accum "
-                          f"{cfg.grad_accum}) is not divisible by the data axes "
-                          f"{batch_axes} of the mesh ({ways} ways)")
+        raise ConfigError(
+            f"micro-batch {micro} (batch_size {cfg.batch_size} / grad_accum "
+            f"{cfg.grad_accum}) is not divisible by the data axes "
+            f"{batch_axes} of the mesh ({ways} ways)"
+        )
     mc = model_config(cfg)
     if cfg.data.seq_len > mc.max_seq_len and mc.family == "gpt2":
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds gpt2 max_seq_len {mc.max_seq_len}")
     if mc.sliding_window is not None and cfg.data.seq_len > mc.sliding_window:
-        raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds model.sliding_window "
-                          f"{mc.sliding_window} (the attention has no window: a sequence must "
-                          "fit in it)")
+        raise ConfigError(
+            f"data.seq_len {cfg.data.seq_len} exceeds model.sliding_window "
+            f"{mc.sliding_window} (the attention has no window: a sequence must "
+            "fit in it)"
+        )
     _check_context(cfg, mesh, rules, mc)
     if pl.stages is not None:
         _check_pipeline(cfg, micro, batch_axes, ways, mc)
@@ -391,6 +416,7 @@ def _check_context(cfg: Config, mesh: dict, rules: dict, mc) -> None:
     """The sequence against the mesh axes that split it, and Ulysses' heads against the axes it
     moves that split onto."""
     from shardflow.models.sharding import mesh_axes_of
+
     seq_axes = mesh_axes_of(rules.get("seq"))
     if not seq_axes:
         return
@@ -398,9 +424,11 @@ def _check_context(cfg: Config, mesh: dict, rules: dict, mc) -> None:
     chunks = 2 * ways if mc.context.partition("-")[0] == "zigzag" else ways
     if cfg.data.seq_len % chunks:
         how = f" (model.context {mc.context!r}: 2 chunks per device)" if chunks != ways else ""
-        raise ConfigError(f"data.seq_len {cfg.data.seq_len} is not divisible by {chunks}: strategy "
-                          f"{cfg.strategy!r} splits the sequence over mesh axes {seq_axes} "
-                          f"({ways} ways){how}")
+        raise ConfigError(
+            f"data.seq_len {cfg.data.seq_len} is not divisible by {chunks}: strategy "
+            f"{cfg.strategy!r} splits the sequence over mesh axes {seq_axes} "
+            f"({ways} ways){how}"
+        )
     if mc.attention_context not in ("ulysses", "hybrid"):
         return
     # Ulysses re-splits q, k and v from the sequence to the heads: over every sequence axis, or
@@ -408,16 +436,19 @@ def _check_context(cfg: Config, mesh: dict, rules: dict, mc) -> None:
     moved = seq_axes if mc.attention_context == "ulysses" else seq_axes[-1:]
     axes = tuple(dict.fromkeys(mesh_axes_of(rules.get("kv_heads")) + moved))
     heads_ways = math.prod(mesh[a] for a in axes)
-    key = "n_kv_heads" if mc.family == "llama" else "n_heads"   # gpt2: as many kv heads as heads
+    key = "n_kv_heads" if mc.family == "llama" else "n_heads"  # gpt2: as many kv heads as heads
     if getattr(mc, key) % heads_ways:
-        raise ConfigError(f"model.context {mc.context!r} splits the attention heads over mesh axes "
-                          f"{axes} ({heads_ways} ways), so the kv heads must divide by "
-                          f"{heads_ways}: model.{key} is {getattr(mc, key)}")
+        raise ConfigError(
+            f"model.context {mc.context!r} splits the attention heads over mesh axes "
+            f"{axes} ({heads_ways} ways), so the kv heads must divide by "
+            f"{heads_ways}: model.{key} is {getattr(mc, key)}"
+        )
 
 
 def _check_pipeline(cfg: Config, micro: int, batch_axes, ways: int, mc) -> None:
     """The schedule, and the layers and the batch against the stages and micro-batches."""
     from shardflow import schedules
+
     pl, pipeline = cfg.pipeline, pipeline_config(cfg)
     p, m = pipeline.stages, pipeline.microbatches
     try:
@@ -427,15 +458,23 @@ def _check_pipeline(cfg: Config, micro: int, batch_axes, ways: int, mc) -> None:
     chunks = f" x {table.chunks} chunks ({table.name})" if table.chunks > 1 else ""
     counts = pl.layers_per_stage
     if counts is not None and (len(counts) != p * table.chunks or sum(counts) != mc.n_layers):
-        raise ConfigError(f"pipeline.layers_per_stage {list(counts)} must give {p * table.chunks} counts "
-                          f"(pipeline.stages {p}{chunks}) summing to model.n_layers {mc.n_layers}")
-    if counts is not None and mc.n_layers % p:      # the stacked layers are stored split over the axis
-        raise ConfigError(f"model.n_layers {mc.n_layers} is stored split over pipeline.stages {p}: "
-                          f"with layers_per_stage too it must divide by {p}")
+        raise ConfigError(
+            f"pipeline.layers_per_stage {list(counts)} must give {p * table.chunks} counts "
+            f"(pipeline.stages {p}{chunks}) summing to model.n_layers {mc.n_layers}"
+        )
+    if counts is not None and mc.n_layers % p:  # the stacked layers are stored split over the axis
+        raise ConfigError(
+            f"model.n_layers {mc.n_layers} is stored split over pipeline.stages {p}: "
+            f"with layers_per_stage too it must divide by {p}"
+        )
     if counts is None and mc.n_layers % (p * table.chunks):
-        raise ConfigError(f"model.n_layers {mc.n_layers} does not split into pipeline.stages "
-                          f"{p}{chunks}; pipeline.layers_per_stage gives an uneven split")
+        raise ConfigError(
+            f"model.n_layers {mc.n_layers} does not split into pipeline.stages "
+            f"{p}{chunks}; pipeline.layers_per_stage gives an uneven split"
+        )
     if micro % (m * ways):
         data = f" x the data axes {batch_axes} ({ways} ways)" if ways > 1 else ""
-        raise ConfigError(f"micro-batch {micro} (batch_size {cfg.batch_size} / grad_accum "
-                          f"{cfg.grad_accum}) does not split into pipeline.microbatches {m}{data}")
+        raise ConfigError(
+            f"micro-batch {micro} (batch_size {cfg.batch_size} / grad_accum "
+            f"{cfg.grad_accum}) does not split into pipeline.microbatches {m}{data}"
+        )

@@ -18,6 +18,7 @@ With no data path the trainer uses an embedded corpus that exists on every machi
 A batch is a pure function of (seed, step): resuming at step s reads exactly the batches an
 uninterrupted run would have read. Each process reads only the rows of its own devices.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ import numpy as np
 
 from shardflow.train.config import ConfigError
 
-DEFAULT_CORPUS_BYTES = 24 << 20   # enough text for minutes of CPU training, quick to build
+DEFAULT_CORPUS_BYTES = 24 << 20  # enough text for minutes of CPU training, quick to build
 
 
 def stdlib_sources(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
@@ -68,8 +69,7 @@ def _tokenize_bpe(files, vocab_size: int, out: Path) -> tuple[np.ndarray, int]:
 
     eot = "<|endoftext|>"
     tokenizer = ByteLevelBPETokenizer()
-    tokenizer.train([str(f) for f in files], vocab_size=vocab_size, special_tokens=[eot],
-                    show_progress=False)
+    tokenizer.train([str(f) for f in files], vocab_size=vocab_size, special_tokens=[eot], show_progress=False)
     tokenizer.save(str(out / "tokenizer.json"))
     eot_id = tokenizer.token_to_id(eot)
     texts = [Path(f).read_text(errors="replace") for f in files]
@@ -91,13 +91,11 @@ def load_tokenizer_file(path):
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer {str(path)!r} is neither 'byte', 'bpe' nor a "
-                                "tokenizer.json file")
+        raise FileNotFoundError(f"tokenizer {str(path)!r} is neither 'byte', 'bpe' nor a tokenizer.json file")
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # the library's own parse errors
-        raise ValueError(f"tokenizer {str(path)!r} is not a Hugging Face tokenizer.json: "
-                         f"{e}") from None
+        raise ValueError(f"tokenizer {str(path)!r} is not a Hugging Face tokenizer.json: {e}") from None
 
 
 def _tokenize_with(tokenizer, files) -> tuple[np.ndarray, int, str | None]:
@@ -112,8 +110,7 @@ def _tokenize_with(tokenizer, files) -> tuple[np.ndarray, int, str | None]:
     return np.asarray(ids, _token_dtype(vocab)), vocab, eot
 
 
-def prepare(inputs, out, *, tokenizer: str = "byte", vocab_size: int = 8192,
-            val_fraction: float = 0.005) -> Path:
+def prepare(inputs, out, *, tokenizer: str = "byte", vocab_size: int = 8192, val_fraction: float = 0.005) -> Path:
     """Tokenise text files into ``out``/{train,val}.bin + meta.json; returns ``out``.
     ``tokenizer``: "byte", "bpe" or the path of a Hugging Face tokenizer.json."""
     files = [Path(f) for f in inputs]
@@ -123,8 +120,7 @@ def prepare(inputs, out, *, tokenizer: str = "byte", vocab_size: int = 8192,
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if tokenizer == "bpe" and vocab_size < 257:
-        raise ValueError(f"a BPE vocabulary needs more than the 256 byte tokens, got vocab_size "
-                         f"{vocab_size}")
+        raise ValueError(f"a BPE vocabulary needs more than the 256 byte tokens, got vocab_size {vocab_size}")
     from_file = None if tokenizer in ("byte", "bpe") else load_tokenizer_file(tokenizer)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -139,16 +135,24 @@ def prepare(inputs, out, *, tokenizer: str = "byte", vocab_size: int = 8192,
     elif tokenizer == "bpe":
         tokens, vocab = _tokenize_bpe(files, vocab_size, out)
         if vocab < vocab_size:
-            print(f"warning: the text yields a BPE vocabulary of {vocab:,} tokens, fewer than the "
-                  f"{vocab_size:,} asked for; meta.json records {vocab:,}, the size training "
-                  "checks model.vocab_size against", file=sys.stderr)
+            print(
+                f"warning: the text yields a BPE vocabulary of {vocab:,} tokens, fewer than the "
+                f"{vocab_size:,} asked for; meta.json records {vocab:,}, the size training "
+                "checks model.vocab_size against",
+                file=sys.stderr,
+            )
     n_val = max(int(len(tokens) * val_fraction), 1)
     tokens[:-n_val].tofile(out / "train.bin")
     tokens[-n_val:].tofile(out / "val.bin")
-    meta = {"vocab_size": vocab, "dtype": np.dtype(tokens.dtype).name,
-            "tokenizer": tokenizer if from_file is None else "file",
-            "train_tokens": int(len(tokens) - n_val), "val_tokens": int(n_val),
-            "documents": len(files), **extra}
+    meta = {
+        "vocab_size": vocab,
+        "dtype": np.dtype(tokens.dtype).name,
+        "tokenizer": tokenizer if from_file is None else "file",
+        "train_tokens": int(len(tokens) - n_val),
+        "val_tokens": int(n_val),
+        "documents": len(files),
+        **extra,
+    }
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return out
 
@@ -178,19 +182,21 @@ class TokenFile:
         meta_path = directory / "meta.json"
         self.path = directory / f"{split}.bin"
         if not meta_path.exists():
-            raise ConfigError(f"{directory} is not a prepared data dir (no meta.json); "
-                              "create one with `shardflow prepare --input FILES --out DIR`")
+            raise ConfigError(
+                f"{directory} is not a prepared data dir (no meta.json); "
+                "create one with `shardflow prepare --input FILES --out DIR`"
+            )
         try:
             self.meta = json.loads(meta_path.read_text())
             self.vocab_size = int(self.meta["vocab_size"])
             dtype = np.dtype(self.meta["dtype"])
         except (ValueError, KeyError, TypeError) as e:
             problem = f"no key {e}" if isinstance(e, KeyError) else str(e)
-            raise ConfigError(f"{meta_path} is not a `shardflow prepare` meta.json ({problem}); "
-                              "prepare the data again") from None
+            raise ConfigError(
+                f"{meta_path} is not a `shardflow prepare` meta.json ({problem}); prepare the data again"
+            ) from None
         if not self.path.is_file() or self.path.stat().st_size == 0:
-            raise ConfigError(f"{self.path} is {'empty' if self.path.is_file() else 'missing'}; "
-                              "prepare the data again")
+            raise ConfigError(f"{self.path} is {'empty' if self.path.is_file() else 'missing'}; prepare the data again")
         try:
             self.tokens = np.memmap(self.path, dtype=dtype, mode="r")
         except (OSError, ValueError) as e:
@@ -202,8 +208,10 @@ class TokenFile:
     def check_fits(self, seq_len: int) -> None:
         """Batches need more than one window (seq_len inputs and the next token) of tokens."""
         if len(self.tokens) < seq_len + 2:
-            raise ConfigError(f"{self.path} has {len(self.tokens)} tokens, too few for sequences "
-                              f"of data.seq_len {seq_len} (at least {seq_len + 2})")
+            raise ConfigError(
+                f"{self.path} has {len(self.tokens)} tokens, too few for sequences "
+                f"of data.seq_len {seq_len} (at least {seq_len + 2})"
+            )
 
     def window_starts(self, step: int, shape: tuple, seq_len: int, seed: int) -> np.ndarray:
         """Random start offsets for every sequence of the batch at ``step``, shape ``shape``."""
@@ -214,13 +222,15 @@ class TokenFile:
     def windows(self, starts: np.ndarray, seq_len: int) -> np.ndarray:
         """Token windows of length seq_len + 1 (inputs and shifted targets) as int32."""
         flat = starts.reshape(-1)
-        rows = np.stack([self.tokens[s:s + seq_len + 1] for s in flat]) if flat.size else \
-            np.zeros((0, seq_len + 1), self.tokens.dtype)
+        rows = (
+            np.stack([self.tokens[s : s + seq_len + 1] for s in flat])
+            if flat.size
+            else np.zeros((0, seq_len + 1), self.tokens.dtype)
+        )
         return rows.astype(np.int32).reshape(starts.shape + (seq_len + 1,))
 
 
-def global_batch(data: TokenFile, step: int, shape: tuple, seq_len: int, seed: int, sharding,
-                 order=None):
+def global_batch(data: TokenFile, step: int, shape: tuple, seq_len: int, seed: int, sharding, order=None):
     """{"inputs", "targets"} of shape ``shape + (seq_len,)`` as jax.Arrays with ``sharding``;
     ``order``: the window's token positions in the order to store them (a context-parallel
     layout's; None: natural).
@@ -234,9 +244,12 @@ def global_batch(data: TokenFile, step: int, shape: tuple, seq_len: int, seed: i
 
     def reader(shift):
         def read(index):
-            rows = data.windows(starts[index[:-1]], seq_len)[..., shift:shift + seq_len]
+            rows = data.windows(starts[index[:-1]], seq_len)[..., shift : shift + seq_len]
             return (rows if order is None else rows[..., order])[..., index[-1]]
+
         return read
 
-    return {"inputs": jax.make_array_from_callback(full_shape, sharding, reader(0)),
-            "targets": jax.make_array_from_callback(full_shape, sharding, reader(1))}
+    return {
+        "inputs": jax.make_array_from_callback(full_shape, sharding, reader(0)),
+        "targets": jax.make_array_from_callback(full_shape, sharding, reader(1)),
+    }

@@ -1,12 +1,19 @@
 """Throughput accounting (FLOPs, MFU) and metric sinks (metrics.jsonl, TensorBoard)."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 # Dense bf16 peak per device, FLOP/s, by a substring of jax's device_kind.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12,
-              "TPU v5 lite": 197e12, "TPU v4": 275e12}
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v4": 275e12,
+}
 
 
 def peak_flops(device, override: float | None = None) -> float | None:
@@ -53,6 +60,7 @@ class MetricsLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._truncate(start_step)
             from tensorboardX import SummaryWriter
+
             # TensorBoard hides the events of earlier files from purge_step on.
             self._tb = SummaryWriter(str(Path(out) / "tb"), purge_step=start_step + 1)
 

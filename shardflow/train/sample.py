@@ -20,6 +20,7 @@ one device. An empty prompt starts a document (after the document separator the 
 put between documents). ``--temperature 0`` is greedy and so deterministic; otherwise the
 draws are a function of ``--seed``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,8 @@ import dataclasses
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 class SampleError(ValueError):
@@ -39,16 +40,18 @@ class SampleError(ValueError):
 class Tokenizer:
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
-    document_start: list[int]    # what an empty prompt starts with
+    document_start: list[int]  # what an empty prompt starts with
 
 
 def _byte_tokenizer() -> Tokenizer:
-    return Tokenizer(lambda text: list(text.encode("utf-8")),
-                     lambda ids: bytes(ids).decode("utf-8", errors="replace"), [0])
+    return Tokenizer(
+        lambda text: list(text.encode("utf-8")), lambda ids: bytes(ids).decode("utf-8", errors="replace"), [0]
+    )
 
 
 def _load(path: Path):
     from shardflow.train.data import load_tokenizer_file
+
     try:
         return load_tokenizer_file(path)
     except (OSError, ValueError) as e:
@@ -57,28 +60,30 @@ def _load(path: Path):
 
 def _file_tokenizer(tok, *, special_tokens: bool, document_start: list[int]) -> Tokenizer:
     """``tok``, a loaded ``tokenizers.Tokenizer``, as the sampler's Tokenizer."""
-    return Tokenizer(lambda text: tok.encode(text, add_special_tokens=special_tokens).ids,
-                     lambda ids: tok.decode(list(ids)), document_start)
+    return Tokenizer(
+        lambda text: tok.encode(text, add_special_tokens=special_tokens).ids,
+        lambda ids: tok.decode(list(ids)),
+        document_start,
+    )
 
 
 def run_tokenizer(cfg) -> Tokenizer:
     """The tokenizer a trainer run's data was prepared with."""
     from shardflow.train.data import END_OF_TEXT
-    if cfg.data.path is None:   # the embedded corpus: bytes
+
+    if cfg.data.path is None:  # the embedded corpus: bytes
         return _byte_tokenizer()
     data_dir = Path(cfg.data.path)
     try:
         meta = json.loads((data_dir / "meta.json").read_text())
     except (OSError, ValueError) as e:
-        raise SampleError(f"the run's data dir {data_dir} (its tokenizer) cannot be read: {e}") \
-            from None
+        raise SampleError(f"the run's data dir {data_dir} (its tokenizer) cannot be read: {e}") from None
     kind = meta.get("tokenizer", "byte")
     if kind == "byte":
         return _byte_tokenizer()
     path = data_dir / "tokenizer.json"
     if not path.is_file():
-        raise SampleError(f"the run's data dir {data_dir} has no tokenizer.json "
-                          f"(tokenizer {kind!r})")
+        raise SampleError(f"the run's data dir {data_dir} has no tokenizer.json (tokenizer {kind!r})")
     tok = _load(path)
     separator = meta.get("document_separator", END_OF_TEXT[0] if kind == "bpe" else None)
     start = [] if separator is None else [tok.token_to_id(separator)]
@@ -92,7 +97,8 @@ def restore_run(run_dir):
     from flax import nnx
 
     from shardflow import models
-    from shardflow.train import checkpoint, config as config_lib
+    from shardflow.train import checkpoint
+    from shardflow.train import config as config_lib
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
@@ -110,9 +116,12 @@ def restore_run(run_dir):
     abstract = nnx.eval_shape(lambda: models.build(model_cfg))
     graphdef, _ = nnx.split(abstract)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {"params": jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-        nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))}
+    target = {
+        "params": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+            nnx.to_pure_dict(nnx.state(abstract, nnx.Param)),
+        )
+    }
     failures = []
     with ocp.PyTreeCheckpointer() as checkpointer:
         for step in reversed(steps):
@@ -120,23 +129,25 @@ def restore_run(run_dir):
                 restored = checkpointer.restore(
                     (run_dir / "checkpoints" / str(step) / "default").absolute(),
                     args=ocp.args.PyTreeRestore(
-                        item=target, partial_restore=True,
-                        restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
-                checkpoint.verify_checksums(run_dir / "checkpoints" / str(step), step, restored,
-                                            partial=True)
-            except Exception as e:   # whatever orbax makes of missing, broken or altered files
+                        item=target,
+                        partial_restore=True,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    ),
+                )
+                checkpoint.verify_checksums(run_dir / "checkpoints" / str(step), step, restored, partial=True)
+            except Exception as e:  # whatever orbax makes of missing, broken or altered files
                 failures.append(f"step {step}: {type(e).__name__}: {str(e).splitlines()[0]}")
                 continue
             for failure in failures:
                 print(f"warning: skipped checkpoint {failure}", file=sys.stderr)
             return nnx.merge(graphdef, restored["params"]), step, run_tokenizer(cfg)
-    raise SampleError(f"no checkpoint in {run_dir / 'checkpoints'} restores: "
-                      + "; ".join(failures))
+    raise SampleError(f"no checkpoint in {run_dir / 'checkpoints'} restores: " + "; ".join(failures))
 
 
 def load_hf(directory):
     """(model, tokenizer) from a Hugging Face model directory with its tokenizer.json."""
     from shardflow.models import hf
+
     directory = Path(directory)
     model = hf.load_model(directory)
     path = directory / "tokenizer.json"
@@ -145,8 +156,9 @@ def load_hf(directory):
     return model, _file_tokenizer(_load(path), special_tokens=True, document_start=[])
 
 
-def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, seed: int = 0) -> list[int]:
+def generate(
+    model, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None, seed: int = 0
+) -> list[int]:
     """``max_new_tokens`` token ids following ``prompt`` (a non-empty list of ids)."""
     import jax
     import jax.numpy as jnp
@@ -165,9 +177,11 @@ def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: floa
     if not prompt:
         raise SampleError("the prompt encodes to no tokens")
     if total > limit:
-        raise SampleError(f"the prompt ({len(prompt)} tokens) and --max-new-tokens "
-                          f"({max_new_tokens}) make {total} positions, more than the model's "
-                          f"{limit} ({limit_name})")
+        raise SampleError(
+            f"the prompt ({len(prompt)} tokens) and --max-new-tokens "
+            f"({max_new_tokens}) make {total} positions, more than the model's "
+            f"{limit} ({limit_name})"
+        )
     graphdef, state = nnx.split(model)
 
     def pick(logits, key):
@@ -188,18 +202,18 @@ def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: floa
 
         return jax.lax.fori_loop(len(prompt), total, step, buffer)
 
-    buffer = jnp.zeros((1, total), jnp.int32).at[0, :len(prompt)].set(jnp.asarray(prompt))
+    buffer = jnp.zeros((1, total), jnp.int32).at[0, : len(prompt)].set(jnp.asarray(prompt))
     state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
     out = decode(state, buffer, jax.random.key(seed))
-    return [int(t) for t in jax.device_get(out)[0, len(prompt):]]
+    return [int(t) for t in jax.device_get(out)[0, len(prompt) :]]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="OUT_DIR",
-                        help="a `shardflow train` run directory (its --out)")
-    source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory "
-                                                    "(config.json, safetensors, tokenizer.json)")
+    source.add_argument("--checkpoint", metavar="OUT_DIR", help="a `shardflow train` run directory (its --out)")
+    source.add_argument(
+        "--hf", metavar="DIR", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)"
+    )
     parser.add_argument("--prompt", default="", help="text to continue (default: a new document)")
     parser.add_argument("--max-new-tokens", type=int, default=100)
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
@@ -209,6 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args) -> int:
     from shardflow.models.hf import HFCheckpointError
+
     try:
         if args.checkpoint is not None:
             model, step, tokenizer = restore_run(args.checkpoint)
@@ -216,12 +231,21 @@ def run_from_args(args) -> int:
         else:
             (model, tokenizer), source = load_hf(args.hf), args.hf
         prompt = tokenizer.encode(args.prompt) if args.prompt else []
-        ids = generate(model, prompt or tokenizer.document_start, args.max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+        ids = generate(
+            model,
+            prompt or tokenizer.document_start,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
     except (SampleError, HFCheckpointError) as e:
         print(f"sample error: {e}", file=sys.stderr)
         return 2
     print(tokenizer.decode(prompt + ids))
-    print(f"sampled {len(ids)} tokens from {source} (temperature {args.temperature}"
-          f"{f', top-k {args.top_k}' if args.top_k else ''}, seed {args.seed})", file=sys.stderr)
+    print(
+        f"sampled {len(ids)} tokens from {source} (temperature {args.temperature}"
+        f"{f', top-k {args.top_k}' if args.top_k else ''}, seed {args.seed})",
+        file=sys.stderr,
+    )
     return 0
