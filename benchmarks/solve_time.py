@@ -55,7 +55,7 @@ def measure(preset, strategy, data_dir, batch=8, seq=2048):
 
 
 def reference_seconds(n=600, seed=0) -> float:
-    """The solver's LP relaxation (``solve._relaxation``: HiGHS's dual simplex, its options) on
+    """The solver's LP relaxation (``solve.highs.relaxation``: HiGHS's dual simplex, its options) on
     a seeded n x n transportation problem, supplies normalised so every flow lies in [0, 1]: the
     fastest of three runs."""
     rng = np.random.default_rng(seed)
@@ -67,7 +67,7 @@ def reference_seconds(n=600, seed=0) -> float:
     best = np.inf
     for _ in range(3):
         t = time.perf_counter()
-        assert solve._relaxation(cost, a, sides, sides).status == 0
+        assert solve.highs.relaxation(cost, a, sides, sides).status == 0
         best = min(best, time.perf_counter() - t)
     return best
 

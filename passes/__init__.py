@@ -203,6 +203,6 @@ def _passes():
 ALL = _passes()  # every pass shardflow has, by name: ``passes=["inline", "cse", "solve", "boxing"]``
 _INLINE, _CSE, _PROPAGATE, _SOLVE, _BOXING = ALL
 DEFAULT = (_INLINE, _CSE, _PROPAGATE, _BOXING)
-# The whole-program integer program instead of greedy propagation (passes/solve.py): straight-
+# The whole-program integer program instead of greedy propagation (passes/solve/): straight-
 # line programs only so far; anything else falls back to greedy, and explain says so.
 SOLVER = (_INLINE, _CSE, _SOLVE, _BOXING)

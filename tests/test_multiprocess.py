@@ -95,7 +95,7 @@ from shardflow.passes import solve
 grad = jax.grad(lambda x, w1, w2: jnp.sum((jnp.tanh(x @ w1) @ w2) ** 2), argnums=(1, 2))
 mesh = sf.make_mesh({"data": 2, "model": 4})
 args = [jax.ShapeDtypeStruct(s, np.float32) for s in ((16, 32), (32, 64), (64, 32))]
-real_relaxation, real_solve = solve._relaxation, solve._solve
+real_relaxation, real_solve = solve.highs.relaxation, solve._solve
 
 
 def out_of_iterations(*args, **kwargs):
@@ -113,7 +113,7 @@ def crash(*args, **kwargs):
 
 for case in ("whole", "cut on 0", "cut on 1", "differ on 1", "raise on 0"):
     kind = case.split()[0] if case.endswith(str(jax.process_index())) else None
-    solve._relaxation = {"cut": out_of_iterations, "raise": crash}.get(kind, real_relaxation)
+    solve.highs.relaxation = {"cut": out_of_iterations, "raise": crash}.get(kind, real_relaxation)
     solve._solve = greedy_here if kind == "differ" else real_solve
     f = sf.parallelize(grad, mesh=mesh, passes=sf.passes.SOLVER,
                        in_specs=(jax.P("data"), jax.P(None, "model"), jax.P("model")),

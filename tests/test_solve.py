@@ -24,7 +24,7 @@ import shardflow.ops  # noqa: F401  (sf.ops: the attention primitive)
 from shardflow.conversion import local_bytes
 from shardflow.passes import inline, solve
 from shardflow.passes.propagate import Propagation, reduced
-from shardflow.program import Program, is_literal
+from shardflow.program import Program, is_literal, source_line
 from shardflow.specs import B, S, Split
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -118,11 +118,11 @@ def test_the_optimum_is_the_brute_force_minimum(ops, specs, out):
     program = inlined(fn, args, mesh("2x4"), specs, (out,))
     jaxpr = program.jaxpr.jaxpr
     prop = Propagation(program).seeded()
-    options = [solve.strategies(prop, eqn) for eqn in jaxpr.eqns]
+    options = [solve.build.strategies(prop, eqn) for eqn in jaxpr.eqns]
     assume(np.prod([len(o) for o in options]) <= 20_000)
     memo = {}
     best = min(model_cost(prop, jaxpr, program.out_sbp, a, memo) for a in itertools.product(*options))
-    _, _, optimum, _ = solve.choose(Propagation(program).seeded(), jaxpr, program.out_sbp)
+    _, _, optimum, _ = solve.assemble.choose(Propagation(program).seeded(), jaxpr, program.out_sbp)
     assert optimum == pytest.approx(best, rel=1e-6, abs=1e-12)
 
 
@@ -231,12 +231,12 @@ def test_auto_finds_the_exhaustive_optimum_over_parameter_layouts(mesh_name):
     batch = (Split(0), B)
     program = inlined(mlp_grad, MLP_ARGS, m, (None, None, batch), (None, None))
     prop = Propagation(program).seeded()
-    _, chosen, optimum, _ = solve.choose(prop, program.jaxpr.jaxpr, program.out_sbp)
+    _, chosen, optimum, _ = solve.assemble.choose(prop, program.jaxpr.jaxpr, program.out_sbp)
     w1, w2 = program.jaxpr.jaxpr.invars[:2]
     best = min(
-        solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2]
-        for a in solve.layouts(prop, w1.aval)
-        for b in solve.layouts(prop, w2.aval)
+        solve.assemble.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2]
+        for a in solve.build.layouts(prop, w1.aval)
+        for b in solve.build.layouts(prop, w2.aval)
         for p in [inlined(mlp_grad, MLP_ARGS, m, (a, b, batch), (None, None))]
     )
     assert optimum == pytest.approx(best, rel=1e-6, abs=1e-12)
@@ -286,11 +286,11 @@ def test_auto_finds_the_exhaustive_optimum_of_an_attention_block(axes, auto, blo
         fixed[0] = (B, Split(1))
     program = inlined(block, ATTENTION_ARGS, m, fixed, (None, None))
     prop = Propagation(program).seeded()
-    _, chosen, optimum, _ = solve.choose(prop, program.jaxpr.jaxpr, program.out_sbp)
+    _, chosen, optimum, _ = solve.assemble.choose(prop, program.jaxpr.jaxpr, program.out_sbp)
     invars = program.jaxpr.jaxpr.invars
-    choices = [solve.layouts(prop, invars[k].aval) if k in auto else [fixed[k]] for k in (0, 1)]
+    choices = [solve.build.layouts(prop, invars[k].aval) if k in auto else [fixed[k]] for k in (0, 1)]
     best = min(
-        solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2]
+        solve.assemble.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2]
         for a, b in itertools.product(*choices)
         for p in [inlined(block, ATTENTION_ARGS, m, (a, b, batch), (None, None))]
     )
@@ -322,21 +322,21 @@ def test_a_memory_budget_on_the_inputs_is_kept_at_the_least_cost():
     base = inlined(mlp_grad, MLP_ARGS, m, (None, None, batch), outs)
     prop = Propagation(base).seeded()
     w1, w2, x = base.jaxpr.jaxpr.invars
-    free = solve.choose(prop, base.jaxpr.jaxpr, base.out_sbp)
+    free = solve.assemble.choose(prop, base.jaxpr.jaxpr, base.out_sbp)
     assert sum(local_bytes(v.aval, s, m) for v, s in free[1].items()) + 512 == 1536
 
     budget = 1500
     program = base.replace(memory_budget=budget)
-    _, chosen, optimum, _ = solve.choose(Propagation(program).seeded(), program.jaxpr.jaxpr, program.out_sbp)
+    _, chosen, optimum, _ = solve.assemble.choose(Propagation(program).seeded(), program.jaxpr.jaxpr, program.out_sbp)
     assert sum(local_bytes(v.aval, s, m) for v, s in chosen.items()) + 512 <= budget
     fits = [
         p
-        for a in solve.layouts(prop, w1.aval)
-        for b in solve.layouts(prop, w2.aval)
+        for a in solve.build.layouts(prop, w1.aval)
+        for b in solve.build.layouts(prop, w2.aval)
         if local_bytes(w1.aval, a, m) + local_bytes(w2.aval, b, m) + 512 <= budget
         for p in [inlined(mlp_grad, MLP_ARGS, m, (a, b, batch), outs)]
     ]
-    best = min(solve.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2] for p in fits)
+    best = min(solve.assemble.choose(Propagation(p).seeded(), p.jaxpr.jaxpr, p.out_sbp)[2] for p in fits)
     assert optimum == pytest.approx(best, rel=1e-6) and optimum > free[2]
 
     kw = dict(mesh=m, in_specs=(sf.AUTO, sf.AUTO, jax.P("data")), out_specs=(jax.P(), jax.P()))
@@ -488,7 +488,7 @@ def test_the_iteration_limit_hands_the_program_to_greedy_whatever_the_clock(monk
     from programs import CASES
     from test_equivalence import assert_trees_close
 
-    monkeypatch.setattr(solve, "ITERATION_LIMIT", 1)
+    monkeypatch.setattr(solve.highs, "ITERATION_LIMIT", 1)
     m = mesh("2x4")
     fn, args, in_specs, out_specs = CASES["mlp"]("tp", m)
     step = sf.parallelize(fn, mesh=m, in_specs=in_specs, out_specs=out_specs, passes=sf.passes.SOLVER)
@@ -503,14 +503,14 @@ def test_loops_laid_out_by_greedy_after_a_time_limit_are_said_to_be_left_out(mon
     """Where solving a program's loops runs out of time, they are laid out as greedy lays them
     out and the rest solved; the planner line says so, and that the optimum it reports leaves
     the loops' own work and collectives out (explain's figure as boxed has them)."""
-    choose = solve.choose
+    choose = solve.assemble.choose
 
     def slow_loops(prop, jaxpr, out_sbp, time_limit=None, given=None, *args, **kwargs):
         if not any(eqn.primitive is jax.lax.scan_p for eqn in (given or ())):
             raise solve.Unsolvable("Time limit reached (as if)")
         return choose(prop, jaxpr, out_sbp, time_limit, given, *args, **kwargs)
 
-    monkeypatch.setattr(solve, "choose", slow_loops)
+    monkeypatch.setattr(solve.assemble, "choose", slow_loops)
     r = np.random.default_rng(0)
     ws, x = r.standard_normal((4, 64, 64)).astype(np.float32) / 8, r.standard_normal((64, 64)).astype(np.float32)
     step = sf.parallelize(
@@ -810,7 +810,7 @@ def test_the_solves_of_one_program_price_each_conversion_once_and_the_second_sta
     from shardflow import conversion
 
     priced, solves, inside, lps = [], [], [False], []
-    seconds, choose, relaxation = conversion.Pricer._seconds, solve.choose, solve._relaxation
+    seconds, choose, relaxation = conversion.Pricer._seconds, solve.assemble.choose, solve.highs.relaxation
 
     def counted_seconds(pricer, src, dst):
         if inside[0]:
@@ -833,8 +833,8 @@ def test_the_solves_of_one_program_price_each_conversion_once_and_the_second_sta
         return result
 
     monkeypatch.setattr(conversion.Pricer, "_seconds", counted_seconds)
-    monkeypatch.setattr(solve, "choose", counted_choose)
-    monkeypatch.setattr(solve, "_relaxation", counted_relaxation)
+    monkeypatch.setattr(solve.assemble, "choose", counted_choose)
+    monkeypatch.setattr(solve.highs, "relaxation", counted_relaxation)
     _, run, state, batch = train_step_shapes()
     assert run.train_step().explain(*state, batch).planner.startswith("solver (optimal")
     assert len(solves) == 2
@@ -844,10 +844,10 @@ def test_the_solves_of_one_program_price_each_conversion_once_and_the_second_sta
     assert cold > 0 and warm > 0
 
 
-def _odd_cycle() -> "solve._Model":
+def _odd_cycle() -> "solve.model.Model":
     """max x1 + x2 + x3 with x_i + x_j <= 1 for each pair: the LP's optimum is x = 1/2 each
     (1.5), the integer program's 1 — a relaxation that is fractional everywhere."""
-    m = solve._Model()
+    m = solve.model.Model()
     xs = [m.var(-1e-6, integral=True) for _ in range(3)]
     for i, j in itertools.combinations(xs, 2):
         m.row([(i, 1.0), (j, 1.0)], -math.inf, 1.0)
@@ -884,7 +884,7 @@ def test_a_relax_and_fix_plan_as_cheap_as_the_relaxation_ends_the_solve(monkeypa
     bound (13 s on the 1b tensor-parallel step, 36 s under a GPU's memory budget) does not run.
     The odd cycle's relaxation (1.5) is reported at the integer optimum (1.0) here, so that the
     fixed plan meets it."""
-    real, calls = solve._relaxation, []
+    real, calls = solve.highs.relaxation, []
 
     def relaxation(*args, **kwargs):
         result = real(*args, **kwargs)
@@ -896,7 +896,7 @@ def test_a_relax_and_fix_plan_as_cheap_as_the_relaxation_ends_the_solve(monkeypa
         return optimize_milp(cost, bounds=bounds, **kwargs)
 
     optimize_milp = optimize.milp
-    monkeypatch.setattr(solve, "_relaxation", relaxation)
+    monkeypatch.setattr(solve.highs, "relaxation", relaxation)
     monkeypatch.setattr(optimize, "milp", milp)
     m = _odd_cycle()
     y = m.var(1e-6, integral=True)  # a column the relaxation settles (0): fixed there
@@ -941,18 +941,18 @@ def test_an_optimizers_pinned_tail_is_coarsened_to_the_same_optimum(monkeypatch)
     optimum. A program this small is solved exactly unless told otherwise (``COARSEN``)."""
     program = _adamw_step()
     jaxpr = program.jaxpr.jaxpr
-    tail = solve.pinned_tail(jaxpr, program.in_sbp, program.out_sbp)
+    tail = solve.coarsen.pinned_tail(jaxpr, program.in_sbp, program.out_sbp)
     assert len(tail) == 36
-    assert all("optax" in solve.source_line(eqn) for eqn in tail)
+    assert all("optax" in source_line(eqn) for eqn in tail)
     assert set(tail.values()) == {(Split(0), Split(0))}
 
     def solved(coarsen):
-        monkeypatch.setattr(solve, "COARSEN", coarsen)
+        monkeypatch.setattr(solve.coarsen, "COARSEN", coarsen)
         prop = Propagation(program).seeded()
-        model, _, _ = solve.build(prop, jaxpr, program.out_sbp)
-        return len(model.cost), solve.choose(Propagation(program).seeded(), jaxpr, program.out_sbp)[2]
+        model, _, _ = solve.build.build(prop, jaxpr, program.out_sbp)
+        return len(model.cost), solve.assemble.choose(Propagation(program).seeded(), jaxpr, program.out_sbp)[2]
 
-    default = solved(solve.COARSEN)
+    default = solved(solve.coarsen.COARSEN)
     coarse_columns, coarse = solved(0)
     exact_columns, exact = solved(math.inf)
     assert default == (exact_columns, exact)
@@ -1019,14 +1019,14 @@ def test_one_alternatives_call_starts_each_relaxation_from_the_last_optimal_basi
     starts from the optimal basis of the last one of its shape: fewer dual simplex iterations,
     and every figure the same as each annotation planned on its own, from the slack basis."""
     iterations = []
-    relaxation = solve._relaxation
+    relaxation = solve.highs.relaxation
 
     def counted(cost, a, lb, ub, warm=None):
         result = relaxation(cost, a, lb, ub, warm)
         iterations.append(warm["highs"].getInfo().simplex_iteration_count)
         return result
 
-    monkeypatch.setattr(solve, "_relaxation", counted)
+    monkeypatch.setattr(solve.highs, "relaxation", counted)
     step = sf.parallelize(
         mlp_grad,
         mesh=sf.make_mesh({"data": 2, "model": 4}),
