@@ -8,7 +8,8 @@ params, loss = step(params, batch)
 
 from shardflow import passes, schedules
 from shardflow.api import Parallelized, ReplicatedAxisWarning, parallelize
-from shardflow.explain import Collective, Plan
+from shardflow.costs import Collective
+from shardflow.explain import Plan
 from shardflow.mesh import LinkModel, make_mesh
 from shardflow.pipelining import pipeline
 from shardflow.primitives import constrain

@@ -1,44 +1,19 @@
-"""``explain``: every collective of a boxed program, its bytes, and the user line behind it."""
+"""``explain``: the report of a boxed program's plan (``Plan``, ``make_plan``): every collective,
+its bytes and the user line behind it, the values' layouts, and the modelled time and memory
+per device, as ``costs`` computes them."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from jax import lax
-
-from shardflow import conversion, registry
+from shardflow.costs import Totals, gathered_inputs, modelled
 from shardflow.primitives import box_p
-from shardflow.program import (
-    REMAT_PRIMITIVES,
-    Program,
-    all_eqns,
-    is_literal,
-    named_bodies,
-    open_jaxpr,
-    scan_arity,
-    source_line,
-)
-from shardflow.specs import B, Split, as_dtype, describe, format_sbp
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | ppermute
-    axes: tuple  # mesh axis names
-    shape: tuple  # global shape of the value converted
-    dtype: str
-    bytes: int  # per-device bytes sent, per execution
-    count: int  # executions per call (trip counts of enclosing scans)
-    source: str  # file.py:LINE of the user code that made the value
-    used_at: str  # file.py:LINE of the use that needed the conversion
-    reason: str
-    src: str  # NdSbp before / after the whole conversion
-    dst: str
-    seconds: float = 0.0  # modelled time per execution (the link model's α + bytes/β)
+from shardflow.program import Program, all_eqns, source_line
+from shardflow.specs import describe, format_sbp
 
 
 @dataclasses.dataclass
-class Plan:
+class Plan(Totals):
     collectives: list
     inputs: list  # (argument name, shape, NdSbp)
     outputs: list  # (index, shape, NdSbp)
@@ -46,30 +21,13 @@ class Plan:
     fallbacks: list  # (primitive, source) run whole for want of a rule
     planner: str = "greedy"  # which pass chose the shardings (passes.propagate or passes.solve)
     work_seconds: float = 0.0  # modelled local work of every equation (conversion.local_seconds)
-    hidden_seconds: float = 0.0  # collectives a loop overlaps with its matmuls (``overlap``)
+    hidden_seconds: float = 0.0  # collectives a loop overlaps with its matmuls (``costs.overlap``)
     flops: float = 0.0  # per device: the local flops of every equation whose rule counts them
     input_bytes: int = 0  # per device: the arguments' blocks
-    loop_bytes: int = 0  # per device: what the loops hold across the step (``held_bytes``)
-    gathered: list = dataclasses.field(default_factory=list)  # (argument, NdSbp, to, where, bytes): ``gathered_inputs``
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(c.bytes * c.count for c in self.collectives)
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(c.seconds * c.count for c in self.collectives)
-
-    @property
-    def memory_bytes(self) -> int:
-        """What a memory budget bounds: the inputs and what the loops hold (partial: the
-        other intermediates and temporaries are not counted)."""
-        return self.input_bytes + self.loop_bytes
-
-    @property
-    def modelled_seconds(self) -> float:
-        """What the solver minimises: the collectives and the local work, less what loops hide."""
-        return self.total_seconds + self.work_seconds - self.hidden_seconds
+    loop_bytes: int = 0  # per device: what the loops hold across the step (``costs.held_bytes``)
+    gathered: list = dataclasses.field(
+        default_factory=list
+    )  # (argument, NdSbp, to, where, bytes): ``costs.gathered_inputs``
 
     def __str__(self):
         rows = [("kind", "axes", "value", "bytes", "µs", "×", "source", "reason")]
@@ -118,178 +76,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def overlap(program: Program, eqn) -> float:
-    """Seconds per execution of a scan's body that its collectives hide behind its matmuls."""
-    return min(*hideable(program, eqn))
-
-
-def hideable(program: Program, eqn) -> tuple[float, float]:
-    """(seconds of the conversions XLA may run ahead of or behind a boxed scan body's compute —
-    of its sliced inputs (a layer's weights, gathered ahead) and to its stacked outputs (a
-    layer's gradient, reduced behind the next layer) —, seconds of its matmuls' flops, remat
-    regions included), per execution; a remat's conversions of a sliced operand count as the
-    weight's own (the solver prices them so: ``passes.solve``). Collectives on the layer's own
-    critical path (a tensor-parallel all-reduce) hide nothing. No schedule is imposed: within an
-    iteration XLA's latency-hiding scheduler places them (moving them an iteration early or late
-    in the lowering measured 1-1.5 % slower on 7b FSDP, 2 x H200: benchmarks/results/scaling.md)."""
-    body = open_jaxpr(eqn.params["jaxpr"])
-    nc, nk = scan_arity(eqn.params)
-    ahead, behind = set(body.invars[nc + nk :]), {v for v in body.outvars[nk:] if not is_literal(v)}
-    boxes = [(e, ahead) for e in body.eqns]
-    for e in body.eqns:  # a remat's body converting a sliced operand (a backward's recomputed forward)
-        if e.primitive in REMAT_PRIMITIVES:
-            inner = open_jaxpr(e.params["jaxpr"])
-            sliced = {v for x, v in zip(e.invars, inner.invars) if not is_literal(x) and x in ahead}
-            boxes += [(b, sliced) for b in inner.eqns]
-    comm = sum(
-        conversion.steps_seconds([s for s in e.params["steps"] if s.is_collective], program.links)
-        for e, sliced in boxes
-        if e.primitive is box_p and (not is_literal(e.invars[0]) and e.invars[0] in sliced or e.outvars[0] in behind)
-    )
-    return comm, _matmul_seconds(program, body)
-
-
-def _matmul_seconds(program: Program, jaxpr) -> float:
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive in REMAT_PRIMITIVES:
-            total += _matmul_seconds(program, open_jaxpr(eqn.params["jaxpr"]))
-        elif (rule := registry.rule_of(eqn.primitive)) is not None and rule.flops is not None:
-            d = registry.decision_of(eqn)
-            flops, _ = conversion.local_work(eqn, d.ins, d.outs, program.mesh)
-            total += program.links.compute_seconds(flops, 0)
-    return total
-
-
-def collectives(program: Program, jaxpr) -> list:
-    """The collectives one run of ``jaxpr`` (a boxed program's, or a body of it) runs."""
-    out = []
-    _collectives(program, jaxpr, 1, out)
-    return out
-
-
-def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float, float, float]:
-    """The collectives of ``jaxpr`` (into ``out``): each box's plan, and those a rule's own
-    lowering runs. Returns the modelled local work of its equations, the seconds its loops
-    hide (``overlap``) and its flops per device (those its rules count: matmuls, convolutions)."""
-    work = hidden = flops = 0.0
-    for eqn in jaxpr.eqns:
-        x, d = eqn.invars[0] if eqn.invars else None, registry.decision_of(eqn)
-        rule = registry.rule_of(eqn.primitive)
-        if eqn.primitive is box_p:
-            p = eqn.params
-            steps, why = p["steps"], (p["source"], p["used_at"], p["reason"], p["src"], p["dst"])
-        elif rule is not None and rule.comm is not None:
-            steps = rule.comm(eqn, d.ins, d.sigs, program.mesh)
-            why = (source_line(eqn), source_line(eqn), f"{eqn.primitive.name} {rule.comm_reason}", d.ins[0], d.outs[0])
-        else:
-            steps = ()
-        repeats: dict = {}  # a rule's identical steps (a pipeline's per-tick ppermute) counted once
-        for st in steps:
-            if st.is_collective:
-                repeats[st] = repeats.get(st, 0) + 1
-        for st, times in repeats.items():
-            source, used_at, reason, src, dst = why
-            moved = st.value or x.aval
-            out.append(
-                Collective(
-                    st.kind,
-                    st.axes,
-                    tuple(moved.shape),
-                    as_dtype(moved.dtype).name,
-                    st.bytes,
-                    count * times,
-                    source,
-                    used_at,
-                    reason,
-                    format_sbp(src),
-                    format_sbp(dst),
-                    program.links.seconds(st.axes, st.bytes),
-                )
-            )
-        bodies = list(named_bodies(eqn))
-        for name, body in bodies:
-            trips = rule.trips(eqn, name, program.mesh) if rule is not None and rule.trips is not None else 1
-            w, h, f = _collectives(program, body, count * trips, out)
-            work, hidden, flops = work + w, hidden + h, flops + f
-        if eqn.primitive is lax.scan_p:
-            hidden += count * eqn.params["length"] * overlap(program, eqn)
-        if not bodies and eqn.primitive is not box_p and d is not None:
-            work += count * conversion.local_seconds(eqn, d.ins, d.outs, program.mesh, program.links)
-            flops += count * conversion.local_work(eqn, d.ins, d.outs, program.mesh)[0]
-    return work, hidden, flops
-
-
-def held_bytes(program: Program, jaxpr) -> int:
-    """Per device, what the scans of ``jaxpr`` not in a loop hold across the step (remat bodies
-    included; a loop's per-iteration values come and go): their stacked outputs — what a layer
-    loop keeps for the backward, its stacked gradients — and their operands other than carries
-    as the loops take them — a layer's weights, cast or gathered —, each value once; not the
-    arguments (``input_bytes``), the constants, or one scan's stacked output taken by another
-    as it is (the integer program's ``_taken`` counts the same)."""
-    held, alias = {}, {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is lax.scan_p:
-                nc, nk = scan_arity(eqn.params)
-                for k, x in enumerate(eqn.invars):
-                    if not (nc <= k < nc + nk) and not is_literal(x):
-                        held.setdefault(alias.get(x, x), x)
-                for o in eqn.outvars[nk:]:
-                    held[o] = o
-            elif eqn.primitive in REMAT_PRIMITIVES:
-                body = open_jaxpr(eqn.params["jaxpr"])
-                alias.update((v, alias.get(x, x)) for x, v in zip(eqn.invars, body.invars) if not is_literal(x))
-                walk(body)
-                alias.update((o, alias.get(v, v)) for v, o in zip(body.outvars, eqn.outvars) if not is_literal(v))
-
-    walk(jaxpr)
-    given = set(program.jaxpr.jaxpr.invars) | set(program.jaxpr.jaxpr.constvars)  # held however laid out
-    return sum(
-        conversion.local_bytes(x.aval, program.sbp[x], program.mesh)
-        for v, x in held.items()
-        if v not in given and x in program.sbp
-    )
-
-
-_SAME_VALUE = ("convert_element_type", "copy")  # a weight's cast is still the weight
-
-
-def gathered_inputs(program: Program) -> list:
-    """(argument, its NdSbp, the NdSbp converted to, where, bytes sent per device per step) of
-    every conversion that gathers an argument — or its cast, or a layer's slice of it inside a
-    scan — over a mesh axis its spec splits: a weight pinned split, materialised whole there."""
-    jaxpr, out = program.jaxpr.jaxpr, []
-    origin = dict(zip(jaxpr.invars, program.arg_names))
-
-    def walk(jaxpr, count):
-        for eqn in jaxpr.eqns:
-            x = eqn.invars[0] if eqn.invars and not is_literal(eqn.invars[0]) else None
-            if eqn.primitive is box_p and x in origin:
-                p = eqn.params
-                if any(isinstance(a, Split) and b == B for a, b in zip(p["src"], p["dst"])):
-                    sent = sum(st.bytes for st in p["steps"] if st.is_collective) * count
-                    out.append((origin[x], format_sbp(p["src"]), format_sbp(p["dst"]), p["used_at"], sent))
-                origin[eqn.outvars[0]] = origin[x]
-            elif eqn.primitive.name in _SAME_VALUE and x in origin:
-                origin[eqn.outvars[0]] = origin[x]
-            elif eqn.primitive is lax.scan_p or eqn.primitive in REMAT_PRIMITIVES:
-                body = open_jaxpr(eqn.params["jaxpr"])
-                nc, nk = scan_arity(eqn.params) if eqn.primitive is lax.scan_p else (len(body.invars), 0)
-                for k, (y, v) in enumerate(zip(eqn.invars, body.invars)):
-                    if not (nc <= k < nc + nk) and not is_literal(y) and y in origin:
-                        origin[v] = origin[y] + ("[layer]" if k >= nc + nk else "")
-                walk(body, count * eqn.params.get("length", 1))
-
-    walk(jaxpr, 1)
-    return out
-
-
 def make_plan(program: Program) -> Plan:
     jaxpr, arg_names = program.jaxpr.jaxpr, program.arg_names
-    found = []
-    work, hidden, flops = _collectives(program, jaxpr, 1, found)
+    costs = modelled(program)
     inputs = [(n, tuple(v.aval.shape), program.sbp[v]) for n, v in zip(arg_names, jaxpr.invars)]
     outputs = [(i, tuple(v.aval.shape), s) for i, (v, s) in enumerate(zip(jaxpr.outvars, program.out_sbp))]
     values = [
@@ -303,18 +92,17 @@ def make_plan(program: Program) -> Plan:
         for v in e.outvars
         if v in program.sbp
     ]
-    input_bytes = sum(conversion.local_bytes(v.aval, program.sbp[v], program.mesh) for v in jaxpr.invars)
     return Plan(
-        found,
+        costs.collectives,
         inputs,
         outputs,
         values,
         list(program.fallbacks),
         program.planner,
-        work,
-        hidden,
-        flops,
-        input_bytes,
-        held_bytes(program, jaxpr),
+        costs.work_seconds,
+        costs.hidden_seconds,
+        costs.flops,
+        costs.input_bytes,
+        costs.loop_bytes,
         gathered_inputs(program),
     )

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from shardflow.explain import make_plan
+from shardflow.costs import modelled
 from shardflow.passes.boxing import boxing
 from shardflow.passes.propagate import Propagation, propagate
 from shardflow.passes.solve import assemble, build, highs
@@ -127,7 +127,7 @@ def _solve(program: Program, time_limit: float | None) -> Program:
     if greedy is None:  # sf.AUTO: greedy on the layouts the solver chose
         greedy = propagate(program.replace(in_sbp=solved.in_sbp, memory_budget=None))
         boxed = boxing(greedy)
-    its = make_plan(boxed)
+    its = modelled(boxed)
     ours, theirs = mine.modelled_seconds, its.modelled_seconds
     budget = build.budget(program)
     if theirs < ours * (1 - 1e-9) and (budget is None or its.memory_bytes <= budget):  # a tie keeps the solved plan

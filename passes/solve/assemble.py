@@ -9,7 +9,7 @@ from typing import NamedTuple
 from jax import lax
 
 from shardflow import registry
-from shardflow.explain import hideable, make_plan
+from shardflow.costs import Modelled, hideable, modelled
 from shardflow.passes.boxing import boxing
 from shardflow.passes.propagate import Propagation, reduced
 from shardflow.passes.solve.agreement import process_0s
@@ -141,7 +141,7 @@ def _laid_out(jaxpr, laid, loops: bool, out: dict) -> dict:
 
 def _exposed(boxed: Program, jaxpr, laid_jaxpr, out: dict) -> dict:
     """Scan equations of ``jaxpr`` -> the share of their hideable conversions (a layer's weights
-    gathered ahead, its gradient reduced behind the next layer: ``explain.hideable``) that
+    gathered ahead, its gradient reduced behind the next layer: ``costs.hideable``) that
     their matmuls leave exposed in ``laid_jaxpr``, its annotation in ``boxed`` (greedy's boxed
     plan, or a solved one): the solver's price of such a conversion, as a share of its collectives' time (at
     least 1/20: a conversion is never free). Explain takes the min of the two; the integer program keeps
@@ -165,7 +165,7 @@ class _Solution(NamedTuple):
     seconds: float  # the integer program's optimum (modelled), or the best plan found
     bound: float  # a lower bound on the optimum (== seconds where proven)
     note: str  # what else the planner line says (sf.AUTO choices, loops laid out by greedy)
-    plan: object  # explain's Plan of ``program``
+    plan: Modelled  # the modelled costs of ``boxed``, as explain's Plan reports them
 
 
 def solved(
@@ -213,7 +213,7 @@ def solved(
         )
     solved = program.replace(jaxpr=closed.replace(jaxpr=jaxpr), sbp=sbp, out_sbp=out_sbp, fallbacks=fallbacks)
     boxed = boxing(solved)
-    return _Solution(solved, boxed, seconds, bound, chose + laid, make_plan(boxed))
+    return _Solution(solved, boxed, seconds, bound, chose + laid, modelled(boxed))
 
 
 def loop_shares(boxed: Program, jaxpr) -> dict:

@@ -278,7 +278,7 @@ class _Builder:
             options = [self.prop.whole] if is_literal(v) else layouts(self.prop, v.aval, partial=True)
             options = [a for a in options if self.prop.valid(o.aval, stacked(a))]
             cols = self.choice([0.0] * len(options))
-            if not self.loop_depth:  # held across the step (explain.held_bytes)
+            if not self.loop_depth:  # held across the step (costs.held_bytes)
                 self.held += [
                     (c, float(conversion.local_bytes(o.aval, stacked(a), self.prop.mesh)))
                     for a, c in zip(options, cols)
@@ -452,7 +452,7 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
 
 def _taken(b: _Builder, jaxpr) -> list:
     """(column, bytes per device) of each value the loops not in a loop take (not as a carry)
-    at a layout, once however many take it there (explain.held_bytes): one more column, at
+    at a layout, once however many take it there (costs.held_bytes): one more column, at
     least each taking loop's choice of that layout. An argument, or another loop's stacked
     output, taken where it is, is counted as that already."""
     counted = set(jaxpr.invars) | b.stacked_outputs

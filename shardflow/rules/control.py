@@ -11,7 +11,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, DropVar
 from jax.extend.core import primitives as prims
 
-from shardflow import _compat, conversion, explain
+from shardflow import _compat, conversion, costs
 from shardflow.primitives import box_p, constrain_p
 from shardflow.program import REMAT_PRIMITIVES, is_literal, open_jaxpr, scan_arity, source_line
 from shardflow.registry import Decision, defrule
@@ -172,7 +172,7 @@ def _straight_line(program, body) -> bool:
     from the forward to the backward. (A remat's recomputation would be merged so too — jax
     puts no optimization barrier on a remat inside a scan, ``prevent_cse=False`` there — but
     in an unrolled body ``_lower_remat`` bars every recomputation's operands.)"""
-    return not explain.collectives(program, body)
+    return not costs.collectives(program, body)
 
 
 def _lower_unrolled(local, body, eqn, consts, init, xs):
