@@ -327,9 +327,9 @@ def main(argv=None):
     choice) read as 7x GSPMD's flops on the scan rows. The table compares plans."""
     from unittest import mock
 
-    from shardflow.rules import control
+    from shardflow.passes import unroll
 
-    with mock.patch.object(control, "UNROLLED_TRIPS", 0):
+    with mock.patch.object(unroll, "UNROLLED_TRIPS", 0):
         return _table(argv)
 
 

@@ -22,7 +22,7 @@ from jax.extend import source_info_util
 from jax.extend.core import DropVar
 
 from shardflow.program import Program, all_eqns, all_jaxprs, is_literal, nested, subjaxprs
-from shardflow.registry import Decision, decision_of
+from shardflow.registry import Decision, Loop, decision_of, region_of
 from shardflow.specs import B, format_sbp
 
 # Frames of the passes are never "the user's line".
@@ -104,12 +104,12 @@ def _fail(what: str):
 
 
 def _check_inlined(program: Program):
-    from shardflow.passes.inline import INLINED
+    from shardflow.passes.inline import CALLS
 
     defined = set()
     for jaxpr in all_jaxprs(program.jaxpr.jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name in INLINED:
+            if eqn.primitive in CALLS:
                 _fail(f"inlined: a {eqn.primitive.name} call is left")
         for v in list(jaxpr.constvars) + list(jaxpr.invars) + [v for e in jaxpr.eqns for v in e.outvars]:
             if not isinstance(v, DropVar):
@@ -175,16 +175,31 @@ def _bodies(eqn, d):
     return out
 
 
+def _check_unrolled(program: Program):
+    for eqn in all_eqns(program.jaxpr.jaxpr):
+        if isinstance(region_of(eqn), Loop) and decision_of(eqn).unrolled is None:
+            _fail(f"unrolled: a {eqn.primitive.name} loop has no rolled/unrolled decision")
+
+
+def _check_lowered(program: Program):
+    if program.lowered is None:
+        _fail("lowered: the program has no lowered function")
+
+
 INLINED = Fact("inlined", _check_inlined)
 SHARDED = Fact("sharded", _check_sharded)
 BOXED = Fact("boxed", _check_boxed)
+UNROLLED = Fact("unrolled", _check_unrolled)
+LOWERED = Fact("lowered", _check_lowered)
 
 
 def _passes():
     from shardflow.passes.boxing import boxing
     from shardflow.passes.cse import cse
     from shardflow.passes.inline import inline
+    from shardflow.passes.lower import lower
     from shardflow.passes.propagate import propagate
+    from shardflow.passes.unroll import unroll
 
     def solve(program):  # scipy loads only when a program is solved
         from shardflow.passes.solve import solve
@@ -197,12 +212,15 @@ def _passes():
         Pass("propagate", propagate, requires=(INLINED,), ensures=(SHARDED,)),
         Pass("solve", solve, requires=(INLINED,), ensures=(SHARDED,)),
         Pass("boxing", boxing, requires=(SHARDED,), ensures=(BOXED,)),
+        Pass("unroll", unroll, requires=(BOXED,), ensures=(UNROLLED,)),
+        Pass("lower", lower, requires=(BOXED, UNROLLED), ensures=(LOWERED,)),
     )
 
 
-ALL = _passes()  # every pass shardflow has, by name: ``passes=["inline", "cse", "solve", "boxing"]``
-_INLINE, _CSE, _PROPAGATE, _SOLVE, _BOXING = ALL
-DEFAULT = (_INLINE, _CSE, _PROPAGATE, _BOXING)
-# The whole-program integer program instead of greedy propagation (passes/solve/): straight-
-# line programs only so far; anything else falls back to greedy, and explain says so.
-SOLVER = (_INLINE, _CSE, _SOLVE, _BOXING)
+ALL = _passes()  # every pass shardflow has, by name: ``passes=["inline", "cse", "solve", ...]``
+_INLINE, _CSE, _PROPAGATE, _SOLVE, _BOXING, _UNROLL, _LOWER = ALL
+DEFAULT = (_INLINE, _CSE, _PROPAGATE, _BOXING, _UNROLL, _LOWER)
+# The whole-program integer program instead of greedy propagation (passes/solve): loops and
+# pipelines are solved with their bodies; what it cannot solve falls back to greedy, and explain
+# says so.
+SOLVER = (_INLINE, _CSE, _SOLVE, _BOXING, _UNROLL, _LOWER)

@@ -13,25 +13,29 @@ The program computes the same values.
 from __future__ import annotations
 
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr
+from jax.extend.core import primitives as prims
 
 from shardflow.program import REMAT_PRIMITIVES, Program, has_user_frame, is_literal, new_var, rebuild, subjaxprs
 from shardflow.specs import ShardingError
 
-INLINED = {
-    "jit",
-    "pjit",
-    "closed_call",
-    "core_call",
-    "custom_jvp_call",
-    "custom_vjp_call",
-    "custom_vjp_call_jaxpr",
-    "custom_lin",
-}
+# The call wrappers inlining flattens: differentiation is done, so custom rules no longer matter.
+CALLS = frozenset(
+    p
+    for p in (
+        prims.jit_p,
+        prims.closed_call_p,
+        prims.call_p,
+        prims.custom_jvp_call_p,
+        prims.custom_vjp_call_p,
+        prims.custom_lin_p,
+    )
+    if p is not None
+)
 
 
-def _body(eqn):
-    """The ClosedJaxpr an inlinable call evaluates, or None."""
-    if eqn.primitive.name not in INLINED:
+def _body(eqn, calls):
+    """The ClosedJaxpr an inlinable call (of a primitive in ``calls``) evaluates, or None."""
+    if eqn.primitive not in calls:
         return None
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         j = eqn.params.get(key)
@@ -42,10 +46,11 @@ def _body(eqn):
     return None
 
 
-def _clone(jaxpr: Jaxpr, traceback=None) -> tuple[Jaxpr, list]:
-    """A copy of ``jaxpr`` with fresh Vars and inlined calls, and the consts of the inlined
-    bodies as (Var, value): the caller binds them (as its own consts, or as loop-body consts).
-    ``traceback``: the enclosing user-code traceback, for equations that have none of their own."""
+def flatten(jaxpr: Jaxpr, calls=CALLS, traceback=None) -> tuple[Jaxpr, list]:
+    """A copy of ``jaxpr`` with fresh Vars and the equations of ``calls`` primitives replaced by
+    their bodies, nested jaxprs included, and the consts of the inlined bodies as (Var, value):
+    the caller binds them (as its own consts, or as loop-body consts). ``traceback``: the
+    enclosing user-code traceback, for equations that have none of their own."""
     env, hoisted = {}, []
 
     def read(a):
@@ -66,9 +71,9 @@ def _clone(jaxpr: Jaxpr, traceback=None) -> tuple[Jaxpr, list]:
             traceback = eqn.source_info.traceback
         elif traceback is not None:
             eqn = eqn.replace(source_info=eqn.source_info.replace(traceback=traceback))
-        body = _body(eqn)
+        body = _body(eqn, calls)
         if body is None:
-            eqn, extra = _clone_nested(eqn, traceback, hoisted)
+            eqn, extra = _clone_nested(eqn, traceback, hoisted, calls)
             eqns.append(
                 eqn.replace(invars=extra + [read(a) for a in eqn.invars], outvars=[fresh(v) for v in eqn.outvars])
             )
@@ -90,7 +95,7 @@ def _clone(jaxpr: Jaxpr, traceback=None) -> tuple[Jaxpr, list]:
     return Jaxpr(constvars, invars, [read(a) for a in jaxpr.outvars], eqns, jaxpr.effects, jaxpr.debug_info), hoisted
 
 
-def _clone_nested(eqn, traceback, hoisted):
+def _clone_nested(eqn, traceback, hoisted, calls):
     """The eqn with its nested jaxprs cloned, and the operands to prepend to its own. Consts
     hoisted out of a body become consts of that body's ClosedJaxpr (scan, while, cond), or — for
     a call whose operands are its body's inputs (remat) — leading inputs fed from fresh Vars of
@@ -99,7 +104,7 @@ def _clone_nested(eqn, traceback, hoisted):
 
     def one(j):
         closed = isinstance(j, ClosedJaxpr)
-        body, inner = _clone(j.jaxpr if closed else j, traceback)
+        body, inner = flatten(j.jaxpr if closed else j, calls, traceback)
         if not inner:
             return ClosedJaxpr(body, j.consts) if closed else body
         vars_, values = [v for v, _ in inner], [c for _, c in inner]
@@ -122,7 +127,7 @@ def _clone_nested(eqn, traceback, hoisted):
 
 def inline(program: Program) -> Program:
     closed = program.jaxpr
-    jaxpr, hoisted = _clone(closed.jaxpr)
+    jaxpr, hoisted = flatten(closed.jaxpr)
     jaxpr = Jaxpr(
         list(jaxpr.constvars) + [v for v, _ in hoisted],
         jaxpr.invars,

@@ -20,8 +20,17 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr
 
 from shardflow import registry
 from shardflow.program import Program, is_literal
-from shardflow.rules.control import Slices
+from shardflow.registry import Loop
 from shardflow.specs import axis_sizes, local_shape, split_axes, to_partition_spec
+
+
+class Slices(list):
+    """A stacked output of a loop lowered unrolled: its blocks, one per trip, in index order.
+    An unrolled loop takes them as its sliced input as they are; anything else reads them
+    stacked (``Local.eval`` stacks them once, on first use)."""
+
+    def stacked(self):
+        return jnp.stack(self)
 
 
 class Local:
@@ -70,10 +79,13 @@ class Local:
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         for eqn in jaxpr.eqns:
-            ins = [read(a) if eqn.primitive is lax.scan_p else stacked(a) for a in eqn.invars]
+            region = registry.region_of(eqn)
+            ins = [read(a) if isinstance(region, Loop) else stacked(a) for a in eqn.invars]
             rule = registry.rule_of(eqn.primitive)
             if rule is not None and rule.lower is not None:
                 outs = rule.lower(self, eqn, ins)
+            elif isinstance(region, Loop):
+                outs = self.loop_region(eqn, region, ins)
             else:
                 outs = eqn.primitive.bind(*ins, **registry.bind_params(eqn))
             if not eqn.primitive.multiple_results:
@@ -83,15 +95,55 @@ class Local:
                     env[v] = x
         return [stacked(a) for a in jaxpr.outvars]
 
+    def loop_region(self, eqn, loop: Loop, ins) -> list:
+        """A loop unrolled (``passes.unroll`` decided so) keeps its stacked outputs as one block
+        per trip (``Slices``), which the next unrolled loop (the backward's) takes as they are.
+        Rolled, it is a ``fori_loop`` whose stacked outputs start as uninitialised buffers
+        (``lax.empty``) and take one slice a trip; ``lax.scan`` starts them as zeros, which XLA
+        materialises (48 GB of writes a step for the 1b step's residuals)."""
+        nc, nk, n = loop.consts, loop.carries, loop.trips
+        body = self.body_fn(eqn.params[loop.body])
+        consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
+        if n == 0:  # no trips: the carries as they came, the stacked outputs empty
+            return list(init) + [
+                None if isinstance(v, DropVar) else jnp.zeros(self.shape(v), v.aval.dtype) for v in eqn.outvars[nk:]
+            ]
+        order = lambda i: n - 1 - i if loop.reverse else i  # noqa: E731
+        if registry.decision_of(eqn).unrolled:
+            carry, ys = list(init), [{} for _ in eqn.outvars[nk:]]
+            with self.looping("unrolled"):
+                for i in range(n):
+                    k = order(i)
+                    trip = [x[k] if isinstance(x, Slices) else lax.index_in_dim(x, k, keepdims=False) for x in xs]
+                    out = body(*consts, *carry, *trip)
+                    carry = list(out[:nk])
+                    for y, o in zip(ys, out[nk:]):
+                        y[k] = o
+            return carry + [Slices(y[k] for k in range(n)) for y in ys]
+        xs = [x.stacked() if isinstance(x, Slices) else x for x in xs]
+        ys = [None if isinstance(v, DropVar) else lax.empty(self.shape(v), v.aval.dtype) for v in eqn.outvars[nk:]]
+        assert all(y is None or y.shape[0] == n for y in ys), "a loop's stacked dim is never split"
+
+        def step(i, state):
+            carry, ys = state
+            k = order(i)
+            out = body(*consts, *carry, *(lax.dynamic_index_in_dim(x, k, keepdims=False) for x in xs))
+            ys = [y if y is None else lax.dynamic_update_index_in_dim(y, o, k, 0) for y, o in zip(ys, out[nk:])]
+            return list(out[:nk]), ys
+
+        with self.looping():
+            carry, ys = lax.fori_loop(0, n, step, (list(init), ys), unroll=loop.unroll)
+        return list(carry) + list(ys)
+
     def body_fn(self, jaxpr):
         closed = jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, ())
         return lambda *args: self.eval(closed.jaxpr, closed.consts, args)
 
 
-def lower(program: Program, donated: tuple = ()):
-    """(the jitted SPMD callable of a boxed program, taking and returning flat global arrays;
-    the PartitionSpec of each input). ``donated``: flat argument indices whose buffers the
-    outputs may reuse."""
+def lower(program: Program) -> Program:
+    """The program with ``lowered``: (its jitted SPMD callable, taking and returning flat global
+    arrays; the PartitionSpec of each input). Inputs in ``program.donated`` give the outputs
+    their buffers."""
     local = Local(program)
     closed, mesh = program.jaxpr, program.mesh
 
@@ -106,7 +158,8 @@ def lower(program: Program, donated: tuple = ()):
         return tuple(local.eval(closed.jaxpr, closed.consts, args))
 
     mapped = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return jax.jit(mapped, donate_argnums=donated, compiler_options=compiler_options(mesh)), in_specs
+    fn = jax.jit(mapped, donate_argnums=program.donated, compiler_options=compiler_options(mesh))
+    return program.replace(lowered=(fn, in_specs))
 
 
 def compiler_options(mesh) -> dict:

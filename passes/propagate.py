@@ -27,15 +27,21 @@ from jax import lax
 from jax.extend.core import DropVar, Jaxpr
 
 from shardflow import conversion, registry, rules  # noqa: F401  (rules: registers every rule)
-from shardflow.program import Program, all_eqns, is_literal, nested, scan_arity, source_line
-from shardflow.registry import DECISION, Decision, Sig
+from shardflow.program import Program, all_eqns, is_literal, nested, open_jaxpr, rebody, source_line
+from shardflow.registry import DECISION, Call, Decision, Loop, Sig
 from shardflow.rules.elementwise import SHAPE_KEEPING
-from shardflow.specs import B, Partial, ShardingError, Split, check_divisible, describe, divides, to_sbp
-
-# Ops a primitive needs nothing to be "run whole" for: randomness and constants are B anyway.
-# (random_bits, the key primitives and threefry2x32 have rules: shardflow/rules/random.py;
-# random_wrap/unwrap stay here for a JAX where shardflow._compat does not find them.)
-_QUIET_FALLBACKS = {"random_wrap", "random_unwrap", "rng_bit_generator", "rng_uniform"}
+from shardflow.specs import (
+    B,
+    Partial,
+    ShardingError,
+    Split,
+    check_divisible,
+    describe,
+    divides,
+    stacked,
+    to_sbp,
+    unstacked,
+)
 
 
 class Propagation:
@@ -142,7 +148,14 @@ class Propagation:
         eqns = []
         for eqn in jaxpr.eqns:
             rule = registry.rule_of(eqn.primitive)
-            eqns.append(rule.propagate(self, eqn) if rule is not None and rule.propagate else self.generic(eqn))
+            if rule is not None and rule.propagate is not None:
+                eqns.append(rule.propagate(self, eqn))
+            elif isinstance(region := registry.region_of(eqn), Loop):
+                eqns.append(self.loop_region(eqn, region))
+            elif isinstance(region, Call):
+                eqns.append(self.call_region(eqn, region))
+            else:
+                eqns.append(self.generic(eqn))
         return jaxpr.replace(eqns=eqns)
 
     def decide(self, eqn, decision: Decision, source: str = "", **params):
@@ -156,8 +169,7 @@ class Propagation:
         sigs = registry.signatures(eqn)
         cur = [self.of(a) for a in eqn.invars]
         if sigs is None:
-            if eqn.primitive.name not in _QUIET_FALLBACKS or any(c != self.whole for c in cur):
-                self.fallbacks.append((eqn.primitive.name, source_line(eqn)))
+            self.fallbacks.append((eqn.primitive.name, source_line(eqn)))
             return self.decide(
                 eqn, Decision((self.whole,) * len(eqn.invars), (self.whole,) * len(eqn.outvars), fallback=True)
             )
@@ -390,7 +402,7 @@ class Propagation:
             args = set(self.program.jaxpr.jaxpr.invars)
             for eqn in all_eqns(self.program.jaxpr.jaxpr):  # an equation before its bodies
                 x = eqn.invars[0] if eqn.invars else None
-                if eqn.primitive in (lax.convert_element_type_p, lax.copy_p) and not is_literal(x) and x in args:
+                if _same_value(eqn) and not is_literal(x) and x in args:
                     args.add(eqn.outvars[0])
                 carries = range(*_carry_positions(eqn))
                 for body in nested(eqn):
@@ -436,6 +448,45 @@ class Propagation:
             self.set(v, self.whole, source)
         body = self.run(jaxpr)
         return body, [self.of(v) for v in body.outvars]
+
+    def loop_region(self, eqn, loop: Loop):
+        """A loop's operands as they come but a stacked input's stacked dim (never split), its
+        body laid out at a fixed point of its carries; a stacked output wanted split per trip
+        (a per-layer gradient that must end up split) is reduce-scattered inside the loop, not
+        stacked whole and scattered after."""
+        nc, nk = loop.consts, loop.carries
+        closed = eqn.params[loop.body]
+        body = open_jaxpr(closed)
+        cur = [self.of(a) for a in eqn.invars]
+        consts, init, xs = cur[:nc], cur[nc : nc + nk], cur[nc + nk :]
+        xs_outer = [tuple(B if s == Split(0) else s for s in x) for x in xs]
+        xs_inner = [unstacked(x) for x in xs_outer]
+        src = source_line(eqn)
+        ys_wanted = [unstacked(self.demand.get(v)) for v in eqn.outvars[nk:]]
+        self.spread_demands(body, [None] * nk + ys_wanted)
+        annotated = []
+
+        def run(carry):
+            new, outs = self.run_body(body, consts + list(carry) + xs_inner, src)
+            annotated.append(new)
+            return outs[:nk]
+
+        carry = self.loop(run, init)
+        ys = [want or self.of(v) for v, want in zip(body.outvars[nk:], ys_wanted)]
+        decision = Decision(
+            tuple(consts + carry + xs_outer),
+            tuple(carry) + tuple(stacked(s) for s in ys),
+            bodies=((loop.body, tuple(carry) + tuple(ys_wanted)),),
+        )
+        return self.decide(eqn, decision, src, **{loop.body: rebody(closed, annotated[-1])})
+
+    def call_region(self, eqn, call: Call):
+        """A call's body runs on the operands as they are."""
+        cur = [self.of(a) for a in eqn.invars]
+        closed = eqn.params[call.body]
+        new, outs = self.run_body(open_jaxpr(closed), cur, source_line(eqn))
+        decision = Decision(tuple(cur), tuple(outs), bodies=((call.body, None),))
+        return self.decide(eqn, decision, **{call.body: rebody(closed, new)})
 
     def loop(self, run_bodies, carry_init, attempts=3):
         """Fixed point of loop carries. ``run_bodies(carry)`` propagates through the loop bodies
@@ -496,12 +547,17 @@ def _reductions(v, trial, i, prop):
     return out
 
 
+def _same_value(eqn) -> bool:
+    rule = registry.rule_of(eqn.primitive)
+    return rule is not None and rule.same_value
+
+
 def _carry_positions(eqn) -> tuple[int, int]:
-    """(first, end) of a scan's carries among its operands; (0, 0) for other equations."""
-    if eqn.primitive is not lax.scan_p:
+    """(first, end) of a loop's carries among its operands; (0, 0) for other equations."""
+    region = registry.region_of(eqn)
+    if not isinstance(region, Loop):
         return 0, 0
-    nc, nk = scan_arity(eqn.params)
-    return nc, nc + nk
+    return region.consts, region.consts + region.carries
 
 
 def _adoptable(sbp) -> bool:

@@ -7,10 +7,12 @@ it is for. Checked on jax 0.10.2 (CI) and 0.11.2 (the device machine).
 
 from __future__ import annotations
 
+from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import source_info_util as _source_info_util
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.lax import lax as _lax
+from jax._src.lax import parallel as _parallel
 
 # lax.stack / lax.unstack and tanh's derivative (jax 0.11) have no public primitive names.
 stack_p = _lax.stack_p
@@ -86,3 +88,9 @@ def scan_params(params, jaxpr, *, consts: int, carries: int, xs: int, ys: int) -
         ft_out=ft.pack((ft.nones(carries), ft.nones(ys))),
     )
     return new
+
+
+# A shard_map body traced with varying-axis types (check_vma) casts with pvary and reduces with
+# psum_invariant; neither has a public primitive name.
+pvary_p = getattr(_core, "pvary_p", None)
+psum_invariant_p = getattr(_parallel, "psum_invariant_p", None)

@@ -23,7 +23,6 @@ from shardflow.passes import ALL as ALL_PASSES
 from shardflow.passes import DEFAULT as DEFAULT_PASSES
 from shardflow.passes import Pass
 from shardflow.passes import run as run_passes
-from shardflow.passes.lower import lower
 from shardflow.program import Program, all_eqns, trace
 from shardflow.registry import decision_of
 from shardflow.specs import (
@@ -180,15 +179,15 @@ class Parallelized:
             in_orders=tuple(in_orders),
             out_orders=out_orders,
             memory_budget=self.memory_budget,
+            donated=tuple(
+                i for i, (path, _) in enumerate(tree_flatten_with_path(args)[0]) if path[0].idx in self.donate_argnums
+            ),
         )
         program = run_passes(program, self.passes)
         replicated = replicated_axes(program)
         if replicated:
             warnings.warn(_replication(replicated, definition(self.fn)), stacklevel=_user_stacklevel())
-        donated = tuple(
-            i for i, (path, _) in enumerate(tree_flatten_with_path(args)[0]) if path[0].idx in self.donate_argnums
-        )
-        fn, in_ps = lower(program, donated)
+        fn, in_ps = program.lowered
         shardings = tuple(NamedSharding(self.mesh, p) for p in in_ps)
         return Compiled(program, fn, shardings, out_tree, names)
 
@@ -342,7 +341,7 @@ def memory_budget_bytes(budget, where: str) -> int | None:
 def pass_list(passes, where: str) -> tuple:
     """``passes`` as a tuple of Pass objects, each named one (``"solve"``) resolved to the pass
     of that name; a ShardingError naming ``where`` for an unknown name, an entry of another
-    type, or a list that leaves the program unboxed (lowering requires "boxed")."""
+    type, or a list that does not end lowered."""
     known = {p.name: p for p in ALL_PASSES}
     if isinstance(passes, (str, Pass)):
         passes = (passes,)
@@ -366,11 +365,10 @@ def pass_list(passes, where: str) -> tuple:
     facts: set = set()  # a pass run before the facts it requires is refused as it runs (Pass.__call__)
     for p in out:
         facts = (facts - {f.name for f in p.invalidates}) | {f.name for f in p.ensures}
-    if "boxed" not in facts:
+    if "lowered" not in facts:
         raise ShardingError(
-            f"passes {names} of {where}: end without 'boxed', which lowering requires; end the "
-            f"list with 'boxing', as sf.passes.DEFAULT {tuple(q.name for q in DEFAULT_PASSES)} "
-            "does"
+            f"passes {names} of {where}: end without 'lowered'; end the list with 'boxing', "
+            f"'unroll', 'lower', as sf.passes.DEFAULT {tuple(q.name for q in DEFAULT_PASSES)} does"
         )
     return tuple(out)
 
@@ -393,7 +391,7 @@ def parallelize(
     ``donate_argnums``: as in ``jax.jit`` — a training step donates its parameters and optimizer
     state so their buffers hold the new ones. ``passes``: the pass list (default
     ``sf.passes.DEFAULT``; see ``shardflow.passes`` to insert one), as Pass objects or their
-    names (``["inline", "cse", "solve", "boxing"]`` is ``sf.passes.SOLVER``). ``memory_budget``:
+    names (``["inline", "cse", "solve", "boxing", "unroll", "lower"]`` is ``sf.passes.SOLVER``). ``memory_budget``:
     what one device may hold, for the solver (``sf.passes.SOLVER``; default: a GPU's memory):
     an int of bytes, or a string of a number and a unit — ``"40GB"`` (KB, MB, GB, TB: powers of
     1000), ``"40GiB"`` (KiB, MiB, GiB, TiB: powers of 1024), units in any case, rounded down to

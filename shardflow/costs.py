@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax import lax
-
 from shardflow import conversion, registry
 from shardflow.primitives import box_p
-from shardflow.program import REMAT_PRIMITIVES, Program, is_literal, named_bodies, open_jaxpr, scan_arity, source_line
+from shardflow.program import Program, is_literal, named_bodies, open_jaxpr, source_line
+from shardflow.registry import Call, Loop
 from shardflow.specs import B, Split, as_dtype, format_sbp
 
 
@@ -84,7 +83,7 @@ def overlap(program: Program, eqn) -> float:
 
 
 def hideable(program: Program, eqn) -> tuple[float, float]:
-    """(seconds of the conversions XLA may run ahead of or behind a boxed scan body's compute —
+    """(seconds of the conversions XLA may run ahead of or behind a boxed loop body's compute —
     of its sliced inputs (a layer's weights, gathered ahead) and to its stacked outputs (a
     layer's gradient, reduced behind the next layer) —, seconds of its matmuls' flops, remat
     regions included), per execution; a remat's conversions of a sliced operand count as the
@@ -92,13 +91,14 @@ def hideable(program: Program, eqn) -> tuple[float, float]:
     critical path (a tensor-parallel all-reduce) hide nothing. No schedule is imposed: within an
     iteration XLA's latency-hiding scheduler places them (moving them an iteration early or late
     in the lowering measured 1-1.5 % slower on 7b FSDP, 2 x H200: benchmarks/results/scaling.md)."""
-    body = open_jaxpr(eqn.params["jaxpr"])
-    nc, nk = scan_arity(eqn.params)
+    loop = registry.region_of(eqn)
+    body = open_jaxpr(eqn.params[loop.body])
+    nc, nk = loop.consts, loop.carries
     ahead, behind = set(body.invars[nc + nk :]), {v for v in body.outvars[nk:] if not is_literal(v)}
     boxes = [(e, ahead) for e in body.eqns]
     for e in body.eqns:  # a remat's body converting a sliced operand (a backward's recomputed forward)
-        if e.primitive in REMAT_PRIMITIVES:
-            inner = open_jaxpr(e.params["jaxpr"])
+        if isinstance(call := registry.region_of(e), Call):
+            inner = open_jaxpr(e.params[call.body])
             sliced = {v for x, v in zip(e.invars, inner.invars) if not is_literal(x) and x in ahead}
             boxes += [(b, sliced) for b in inner.eqns]
     comm = sum(
@@ -112,8 +112,8 @@ def hideable(program: Program, eqn) -> tuple[float, float]:
 def _matmul_seconds(program: Program, jaxpr) -> float:
     total = 0.0
     for eqn in jaxpr.eqns:
-        if eqn.primitive in REMAT_PRIMITIVES:
-            total += _matmul_seconds(program, open_jaxpr(eqn.params["jaxpr"]))
+        if isinstance(call := registry.region_of(eqn), Call):
+            total += _matmul_seconds(program, open_jaxpr(eqn.params[call.body]))
         elif (rule := registry.rule_of(eqn.primitive)) is not None and rule.flops is not None:
             d = registry.decision_of(eqn)
             flops, _ = conversion.local_work(eqn, d.ins, d.outs, program.mesh)
@@ -169,11 +169,11 @@ def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float,
             )
         bodies = list(named_bodies(eqn))
         for name, body in bodies:
-            trips = rule.trips(eqn, name, program.mesh) if rule is not None and rule.trips is not None else 1
+            trips = registry.trips_of(eqn, name, program.mesh)
             w, h, f = _collectives(program, body, count * trips, out)
             work, hidden, flops = work + w, hidden + h, flops + f
-        if eqn.primitive is lax.scan_p:
-            hidden += count * eqn.params["length"] * overlap(program, eqn)
+        if isinstance(loop := registry.region_of(eqn), Loop):
+            hidden += count * loop.trips * overlap(program, eqn)
         if not bodies and eqn.primitive is not box_p and d is not None:
             work += count * conversion.local_seconds(eqn, d.ins, d.outs, program.mesh, program.links)
             flops += count * conversion.local_work(eqn, d.ins, d.outs, program.mesh)[0]
@@ -181,25 +181,26 @@ def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float,
 
 
 def held_bytes(program: Program, jaxpr) -> int:
-    """Per device, what the scans of ``jaxpr`` not in a loop hold across the step (remat bodies
-    included; a loop's per-iteration values come and go): their stacked outputs — what a layer
+    """Per device, what the loops of ``jaxpr`` not in a loop hold across the step (call bodies
+    such as remat's included; a loop's per-iteration values come and go): their stacked outputs — what a layer
     loop keeps for the backward, its stacked gradients — and their operands other than carries
     as the loops take them — a layer's weights, cast or gathered —, each value once; not the
-    arguments (``input_bytes``), the constants, or one scan's stacked output taken by another
+    arguments (``input_bytes``), the constants, or one loop's stacked output taken by another
     as it is (the integer program's ``_taken``, passes.solve.build, counts the same)."""
     held, alias = {}, {}
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive is lax.scan_p:
-                nc, nk = scan_arity(eqn.params)
+            region = registry.region_of(eqn)
+            if isinstance(region, Loop):
+                nc, nk = region.consts, region.carries
                 for k, x in enumerate(eqn.invars):
                     if not (nc <= k < nc + nk) and not is_literal(x):
                         held.setdefault(alias.get(x, x), x)
                 for o in eqn.outvars[nk:]:
                     held[o] = o
-            elif eqn.primitive in REMAT_PRIMITIVES:
-                body = open_jaxpr(eqn.params["jaxpr"])
+            elif isinstance(region, Call):
+                body = open_jaxpr(eqn.params[region.body])
                 alias.update((v, alias.get(x, x)) for x, v in zip(eqn.invars, body.invars) if not is_literal(x))
                 walk(body)
                 alias.update((o, alias.get(v, v)) for v, o in zip(body.outvars, eqn.outvars) if not is_literal(v))
@@ -213,13 +214,10 @@ def held_bytes(program: Program, jaxpr) -> int:
     )
 
 
-_SAME_VALUE = ("convert_element_type", "copy")  # a weight's cast is still the weight
-
-
 def gathered_inputs(program: Program) -> list:
     """(argument, its NdSbp, the NdSbp converted to, where, bytes sent per device per step) of
     every conversion that gathers an argument — or its cast, or a layer's slice of it inside a
-    scan — over a mesh axis its spec splits: a weight pinned split, materialised whole there."""
+    loop — over a mesh axis its spec splits: a weight pinned split, materialised whole there."""
     jaxpr, out = program.jaxpr.jaxpr, []
     origin = dict(zip(jaxpr.invars, program.arg_names))
 
@@ -232,15 +230,15 @@ def gathered_inputs(program: Program) -> list:
                     sent = sum(st.bytes for st in p["steps"] if st.is_collective) * count
                     out.append((origin[x], format_sbp(p["src"]), format_sbp(p["dst"]), p["used_at"], sent))
                 origin[eqn.outvars[0]] = origin[x]
-            elif eqn.primitive.name in _SAME_VALUE and x in origin:
-                origin[eqn.outvars[0]] = origin[x]
-            elif eqn.primitive is lax.scan_p or eqn.primitive in REMAT_PRIMITIVES:
-                body = open_jaxpr(eqn.params["jaxpr"])
-                nc, nk = scan_arity(eqn.params) if eqn.primitive is lax.scan_p else (len(body.invars), 0)
+            elif (rule := registry.rule_of(eqn.primitive)) is not None and rule.same_value and x in origin:
+                origin[eqn.outvars[0]] = origin[x]  # a weight's cast is still the weight
+            elif isinstance(region := registry.region_of(eqn), (Loop, Call)):
+                body = open_jaxpr(eqn.params[region.body])
+                nc, nk = (region.consts, region.carries) if isinstance(region, Loop) else (len(body.invars), 0)
                 for k, (y, v) in enumerate(zip(eqn.invars, body.invars)):
                     if not (nc <= k < nc + nk) and not is_literal(y) and y in origin:
                         origin[v] = origin[y] + ("[layer]" if k >= nc + nk else "")
-                walk(body, count * eqn.params.get("length", 1))
+                walk(body, count * registry.trips_of(eqn, region.body, program.mesh))
 
     walk(jaxpr, 1)
     return out

@@ -954,9 +954,16 @@ def _comm(eqn, ins, sigs, mesh):
     )
 
 
+def _solve(builder, eqn, scale):
+    from shardflow.pipeline_solve import solve_pipeline  # the solver's side, loaded when a pipeline is solved
+
+    return solve_pipeline(builder, eqn, scale)
+
+
 defrule(
     pipeline_p,
     propagate=_propagate,
+    solve=_solve,
     lower=_lower,
     comm=_comm,
     comm_reason="passes activations and gradients between stages, gives the head the last stage's output, sums d xs",

@@ -41,6 +41,8 @@ class Program:
     in_orders: tuple = ()  # per input: ((dim, axes), ...) split against mesh order (specs.split_orders)
     out_orders: tuple = ()  # per output, the same
     memory_budget: int | None = None  # bytes per device a plan may hold (passes.solve); None: a GPU's memory
+    donated: tuple = ()  # flat input indices whose buffers the outputs may reuse
+    lowered: Any = None  # (jitted SPMD callable, PartitionSpec of each input), by passes.lower
 
     def replace(self, **kw) -> Program:
         return dataclasses.replace(self, **kw)
@@ -125,6 +127,11 @@ def map_subjaxprs(eqn, fn: Callable[[str, Jaxpr], Jaxpr], names=None):
 
 def open_jaxpr(j) -> Jaxpr:
     return j.jaxpr if isinstance(j, ClosedJaxpr) else j
+
+
+def rebody(old, new_jaxpr):
+    """``new_jaxpr`` in the form (closed or open) of the body param ``old`` it replaces."""
+    return old.replace(jaxpr=new_jaxpr) if isinstance(old, ClosedJaxpr) else new_jaxpr
 
 
 def nested(eqn) -> Iterator[Jaxpr]:

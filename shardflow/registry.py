@@ -10,12 +10,28 @@ and batching rules by primitive:
   primitives whose params hold global shapes or that depend on a signature's meaning (a
   vocab-split lookup, a query-split attention). The chosen signature is ``eqn.params["sf"]``.
   Default: bind unchanged.
-* ``propagate(prop, eqn) -> eqn``: control flow (scan, while, cond, remat, a user shard_map)
-  choosing its own operands' and bodies' NdSbps instead of picking a signature.
+* ``propagate(prop, eqn) -> eqn``: control flow that lays itself out (while, cond, a user's
+  shard_map, sf.pipeline, attention of an explicit context) for greedy, choosing its own
+  operands' and bodies' NdSbps instead of picking a signature. What such a rule may ask of
+  ``prop`` (``passes.propagate.Propagation``): ``of``, ``run_body``, ``loop``, ``decide``,
+  ``generic`` / ``choose`` (a signature as greedy picks it), ``pinned``, ``constrained``,
+  ``holding``, ``whole``, ``mesh``, ``names``. The solver takes greedy's layout of such an
+  equation.
 * ``comm(eqn, ins, sigs, mesh) -> steps``: the collectives a rule's own lowering runs under
   operand NdSbps ``ins`` and per-axis signatures ``sigs`` (a pad's halo exchange), as
   ``conversion.Step``s: propagation prices them and explain lists them like any conversion's.
   ``comm_reason`` says why, after the primitive's name, in explain.
+* ``region(eqn) -> Loop | Call``: what the nested body of a loop-like or call-like primitive
+  is to its equation (which operands are constants, carries, stacked inputs; how many trips).
+  With it, greedy (``passes.propagate``), the solver, explain, the unroll choice and lowering
+  handle the primitive without knowing it: a scan and a remat are registered by this alone
+  (and remat by its own ``lower``). A rule with its own ``propagate`` lays the region out
+  itself for greedy.
+* ``solve(builder, eqn, scale) -> entry``: a region the solver lays out by the rule's own
+  integer-program columns (``sf.pipeline``'s five bodies), through the builder's documented
+  interface (``passes.solve``).
+* ``same_value``: the result is its operand in another dtype or buffer (a cast, a copy): a
+  weight cast is still the weight for explain's "gathered whole" and greedy's arguments.
 * ``trips(eqn, body, mesh) -> float``: how many times the nested body of param ``body`` runs
   per execution on a device (a scan's length; a pipeline's forward once per micro-batch and
   chunk, its head once per micro-batch, its backward whole or split as the schedule runs it),
@@ -70,6 +86,7 @@ class Decision:
     sigs: tuple = ()  # per mesh axis, the 1-D Sig chosen ((): control flow or whole)
     bodies: tuple = ()  # control flow: (param name, NdSbp each output of that body must have)
     fallback: bool = False  # no rule: operands gathered, run whole
+    unrolled: bool | None = None  # a loop: lowered unrolled, or rolled (``passes.unroll``)
 
     def body_outs(self, name: str):
         return dict(self.bodies).get(name)
@@ -84,6 +101,31 @@ class Decision:
         return f"{ins}->{outs}" + (" whole" if self.fallback else "")
 
 
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A loop-like equation's nested body ``body`` (a param name), run ``trips`` times. Its
+    operands are ``consts`` constants (the same every trip), ``carries`` carries (threaded
+    through the trips: the body's first results) and, the rest, stacked inputs of which each
+    trip takes one slice along dim 0 (the last first when ``reverse``); its results are the
+    carries and then stacked outputs, one slice per trip. ``unroll``: trips per step of a
+    rolled loop's lowering."""
+
+    consts: int
+    carries: int
+    trips: int
+    body: str = "jaxpr"
+    reverse: bool = False
+    unroll: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A call-like equation: its nested body ``body`` runs once on the operands as they are,
+    and its results are the equation's (a remat region)."""
+
+    body: str = "jaxpr"
+
+
 @dataclasses.dataclass
 class Rule:
     signatures: Callable | None = None
@@ -95,6 +137,16 @@ class Rule:
     trips: Callable | None = None
     flops: Callable | None = None
     admits: Callable | None = None
+    region: Callable | None = None
+    solve: Callable | None = None
+    same_value: bool = False
+
+    def trips_of(self, eqn, body: str, mesh) -> float:
+        """How many times ``eqn``'s body ``body`` runs per execution of ``eqn`` on a device."""
+        if self.trips is not None:
+            return self.trips(eqn, body, mesh)
+        region = self.region(eqn) if self.region is not None else None
+        return region.trips if isinstance(region, Loop) and region.body == body else 1
 
 
 RULES: dict = {}
@@ -111,6 +163,9 @@ def defrule(
     trips=None,
     flops=None,
     admits=None,
+    region=None,
+    solve=None,
+    same_value=None,
 ):
     """Register (or extend) the rule of each primitive in ``prims`` (None entries — primitives
     this JAX version lacks — are skipped). Returns a decorator that sets the signatures."""
@@ -127,6 +182,9 @@ def defrule(
             ("trips", trips),
             ("flops", flops),
             ("admits", admits),
+            ("region", region),
+            ("solve", solve),
+            ("same_value", same_value),
         ):
             if value is not None:
                 setattr(rule, field, value)
@@ -141,6 +199,18 @@ def defrule(
 
 def rule_of(primitive) -> Rule | None:
     return RULES.get(primitive)
+
+
+def region_of(eqn) -> Loop | Call | None:
+    """The region ``eqn``'s rule describes (``Rule.region``), or None."""
+    rule = RULES.get(eqn.primitive)
+    return rule.region(eqn) if rule is not None and rule.region is not None else None
+
+
+def trips_of(eqn, body: str, mesh) -> float:
+    """``Rule.trips_of`` of ``eqn``'s rule; 1 without a rule."""
+    rule = RULES.get(eqn.primitive)
+    return rule.trips_of(eqn, body, mesh) if rule is not None else 1
 
 
 def decision_of(eqn) -> Decision | None:

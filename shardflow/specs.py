@@ -438,6 +438,19 @@ def check_divisible(shape, dtype, sbp: NdSbp, mesh: Mesh, *, what: str, source: 
         )
 
 
+def unstacked(sbp):
+    """The NdSbp of one slice of a value stacked on a new leading dim (a loop's trip of a
+    stacked input or output), or None where the stacked dim is split."""
+    if sbp is None or Split(0) in sbp:
+        return None
+    return tuple(Split(s.dim - 1) if isinstance(s, Split) else s for s in sbp)
+
+
+def stacked(sbp):
+    """The NdSbp of values of ``sbp`` stacked on a new leading dim."""
+    return tuple(Split(s.dim + 1) if isinstance(s, Split) else s for s in sbp)
+
+
 def format_sbp(sbp: NdSbp) -> str:
     return "(" + ", ".join(repr(s) for s in sbp) + ")"
 

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var, new_jaxpr_eqn, no_effects, primitives
 
 from shardflow._compat import scan_params
-from shardflow.program import scan_arity
+from shardflow.passes.inline import CALLS, flatten
+from shardflow.program import REMAT_PRIMITIVES, scan_arity
 
 scan_p = primitives.scan_p
 cond_p = primitives.cond_p
@@ -48,59 +49,24 @@ def split_vjp(backward: ClosedJaxpr, *, shared: int, weights: int) -> SplitVjp:
     """Cut ``backward(*inputs) -> (*weight gradients, *input gradients)``: its first
     ``weights`` results are W's, the rest B's; its first ``shared`` inputs are W's to read too
     (the others, e.g. the output cotangent, reach W only through the stash)."""
-    jaxpr = _inline(backward.jaxpr)
+    # calls and remat regions inlined, nested bodies too, so that the cut separates them: the
+    # recomputation a remat region holds stays where B needs it (no value is computed twice
+    # within a backward; only its grouping is lost)
+    flat, hoisted = flatten(backward.jaxpr, CALLS | set(REMAT_PRIMITIVES))
+    jaxpr = flat.replace(constvars=[*flat.constvars, *(v for v, _ in hoisted)])
+    consts = [*backward.consts, *(c for _, c in hoisted)]
     roles = ["w"] * weights + ["b"] * (len(jaxpr.outvars) - weights)
     available = set(jaxpr.constvars) | set(jaxpr.invars[:shared])
     b_eqns, w_eqns, stash = _partition(jaxpr.eqns, jaxpr.outvars, roles, available)
     b = _like(jaxpr, jaxpr.invars, jaxpr.outvars[weights:] + stash, b_eqns)
     w = _like(jaxpr, jaxpr.invars[:shared] + stash, jaxpr.outvars[:weights], w_eqns)
-    return SplitVjp(ClosedJaxpr(b, backward.consts), ClosedJaxpr(w, backward.consts), len(stash))
+    return SplitVjp(ClosedJaxpr(b, consts), ClosedJaxpr(w, consts), len(stash))
 
 
 def _like(jaxpr: Jaxpr, invars, outvars, eqns) -> Jaxpr:
     """A jaxpr with ``jaxpr``'s constants and provenance, of these inputs, results and equations."""
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else no_effects
     return Jaxpr(jaxpr.constvars, invars, outvars, eqns, effects, jaxpr.debug_info.with_unknown_names())
-
-
-INLINED = ("jit", "pjit", "closed_call", "checkpoint", "remat2")
-
-
-def _inline(jaxpr: Jaxpr) -> Jaxpr:
-    """``jaxpr`` with its calls and remat regions' equations in its own list (recursively),
-    so the cut can separate them. The recomputation a remat region holds stays where B needs it:
-    no value is computed twice within a backward, only its grouping is lost."""
-    env = {}
-
-    def sub(a):
-        return env.get(a, a) if isinstance(a, Var) else a
-
-    eqns = []
-
-    def emit(e):
-        inner = _inner_jaxpr(e)
-        if inner is None:
-            eqns.append(e.replace(invars=[sub(a) for a in e.invars]))
-            return
-        inner = _inline(inner)
-        env.update({i: sub(o) for i, o in zip(inner.invars, e.invars)})
-        for q in inner.eqns:
-            emit(q)
-        env.update({o: sub(i) for o, i in zip(e.outvars, inner.outvars)})
-
-    for e in jaxpr.eqns:
-        emit(e)
-    return _like(jaxpr, jaxpr.invars, [sub(a) for a in jaxpr.outvars], eqns)
-
-
-def _inner_jaxpr(e):
-    """The open jaxpr to inline of a call or remat equation (None: keep the equation)."""
-    if e.primitive.name not in INLINED:
-        return None
-    inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
-    if isinstance(inner, ClosedJaxpr):
-        return inner.jaxpr if not inner.consts else None
-    return inner
 
 
 def _vars(atoms):
@@ -158,7 +124,7 @@ def _split_scan(e, in_b, in_w):
     """A scan cut into B's scan (its results B needs, plus per-iteration stash as extra ys)
     and W's scan (the rest, reading the stash as extra xs); (B's, None) when W has nothing."""
     closed: ClosedJaxpr = e.params["jaxpr"]
-    body = _inline(closed.jaxpr)
+    body = closed.jaxpr
     n_consts, n_carry = scan_arity(e.params)
     length = e.params["length"]
     b_out = _needed_carries(body, n_consts, n_carry, in_b)
@@ -245,7 +211,7 @@ def _split_cond(e, in_b, in_w):
     index; (B's, None) when no branch has W work, or the cond has effects (they would run twice)."""
     index, *operands = e.invars
     roles = ["b" if b else "w" if w else None for b, w in zip(in_b, in_w)]
-    branches = [_inline(c.jaxpr) for c in e.params["branches"]]
+    branches = [c.jaxpr for c in e.params["branches"]]
     cuts = [_partition(br.eqns, br.outvars, roles, set(br.constvars) | set(br.invars)) for br in branches]
     if e.effects or not any(w_eqns for _, w_eqns, _ in cuts):
         return e, None

@@ -183,10 +183,10 @@ def test_a_memory_budget_string_bounds_the_solver_in_bytes(mesh):
 def test_passes_named_by_string_are_the_passes_of_that_name(mesh):
     x = np.arange(64, dtype=np.float32).reshape(8, 8)
     fn = lambda x: jnp.tanh(x @ x.T).sum(0)  # noqa: E731
-    named = sf.parallelize(fn, mesh=mesh, in_specs=PS("data"), passes=["inline", "cse", "solve", "boxing"])
+    named = sf.parallelize(fn, mesh=mesh, in_specs=PS("data"), passes=["inline", "cse", "solve", "boxing", "unroll", "lower"])
     assert named.passes == sf.passes.SOLVER
-    mixed = sf.parallelize(fn, mesh=mesh, in_specs=PS("data"), passes=[sf.passes.DEFAULT[0], "propagate", "boxing"])
-    assert [p.name for p in mixed.passes] == ["inline", "propagate", "boxing"]
+    mixed = sf.parallelize(fn, mesh=mesh, in_specs=PS("data"), passes=[sf.passes.DEFAULT[0], "propagate", "boxing", *sf.passes.DEFAULT[-2:]])
+    assert [p.name for p in mixed.passes] == ["inline", "propagate", "boxing", "unroll", "lower"]
     for step in (named, mixed):
         np.testing.assert_allclose(np.asarray(step(x)), np.asarray(jax.jit(fn)(x)), rtol=1e-5)
     assert named.explain(x).planner.startswith("solver") and mixed.explain(x).planner == "greedy"
@@ -334,3 +334,17 @@ def test_explains_total_counts_every_collective_a_call_runs(mesh):
     runs = sum(c.count for c in plan.collectives)
     assert runs > len(plan.collectives)  # rows inside the 3-layer loop run 3 times a call
     assert f"in {runs} collectives ({len(plan.collectives)} distinct), " in str(plan), str(plan)
+
+
+# ------------------------------------------------------------------------------ XLA's generators
+
+
+def test_xla_generators_run_whole_by_their_rule_not_as_a_fallback(mesh):
+    def noisy(key, x):
+        _, bits = jax.lax.rng_bit_generator(key, x.shape, dtype=jnp.uint32)
+        return x * (bits % 7).astype(x.dtype)
+
+    key, x = np.arange(4, dtype=np.uint32), np.ones((8, 16), np.float32)
+    step = sf.parallelize(noisy, mesh=mesh, in_specs=(PS(), PS("data")), out_specs=PS("data"))
+    np.testing.assert_array_equal(np.asarray(step(key, x)), np.asarray(jax.jit(noisy)(key, x)))
+    assert not step.explain(key, x).fallbacks

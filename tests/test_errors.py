@@ -172,7 +172,7 @@ REFUSALS = [  # (id, the refused call, what its message must name besides the ca
         [
             "passes[1] 'solver' of double (test_errors.py:",
             "no pass is named 'solver'",
-            "'inline', 'cse', 'propagate', 'solve', 'boxing'",
+            "'inline', 'cse', 'propagate', 'solve', 'boxing', 'unroll', 'lower'",
         ],
     ),
     (
@@ -183,7 +183,7 @@ REFUSALS = [  # (id, the refused call, what its message must name besides the ca
     (
         "passes-that-do-not-box",
         lambda mesh: sf.parallelize(double, mesh=mesh, in_specs=PS(), passes=["inline", "solve"]),
-        ["passes ('inline', 'solve') of double", "end without 'boxed'", "sf.passes.DEFAULT"],
+        ["passes ('inline', 'solve') of double", "end without 'lowered'", "sf.passes.DEFAULT"],
     ),
     (
         "plan-on-no-axes",

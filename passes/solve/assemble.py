@@ -6,20 +6,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from jax import lax
-
 from shardflow import registry
 from shardflow.costs import Modelled, hideable, modelled
 from shardflow.passes.boxing import boxing
 from shardflow.passes.propagate import Propagation, reduced
 from shardflow.passes.solve.agreement import process_0s
-from shardflow.passes.solve.build import Pipeline, Region, build, lays_itself_out, solvable_region
+from shardflow.passes.solve.build import CallEntry, LoopEntry, build, lays_itself_out, solved_with_bodies
 from shardflow.passes.solve.highs import TIME_LIMIT
 from shardflow.passes.solve.model import Infeasible, Unsolvable
-from shardflow.pipelining import Bodies, pipeline_p
-from shardflow.program import REMAT_PRIMITIVES, Program, open_jaxpr, scan_arity, source_line
-from shardflow.registry import DECISION, Decision
-from shardflow.rules.control import rebody, stacked
+from shardflow.program import Program, open_jaxpr, rebody, source_line, subjaxprs
+from shardflow.registry import DECISION, Call, Decision, Loop
+from shardflow.specs import stacked
 
 
 def choose(
@@ -67,10 +64,12 @@ def _assemble(prop: Propagation, entries, pick, given) -> list:
     """The equations of ``entries`` with their chosen Decisions; their results' NdSbps set."""
     eqns = []
     for entry in entries:
-        if isinstance(entry, Region):
-            eqn = _assemble_region(prop, entry, pick, given)
-        elif isinstance(entry, Pipeline):
-            eqn = _assemble_pipeline(prop, entry, pick, given)
+        if isinstance(entry, LoopEntry):
+            eqn = _assemble_loop(prop, entry, pick, given)
+        elif isinstance(entry, CallEntry):
+            eqn = _assemble_call(prop, entry, pick, given)
+        elif hasattr(entry, "assemble"):  # a rule's own solve hook's entry (sf.pipeline's)
+            eqn = entry.assemble(prop, pick, lambda body: _assemble(prop, body, pick, given))
         else:
             eqn, options, cols = entry
             decision = pick(options, cols)[0]
@@ -81,60 +80,51 @@ def _assemble(prop: Propagation, entries, pick, given) -> list:
     return eqns
 
 
-def _assemble_region(prop: Propagation, region: Region, pick, given):
-    eqn = region.eqn
-    body = open_jaxpr(eqn.params["jaxpr"])
+def _body(prop: Propagation, eqn, name: str, ins):
+    """Body ``name`` of ``eqn``, its consts B and its inputs at ``ins``."""
+    body = open_jaxpr(eqn.params[name])
     for v in body.constvars:
         prop.set(v, prop.whole)
-    if eqn.primitive in REMAT_PRIMITIVES:
-        ins = tuple(prop.of(x) for x in eqn.invars)
-        for v, s in zip(body.invars, ins):
-            prop.set(v, s)
-        body = body.replace(eqns=_assemble(prop, region.body, pick, given))
-        decision = Decision(ins, tuple(prop.of(v) for v in body.outvars), bodies=(("jaxpr", None),))
-    else:
-        nc, nk = scan_arity(eqn.params)
-        ins = [pick(*choice) for choice in region.ins]
-        for v, s in zip(body.invars, ins):
-            prop.set(v, s)
-        body = body.replace(eqns=_assemble(prop, region.body, pick, given))
-        ys = [pick(*choice) for choice in region.ys]
-        carry = ins[nc : nc + nk]
-        decision = Decision(
-            tuple(ins[: nc + nk]) + tuple(stacked(s) for s in ins[nc + nk :]),
-            tuple(carry) + tuple(stacked(s) for s in ys),
-            bodies=(("jaxpr", tuple(carry) + tuple(ys)),),
-        )
-    return eqn.replace(params={**eqn.params, "jaxpr": rebody(eqn.params["jaxpr"], body), DECISION: decision})
+    for v, s in zip(body.invars, ins):
+        prop.set(v, s)
+    return body
 
 
-def _assemble_pipeline(prop: Propagation, region: Pipeline, pick, given):
-    eqn, params = region.eqn, region.eqn.params
-    new = {}
-    for name, entries in region.bodies.items():
-        body = open_jaxpr(params[name])
-        for v in body.constvars:
-            prop.set(v, prop.whole)
-        for v, choice in zip(body.invars, region.body_ins[name]):
-            prop.set(v, pick(*choice))
-        new[name] = rebody(params[name], body.replace(eqns=_assemble(prop, entries, pick, given)))
-    wanted = tuple((name, tuple(pick(*c) for c in region.body_outs[name])) for name in Bodies._fields)
-    decision = Decision(tuple(pick(*c) for c in region.ins), tuple(pick(*c) for c in region.outs), bodies=wanted)
-    return eqn.replace(params={**params, **new, DECISION: decision})
+def _assemble_call(prop: Propagation, entry: CallEntry, pick, given):
+    eqn, name = entry.eqn, entry.call.body
+    ins = tuple(prop.of(x) for x in eqn.invars)
+    body = _body(prop, eqn, name, ins)
+    body = body.replace(eqns=_assemble(prop, entry.body, pick, given))
+    decision = Decision(ins, tuple(prop.of(v) for v in body.outvars), bodies=((name, None),))
+    return eqn.replace(params={**eqn.params, name: rebody(eqn.params[name], body), DECISION: decision})
+
+
+def _assemble_loop(prop: Propagation, entry: LoopEntry, pick, given):
+    eqn, loop = entry.eqn, entry.loop
+    nc, nk = loop.consts, loop.carries
+    ins = [pick(*choice) for choice in entry.ins]
+    body = _body(prop, eqn, loop.body, ins)
+    body = body.replace(eqns=_assemble(prop, entry.body, pick, given))
+    ys = [pick(*choice) for choice in entry.ys]
+    carry = ins[nc : nc + nk]
+    decision = Decision(
+        tuple(ins[: nc + nk]) + tuple(stacked(s) for s in ins[nc + nk :]),
+        tuple(carry) + tuple(stacked(s) for s in ys),
+        bodies=((loop.body, tuple(carry) + tuple(ys)),),
+    )
+    return eqn.replace(params={**eqn.params, loop.body: rebody(eqn.params[loop.body], body), DECISION: decision})
 
 
 def _laid_out(jaxpr, laid, loops: bool, out: dict) -> dict:
     """Control flow the solver leaves to greedy, anywhere in ``jaxpr`` outside the bodies of
     those it solves -> the equation as greedy laid it out (``laid``: greedy's annotation of
-    ``jaxpr``): while, cond, a pipeline, attention of an explicit context; scans and remats
-    too unless ``loops``."""
+    ``jaxpr``): while, cond, attention of an explicit context; loops, calls and rules with their
+    own ``solve`` hook (a pipeline) too unless ``loops``."""
     for eqn, mine in zip(jaxpr.eqns, laid.eqns):
-        if loops and solvable_region(eqn):
-            _laid_out(open_jaxpr(eqn.params["jaxpr"]), open_jaxpr(mine.params["jaxpr"]), loops, out)
-        elif loops and eqn.primitive is pipeline_p:
-            for name in Bodies._fields:
-                _laid_out(open_jaxpr(eqn.params[name]), open_jaxpr(mine.params[name]), loops, out)
-        elif lays_itself_out(eqn):
+        if loops and solved_with_bodies(eqn):
+            for name, body in subjaxprs(eqn.params):
+                _laid_out(open_jaxpr(body), open_jaxpr(mine.params[name]), loops, out)
+        elif lays_itself_out(eqn) or solved_with_bodies(eqn):
             out[eqn] = mine
     return out
 
@@ -151,11 +141,12 @@ def _exposed(boxed: Program, jaxpr, laid_jaxpr, out: dict) -> dict:
 
     mine = [e for e in laid_jaxpr.eqns if e.primitive is not box_p]
     for eqn, laid in zip(jaxpr.eqns, mine):
-        if eqn.primitive is lax.scan_p:
+        region = registry.region_of(eqn)
+        if isinstance(region, Loop):
             comm, compute = hideable(boxed, laid)
             out[eqn] = max(1 / 20, 1 - compute / comm) if comm > 0 else 1 / 20
-        if solvable_region(eqn):
-            _exposed(boxed, open_jaxpr(eqn.params["jaxpr"]), open_jaxpr(laid.params["jaxpr"]), out)
+        if isinstance(region, (Loop, Call)):
+            _exposed(boxed, open_jaxpr(eqn.params[region.body]), open_jaxpr(laid.params[region.body]), out)
     return out
 
 

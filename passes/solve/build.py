@@ -5,23 +5,19 @@ remats and sf.pipeline with their bodies, other control flow at greedy's layout.
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import math
 from typing import NamedTuple
 
 import numpy as np
-from jax import lax
 
 from shardflow import conversion, registry
-from shardflow.passes.propagate import _QUIET_FALLBACKS, Propagation, _adoptable, reduced
+from shardflow.passes.propagate import Propagation, _adoptable, reduced
 from shardflow.passes.solve.coarsen import coarsened_tail, within
 from shardflow.passes.solve.model import Model, Unsolvable
-from shardflow.pipelining import Bodies, operand_groups, outer_sbp, pipeline_axis, pipeline_p
-from shardflow.program import REMAT_PRIMITIVES, Program, is_literal, open_jaxpr, scan_arity, source_line
-from shardflow.registry import Decision, Sig
-from shardflow.rules.control import stacked, unstacked
-from shardflow.specs import B, P, Partial, Split
+from shardflow.program import Program, is_literal, open_jaxpr, source_line
+from shardflow.registry import Call, Decision, Loop, Sig
+from shardflow.specs import B, P, Split, stacked, unstacked
 
 
 def strategies(prop: Propagation, eqn, given: dict | None = None) -> list:
@@ -35,16 +31,15 @@ def strategies(prop: Propagation, eqn, given: dict | None = None) -> list:
     if rule is not None and rule.pin is not None:
         sbp = prop.pinned(eqn)
         return [(Decision((sbp,), (sbp,)), 0.0)]
+    if given is not None and eqn in given:  # laid out as greedy laid it out
+        return [(registry.decision_of(given[eqn]), 0.0)]
     if lays_itself_out(eqn):
-        if given is not None and eqn in given:
-            return [(registry.decision_of(given[eqn]), 0.0)]
         raise Unsolvable(f"{eqn.primitive.name} at {source_line(eqn)} chooses its own sharding")
     sigs = registry.signatures(eqn)
     n_in, n_out = len(eqn.invars), len(eqn.outvars)
     whole = Sig((B,) * n_in, (B,) * n_out, "whole")
     if sigs is None:
-        if eqn.primitive.name not in _QUIET_FALLBACKS:
-            prop.fallbacks.append((eqn.primitive.name, source_line(eqn)))
+        prop.fallbacks.append((eqn.primitive.name, source_line(eqn)))
         whole = Decision((prop.whole,) * n_in, (prop.whole,) * n_out, fallback=True)
         return [(whole, conversion.local_seconds(eqn, whole.ins, whole.outs, prop.mesh, prop.program.links))]
     out, seen = [], set()
@@ -116,41 +111,45 @@ def budget(program: Program) -> int | None:
     return (device.memory_stats() or {}).get("bytes_limit")
 
 
-class Region(NamedTuple):
-    """A scan or remat solved with its body: per body input and per stacked output, the layouts
-    it may take and their columns (one chosen); ``body`` the body's entries."""
+class LoopEntry(NamedTuple):
+    """A loop solved with its body: per body input and per stacked output, the layouts it may
+    take and their columns (one chosen); ``body`` the body's entries."""
 
     eqn: object
+    loop: Loop
     body: list
-    ins: list  # per body invar: (layouts, columns), or None (a remat's: the operand's own)
-    ys: list  # per stacked output of a scan: (layouts, columns)
+    ins: list  # per body invar: (layouts, columns)
+    ys: list  # per stacked output: (layouts, columns)
 
 
-class Pipeline(NamedTuple):
-    """An sf.pipeline solved with its bodies: per body its entries, per body input and output
-    the (layouts, columns) of the value it is; per operand and result of the equation the same,
-    its layouts as outside the bodies."""
+class CallEntry(NamedTuple):
+    """A call solved with its body, which sees the operands as they are."""
 
     eqn: object
-    bodies: dict  # body name -> its entries
-    body_ins: dict  # body name -> per invar (layouts, columns)
-    body_outs: dict  # body name -> per outvar (layouts, columns): what is wanted of it
-    ins: list  # per operand (layouts outside, columns)
-    outs: list  # per result (layouts outside, columns)
+    call: Call
+    body: list
 
 
-def solvable_region(eqn) -> bool:
-    return eqn.primitive is lax.scan_p or eqn.primitive in REMAT_PRIMITIVES
+def solved_with_bodies(eqn) -> bool:
+    """Whether the solver lays out ``eqn``'s bodies with the program: a loop or call region, or
+    a rule with its own ``solve`` hook."""
+    rule = registry.rule_of(eqn.primitive)
+    return rule is not None and (rule.solve is not None or isinstance(registry.region_of(eqn), (Loop, Call)))
 
 
-class _Builder:
-    """The integer program of a jaxpr, scans and remats included: a scan's body is one copy
-    of its equations whose costs count ``length`` times, its consts, carries and sliced inputs
+class Builder:
+    """The integer program of a jaxpr, loops and calls included (``registry.Loop`` / ``Call``:
+    a scan, a remat): a loop's body is one copy
+    of its equations whose costs count ``trips`` times, its consts, carries and sliced inputs
     one chosen layout each (converted outside the loop; a carry's the same at the start and
     end of every iteration), its stacked outputs one layout each — partial too: a layer's
     gradient reduced inside the loop, hidden behind the next layer's compute, or all layers'
-    at once after it, one collective where the loop ran one per layer. A remat's body sees its
-    operands as they are. Any other control flow is laid out as greedy laid it out."""
+    at once after it, one collective where the loop ran one per layer. A call's body sees its
+    operands as they are. A rule's own ``solve`` hook (sf.pipeline's) adds its columns through
+    this interface: ``choice``, ``use``, ``at``, ``wants``, ``layout_choice``, ``jaxpr`` (a body's
+    entries at a scale), ``produced`` / ``scale`` (what a value is made as, how often it runs),
+    ``m.row`` / ``m.cost`` (constraints and prices), ``loop_depth`` and ``prop`` (shapes, mesh,
+    links, ``holding``). Any other control flow is laid out as greedy laid it out."""
 
     def __init__(self, prop: Propagation, given: dict | None, tail: dict | None = None, known: dict | None = None):
         self.prop, self.given, self.m = prop, given or {}, Model()
@@ -185,10 +184,14 @@ class _Builder:
     def entry(self, eqn, scale):
         if eqn in self.given:
             return self.plain(eqn, scale)
-        if solvable_region(eqn):
-            return self.region(eqn, scale)
-        if eqn.primitive is pipeline_p:
-            return self.pipeline(eqn, scale)
+        rule = registry.rule_of(eqn.primitive)
+        if rule is not None and rule.solve is not None:
+            return rule.solve(self, eqn, scale)
+        region = registry.region_of(eqn)
+        if isinstance(region, Loop):
+            return self.loop(eqn, region, scale)
+        if isinstance(region, Call):
+            return self.call(eqn, region, scale)
         return self.plain(eqn, scale)
 
     def plain(self, eqn, scale):
@@ -214,7 +217,7 @@ class _Builder:
     def use(self, v, options, cols):
         """``v`` wanted at one of ``options``, as chosen by ``cols`` (a literal is where it is wanted)."""
         if not is_literal(v):
-            self.uses.setdefault(self.resolve(v), []).append(_by_layout(options, cols))
+            self.uses.setdefault(self.resolve(v), []).append(by_layout(options, cols))
 
     def wants(self, v) -> set:
         return {r for use in self.uses.get(v, ()) for r in use}
@@ -228,25 +231,28 @@ class _Builder:
         )
         return options, self.choice([0.0] * len(options))
 
-    def region(self, eqn, scale):
-        body = open_jaxpr(eqn.params["jaxpr"])
-        if eqn.primitive in REMAT_PRIMITIVES:  # the body sees its operands as they are
-            # (aliased: an operand may be a scan body's input, whose layouts come after its body)
-            for x, v in zip(eqn.invars, body.invars):
-                if is_literal(x):
-                    self.produced[v] = {self.prop.whole: None}
-                else:
-                    self.alias[v] = self.resolve(x)
-            entries = self.jaxpr(body, scale)
-            for v, o in zip(body.outvars, eqn.outvars):
-                self.scale[o] = scale
-                if is_literal(v):
-                    self.produced[o] = {self.prop.whole: None}
-                else:
-                    self.alias[o] = self.resolve(v)
-            return Region(eqn, entries, [None] * len(body.invars), [])
-        nc, nk = scan_arity(eqn.params)
-        inner = scale * eqn.params["length"]
+    def call(self, eqn, call: Call, scale):
+        """A call's body sees its operands as they are (aliased: an operand may be a loop body's
+        input, whose layouts come after its body)."""
+        body = open_jaxpr(eqn.params[call.body])
+        for x, v in zip(eqn.invars, body.invars):
+            if is_literal(x):
+                self.produced[v] = {self.prop.whole: None}
+            else:
+                self.alias[v] = self.resolve(x)
+        entries = self.jaxpr(body, scale)
+        for v, o in zip(body.outvars, eqn.outvars):
+            self.scale[o] = scale
+            if is_literal(v):
+                self.produced[o] = {self.prop.whole: None}
+            else:
+                self.alias[o] = self.resolve(v)
+        return CallEntry(eqn, call, entries)
+
+    def loop(self, eqn, loop: Loop, scale):
+        body = open_jaxpr(eqn.params[loop.body])
+        nc, nk = loop.consts, loop.carries
+        inner = scale * loop.trips
         self.loop_depth += 1
         entries = self.jaxpr(body, inner)
         self.loop_depth -= 1
@@ -260,18 +266,18 @@ class _Builder:
                 options, cols = self.layout_choice(v.aval, self.wants(v) | self.at(x) | self.at(out))
                 outer = options
                 self.use(out, options, cols)
-                self.produced[eqn.outvars[k - nc]] = _by_layout(options, cols)
+                self.produced[eqn.outvars[k - nc]] = by_layout(options, cols)
                 self.scale[eqn.outvars[k - nc]] = scale
             else:  # a slice of a stacked input
                 options, cols = self.layout_choice(v.aval, self.wants(v) | {unstacked(a) for a in self.at(x)})
                 outer = [stacked(a) for a in options]
                 self.hideable[v] = eqn  # a layer's weight, gathered ahead
             if not is_literal(x):
-                self.uses.setdefault(self.resolve(x), []).append(_by_layout(outer, cols))
+                self.uses.setdefault(self.resolve(x), []).append(by_layout(outer, cols))
                 if not self.loop_depth and not nc <= k < nc + nk:
                     for a, c in zip(outer, cols):
                         self.taken.setdefault((self.resolve(x), a), []).append(c)
-            self.produced[v] = _by_layout(options, cols)
+            self.produced[v] = by_layout(options, cols)
             ins.append((options, cols))
         ys = []
         for v, o in zip(body.outvars[nk:], eqn.outvars[nk:]):
@@ -285,109 +291,15 @@ class _Builder:
                 ]
                 self.stacked_outputs.add(o)
             if not is_literal(v):
-                use = _by_layout(options, cols)
+                use = by_layout(options, cols)
                 self.uses.setdefault(self.resolve(v), []).append(use)
                 self.hideable[id(use)] = eqn  # a layer's gradient, reduced behind the next
-            self.produced[o], self.scale[o] = _by_layout([stacked(a) for a in options], cols), scale
+            self.produced[o], self.scale[o] = by_layout([stacked(a) for a in options], cols), scale
             ys.append((options, cols))
-        return Region(eqn, entries, ins, ys)
-
-    def pipeline(self, eqn, scale):
-        """sf.pipeline's five bodies solved with the program (``pipelining._propagate`` is
-        greedy's layout of it): one layout each for what crosses between them — the chunk's
-        weights, the activation (and its gradient, laid out alike), each residual forward
-        stores, each value B stashes for W, the weights' gradients (partial too), the head's
-        parameters, arguments, loss and gradients —; on the pipeline axis every body runs whole
-        (a device runs its own stages) but the head where its parameters may come split over
-        it, its gradients then lying as its parameters do. Each body's work counts as often as
-        it runs (the rule's ``trips``). Partial, and said so: memory held across the pipeline is not
-        bounded (a budget counts the loops outside it)."""
-        params, prop = eqn.params, self.prop
-        ax = pipeline_axis(eqn, prop.mesh)
-        bodies = {name: open_jaxpr(params[name]) for name in Bodies._fields}
-        stage, head, xs, args = operand_groups(params, list(eqn.invars))
-        off_axis = lambda a: ax is None or a[ax] == B  # noqa: E731
-        unsummed_on_axis = lambda a: ax is None or not isinstance(a[ax], Partial)  # noqa: E731
-
-        def choose(v, partial=False, keep=off_axis):
-            options = [a for a in layouts(prop, v.aval, partial) if keep(a)]
-            return options, self.choice([0.0] * len(options))
-
-        forward, head_body, backward = bodies["forward"], bodies["head"], bodies["backward"]
-        n, nh = len(stage), len(head)
-        chunk = [choose(v) for v in forward.invars[:n]]
-        x = choose(forward.invars[n])
-        stored = [choose(v) for v in forward.outvars[1:]]
-        stash = [choose(v) for v in bodies["backward_x"].outvars[1:]]
-        d_chunk = [choose(v, partial=True) for v in backward.outvars[:-1]]
-        # The head runs on every device of the pipeline axis: split over it as its parameters
-        # may come (a vocab split over the stages shares its work out), else whole.
-        split_head = ax is not None and any(isinstance(a[ax], Split) for v in head for a in self.at(v))
-        head_params = [choose(v, keep=lambda a: split_head or off_axis(a)) for v in head_body.invars[:nh]]
-        head_args = [choose(v) for v in head_body.invars[nh + 1 :]]
-        loss = choose(head_body.outvars[0], partial=True)
-        d_head = [choose(v, partial=True, keep=unsummed_on_axis) for v in head_body.outvars[1:-1]]
-        if ax is not None:  # a head gradient on the pipeline axis as its parameter lies
-            for (hs, hc), (ds, dc) in zip(head_params, d_head):
-                for entry in {a[ax] for a in hs} | {a[ax] for a in ds}:
-                    self.m.row(
-                        [(c, 1.0) for a, c in zip(hs, hc) if a[ax] == entry]
-                        + [(c, -1.0) for a, c in zip(ds, dc) if a[ax] == entry],
-                        0.0,
-                        0.0,
-                    )
-        body_ins = dict(
-            forward=chunk + [x],
-            head=head_params + [x] + head_args,
-            backward=chunk + stored + [x],
-            backward_x=chunk + stored + [x],
-            backward_w=chunk + stored + stash,
-        )
-        body_outs = dict(
-            forward=[x] + stored,
-            head=[loss] + d_head + [x],
-            backward=d_chunk + [x],
-            backward_x=[x] + stash,
-            backward_w=d_chunk,
-        )
-        rule = registry.rule_of(pipeline_p)
-        entries = {}
-        self.loop_depth += 1
-        for name, body in bodies.items():
-            assert len(body.invars) == len(body_ins[name]) and len(body.outvars) == len(body_outs[name]), name
-            for v, (options, cols) in zip(body.invars, body_ins[name]):
-                self.produced[v] = _by_layout(options, cols)
-            held = ax is not None and not (name == "head" and split_head)
-            with prop.holding(ax) if held else contextlib.nullcontext():
-                entries[name] = self.jaxpr(body, scale * rule.trips(eqn, name, prop.mesh))
-            for v, choice in zip(body.outvars, body_outs[name]):
-                self.use(v, *choice)
-        self.loop_depth -= 1
-        outside = lambda choice, lead, on_axis=B: (
-            [outer_sbp(a, ax, lead, on_axis) for a in choice[0]],  # noqa: E731
-            choice[1],
-        )
-        ins = (
-            [outside(c, 2, Split(0)) for c in chunk]
-            + head_params
-            + [outside(x, 1)]
-            + [outside(c, 1) for c in head_args]
-        )
-        for v, choice in zip(eqn.invars, ins):
-            self.use(v, *choice)
-        outs = [loss] + [outside(c, 2, Split(0)) for c in d_chunk] + d_head + [outside(x, 1)]
-        for v, (options, cols) in zip(eqn.outvars, outs):
-            self.produced[v], self.scale[v] = _by_layout(options, cols), scale
-        for a, c in zip(*ins[n + nh]):  # its own collectives: a micro-batch's activation
-            operands = [None] * len(eqn.invars)
-            operands[n + nh] = a
-            self.m.cost[c] += scale * conversion.steps_seconds(
-                rule.comm(eqn, operands, None, prop.mesh), prop.program.links
-            )
-        return Pipeline(eqn, entries, body_ins, body_outs, ins, outs)
+        return LoopEntry(eqn, loop, entries, ins, ys)
 
 
-def _by_layout(options, cols) -> dict:
+def by_layout(options, cols) -> dict:
     """{layout: [its column]}: where a value is, or what a use requires, as one choice."""
     return {a: [c] for a, c in zip(options, cols)}
 
@@ -395,13 +307,13 @@ def _by_layout(options, cols) -> dict:
 def _walk(prop: Propagation, jaxpr, given, tail, known) -> tuple:
     """(the builder with ``jaxpr``'s strategies and uses, its entries, the sf.AUTO inputs'
     choices): ``build`` before the conversions are priced."""
-    b, auto = _Builder(prop, given, tail, known), []
+    b, auto = Builder(prop, given, tail, known), []
     for v, s in zip(jaxpr.invars, prop.program.in_sbp):
         b.scale[v] = 1
         if s is None:  # sf.AUTO: one of its layouts, free of cost itself
             options = layouts(prop, v.aval)
             cols = b.choice([0.0] * len(options))
-            b.produced[v] = _by_layout(options, cols)
+            b.produced[v] = by_layout(options, cols)
             auto.append((v, options, cols))
     return b, b.jaxpr(jaxpr, 1), auto
 
@@ -450,7 +362,7 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
     return m, entries, auto
 
 
-def _taken(b: _Builder, jaxpr) -> list:
+def _taken(b: Builder, jaxpr) -> list:
     """(column, bytes per device) of each value the loops not in a loop take (not as a carry)
     at a layout, once however many take it there (costs.held_bytes): one more column, at
     least each taking loop's choice of that layout. An argument, or another loop's stacked

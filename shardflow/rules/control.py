@@ -6,22 +6,15 @@ Decision; each lower rule runs the equation on local blocks."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import ClosedJaxpr, DropVar
+from jax.extend.core import ClosedJaxpr
 from jax.extend.core import primitives as prims
 
-from shardflow import _compat, conversion, costs
+from shardflow import _compat, conversion
 from shardflow.primitives import box_p, constrain_p
-from shardflow.program import REMAT_PRIMITIVES, is_literal, open_jaxpr, scan_arity, source_line
-from shardflow.registry import Decision, defrule
-from shardflow.specs import B, ShardingError, Split, describe, format_sbp, to_sbp
-
-
-def rebody(old, new_jaxpr):
-    """``new_jaxpr`` in the form (closed or open) of the param it replaces."""
-    return old.replace(jaxpr=new_jaxpr) if isinstance(old, ClosedJaxpr) else new_jaxpr
-
+from shardflow.program import REMAT_PRIMITIVES, is_literal, open_jaxpr, rebody, scan_arity, source_line
+from shardflow.registry import Call, Decision, Loop, defrule
+from shardflow.specs import ShardingError, describe, format_sbp, to_sbp
 
 # ------------------------------------------------------------------------------ pins
 
@@ -72,128 +65,13 @@ defrule(box_p, lower=_lower_box)
 # ------------------------------------------------------------------------------ scan
 
 
-def unstacked(sbp):
-    """The NdSbp of one slice of a value stacked on a new leading dim, or None."""
-    if sbp is None or Split(0) in sbp:
-        return None
-    return tuple(Split(s.dim - 1) if isinstance(s, Split) else s for s in sbp)
-
-
-def stacked(sbp):
-    return tuple(Split(s.dim + 1) if isinstance(s, Split) else s for s in sbp)
-
-
-def _propagate_scan(prop, eqn):
-    nc, nk = scan_arity(eqn.params)
-    closed = eqn.params["jaxpr"]
-    body = open_jaxpr(closed)
-    cur = [prop.of(a) for a in eqn.invars]
-    consts, init, xs = cur[:nc], cur[nc : nc + nk], cur[nc + nk :]
-    xs_outer = [tuple(B if s == Split(0) else s for s in x) for x in xs]
-    xs_inner = [unstacked(x) for x in xs_outer]
-    src = source_line(eqn)
-    # What the scan's stacked outputs are wanted as, per iteration: a per-layer gradient that
-    # must end up split is reduce-scattered inside the loop, not stacked whole and scattered after.
-    ys_wanted = [unstacked(prop.demand.get(v)) for v in eqn.outvars[nk:]]
-    prop.spread_demands(body, [None] * nk + ys_wanted)
-    annotated = []
-
-    def run(carry):
-        new, outs = prop.run_body(body, consts + list(carry) + xs_inner, src)
-        annotated.append(new)
-        return outs[:nk]
-
-    carry = prop.loop(run, init)
-    ys = [want or prop.of(v) for v, want in zip(body.outvars[nk:], ys_wanted)]
-    decision = Decision(
-        tuple(consts + carry + xs_outer),
-        tuple(carry) + tuple(stacked(s) for s in ys),
-        bodies=(("jaxpr", tuple(carry) + tuple(ys_wanted)),),
-    )
-    return prop.decide(eqn, decision, src, jaxpr=rebody(closed, annotated[-1]))
-
-
-UNROLLED_TRIPS = 128  # loops of at most this many trips (and ``_straight_line``) are lowered unrolled
-
-
-class Slices(list):
-    """A stacked output of a loop lowered unrolled: its blocks, one per trip, in index order.
-    An unrolled loop takes them as its sliced input as they are; anything else reads them
-    stacked (``Local.eval`` stacks them once, on first use)."""
-
-    def stacked(self):
-        return jnp.stack(self)
-
-
-def _lower_scan(local, eqn, ins):
-    """A layer loop — at most ``UNROLLED_TRIPS`` trips, not inside another loop, its body
-    running no collective (``_straight_line``) — unrolled, its stacked
-    outputs kept as one block per trip (``Slices``) that the next unrolled loop (the
-    backward's) takes as they are. Rolled, a loop writes each trip's results into a stack and
-    the next loop reads them back: XLA copies a slice in or out for every result a custom call
-    (a matmul, an attention kernel) makes or takes, and a stack lives whole until the loop
-    that reads it ends. On one H200 the 1b train step ran 658 such copies, 21 ms a step, and
-    held 82.3 GB; unrolled, 54.1 GB and 12 % more tokens/s, compiled in the same time
-    (benchmarks/results/scaling.md). Partial, and said so: not yet measured on
-    several GPUs. Any other loop stays rolled: a ``fori_loop`` whose stacked outputs start as
-    uninitialised buffers (``lax.empty``) and take one slice a trip; ``lax.scan`` starts them
-    as zeros, which XLA materialises (48 GB of writes a step for the 1b step's residuals)."""
+def _scan_region(eqn) -> Loop:
+    consts, carries = scan_arity(eqn.params)
     p = eqn.params
-    nc, nk = scan_arity(p)
-    body = local.body_fn(p["jaxpr"])
-    consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
-    n = p["length"]
-    if n == 0:  # no trips: the carries as they came, the stacked outputs empty
-        return list(init) + [
-            None if isinstance(v, DropVar) else jnp.zeros(local.shape(v), v.aval.dtype) for v in eqn.outvars[nk:]
-        ]
-    if n <= UNROLLED_TRIPS and local.loop is None and _straight_line(local.p, open_jaxpr(p["jaxpr"])):
-        return _lower_unrolled(local, body, eqn, consts, init, xs)
-    xs = [x.stacked() if isinstance(x, Slices) else x for x in xs]
-    ys = [None if isinstance(v, DropVar) else lax.empty(local.shape(v), v.aval.dtype) for v in eqn.outvars[nk:]]
-    assert all(y is None or y.shape[0] == n for y in ys), "a scan's stacked dim is never split (``stacked``)"
-
-    def step(i, state):
-        carry, ys = state
-        k = n - 1 - i if p["reverse"] else i
-        out = body(*consts, *carry, *(lax.dynamic_index_in_dim(x, k, keepdims=False) for x in xs))
-        ys = [y if y is None else lax.dynamic_update_index_in_dim(y, o, k, 0) for y, o in zip(ys, out[nk:])]
-        return list(out[:nk]), ys
-
-    with local.looping():
-        carry, ys = lax.fori_loop(0, n, step, (list(init), ys), unroll=p["unroll"])
-    return list(carry) + list(ys)
+    return Loop(consts, carries, p["length"], reverse=p["reverse"], unroll=p["unroll"])
 
 
-def _straight_line(program, body) -> bool:
-    """Whether a loop with this body may be lowered unrolled: it runs no collective. Unrolled,
-    XLA merges a collective the backward repeats of its forward (a ring's K and V gathered
-    again: half the bytes explain lists ran, tests/test_ring_attention.py) and holds its result
-    from the forward to the backward. (A remat's recomputation would be merged so too — jax
-    puts no optimization barrier on a remat inside a scan, ``prevent_cse=False`` there — but
-    in an unrolled body ``_lower_remat`` bars every recomputation's operands.)"""
-    return not costs.collectives(program, body)
-
-
-def _lower_unrolled(local, body, eqn, consts, init, xs):
-    p = eqn.params
-    nk, n = len(init), p["length"]
-    carry, ys = list(init), [{} for _ in eqn.outvars[nk:]]
-    with local.looping("unrolled"):
-        for i in range(n):
-            k = n - 1 - i if p["reverse"] else i
-            out = body(
-                *consts,
-                *carry,
-                *(x[k] if isinstance(x, Slices) else lax.index_in_dim(x, k, keepdims=False) for x in xs),
-            )
-            carry = list(out[:nk])
-            for y, o in zip(ys, out[nk:]):
-                y[k] = o
-    return carry + [Slices(y[k] for k in range(n)) for y in ys]
-
-
-defrule(lax.scan_p, propagate=_propagate_scan, lower=_lower_scan, trips=lambda eqn, body, mesh: eqn.params["length"])
+defrule(lax.scan_p, region=_scan_region)
 
 
 # ------------------------------------------------------------------------------ while
@@ -263,13 +141,6 @@ defrule(lax.cond_p, propagate=_propagate_cond, lower=_lower_cond)
 # ------------------------------------------------------------------------------ remat
 
 
-def _propagate_remat(prop, eqn):
-    """remat / checkpoint: the body runs on the operands as they are."""
-    cur = [prop.of(a) for a in eqn.invars]
-    new, outs = prop.run_body(open_jaxpr(eqn.params["jaxpr"]), cur, source_line(eqn))
-    return prop.decide(eqn, Decision(tuple(cur), tuple(outs), bodies=(("jaxpr", None),)), jaxpr=new)
-
-
 def _lower_remat(local, eqn, ins):
     """A backward's recomputation (``differentiated``) takes the operands the user asked for
     (``prevent_cse``) through an optimization barrier, as jax's own lowering does: else XLA
@@ -293,7 +164,7 @@ def _lower_remat(local, eqn, ins):
     return body(*ins)
 
 
-defrule(*REMAT_PRIMITIVES, propagate=_propagate_remat, lower=_lower_remat)
+defrule(*REMAT_PRIMITIVES, region=lambda eqn: Call(), lower=_lower_remat)
 
 
 # ------------------------------------------------------------------------------ a user's shard_map
@@ -327,7 +198,11 @@ def _propagate_shard_map(prop, eqn):
 
 # shard_map's bodies are traced with varying-axis types (check_vma); shardflow's own shard_map
 # runs unchecked, where the casts are the identity and psum_invariant is a plain psum.
-_UNCHECKED = {"pvary": lambda ins, axes: ins, "psum_invariant": lambda ins, axes: [lax.psum(x, axes) for x in ins]}
+_UNCHECKED = {
+    _compat.pvary_p: lambda ins, axes: ins,
+    _compat.psum_invariant_p: lambda ins, axes: [lax.psum(x, axes) for x in ins],
+}
+_UNCHECKED.pop(None, None)  # a JAX without one of them
 
 
 def _lower_shard_map(local, eqn, ins):
@@ -338,8 +213,8 @@ def _lower_shard_map(local, eqn, ins):
     read = lambda a: a.val if is_literal(a) else env[a]  # noqa: E731
     for e in body.eqns:
         args = [read(a) for a in e.invars]
-        if e.primitive.name in _UNCHECKED:
-            outs = _UNCHECKED[e.primitive.name](args, e.params["axes"])
+        if e.primitive in _UNCHECKED:
+            outs = _UNCHECKED[e.primitive](args, e.params["axes"])
         else:
             outs = e.primitive.bind(*args, **e.params)
             outs = outs if e.primitive.multiple_results else [outs]

@@ -131,6 +131,9 @@ def _partial_passes(src, dst) -> bool:
     return integer(src) and integer(dst) and dst.itemsize <= src.itemsize
 
 
+defrule(lax.convert_element_type_p, prims.copy_p, same_value=True)  # a weight cast is still the weight
+
+
 @defrule(lax.convert_element_type_p)
 def _convert_element_type(eqn):
     (x,) = eqn.invars

@@ -58,6 +58,8 @@ defrule(prims.random_seed_p, prims.random_fold_in_p)(lambda eqn: elementwise(eqn
 # split are whole.
 defrule(_compat.random_wrap_p)(lambda eqn: _same_dims(eqn, rank(eqn.outvars[0])))
 defrule(_compat.random_unwrap_p, prims.random_split_p)(lambda eqn: _same_dims(eqn, rank(eqn.invars[0])))
+# XLA's own generators: their bits depend on the whole shape, so they run whole (B), as intended.
+defrule(lax.rng_bit_generator_p, lax.rng_uniform_p)(lambda eqn: [])
 
 
 # ------------------------------------------------------------------------------ random bits
