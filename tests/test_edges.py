@@ -183,9 +183,16 @@ def test_a_memory_budget_string_bounds_the_solver_in_bytes(mesh):
 def test_passes_named_by_string_are_the_passes_of_that_name(mesh):
     x = np.arange(64, dtype=np.float32).reshape(8, 8)
     fn = lambda x: jnp.tanh(x @ x.T).sum(0)  # noqa: E731
-    named = sf.parallelize(fn, mesh=mesh, in_specs=PS("data"), passes=["inline", "cse", "solve", "boxing", "unroll", "lower"])
+    named = sf.parallelize(
+        fn, mesh=mesh, in_specs=PS("data"), passes=["inline", "cse", "solve", "boxing", "unroll", "lower"]
+    )
     assert named.passes == sf.passes.SOLVER
-    mixed = sf.parallelize(fn, mesh=mesh, in_specs=PS("data"), passes=[sf.passes.DEFAULT[0], "propagate", "boxing", *sf.passes.DEFAULT[-2:]])
+    mixed = sf.parallelize(
+        fn,
+        mesh=mesh,
+        in_specs=PS("data"),
+        passes=[sf.passes.DEFAULT[0], "propagate", "boxing", *sf.passes.DEFAULT[-2:]],
+    )
     assert [p.name for p in mixed.passes] == ["inline", "propagate", "boxing", "unroll", "lower"]
     for step in (named, mixed):
         np.testing.assert_allclose(np.asarray(step(x)), np.asarray(jax.jit(fn)(x)), rtol=1e-5)

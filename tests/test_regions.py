@@ -50,9 +50,7 @@ registry.defrule(
 
 def repeat(fn, consts, init, xs):
     """``fn(consts, carry, x) -> (carry, y)`` over the leading dim of ``xs``, as ``toy_repeat``."""
-    avals = [jax.typeof(a) for a in (*consts, *init)] + [
-        ShapedArray(x.shape[1:], x.dtype) for x in xs
-    ]
+    avals = [jax.typeof(a) for a in (*consts, *init)] + [ShapedArray(x.shape[1:], x.dtype) for x in xs]
     nc, nk = len(consts), len(init)
 
     def flat(*args):
