@@ -38,6 +38,24 @@ class ModelConfig:
     context: str = "auto"
     context_blocks: int = 1
     init_std: float = 0.02
+    # Mixture of experts (llama only; models/moe.py): n_experts > 0 makes every moe_every-th
+    # layer's feed-forward routed experts, experts_per_token (k) of them per token, each a SwiGLU
+    # of moe_ffn_dim (default ffn_dim), plus shared_experts always-on ones.
+    n_experts: int = 0
+    experts_per_token: int = 2
+    moe_ffn_dim: int | None = None
+    shared_experts: int = 0
+    moe_every: int = 1
+    routing: str = "capacity"  # "capacity" (tokens over an expert's capacity dropped) or "dropless"
+    capacity_factor: float = 1.25
+    balance: str = "aux_loss"  # "aux_loss" (Switch), "bias" (DeepSeek's aux-loss-free) or "none"
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.0
+    bias_rate: float = 1e-3
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
 
     @property
     def layout(self) -> Layout | None:
@@ -72,6 +90,32 @@ class ModelConfig:
             )
         if self.family == "gpt2" and self.n_heads * self.head_dim != self.d_model:
             raise ValueError("gpt2: n_heads * head_dim must equal d_model")
+        if self.n_experts:
+            self._check_moe()
+
+    def _check_moe(self):
+        from .moe import BALANCES, ROUTINGS
+
+        if self.family != "llama":
+            raise ValueError(f"model.n_experts: mixture of experts is a llama-family setting, not {self.family}'s")
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            raise ValueError(
+                f"model.experts_per_token ({self.experts_per_token}) must be between 1 and "
+                f"model.n_experts ({self.n_experts})"
+            )
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"model.routing must be one of {list(ROUTINGS)}, got {self.routing!r}")
+        if self.balance not in BALANCES:
+            raise ValueError(f"model.balance must be one of {list(BALANCES)}, got {self.balance!r}")
+        if self.routing == "capacity" and not self.capacity_factor > 0:
+            raise ValueError(
+                f"model.capacity_factor must be > 0 (an expert's capacity is at least one token), "
+                f"got {self.capacity_factor}"
+            )
+        if self.moe_every < 1 or self.n_layers % self.moe_every:
+            raise ValueError(
+                f"model.moe_every ({self.moe_every}) must be a positive divisor of model.n_layers ({self.n_layers})"
+            )
 
 
 # What a rematerialised layer keeps from its forward pass; "none" = no remat.
@@ -137,6 +181,48 @@ PRESETS: dict[str, dict] = {
         head_dim=128,
         ffn_dim=11008,
         max_seq_len=4096,
+    ),
+    # Mixture of experts. moe-tiny: CPU tests and runs. moe-1b: fine-grained experts (DeepSeek's
+    # shape: many narrow experts, one shared), ~1.6B parameters, ~0.5B active. moe-8x1b: Mixtral's
+    # shape on the 1b (8 experts of the 1b's MLP, 2 per token), ~4.5B parameters, ~1.3B active.
+    "moe-tiny": dict(
+        vocab_size=256,
+        d_model=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        ffn_dim=768,
+        max_seq_len=256,
+        n_experts=8,
+        experts_per_token=2,
+        moe_ffn_dim=256,
+    ),
+    "moe-1b": dict(
+        vocab_size=32000,
+        d_model=2048,
+        n_layers=16,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_dim=5632,
+        max_seq_len=4096,
+        n_experts=16,
+        experts_per_token=4,
+        moe_ffn_dim=1408,
+        shared_experts=1,
+    ),
+    "moe-8x1b": dict(
+        vocab_size=32000,
+        d_model=2048,
+        n_layers=16,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_dim=5632,
+        max_seq_len=4096,
+        n_experts=8,
+        experts_per_token=2,
     ),
     "gpt2-tiny": dict(
         family="gpt2",

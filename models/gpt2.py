@@ -98,7 +98,7 @@ class GPT2(nnx.Module):
         self.ln_f = _layer_norm(cfg.d_model, cfg.norm_eps, rngs)
 
     def __call__(self, tokens):
-        x = scan_layers(self.layers, constrain(self._embed(tokens), RESIDUAL), self.cfg.remat)
+        x, _ = scan_layers(self.layers, constrain(self._embed(tokens), RESIDUAL), self.cfg.remat)
         head, head_params = self._head()
         return head(head_params, x)
 

@@ -14,6 +14,7 @@ from flax import nnx
 
 from .attention import attention
 from .config import ModelConfig
+from .moe import MoE
 from .pipeline import (
     RESIDUAL,
     PipelineConfig,
@@ -83,8 +84,8 @@ class Attention(nnx.Module):
 
 @logical_axes(w_gate=("embed", "mlp"), w_up=("embed", "mlp"), w_down=("mlp", "embed"))
 class SwiGLU(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f = cfg.d_model, cfg.ffn_dim
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, ffn_dim: int | None = None):
+        d, f = cfg.d_model, ffn_dim or cfg.ffn_dim
         self.w_gate = _normal(rngs, (d, f), cfg.init_std)
         self.w_up = _normal(rngs, (d, f), cfg.init_std)
         self.w_down = _normal(rngs, (f, d), cfg.init_std / (2 * cfg.n_layers) ** 0.5)
@@ -95,15 +96,46 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """Attention and a feed-forward layer, each pre-normed on the residual stream; with
+    ``moe``, the feed-forward layer is routed experts and the block returns (x, RoutingStats)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, rngs)
+        if not moe:
+            self.mlp = SwiGLU(cfg, rngs)
+        else:
+            shared = SwiGLU(cfg, rngs, ffn_dim=cfg.shared_experts * cfg.expert_ffn_dim) if cfg.shared_experts else None
+            self.mlp = MoE(cfg, rngs, shared)
 
     def __call__(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        if isinstance(self.mlp, SwiGLU):
+            return x + self.mlp(self.mlp_norm(x))
+        y, stats = self.mlp(self.mlp_norm(x))
+        return x + y, stats
+
+
+class BlockGroup(nnx.Module):
+    """``moe_every`` blocks, the last one MoE: the unit stacked over depth when only every
+    n-th layer routes to experts. Returns (x, the MoE block's RoutingStats)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.dense = nnx.List([Block(cfg, rngs) for _ in range(cfg.moe_every - 1)])
+        self.moe = Block(cfg, rngs, moe=True)
+
+    def __call__(self, x, cos, sin):
+        for block in self.dense:
+            x = constrain(block(x, cos, sin), RESIDUAL)
+        return self.moe(x, cos, sin)
+
+
+def layer_unit(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """The module stacked over depth: a Block, or a BlockGroup where only every n-th is MoE."""
+    if not cfg.n_experts:
+        return Block(cfg, rngs)
+    return Block(cfg, rngs, moe=True) if cfg.moe_every == 1 else BlockGroup(cfg, rngs)
 
 
 def stacked(make_layer, n_layers: int, rngs: nnx.Rngs):
@@ -122,27 +154,54 @@ class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
-        self.layers = stacked(lambda r: Block(cfg, r), cfg.n_layers, rngs)
+        self.layers = stacked(lambda r: layer_unit(cfg, r), cfg.n_layers // cfg.moe_every, rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = _normal(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
 
     def __call__(self, tokens):
         """tokens [batch, seq] int → logits [batch, seq, vocab] in the compute dtype."""
+        return self._logits(tokens)[0]
+
+    def _logits(self, tokens):
         cfg = self.cfg
         self._check_window(tokens.shape[1])
         x = self._embed(tokens)
         cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.layout)
-        x = scan_layers(self.layers, x, cfg.remat, cos, sin)
+        x, stats = scan_layers(self.layers, x, cfg.remat, cos, sin)
         head, head_params = self._head()
-        return head(head_params, x)
+        return head(head_params, x), stats
 
     def loss(self, tokens, targets, *, pipeline: PipelineConfig | None = None):
-        """Mean next-token cross-entropy (fp32) of ``tokens`` against ``targets`` [batch, seq].
-        With ``pipeline``, the stacked layers run as ``sf.pipeline``'s stages (models/pipeline.py)."""
+        """Mean next-token cross-entropy (fp32) of ``tokens`` against ``targets`` [batch, seq],
+        plus an MoE model's balance and z-losses. With ``pipeline``, the stacked layers run as
+        ``sf.pipeline``'s stages (models/pipeline.py)."""
+        return self.losses(tokens, targets, pipeline=pipeline)[0]
+
+    def losses(self, tokens, targets, *, pipeline: PipelineConfig | None = None):
+        """(loss, stats): ``loss`` as :meth:`loss`; ``stats`` the MoE layers' routing
+        statistics ({} for a dense model): the cross-entropy alone, and per MoE layer the
+        balance loss, the z-loss, each expert's load and the choices dropped."""
         cfg = self.cfg
         if pipeline is None:
-            return cross_entropy(self(tokens), targets)
+            logits, routing = self._logits(tokens)
+            ce = cross_entropy(logits, targets)
+        elif cfg.n_experts:
+            raise NotImplementedError(
+                "model.n_experts with a pipeline: the routing statistics (balance loss, loads) do not "
+                "yet cross sf.pipeline's stages; run MoE models without pipeline stages"
+            )
+        else:
+            ce, routing = self._pipelined_loss(tokens, targets, pipeline), None
+        if routing is None:
+            return ce, {}
+        loss = ce + cfg.z_loss_weight * routing.z_loss.sum()
+        if cfg.balance == "aux_loss":
+            loss = loss + cfg.aux_loss_weight * routing.aux_loss.sum()
+        return loss, {"cross_entropy": ce, **routing._asdict()}
+
+    def _pipelined_loss(self, tokens, targets, pipeline):
+        cfg = self.cfg
         self._check_window(tokens.shape[1])
         with jax.ensure_compile_time_eval():  # constants the pipelined layer closes over
             cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.layout)

@@ -44,13 +44,16 @@ class PipelineConfig:
 
 
 def layer_step(graphdef, remat: str, *args) -> Callable:
-    """``(h, layer_params) -> h``: one layer of a stack split by ``nnx.split`` (graphdef, the
-    state of one layer), its output pinned to the residual stream's sharding, rematerialised
-    under the model's remat policy. ``args`` (RoPE tables) are passed to every layer."""
+    """``(h, layer_params) -> (h, stats)``: one layer of a stack split by ``nnx.split``
+    (graphdef, the state of one layer), its output pinned to the residual stream's sharding,
+    rematerialised under the model's remat policy; ``stats`` what a layer returns beside its
+    output (an MoE layer's RoutingStats), else None. ``args`` (RoPE tables) are passed to every
+    layer."""
 
     def step(x, layer_params):
-        x = nnx.merge(graphdef, layer_params)(x, *args)
-        return constrain(x, RESIDUAL)
+        out = nnx.merge(graphdef, layer_params)(x, *args)
+        x, stats = out if isinstance(out, tuple) else (out, None)
+        return constrain(x, RESIDUAL), stats
 
     if remat != "none":
         step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
@@ -58,11 +61,10 @@ def layer_step(graphdef, remat: str, *args) -> Callable:
 
 
 def scan_layers(layers: nnx.Module, x, remat: str, *args):
-    """Run stacked layers over depth with lax.scan (one compiled layer, not n copies)."""
+    """Run stacked layers over depth with lax.scan (one compiled layer, not n copies):
+    (output, the layers' stats stacked over depth, or None)."""
     graphdef, params = nnx.split(layers)
-    step = layer_step(graphdef, remat, *args)
-    x, _ = jax.lax.scan(lambda x, p: (step(x, p), None), x, params)
-    return x
+    return jax.lax.scan(layer_step(graphdef, remat, *args), x, params)
 
 
 def cross_entropy(logits, targets):
@@ -84,7 +86,7 @@ def pipelined_loss(
     graphdef, params = nnx.split(layers)
     step = layer_step(graphdef, remat, *layer_args)
     return sf.pipeline(
-        lambda layer, h: step(h, layer),
+        lambda layer, h: step(h, layer)[0],
         params,
         x,
         head=lambda hp, h, t: cross_entropy(head(hp, h), t),

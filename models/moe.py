@@ -1,0 +1,176 @@
+"""Mixture-of-Experts feed-forward layer: a top-k softmax router and SwiGLU experts.
+
+Routing, two modes (``ModelConfig.routing``):
+
+* ``"capacity"`` (GShard / Switch): each sequence of the batch is a routing group; an expert
+  takes at most ``capacity = ceil(k * seq * capacity_factor / n_experts)`` of a group's token
+  choices, first choices of every token before second choices, in token order; the rest are
+  dropped (their share of the layer's output is zero; the residual carries the token). Dispatch
+  and combine are one-hot einsums over ``[batch, seq, experts, capacity]``, so the program is
+  ordinary dense algebra a planner can shard: with the experts' weights split over a mesh axis
+  the tokens reach their experts by an all-to-all of the ``[experts, batch, capacity, embed]``
+  buffer.
+* ``"dropless"`` (MegaBlocks): every choice is computed. The token choices are sorted by
+  expert and the experts run as grouped GEMMs (``jax.lax.ragged_dot``) over the sorted rows.
+
+Balancing (``ModelConfig.balance``): ``"aux_loss"`` adds Switch/GShard's auxiliary loss
+``n_experts * sum_e f_e * p_e`` (f_e the fraction of choices routed to e, p_e its mean router
+probability, over the whole batch) times ``aux_loss_weight``; ``"bias"`` is DeepSeek-V3's
+aux-loss-free balancing: a per-expert bias, not trained by gradient, is added to the router's
+scores for selection only and moved by ``bias_rate * sign(mean load - load)`` after each step
+(:func:`updated_router_bias`). ``z_loss_weight`` adds the router z-loss (ST-MoE).
+
+Each layer returns its statistics with its output (:class:`RoutingStats`): the loss terms, the
+tokens routed to each expert before capacity and the choices dropped; the trainer logs them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import ModelConfig
+from .sharding import logical_axes
+
+ROUTINGS = ("capacity", "dropless")
+BALANCES = ("aux_loss", "bias", "none")
+
+
+class RouterBias(nnx.Variable):
+    """Aux-loss-free balancing's per-expert selection bias: state, not a parameter (the
+    optimizer never sees it); the trainer moves it after each step."""
+
+
+class RoutingStats(NamedTuple):
+    aux_loss: jax.Array  # Switch/GShard balance loss (unweighted), fp32 scalar
+    z_loss: jax.Array  # mean squared logsumexp of the router logits, fp32 scalar
+    load: jax.Array  # [experts] token choices routed to each expert, before capacity, fp32
+    dropped: jax.Array  # token choices dropped by capacity, fp32 scalar
+
+
+def capacity(seq_len: int, k: int, n_experts: int, capacity_factor: float) -> int:
+    """Token choices one expert takes from one routing group (a sequence)."""
+    return max(1, math.ceil(k * seq_len * capacity_factor / n_experts))
+
+
+def route(logits, k: int, bias=None):
+    """Top-k routing of fp32 router ``logits`` [..., experts]: (gates [..., k] summing to one,
+    experts [..., k] int32, probabilities [..., experts]). ``bias`` shifts the selection only."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    scores = probs if bias is None else probs + jax.lax.stop_gradient(bias)
+    _, experts = jax.lax.top_k(scores, k)
+    gates = jnp.take_along_axis(probs, experts, axis=-1)
+    return gates / gates.sum(-1, keepdims=True), experts.astype(jnp.int32), probs
+
+
+def balance_loss(probs, experts, n_experts: int):
+    """Switch Transformer's auxiliary loss over every token of ``probs`` [..., experts]."""
+    k = experts.shape[-1]
+    chosen = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32).sum(-2)  # [..., experts]
+    fraction = chosen.reshape(-1, n_experts).mean(0) / k
+    return n_experts * jnp.sum(fraction * probs.reshape(-1, n_experts).mean(0))
+
+
+def capacity_slots(experts, n_experts: int, cap: int):
+    """Where each choice of ``experts`` [batch, seq, k] lands in its expert's queue of one
+    group (a sequence): (slot [batch, seq, k] int32, kept [batch, seq, k] bool). Choices queue
+    by rank (every token's first choice before any second choice), then by token."""
+    b, s, k = experts.shape
+    chosen = jax.nn.one_hot(experts, n_experts, dtype=jnp.int32)  # [b, s, k, e]
+    by_rank = chosen.transpose(0, 2, 1, 3).reshape(b, k * s, n_experts)
+    before = jnp.cumsum(by_rank, axis=1) - by_rank
+    slot = (before * by_rank).sum(-1).reshape(b, k, s).transpose(0, 2, 1)
+    return slot, slot < cap
+
+
+def swiglu_experts(x, w_gate, w_up, w_down):
+    """The experts' SwiGLU on their own tokens: x [experts, ..., embed] -> same shape."""
+    gate = jax.nn.silu(jnp.einsum("e...d,edf->e...f", x, w_gate))
+    return jnp.einsum("e...f,efd->e...d", gate * jnp.einsum("e...d,edf->e...f", x, w_up), w_down)
+
+
+def capacity_experts(x, gates, experts, w_gate, w_up, w_down, capacity_factor: float):
+    """Capacity-mode MoE of x [batch, seq, embed]: (y, dropped choices)."""
+    n_experts = w_gate.shape[0]
+    cap = capacity(x.shape[1], experts.shape[-1], n_experts, capacity_factor)
+    slot, kept = capacity_slots(experts, n_experts, cap)
+    where = jax.nn.one_hot(experts, n_experts, dtype=x.dtype) * kept[..., None]  # [b, s, k, e]
+    at = jax.nn.one_hot(slot, cap, dtype=x.dtype)  # [b, s, k, c]
+    dispatch = jnp.einsum("bske,bskc->bsec", where, at)
+    combine = jnp.einsum("bsk,bske,bskc->bsec", gates.astype(x.dtype), where, at)
+    routed = jnp.einsum("bsec,bsd->ebcd", dispatch, x)
+    y = jnp.einsum("bsec,ebcd->bsd", combine, swiglu_experts(routed, w_gate, w_up, w_down))
+    return y, jnp.sum(~kept).astype(jnp.float32)
+
+
+def dropless_experts(x, gates, experts, w_gate, w_up, w_down):
+    """Dropless MoE of x [..., embed]: every token choice through its expert, the choices
+    sorted by expert and run as grouped GEMMs."""
+    n_experts, d = w_gate.shape[0], x.shape[-1]
+    k = experts.shape[-1]
+    tokens = x.reshape(-1, d)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    rows = tokens[order // k]
+    gate = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, sizes))
+    out = jax.lax.ragged_dot(gate * jax.lax.ragged_dot(rows, w_up, sizes), w_down, sizes)
+    unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    y = jnp.einsum("tk,tkd->td", gates.reshape(-1, k).astype(x.dtype), unsorted.reshape(-1, k, d))
+    return y.reshape(x.shape)
+
+
+def _normal(rngs: nnx.Rngs, shape, std):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+
+
+@logical_axes(
+    router=("embed", None),
+    w_gate=("expert", "embed", "mlp"),
+    w_up=("expert", "embed", "mlp"),
+    w_down=("expert", "mlp", "embed"),
+)
+class MoE(nnx.Module):
+    """Routed SwiGLU experts, plus ``shared`` (an always-on feed-forward layer: DeepSeek's shared
+    experts) where given: x [batch, seq, embed] -> (y, RoutingStats)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, shared: nnx.Module | None = None):
+        d, e, f = cfg.d_model, cfg.n_experts, cfg.expert_ffn_dim
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.router = _normal(rngs, (d, e), cfg.init_std)
+        self.w_gate = _normal(rngs, (e, d, f), cfg.init_std)
+        self.w_up = _normal(rngs, (e, d, f), cfg.init_std)
+        self.w_down = _normal(rngs, (e, f, d), out_std)
+        self.bias = RouterBias(jnp.zeros((e,), jnp.float32)) if cfg.balance == "bias" else None
+        self.shared = shared
+        self.k, self.routing, self.capacity_factor = cfg.experts_per_token, cfg.routing, cfg.capacity_factor
+
+    def __call__(self, x):
+        logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.router[...])
+        bias = None if self.bias is None else self.bias[...]
+        gates, experts, probs = route(logits, self.k, bias)
+        weights = self.w_gate[...], self.w_up[...], self.w_down[...]
+        if self.routing == "capacity":
+            y, dropped = capacity_experts(x, gates, experts, *weights, self.capacity_factor)
+        else:
+            y, dropped = dropless_experts(x, gates, experts, *weights), jnp.zeros((), jnp.float32)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        n_experts = probs.shape[-1]
+        stats = RoutingStats(
+            aux_loss=balance_loss(probs, experts, n_experts),
+            z_loss=jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+            load=jax.nn.one_hot(experts, n_experts, dtype=jnp.float32).sum((0, 1, 2)),
+            dropped=dropped,
+        )
+        return y, stats
+
+
+def updated_router_bias(bias, load, rate: float):
+    """Aux-loss-free balancing's step: each expert's bias moves by ``rate`` towards the mean
+    load (up when it took fewer choices than the mean, down when more)."""
+    return bias + rate * jnp.sign(load.mean(-1, keepdims=True) - load)
