@@ -35,8 +35,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from shardflow.attention import attention  # noqa: E402
 from shardflow.kernels import flash_attention_gpu, flash_attention_mgpu  # noqa: E402
-from shardflow.ops import attention  # noqa: E402
 
 # (batch, seq, heads_q, heads_kv, head_dim); the last is GQA 32 q heads over 8 kv heads.
 ANCHOR_SHAPES = [

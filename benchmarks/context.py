@@ -73,7 +73,7 @@ def step_fn(variant: str, n: int, causal: bool, backend: str):
     from jax.sharding import PartitionSpec as P
 
     import shardflow as sf
-    from shardflow.ops import Layout, attention
+    from shardflow.attention import Layout, attention
 
     kind, _, gathered = variant.partition("-")
     layout = Layout(kind, n) if kind in ("zigzag", "striped") else None

@@ -26,7 +26,7 @@ estimated per-device weights + gradients + Adam state + bf16 copy exceed the dev
 whatever still runs out of memory is reported as OOM and the run goes on. (On GPU, jax reports
 the memory it may use: XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 of the card by default.)
 
-Attention: the shardflow engine uses shardflow.ops.attention (Pallas kernels on GPU). The jit
+Attention: the shardflow engine uses shardflow.attention.attention (Pallas kernels on GPU). The jit
 engine uses jax.nn.dot_product_attention (cuDNN on GPU), which GSPMD can partition, whereas a
 Pallas custom call under jax.jit would be replicated. The shardflow/jit ratio therefore
 includes the attention-kernel difference (benchmarks/train_mfu.py's shardflow-cudnn engine

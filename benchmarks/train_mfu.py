@@ -4,7 +4,7 @@
     python benchmarks/train_mfu.py --preset tiny    # end-to-end check on CPU
 
 shardflow: the `shardflow train` step (fp32 master weights, bf16 compute, AdamW + clipping,
-attention through shardflow.ops.attention) run by ``sf.parallelize``.
+attention through shardflow.attention.attention) run by ``sf.parallelize``.
 reference: the same model and optimizer as one ``jax.jit`` program — scan over layers, cuDNN
 attention called directly (``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU),
 optax: a plain-JAX program of the same training step.

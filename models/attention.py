@@ -3,17 +3,18 @@ query has a multiple of the key/value heads."""
 
 import jax
 
-from shardflow import ops
+import shardflow.attention
 
 
 def attention(q, k, v, *, causal: bool, impl: str = "ops", context: str = "auto", layout=None):
-    """``impl="ops"``: shardflow.ops.attention, the entry point shardflow's passes recognise.
+    """``impl="ops"``: shardflow.attention.attention, the entry point shardflow's passes recognise.
     ``impl="jax"`` / ``"cudnn"``: jax.nn.dot_product_attention directly (JAX's choice of
     implementation / cuDNN forced) — only for the plain-JAX reference the benchmarks compare
     against. ``context``: how the keys reach each query block where the sequence is split over
-    a mesh axis (ops.attention's), ``layout`` the tokens' order (ops.Layout or None)."""
+    a mesh axis (shardflow.attention.attention's), ``layout`` the tokens' order
+    (shardflow.attention.Layout or None)."""
     if impl == "ops":
-        return ops.attention(q, k, v, causal=causal, context=context, layout=layout)
+        return shardflow.attention.attention(q, k, v, causal=causal, context=context, layout=layout)
     if layout is not None:
         raise ValueError(f"attention impl {impl!r} takes no token layout ({layout.kind})")
     if impl == "jax":

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 
-from shardflow.ops import CONTEXTS, Layout
+from shardflow.attention import CONTEXTS, Layout
 from shardflow.ring_attention import LAYOUTS
 
 GATHERED = tuple(f"{kind}-all_gather" for kind in LAYOUTS)  # a layout's ring steps on K/V gathered
@@ -30,7 +30,7 @@ class ModelConfig:
     # attention has no window, so sequences longer than it are refused, not approximated.
     sliding_window: int | None = None
     remat: str = "none"  # see REMAT_POLICIES
-    attention_impl: str = "ops"  # "ops" (shardflow.ops.attention); "jax"/"cudnn": reference only
+    attention_impl: str = "ops"  # "ops" (shardflow.attention.attention); "jax"/"cudnn": reference only
     # A sequence split over a mesh axis: attention by "ring", "all_gather", "ulysses" or the
     # planner's choice ("auto"); "zigzag" / "striped": a ring over tokens in that order, for a
     # ring of context_blocks devices (the trainer sets it from the mesh and permutes the data);

@@ -1,4 +1,4 @@
-"""shardflow.ops.attention: kernels in interpret mode and the XLA path against a dense fp32
+"""shardflow.attention.attention: kernels in interpret mode and the XLA path against a dense fp32
 reference (forward, lse, dq/dk/dv), fully masked rows, and the jaxpr contract with the
 compiler passes. GPU-only checks skip without a GPU."""
 
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardflow.ops import attention
+from shardflow.attention import attention
 
 # Relative L2 error bounds against the fp32 reference.
 TOLERANCE = {jnp.float32: 1e-3, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}

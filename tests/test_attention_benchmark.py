@@ -81,7 +81,7 @@ def test_kernel_variants(bench, direction, tmp_path, monkeypatch, capsys):
 
 def test_table(bench, monkeypatch, capsys):
     """The table's rows and ratios, its three contenders replaced by CPU-runnable ones."""
-    from shardflow.ops import attention
+    from shardflow.attention import attention
 
     def contenders(causal, group):
         return {

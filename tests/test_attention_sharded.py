@@ -1,4 +1,4 @@
-"""shardflow.ops.attention inside parallelize: batch- and head-split q/k/v run the kernels on
+"""shardflow.attention.attention inside parallelize: batch- and head-split q/k/v run the kernels on
 local blocks, forward and backward, and equal one device."""
 
 import jax
@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as PS
 
 import shardflow as sf
-from shardflow.ops import attention
+from shardflow.attention import attention
 
 
 def inputs(b=4, s=16, hq=8, hkv=4, d=16, seed=0):

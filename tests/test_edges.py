@@ -11,7 +11,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as PS
 
 import shardflow as sf
-from shardflow.ops import attention
+from shardflow.attention import attention
 from shardflow.registry import decision_of
 from shardflow.specs import Partial, to_sbp
 

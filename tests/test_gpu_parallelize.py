@@ -1,6 +1,6 @@
 """On real GPUs, `sf.parallelize` equals the same function on one GPU, in fp32 and bf16: an MLP
 training step (optax adamw) under data-parallel, FSDP, tensor-parallel and 2-D specs, a
-transformer block on `shardflow.ops.attention` (the Pallas kernels: Triton, and Mosaic GPU for
+transformer block on `shardflow.attention.attention` (the Pallas kernels: Triton, and Mosaic GPU for
 bf16 on Hopper), a scan over stacked layers, and the Llama model's training step under the
 strategy presets.
 
@@ -30,7 +30,7 @@ import pytest
 from jax.sharding import PartitionSpec as PS
 
 import shardflow as sf
-from shardflow.ops import attention
+from shardflow.attention import attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
 
@@ -168,7 +168,7 @@ def test_mlp_train_step(case, dtype_name):
 
 
 # ------------------------------------------------------------------------------------------
-# A transformer block on shardflow.ops.attention: the Pallas kernels run on the local blocks.
+# A transformer block on shardflow.attention.attention: the Pallas kernels run on the local blocks.
 
 HEADS, KV_HEADS, D_MODEL = 8, 4, 256
 _col, _row = PS(None, "model"), PS("model", None)
@@ -268,7 +268,7 @@ def test_context_parallel_attention_forward_and_grads(variant, n):
     striped) alone is a ring over tokens in that order, "-all_gather" its steps on K/V gathered;
     "hybrid" on {context: n} alone is Ulysses. The inputs are in the layout's order, as the data
     loader stores them; one GPU un-permutes, attends and permutes back."""
-    from shardflow.ops import Layout
+    from shardflow.attention import Layout
 
     mesh = mesh_of({"context": n})
     kind, _, gathered = variant.partition("-")

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as PS
 
 import shardflow as sf
-from shardflow.ops import Layout, attention
+from shardflow.attention import Layout, attention
 from shardflow.ring_attention import causal_work
 
 
