@@ -10,7 +10,8 @@ from shardflow import passes, schedules
 from shardflow.api import Parallelized, ReplicatedAxisWarning, parallelize
 from shardflow.costs import Collective
 from shardflow.explain import Plan
-from shardflow.mesh import LinkModel, make_mesh
+from shardflow.links import LinkModel
+from shardflow.mesh import make_mesh
 from shardflow.pipelining import pipeline
 from shardflow.primitives import constrain
 from shardflow.search import Alternative, Candidate, alternatives, plan

@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.tree_util import keystr, tree_flatten_with_path
 
 from shardflow.explain import Plan, make_plan
-from shardflow.mesh import LinkModel, check_mesh
+from shardflow.links import LinkModel
+from shardflow.mesh import check_mesh
 from shardflow.passes import ALL as ALL_PASSES
 from shardflow.passes import DEFAULT as DEFAULT_PASSES
 from shardflow.passes import Pass

@@ -21,7 +21,7 @@ from jax.extend.core import primitives as prims
 from jax.sharding import Mesh
 
 from shardflow import _compat
-from shardflow.mesh import LinkModel
+from shardflow.links import LinkModel
 from shardflow.registry import DECISION
 from shardflow.specs import installed_file, is_user_file
 

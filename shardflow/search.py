@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec
 
 from shardflow.api import Parallelized, ReplicatedAxisWarning, _spec_of_each_leaf, memory_budget_bytes, parallelize
 from shardflow.explain import Plan
-from shardflow.mesh import LinkModel, make_mesh
+from shardflow.links import LinkModel
+from shardflow.mesh import make_mesh
 from shardflow.specs import AUTO, ShardingError, definition, to_sbp
 
 
