@@ -3,7 +3,7 @@
 Requires "sharded" (``passes.propagate``): every equation has its Decision, every value its
 NdSbp. Ensures "boxed": wherever an operand's NdSbp differs from what its equation's Decision
 needs — or a jaxpr output from what is wanted of it (``out_sbp``, a Decision's ``bodies``) — an
-``sf_box[src, dst, steps]`` equation converts it (``steps`` from ``conversion.plan``: the
+``sf_box[src, dst, steps]`` equation converts it (``steps`` from ``conversion.route``: the
 collectives and local ops, with their bytes), and the use reads the converted value. A value
 converted to one NdSbp twice in a jaxpr is converted once, and a conversion starts from
 whichever of the value and its earlier conversions is cheapest to convert from (what
@@ -42,7 +42,7 @@ class Boxing:
             if want in sources:
                 return sources[want]
             src = min(sources, key=lambda s: self.seconds(x, s, want))
-            steps = conversion.plan(x.aval.shape, x.aval.dtype, src, want, self.p.mesh, self.p.links)
+            steps = conversion.route(x.aval.shape, x.aval.dtype, src, want, self.p.mesh, self.p.links)
             out = new_var(x.aval)
             made_at = "literal" if is_literal(x) else self.made_at.get(x, "<unknown>")
             params = dict(src=src, dst=want, steps=steps, reason=reason, source=made_at, used_at=used_at)

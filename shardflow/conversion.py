@@ -1,6 +1,6 @@
 """How to turn one NdSbp into another: a list of steps, each a collective or a local op.
 
-``plan(shape, dtype, src, dst, mesh)`` is the single source of truth for boxing, and
+``route(shape, dtype, src, dst, mesh)`` is the single source of truth for boxing, and
 ``seconds`` — the plan priced by the link model — the one pricer: propagation prices candidates
 with it, the boxing pass stores the plan in the program, lowering runs it (``run``) and
 ``explain`` reports it. Per mesh axis:
@@ -74,7 +74,7 @@ def _axes_on(sbp, dim, names):
     return [a for a, s in zip(names, sbp) if isinstance(s, Split) and s.dim == dim]
 
 
-def plan(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links=None) -> tuple:
+def route(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links=None) -> tuple:
     """Steps converting a ``dtype[shape]`` value from ``src`` to ``dst`` (both NdSbp): the
     direct plan, or with ``links`` (a LinkModel) the cheaper of it and the shortest route
     through NdSbps between (``Pricer.route``)."""
@@ -243,7 +243,7 @@ def seconds(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links) -> float:
 
 class Pricer:
     """``seconds`` of conversions of a ``dtype[shape]`` value on ``mesh`` under ``links``, as a
-    function of (src, dst) NdSbp tuples: what ``steps_seconds(plan(...))`` gives, to the bit,
+    function of (src, dst) NdSbp tuples: what ``steps_seconds(route(...))`` gives, to the bit,
     without building the plan's Steps (``_sizes``); each pair priced once, and what a pricing
     loop would redo per pair — the axes' speeds and layouts — once."""
 

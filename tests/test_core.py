@@ -59,7 +59,7 @@ def test_propagation_prices_the_plan_that_runs(case):
     links = sf.LinkModel(alpha=3e-6, beta=50e9, per_axis_beta={"data": 20e9})
     program = sf.program.Program(None, mesh, (), (), links=links)
     aval = jax.core.ShapedArray(shape, np.float32)
-    steps = conversion.plan(shape, np.float32, src, dst, mesh, links)
+    steps = conversion.route(shape, np.float32, src, dst, mesh, links)
     expected = sum(links.seconds(s.axes, s.bytes) if s.is_collective else conversion.EPSILON for s in steps)
     assert Propagation(program).seconds(aval, src, dst) == expected
 
@@ -69,10 +69,10 @@ def test_the_issue_example_is_priced_as_the_plan_that_runs():
     (3,584 bytes); the plan that runs gathers over model and all-to-alls over data (2,560
     bytes, two collectives as well), and the price is that plan's, not a 256-byte all_to_all's."""
     mesh = sf.make_mesh(MESHES[2])
-    direct = conversion.plan((16, 64), np.float32, (S(0), S(1)), (S(1), S(1)), mesh)
+    direct = conversion.route((16, 64), np.float32, (S(0), S(1)), (S(1), S(1)), mesh)
     assert conversion.total_bytes([s for s in direct if s.is_collective]) == 3584
     links = sf.LinkModel()
-    steps = conversion.plan((16, 64), np.float32, (S(0), S(1)), (S(1), S(1)), mesh, links)
+    steps = conversion.route((16, 64), np.float32, (S(0), S(1)), (S(1), S(1)), mesh, links)
     assert [(s.kind, s.axes, s.bytes) for s in steps if s.is_collective] == [
         ("all_gather", ("model",), 1536),
         ("all_to_all", ("data",), 1024),

@@ -67,7 +67,7 @@ def test_every_conversion_preserves_the_value(src, mid, dst):
     ],
 )
 def test_conversion_bytes_follow_the_table(src, dst, kind, factor):
-    steps = conversion.plan((8, 16), np.float32, src, dst, MESH)
+    steps = conversion.route((8, 16), np.float32, src, dst, MESH)
     sent = conversion.total_bytes(steps)
     assert sent == int(round(factor * 8 * 16 * 4))
     assert [s.kind for s in steps if s.is_collective] == ([kind] if kind else [])
@@ -81,9 +81,9 @@ def test_every_routed_conversion_preserves_the_value_and_costs_no_more_than_the_
     x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
     bandwidth_only = sf.LinkModel(alpha=0.0)
     for a, b in ((src, mid), (mid, dst)):
-        routed = conversion.plan(x.shape, np.float32, a, b, MESH, bandwidth_only)
+        routed = conversion.route(x.shape, np.float32, a, b, MESH, bandwidth_only)
         assert conversion.total_bytes(routed) <= conversion.total_bytes(
-            conversion.plan(x.shape, np.float32, a, b, MESH)
+            conversion.route(x.shape, np.float32, a, b, MESH)
         )
 
     def fn(x):
@@ -104,13 +104,13 @@ def test_every_routed_conversion_preserves_the_value_and_costs_no_more_than_the_
 )
 def test_a_route_through_another_layout_is_taken_where_it_moves_fewer_bytes(src, dst, direct, routed):
     shape = (64, 64)
-    plain = conversion.plan(shape, np.float32, src, dst, MESH)
-    cheap = conversion.plan(shape, np.float32, src, dst, MESH, sf.LinkModel(alpha=0.0))
+    plain = conversion.route(shape, np.float32, src, dst, MESH)
+    cheap = conversion.route(shape, np.float32, src, dst, MESH, sf.LinkModel(alpha=0.0))
     assert [s.kind for s in plain if s.is_collective] == direct
     assert [s.kind for s in cheap if s.is_collective] == routed
     assert conversion.total_bytes(cheap) < conversion.total_bytes(plain)
     # where each collective costs a millisecond, no route of more collectives than the direct plan
-    slow = conversion.plan(shape, np.float32, src, dst, MESH, sf.LinkModel(alpha=1e-3))
+    slow = conversion.route(shape, np.float32, src, dst, MESH, sf.LinkModel(alpha=1e-3))
     assert len([s for s in slow if s.is_collective]) <= len(direct)
 
 
@@ -120,8 +120,8 @@ def test_a_value_of_more_layouts_than_routed_takes_the_direct_plan():
     mesh = sf.make_mesh({"a": 2, "b": 2, "c": 2, "d": 1})
     shape, src, dst = (8, 8, 8, 8), (S(0), S(1), S(2), B), (S(1), S(0), B, S(3))
     before = conversion._graph.cache_info().currsize
-    routed = conversion.plan(shape, np.float32, src, dst, mesh, sf.LinkModel(alpha=0.0))
-    assert routed == conversion.plan(shape, np.float32, src, dst, mesh)
+    routed = conversion.route(shape, np.float32, src, dst, mesh, sf.LinkModel(alpha=0.0))
+    assert routed == conversion.route(shape, np.float32, src, dst, mesh)
     assert conversion._graph.cache_info().currsize == before
 
 
@@ -151,7 +151,7 @@ def test_several_axes_gathered_in_one_collective_are_one_hop():
     the default latency, when routes changed one mesh axis a step; one gather over both axes
     and a slice take 6.5."""
     shape, src, dst = (32, 4096), (S(0), S(0)), (B, S(1))
-    steps = conversion.plan(shape, jnp.bfloat16, src, dst, MESH, sf.LinkModel())
+    steps = conversion.route(shape, jnp.bfloat16, src, dst, MESH, sf.LinkModel())
     assert [(s.kind, s.axes) for s in steps if s.is_collective] == [("all_gather", ("data", "model"))]
     assert conversion.seconds(shape, jnp.bfloat16, src, dst, MESH, sf.LinkModel()) < 7e-6
 
@@ -165,8 +165,8 @@ def test_an_axis_of_one_device_is_free(src, dst, mid):
     data axis into a dim's split order (the tensor-parallel mesh of `shardflow train` once
     gathered whole logits that way). The value survives such conversions too."""
     shape = (8, 16)
-    steps = conversion.plan(shape, np.float32, src, dst, ONE_BY_EIGHT)
-    alone = conversion.plan(shape, np.float32, src[1:], dst[1:], EIGHT)
+    steps = conversion.route(shape, np.float32, src, dst, ONE_BY_EIGHT)
+    alone = conversion.route(shape, np.float32, src[1:], dst[1:], EIGHT)
     assert conversion.total_bytes(steps) == conversion.total_bytes(alone)
     assert [(s.kind, s.axes) for s in steps] == [(s.kind, s.axes) for s in alone]
     out_spec = tuple(B if s == P else s for s in dst)  # outputs cannot be partial

@@ -38,7 +38,7 @@ def pinned_tail(jaxpr, in_sbp, out_sbp) -> dict:
     `data`), an update split further and gathered after (ZeRO-1) computes less; and a gradient
     converted where it enters may be dearer than converted in steps between the tail's
     equations (an LSTM's step under fsdp moved 5 % more bytes coarsened while conversions took
-    the direct plan only; with ``conversion.plan``'s routes, the same bytes). So a program
+    the direct plan only; with ``conversion.route``'s routes, the same bytes). So a program
     is coarsened only where its integer program would have ``COARSEN`` transportation edges or
     more, where solve time matters: the presets' train steps solve 1.3-1.7x faster, to the same
     model optimum where checked (benchmarks/results/solve_time.md); smaller programs are
