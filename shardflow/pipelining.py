@@ -90,7 +90,7 @@ def _colour(intervals):
     return slots, count
 
 
-class Plan(NamedTuple):
+class StepTables(NamedTuple):
     """The executor's tables for a schedule run step by step (``schedules.steps``): a stage runs in
     a step at most one F, one B and ``W_SLOTS`` W's, so each kind has its own columns.
 
@@ -120,7 +120,7 @@ class Plan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)  # per Schedule: the executor and explain's pricing both ask
-def plan(table: Schedule) -> Plan:
+def step_tables(table: Schedule) -> StepTables:
     """The executor's tables for ``table`` run with a split backward (``with_split_backward``)."""
     table = with_split_backward(table)
     p, v = table.stages, table.chunks
@@ -221,7 +221,7 @@ def plan(table: Schedule) -> Plan:
         directions.add(f"{kd.lower()}_{'next' if d == 1 else 'prev'}")
         # arriving from the previous stage (sent "next") lands in column 0, from the next in 1
         tab[f"recv_{kd.lower()}"][t + 1, ds, 0 if d == 1 else 1] = slot
-    return Plan(
+    return StepTables(
         tab,
         heads,
         max(n for _, n in resid_slots),
@@ -393,7 +393,7 @@ def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, ax
     """The pipelined loss and its gradients on this device (inside ``shard_map`` over ``axis``):
     ``sequential``'s results, each device holding its own [1, v, ...] block of the stage leaves
     and of their gradients, the rest whole on every device."""
-    pl = plan(table)
+    pl = step_tables(table)
     p, m, v = table.stages, table.microbatches, table.chunks
     me = lax.axis_index(axis)
     last_stage, last_chunk = _place(table)[p * v - 1]
@@ -899,12 +899,12 @@ def body_runs(table: Schedule, staged: bool) -> dict:
     """How many times each body runs on a device in a step (averaged over the stages where
     they differ): forward and a backward per micro-batch and chunk, the head per micro-batch;
     the backward whole where the micro-batch's W runs in its B's step
-    (``Plan.tables["bw_whole"]``) or the stages run in turn (not ``staged``), else as
+    (``StepTables.tables["bw_whole"]``) or the stages run in turn (not ``staged``), else as
     backward_x and backward_w."""
     trips = table.microbatches * table.chunks
     whole = trips
     if staged:
-        tabs = plan(table).tables
+        tabs = step_tables(table).tables
         whole = int(((tabs["b_chunk"] >= 0) & (tabs["bw_whole"] > 0)).sum()) / table.stages
         whole = int(whole) if whole == int(whole) else whole
     return dict(
@@ -946,7 +946,7 @@ def _comm(eqn, ins, sigs, mesh):
         )
 
     block = math.prod(local_shape(x.shape, _inner(xs_sbp, ax, 1), mesh)) * x.dtype.itemsize
-    pl = plan(table)
+    pl = step_tables(table)
     return (
         [Step("ppermute", (axis,), bytes=block, value=x)] * (pl.steps * len(pl.directions))
         + [all_reduce(x, _inner(xs_sbp, ax, 1))] * table.microbatches

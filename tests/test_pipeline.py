@@ -125,19 +125,19 @@ def test_pipelined_loss_and_gradients_equal_one_device(schedule, p, m):
 def test_residual_slots_are_the_schedules_peak(schedule):
     """The executor keeps as many micro-batches' residuals as the schedule has alive at once."""
     table = SCHEDULES[schedule](4, 8)
-    assert pp.plan(table).n_resid == max(schedules.peak_live_activations(schedules.with_split_backward(table)))
+    assert pp.step_tables(table).n_resid == max(schedules.peak_live_activations(schedules.with_split_backward(table)))
 
 
 def test_a_step_with_a_micro_batchs_b_and_w_runs_its_whole_backward():
     """Where B and W of a micro-batch share a step, the executor runs the unsplit backward:
     nothing is stashed between them (1f1b-fused: every backward so)."""
-    fused = pp.plan(schedules.one_f_one_b_fused(4, 8))
+    fused = pp.step_tables(schedules.one_f_one_b_fused(4, 8))
     assert fused.n_stash == 0 and fused.tables["bw_whole"].sum() == 4 * 8
     assert (fused.tables["w_chunk"] < 0).all()
-    zb = pp.plan(schedules.zb_h1(4, 8))
+    zb = pp.step_tables(schedules.zb_h1(4, 8))
     assert zb.tables["bw_whole"].sum() < 4 * 8 and zb.n_stash > 0
     # zb-fused: stage s holds 2s W's, split from their B (stashed), and runs them two a step
-    held = pp.plan(schedules.zb_fused(4, 8))
+    held = pp.step_tables(schedules.zb_fused(4, 8))
     assert held.w_slots == 2 and held.tables["bw_whole"].sum() == 4 * 8 - sum(2 * s for s in range(4))
     assert [(held.tables["w_chunk"][:, s] >= 0).sum() for s in range(4)] == [0, 2, 4, 6]
 
