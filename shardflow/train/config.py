@@ -21,14 +21,14 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass
-class DataConfig:
+class DataSection:
     path: str | None = None  # a `shardflow prepare` output dir; None = embedded stdlib corpus
     seq_len: int = 128
     seed: int = 0
 
 
 @dataclasses.dataclass
-class OptimizerConfig:
+class OptimizerSection:
     lr: float = 2e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 30
@@ -40,7 +40,7 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass
-class CheckpointConfig:
+class CheckpointSection:
     every: int = 100  # steps between saves; 0 disables checkpointing
     keep: int = 3  # keep the last N
     async_save: bool = True
@@ -48,7 +48,7 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
-class PipelineConfig:
+class PipelineSection:
     """Pipeline parallelism: the model's stacked layers split over mesh axis ``axis`` in
     ``stages`` stages, the batch (of each grad_accum step) in ``microbatches``, run by
     ``sf.pipeline`` in ``schedule``. ``stages: null`` (the default) pipelines nothing."""
@@ -64,10 +64,10 @@ class PipelineConfig:
 @dataclasses.dataclass
 class Config:
     model: dict = dataclasses.field(default_factory=lambda: {"preset": "tiny"})
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    optimizer: OptimizerSection = dataclasses.field(default_factory=OptimizerSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    pipeline: PipelineSection = dataclasses.field(default_factory=PipelineSection)
     # Mesh axis name -> size; None puts every device on one "data" axis.
     mesh: dict | None = None
     # A preset name (dp, fsdp, tp, tp_sp, 2d, pp, pp_dp, pp_tp) or an explicit {logical axis:
@@ -179,12 +179,12 @@ def model_config(cfg: Config):
 
 def pipeline_config(cfg: Config):
     """The models' PipelineConfig of the run, or None where no pipeline is configured."""
-    from shardflow.models import PipelineConfig as ModelPipeline
+    from shardflow.models import PipelineConfig
 
     pl = cfg.pipeline
     if pl.stages is None:
         return None
-    return ModelPipeline(
+    return PipelineConfig(
         stages=pl.stages,
         microbatches=pl.microbatches or 2 * pl.stages,
         schedule=pl.schedule,
