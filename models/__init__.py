@@ -7,7 +7,7 @@ __all__ = [
     "PRESETS",
     "PipelineConfig",
     "REMAT_POLICIES",
-    "RULES",
+    "LOGICAL_AXIS_RULES",
     "STACKED_AXIS",
     "activation_sharding",
     "build",
@@ -27,7 +27,7 @@ from .gpt2 import GPT2
 from .llama import Llama
 from .pipeline import PipelineConfig
 from .sharding import (
-    RULES,
+    LOGICAL_AXIS_RULES,
     STACKED_AXIS,
     activation_sharding,
     check_rules,

@@ -504,7 +504,7 @@ def load(directory, *, mesh=None, rules="dp", dtype=None) -> tuple[ModelConfig, 
     The parameters are a nested dict shaped like ``nnx.to_pure_dict(nnx.state(model,
     nnx.Param))`` of ``models.build(config)`` — what the trainer's checkpoints hold and
     ``nnx.merge`` takes. With ``mesh``, each is placed in the NamedSharding that ``rules``
-    (a strategy name of ``models.RULES`` or a table) gives its logical axes; a dimension that
+    (a strategy name of ``models.LOGICAL_AXIS_RULES`` or a table) gives its logical axes; a dimension that
     does not divide over its mesh axes is a ValueError naming the parameter. ``dtype``: the
     parameters' dtype (default float32, whatever the checkpoint stores)."""
     import jax

@@ -57,7 +57,7 @@ _TP = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
 # vocab dim goes over the stages too: each computes 1/p of the logits instead of the last stage
 # all of them (at 1b the head is a fifth of the weights: whole on one stage, every tick waits).
 _PP = {STACKED_AXIS: "pipe", "vocab": "pipe"}
-RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
+LOGICAL_AXIS_RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     "dp": {"batch": "data"},
     "fsdp": {"batch": "data", "embed": "data"},
     "tp": {"batch": "data", **_TP},
@@ -99,11 +99,12 @@ def with_pipeline(rules: Rules, axis: str = "pipe") -> dict:
 
 def get_rules(strategy_or_rules: str | Rules) -> dict:
     if isinstance(strategy_or_rules, str):
-        if strategy_or_rules not in RULES:
+        if strategy_or_rules not in LOGICAL_AXIS_RULES:
             raise ValueError(
-                f"unknown strategy {strategy_or_rules!r}; choose one of {sorted(RULES)} or give an explicit rules table"
+                f"unknown strategy {strategy_or_rules!r}; choose one of {sorted(LOGICAL_AXIS_RULES)} "
+                "or give an explicit rules table"
             )
-        return dict(RULES[strategy_or_rules])
+        return dict(LOGICAL_AXIS_RULES[strategy_or_rules])
     return dict(strategy_or_rules)
 
 
@@ -226,7 +227,7 @@ def param_specs(model: nnx.Module, rules: Rules, mesh: jax.sharding.Mesh | None 
         shapes = {p: v.shape for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
         for path, shape in shapes.items():
             spec = _get_nested(specs, tuple(path))
-            check_divisible("parameter " + "/".join(map(str, path)), shape, spec, mesh)
+            check_spec_divides("parameter " + "/".join(map(str, path)), shape, spec, mesh)
     return specs
 
 
@@ -236,7 +237,7 @@ def _get_nested(tree, path):
     return tree
 
 
-def check_divisible(what: str, shape, spec: PartitionSpec, mesh: jax.sharding.Mesh) -> None:
+def check_spec_divides(what: str, shape, spec: PartitionSpec, mesh: jax.sharding.Mesh) -> None:
     for dim, (size, entry) in enumerate(zip(shape, spec)):
         axes = mesh_axes_of(entry)
         ways = math.prod(mesh.shape[a] for a in axes)

@@ -90,19 +90,19 @@ def test_decorator_paths_reach_into_submodules_and_unannotated_params_are_report
 
 
 def test_rules_map_logical_axes_to_mesh_axes():
-    assert models.spec_for(("layers", "embed", "mlp"), models.RULES["2d"]) == P(None, "data", "model")
+    assert models.spec_for(("layers", "embed", "mlp"), models.LOGICAL_AXIS_RULES["2d"]) == P(None, "data", "model")
     # one mesh axis splits at most one dimension of a tensor
-    assert models.spec_for(("batch", "embed"), models.RULES["fsdp"]) == P("data", None)
-    assert models.spec_for(("batch", "seq", None), models.RULES["tp_sp"]) == P("data", "model", None)
+    assert models.spec_for(("batch", "embed"), models.LOGICAL_AXIS_RULES["fsdp"]) == P("data", None)
+    assert models.spec_for(("batch", "seq", None), models.LOGICAL_AXIS_RULES["tp_sp"]) == P("data", "model", None)
     with pytest.raises(ValueError, match="names mesh axis 'model'"):
-        models.check_rules(models.RULES["tp"], ["data"])
+        models.check_rules(models.LOGICAL_AXIS_RULES["tp"], ["data"])
 
 
 def test_constrain_is_identity_without_active_rules():
     x = jnp.ones((2, 4, 8))
     assert models.constrain(x, ("batch", "seq", None)) is x
     pinned = []
-    with sharding.activation_sharding(models.RULES["tp_sp"], lambda x, s: pinned.append(s) or x):
+    with sharding.activation_sharding(models.LOGICAL_AXIS_RULES["tp_sp"], lambda x, s: pinned.append(s) or x):
         models.constrain(x, ("batch", "seq", None))
     assert pinned == [P("data", "model", None)]
 

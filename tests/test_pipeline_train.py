@@ -112,10 +112,10 @@ def test_the_solver_lays_out_the_stages_with_the_step(case):
 
 
 def test_with_pipeline_puts_the_layers_on_the_pipe_axis():
-    assert models.spec_for(("layers", "embed", "mlp"), sharding.with_pipeline(models.RULES["2d"])) == P(
+    assert models.spec_for(("layers", "embed", "mlp"), sharding.with_pipeline(models.LOGICAL_AXIS_RULES["2d"])) == P(
         "pipe", "data", "model"
     )
-    assert models.RULES["pp_dp"] == sharding.with_pipeline(models.RULES["dp"])
+    assert models.LOGICAL_AXIS_RULES["pp_dp"] == sharding.with_pipeline(models.LOGICAL_AXIS_RULES["dp"])
     with pytest.raises(ValueError, match=r"put the stacked layers \('layers'\) on 'data'"):
         sharding.with_pipeline({"layers": "data"})
 
