@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 from shardflow import conversion, registry
 from shardflow.passes.solve.build import by_layout, layouts
-from shardflow.pipelining import Bodies, operand_groups, outer_sbp, pipeline_axis
+from shardflow.pipeline_executor import Bodies
+from shardflow.pipelining import operand_groups, outer_sbp, pipeline_axis
 from shardflow.program import open_jaxpr, rebody
 from shardflow.registry import DECISION, Decision
 from shardflow.specs import B, Partial, Split

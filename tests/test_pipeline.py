@@ -1,4 +1,5 @@
-"""Pipeline parallelism (shardflow/pipelining.py) on 8 simulated CPU devices: the loss and every
+"""Pipeline parallelism (shardflow/pipelining.py, pipeline_tables.py, pipeline_executor.py) on 8
+simulated CPU devices: the loss and every
 gradient of a pipelined stack of layers plus a head equal plain autodiff of the same model on
 one device — the primitive bound outside parallelize, the per-device executor in a shard_map,
 and sf.parallelize composing the pipeline axis with data and tensor parallelism — for every
@@ -14,8 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardflow as sf
-from shardflow import pipelining as pp
-from shardflow import schedules
+from shardflow import pipeline_executor, pipeline_tables, schedules
 
 d, Lc, mbsz = 8, 2, 4
 
@@ -78,7 +78,7 @@ def check(table):
     stage = [a.reshape((p * v, Lc) + a.shape[1:])[order] for a in jax.tree.leaves(layers)]
     xs, tgs = strided(x, m), strided(tg, m)
     chunk = jax.tree.unflatten(jax.tree.structure(layers), [jax.ShapeDtypeStruct(a.shape[2:], a.dtype) for a in stage])
-    jaxprs = pp.bodies_of(
+    jaxprs = pipeline_executor.bodies_of(
         layer,
         head_fn,
         chunk,
@@ -86,11 +86,11 @@ def check(table):
         hp,
         jax.ShapeDtypeStruct(tgs.shape[1:], tgs.dtype),
     )
-    bodies = pp.callables(jaxprs)
+    bodies = pipeline_executor.callables(jaxprs)
     mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
 
     def body(stage, hp, xs, tgs):
-        return pp.execute(bodies, table, stage, [hp], xs, [tgs], axis="pipe")
+        return pipeline_executor.execute(bodies, table, stage, [hp], xs, [tgs], axis="pipe")
 
     f = jax.jit(
         jax.shard_map(
@@ -125,19 +125,21 @@ def test_pipelined_loss_and_gradients_equal_one_device(schedule, p, m):
 def test_residual_slots_are_the_schedules_peak(schedule):
     """The executor keeps as many micro-batches' residuals as the schedule has alive at once."""
     table = SCHEDULES[schedule](4, 8)
-    assert pp.step_tables(table).n_resid == max(schedules.peak_live_activations(schedules.with_split_backward(table)))
+    assert pipeline_tables.step_tables(table).n_resid == max(
+        schedules.peak_live_activations(schedules.with_split_backward(table))
+    )
 
 
 def test_a_step_with_a_micro_batchs_b_and_w_runs_its_whole_backward():
     """Where B and W of a micro-batch share a step, the executor runs the unsplit backward:
     nothing is stashed between them (1f1b-fused: every backward so)."""
-    fused = pp.step_tables(schedules.one_f_one_b_fused(4, 8))
+    fused = pipeline_tables.step_tables(schedules.one_f_one_b_fused(4, 8))
     assert fused.n_stash == 0 and fused.tables["bw_whole"].sum() == 4 * 8
     assert (fused.tables["w_chunk"] < 0).all()
-    zb = pp.step_tables(schedules.zb_h1(4, 8))
+    zb = pipeline_tables.step_tables(schedules.zb_h1(4, 8))
     assert zb.tables["bw_whole"].sum() < 4 * 8 and zb.n_stash > 0
     # zb-fused: stage s holds 2s W's, split from their B (stashed), and runs them two a step
-    held = pp.step_tables(schedules.zb_fused(4, 8))
+    held = pipeline_tables.step_tables(schedules.zb_fused(4, 8))
     assert held.w_slots == 2 and held.tables["bw_whole"].sum() == 4 * 8 - sum(2 * s for s in range(4))
     assert [(held.tables["w_chunk"][:, s] >= 0).sum() for s in range(4)] == [0, 2, 4, 6]
 

@@ -207,7 +207,7 @@ def test_a_llama_block_splits_into_its_seven_input_and_seven_weight_matmuls(rema
     of each block (q, k, v, o, gate, up, down) and nothing of the input gradient."""
     from test_models import SMALL_LLAMA
 
-    from shardflow import models, pipelining
+    from shardflow import models, pipeline_executor
     from shardflow.models.pipeline import layer_step
 
     fields = {k: v for k, v in SMALL_LLAMA.items() if k not in ("preset", "n_layers")}
@@ -217,7 +217,9 @@ def test_a_llama_block_splits_into_its_seven_input_and_seven_weight_matmuls(rema
     cos, sin = models.llama.rope_tables(8, cfg.head_dim, cfg.rope_theta)
     step = layer_step(graphdef, remat, cos, sin)
     x = jax.ShapeDtypeStruct((2, 8, cfg.d_model), jnp.float32)
-    bodies = pipelining.bodies_of(lambda layer, h: step(h, layer), lambda hp, y, a: jnp.sum(y), layers, x, (), ())
+    bodies = pipeline_executor.bodies_of(
+        lambda layer, h: step(h, layer), lambda hp, y, a: jnp.sum(y), layers, x, (), ()
+    )
     w_dots, b_dots = count(bodies.backward_w.jaxpr, "dot_general"), count(bodies.backward_x.jaxpr, "dot_general")
     assert w_dots == 2 * 7
     assert b_dots + w_dots == count(bodies.backward.jaxpr, "dot_general")
