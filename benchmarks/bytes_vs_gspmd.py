@@ -122,12 +122,13 @@ def measure(case, references: dict, planner: str = "greedy") -> Row:
 
 
 def _trainer():
-    """(config module, trainer module): the shardflow.train package (config, loop), or the
+    """(config module, trainer): the shardflow.train package and its config module, or the
     older single-module layout (shardflow.config, shardflow.train)."""
     try:
-        from shardflow.train import config, loop
+        from shardflow import train
+        from shardflow.train import config
 
-        return config, loop
+        return config, train
     except ImportError:
         from shardflow import config, train
 

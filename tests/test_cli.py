@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from shardflow.train import cli, loop
+from shardflow.train import cli, planning, run_setup
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GiB = 2**30
@@ -32,7 +32,7 @@ def host_of_32_gib(monkeypatch):
 
 def _nothing_allocated(monkeypatch):
     """init_state may run only abstractly (under jax.eval_shape)."""
-    real_init_state = loop.init_state
+    real_init_state = run_setup.init_state
 
     def abstract_only(run):
         state = real_init_state(run)
@@ -40,7 +40,7 @@ def _nothing_allocated(monkeypatch):
             pytest.fail("parameters allocated")
         return state
 
-    monkeypatch.setattr(loop, "init_state", abstract_only)
+    monkeypatch.setattr(run_setup, "init_state", abstract_only)
 
 
 @pytest.mark.parametrize("planner", ["greedy", "solver"])
@@ -193,7 +193,7 @@ def test_a_step_the_planner_refuses_is_one_line_before_anything_is_written(tmp_p
     def refuse(run, step_fn):
         raise sf.ShardingError("llama.py:66: dim 2 of size 4 is not divisible by 8")
 
-    monkeypatch.setattr(loop, "plan_step", refuse)
+    monkeypatch.setattr(planning, "plan_step", refuse)
     out = tmp_path / "run"
     code = cli.main(
         [

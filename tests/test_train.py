@@ -1,6 +1,7 @@
 """`shardflow train`: resume, cross-mesh restore, config errors, NaN stop, CLI and logs."""
 
 import json
+import os
 import re
 import shutil
 
@@ -10,7 +11,7 @@ import pytest
 from test_models import ENGINE, small_config
 
 from shardflow import train
-from shardflow.train import cli, config, loop
+from shardflow.train import cli, config, devices, steps
 
 
 def test_resume_gives_the_uninterrupted_loss_sequence(data_dir, tmp_path):
@@ -86,7 +87,7 @@ def test_resuming_another_models_checkpoint_is_a_config_error(data_dir, tmp_path
 )
 def test_config_errors_are_clear_and_early(overrides, message, data_dir, tmp_path, monkeypatch):
     compiles = []
-    monkeypatch.setattr(loop, "parallelize_step", lambda *a, **k: compiles.append(1))
+    monkeypatch.setattr(steps, "parallelize_step", lambda *a, **k: compiles.append(1))
     with pytest.raises(config.ConfigError, match=message):
         cfg = config.load(None, [f"data.path={data_dir}"] + overrides, out=str(tmp_path))
         train.train(cfg, progress=False)
@@ -181,16 +182,16 @@ def test_prepare_errors_are_one_line(args, message, tmp_path, capsys):
 def test_cpu_platform_gets_simulated_devices(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setattr(loop, "backends_are_initialized", lambda: False)  # as before JAX starts
+    monkeypatch.setattr(devices, "backends_are_initialized", lambda: False)  # as before JAX starts
     train.configure_host_platform()
-    assert loop.os.environ["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=8"
+    assert os.environ["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=8"
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     train.configure_host_platform()
-    assert loop.os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     train.configure_host_platform()
-    assert loop.os.environ["XLA_FLAGS"] == ""
+    assert os.environ["XLA_FLAGS"] == ""
 
 
 def test_multi_process_environment_initializes_jax_distributed(monkeypatch):

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from shardflow.train import cli, loop
+from shardflow.train import cli, steps
 
 
 def _argv(out):
@@ -252,7 +252,7 @@ CASES = {
 def test_config_errors_are_one_line_exit_2_and_write_nothing(name, tmp_path, capsys, monkeypatch):
     make, message = CASES[name]
     compiles = []
-    monkeypatch.setattr(loop, "parallelize_step", lambda *a, **k: compiles.append(1))
+    monkeypatch.setattr(steps, "parallelize_step", lambda *a, **k: compiles.append(1))
     extra = make(tmp_path)  # before the default data dir, so a case's --set data.path wins
     out = tmp_path / "run"
     before = sorted(out.rglob("*")) if out.is_dir() else out.exists()
@@ -276,7 +276,7 @@ def test_an_unwritable_checkpoint_directory_is_refused_before_compiling(tmp_path
     monkeypatch.setattr(
         os, "access", lambda path, mode, **kw: os.fspath(path) != str(ckpt_dir) and real_access(path, mode, **kw)
     )
-    monkeypatch.setattr(loop, "parallelize_step", lambda *a, **k: pytest.fail("compiled"))
+    monkeypatch.setattr(steps, "parallelize_step", lambda *a, **k: pytest.fail("compiled"))
     assert cli.main(_argv(tmp_path / "run") + _data()(tmp_path)) == 2
     assert capsys.readouterr().err == (f"config error: the checkpoint directory '{ckpt_dir}' is not writable\n")
     assert list((tmp_path / "run").rglob("*")) == [ckpt_dir]
@@ -330,7 +330,7 @@ def test_only_numbered_step_folders_count_as_checkpoints_in_the_way(tmp_path):
 def test_out_that_is_not_a_path_is_a_config_error(out, tmp_path, capsys, monkeypatch):
     (tmp_path / "run.yaml").write_text(f"out: {out}\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(loop, "parallelize_step", lambda *a, **k: pytest.fail("compiled"))
+    monkeypatch.setattr(steps, "parallelize_step", lambda *a, **k: pytest.fail("compiled"))
     code = cli.main(["train", "--config", "run.yaml", "--steps", "2", *_data()(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err

@@ -1,0 +1,125 @@
+"""The training and evaluation steps: the optimizer, the loss, the single-device step
+functions, and running them as one SPMD program (``parallelize_step``)."""
+
+from __future__ import annotations
+
+
+def build_optimizer(ocfg, total_steps: int, decay_mask):
+    import optax
+
+    warmup = min(ocfg.warmup_steps, total_steps - 1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=ocfg.lr,
+        warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1),
+        end_value=ocfg.lr * ocfg.min_lr_ratio,
+    )
+    adamw = optax.adamw(
+        schedule, b1=ocfg.beta1, b2=ocfg.beta2, eps=ocfg.eps, weight_decay=ocfg.weight_decay, mask=decay_mask
+    )
+    clip = optax.clip_by_global_norm(ocfg.clip_norm) if ocfg.clip_norm > 0 else optax.identity()
+    return optax.chain(clip, adamw), schedule
+
+
+def make_loss_fn(graphdef, compute_dtype, pipeline=None):
+    """(params, inputs, targets) -> mean next-token cross-entropy, fp32: the model's ``loss``,
+    its stacked layers run by ``sf.pipeline`` where ``pipeline`` (a models.PipelineConfig)
+    is given."""
+    import jax
+    from flax import nnx
+
+    def loss_fn(params, inputs, targets):
+        # fp32 master weights; the forward (and backward) run on a compute_dtype copy.
+        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
+        return model.loss(inputs, targets, pipeline=pipeline)
+
+    return loss_fn
+
+
+def make_train_step(graphdef, optimizer, compute_dtype, grad_accum: int, pipeline=None):
+    """(params, opt_state, batch) -> (params, opt_state, {"loss", "grad_norm"}).
+
+    batch["inputs"/"targets"] are [grad_accum, micro_batch, seq]; gradients of the
+    micro-batches are summed in fp32 by a scan, then averaged. With ``pipeline``, each
+    micro-batch's loss and gradients come from the pipeline's schedule.
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    grad_fn = jax.value_and_grad(make_loss_fn(graphdef, compute_dtype, pipeline))
+
+    def train_step(params, opt_state, batch):
+        if grad_accum == 1:
+            loss, grads = grad_fn(params, batch["inputs"][0], batch["targets"][0])
+        else:
+
+            def accumulate(total, micro):
+                loss, grads = grad_fn(params, micro["inputs"], micro["targets"])
+                return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
+            loss, grads = jax.tree.map(lambda x: x / grad_accum, (loss, grads))
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    return train_step
+
+
+def make_eval_step(graphdef, compute_dtype, pipeline=None):
+    """(params, batch) -> mean loss over the batch's tokens (batch as in train_step). With
+    ``pipeline``, the pipelined loss (its layers stay on their stages; the schedule's backward
+    runs too, as sf.pipeline computes the loss with its gradient)."""
+    loss_fn = make_loss_fn(graphdef, compute_dtype, pipeline)
+
+    def eval_step(params, batch):
+        return loss_fn(params, batch["inputs"][0], batch["targets"][0])
+
+    return eval_step
+
+
+def parallelize_step(
+    step_fn, engine: str, mesh, rules, in_specs, out_specs, donate: tuple = (0, 1), planner: str = "greedy"
+):
+    """Run step_fn as one SPMD program on mesh with the engine (and shardflow's planner) the
+    config names."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from shardflow.models import activation_sharding
+    from shardflow.models import sharding as model_sharding
+
+    if engine == "shardflow":
+        import shardflow as sf
+
+        pin = sf.constrain
+    else:
+        pin = model_sharding.jit_pin(mesh)
+
+    def step_with_activation_rules(*args):
+        with activation_sharding(rules, pin):
+            return step_fn(*args)
+
+    if engine == "shardflow":
+        return sf.parallelize(
+            step_with_activation_rules,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            donate_argnums=donate,
+            passes=sf.passes.SOLVER if planner == "solver" else None,
+        )
+    to_sharding = lambda tree: jax.tree.map(  # noqa: E731
+        lambda s: NamedSharding(mesh, s if s is not None else PartitionSpec()),
+        tree,
+        is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
+    )
+    return jax.jit(
+        step_with_activation_rules,
+        in_shardings=to_sharding(in_specs),
+        out_shardings=to_sharding(out_specs),
+        donate_argnums=donate,
+    )
