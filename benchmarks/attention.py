@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -34,6 +32,14 @@ import _results  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from attention_timing import (  # noqa: E402
+    ROUNDS,
+    device_ms_samples,
+    interleaved_medians,
+    kernel_times,
+    median_seconds,
+    time_samples,
+)
 
 from shardflow.attention import attention  # noqa: E402
 from shardflow.kernels import flash_attention_gpu, flash_attention_mgpu  # noqa: E402
@@ -47,54 +53,9 @@ ANCHOR_SHAPES = [
 ]
 
 
-ROUNDS = 3
-PIPELINED = 10
-
-
 def attention_flops(batch, seq, heads_q, head_dim, causal):
     flops = 4.0 * batch * seq * seq * heads_q * head_dim
     return flops / 2 if causal else flops
-
-
-def time_samples(fn, args, *, iters):
-    """Seconds per call, one sample per PIPELINED calls dispatched back to back and ended by one
-    block_until_ready: the device stays busy, so host dispatch and sync latency (0.1-0.6 ms per
-    call on the H100, measured against profiler device time) are not counted as kernel time."""
-    times = []
-    for _ in range(max(1, iters // PIPELINED)):
-        start = time.perf_counter()
-        for _ in range(PIPELINED):
-            result = fn(*args)
-        jax.block_until_ready(result)
-        times.append((time.perf_counter() - start) / PIPELINED)
-    return times
-
-
-def interleaved_medians(calls, samples, *, rounds=ROUNDS):
-    """{name: median of samples(fn, args)} of {name: (fn, args)}, sampled in interleaved rounds
-    so that drifting clocks hit every contender alike; each round starts at another contender."""
-    taken = {name: [] for name in calls}
-    order = list(calls)
-    for r in range(rounds):
-        start = r * len(order) // rounds
-        for name in order[start:] + order[:start]:
-            fn, args = calls[name]
-            taken[name].extend(samples(fn, args))
-    return {name: statistics.median(values) for name, values in taken.items()}
-
-
-def device_ms_samples(fn, args, *, iters):
-    """[device ms per call] of fn(*args): its kernels' time in a profiler trace of iters calls.
-    NaN off the GPU."""
-    if jax.default_backend() != "gpu":
-        return [float("nan")]
-    return [sum(t for _, t in kernel_times(fn, args, iters=iters))]
-
-
-def median_seconds(fn, args, *, warmup, iters):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    return statistics.median(time_samples(fn, args, iters=iters))
 
 
 def random_inputs(batch, seq, heads_q, heads_kv, head_dim, dtype=jnp.bfloat16, seed=0):
@@ -462,35 +423,6 @@ def run_kernel_variants(args):
                 + " |",
                 flush=True,
             )
-
-
-def kernel_times(fn, args, *, iters):
-    """[(kernel name, device ms per call)] of fn(*args), longest first, from a profiler trace of
-    iters calls: GPU time only, so launch overhead and host gaps are not in it."""
-    import collections
-    import glob
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as trace_dir:
-        jax.profiler.start_trace(trace_dir)
-        for _ in range(iters):
-            jax.block_until_ready(fn(*args))
-        jax.profiler.stop_trace()
-        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        profile = jax.profiler.ProfileData.from_file(path)
-    totals = collections.Counter()
-    for plane in profile.planes:
-        if plane.name.startswith("/device:GPU:0"):
-            for line in plane.lines:
-                if line.name.startswith("Stream"):  # the other lines regroup the same kernels
-                    for event in line.events:
-                        totals[event.name] += event.duration_ns / 1e6 / iters
-    if not totals:
-        raise RuntimeError(
-            "no GPU kernels in the trace; planes and lines: "
-            + str({plane.name: [line.name for line in plane.lines] for plane in profile.planes})
-        )
-    return totals.most_common()
 
 
 def run_profile(args):
