@@ -47,7 +47,7 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     loop = _Loop(
         run, step_fn, ckpt, start, restored, Progress(run, out, start, progress=progress, main_process=main_process)
     )
-    params = loop.run(params, opt_state, until)
+    params = loop.train(params, opt_state, until)
     summary = loop.summary
     if summary["stopped"] and main_process:
         print(summary["stopped"], file=sys.stderr)
@@ -169,7 +169,7 @@ class _Loop:
             return False
         return True
 
-    def run(self, params, opt_state, until: int | None):
+    def train(self, params, opt_state, until: int | None):
         """The steps from ``start`` to cfg.steps (or ``until``): the parameters at the end.
         Interrupted on Ctrl-C, once the save under way (if any) has finished or failed."""
         from shardflow.train.checkpoint import CheckpointError
