@@ -9,6 +9,8 @@ import jax
 from shardflow.attention import CONTEXTS, Layout
 from shardflow.ring_attention import LAYOUTS
 
+ROUTINGS = ("capacity", "dropless")  # a mixture of experts' (models.moe) token routing
+BALANCES = ("aux_loss", "bias", "none")  # and how it balances the experts' load
 GATHERED = tuple(f"{kind}-all_gather" for kind in LAYOUTS)  # a layout's ring steps on K/V gathered
 
 
@@ -94,8 +96,6 @@ class ModelConfig:
             self._check_moe()
 
     def _check_moe(self):
-        from .moe import BALANCES, ROUTINGS
-
         if self.family != "llama":
             raise ValueError(f"model.n_experts: mixture of experts is a llama-family setting, not {self.family}'s")
         if not 1 <= self.experts_per_token <= self.n_experts:

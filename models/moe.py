@@ -36,9 +36,6 @@ from flax import nnx
 from .config import ModelConfig
 from .sharding import logical_axes
 
-ROUTINGS = ("capacity", "dropless")
-BALANCES = ("aux_loss", "bias", "none")
-
 
 class RouterBias(nnx.Variable):
     """Aux-loss-free balancing's per-expert selection bias: state, not a parameter (the

@@ -27,9 +27,9 @@ from jax import lax
 from jax.extend.core import DropVar, Jaxpr
 
 from shardflow import conversion, registry, rules  # noqa: F401  (rules: registers every rule)
+from shardflow.elementwise_primitives import SHAPE_KEEPING
 from shardflow.program import Program, all_eqns, is_literal, nested, open_jaxpr, rebody, source_line
 from shardflow.registry import DECISION, Call, Decision, Loop, Sig
-from shardflow.rules.elementwise import SHAPE_KEEPING
 from shardflow.specs import (
     B,
     Partial,

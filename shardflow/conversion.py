@@ -41,6 +41,7 @@ import numpy as np
 from jax import lax
 
 from shardflow import registry
+from shardflow.elementwise_primitives import SHAPE_KEEPING
 from shardflow.specs import B, Broadcast, NdSbp, Partial, Split, as_dtype, axis_sizes, divides, local_shape
 
 EPSILON = 1e-12  # seconds charged for a local step (slice, mask, pad): free, but not for nothing
@@ -449,8 +450,6 @@ def local_work(eqn, ins, outs, mesh) -> tuple[float, int]:
     the fp32 weights: 0.953x jit under dp on 4 GPUs). A fused chain writes less than its
     results; pricing them keeps a split layout cheaper than a whole one, and the solver's LP
     off the ties pricing nothing made (1b tp step: 35 s -> 16 s)."""
-    from shardflow.rules.elementwise import SHAPE_KEEPING  # (rules import this module)
-
     shapes = [
         [local_shape(x.aval.shape, s, mesh) for x, s in zip(xs, sbps)]
         for xs, sbps in ((eqn.invars, ins), (eqn.outvars, outs))

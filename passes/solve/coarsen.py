@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 from jax import lax
 
+from shardflow.elementwise_primitives import SHAPE_KEEPING
 from shardflow.program import is_literal
-from shardflow.rules.elementwise import SHAPE_KEEPING
 from shardflow.specs import P
 
 COARSEN = 100_000  # transportation edges from which a program's pinned tail is coarsened (``pinned_tail``)

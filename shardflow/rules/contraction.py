@@ -9,6 +9,7 @@ import numpy as np
 from jax import lax
 from jax.core import ShapedArray
 
+from shardflow.conversion import Step
 from shardflow.registry import Sig, bind_params, decision_of, defrule
 from shardflow.rules.elementwise import rank
 from shardflow.specs import B, P, Partial, S, axis_sizes, local_shape, split_axes
@@ -76,8 +77,6 @@ def _arg_signatures(eqn):
 
 def _winners(eqn, ins, sigs, mesh) -> tuple:
     """The all_gathers the "winners" lowering runs: of each block's winning values and indices."""
-    from shardflow.conversion import Step
-
     (x,), (out,) = eqn.invars, eqn.outvars
     (axis,) = eqn.params["axes"]
     axes = split_axes(ins[0], axis, mesh.axis_names)

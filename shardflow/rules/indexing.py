@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from shardflow.conversion import Step
 from shardflow.registry import Sig, bind_params, decision_of, defrule
 from shardflow.rules.elementwise import every, rank, shape
 from shardflow.specs import B, P, S, local_shape
@@ -78,8 +79,6 @@ def _halo_axes(sbp, d, names):
 def pad_halo(eqn, ins, sigs, mesh) -> tuple:
     """The collectives the "halo" lowering runs: per halo dim, in order, one ppermute per round
     that moves rows to another device (the block then has that dim's output size)."""
-    from shardflow.conversion import Step
-
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     steps = []
     halo = _halo_dims(eqn, sigs)
