@@ -102,6 +102,10 @@ class GPT2(nnx.Module):
         head, head_params = self._head()
         return head(head_params, x)
 
+    def losses(self, tokens, targets, *, pipeline: PipelineConfig | None = None):
+        """(loss, {}): as Llama's, a dense model's has no routing statistics."""
+        return self.loss(tokens, targets, pipeline=pipeline), {}
+
     def loss(self, tokens, targets, *, pipeline: PipelineConfig | None = None):
         """Mean next-token cross-entropy (fp32) of ``tokens`` against ``targets`` [batch, seq].
         With ``pipeline``, the stacked layers run as ``sf.pipeline``'s stages (models/pipeline.py)."""

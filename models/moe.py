@@ -38,8 +38,10 @@ from .sharding import logical_axes
 
 
 class RouterBias(nnx.Variable):
-    """Aux-loss-free balancing's per-expert selection bias: state, not a parameter (the
-    optimizer never sees it); the trainer moves it after each step."""
+    """Aux-loss-free balancing's per-expert selection bias: state, not a parameter. It travels
+    with the parameters, but no gradient reaches it (selection only, under stop_gradient) and
+    it is 1-D per layer (no weight decay), so the optimizer's update of it is exactly zero; the
+    train step moves it by :func:`rebalanced` after each update."""
 
 
 class RoutingStats(NamedTuple):
@@ -127,6 +129,7 @@ def _normal(rngs: nnx.Rngs, shape, std):
 
 @logical_axes(
     router=("embed", None),
+    bias=("expert",),
     w_gate=("expert", "embed", "mlp"),
     w_up=("expert", "embed", "mlp"),
     w_down=("expert", "mlp", "embed"),
@@ -145,6 +148,7 @@ class MoE(nnx.Module):
         self.bias = RouterBias(jnp.zeros((e,), jnp.float32)) if cfg.balance == "bias" else None
         self.shared = shared
         self.k, self.routing, self.capacity_factor = cfg.experts_per_token, cfg.routing, cfg.capacity_factor
+        self.bias_rate = cfg.bias_rate
 
     def __call__(self, x):
         logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.router[...])
@@ -171,3 +175,16 @@ def updated_router_bias(bias, load, rate: float):
     """Aux-loss-free balancing's step: each expert's bias moves by ``rate`` towards the mean
     load (up when it took fewer choices than the mean, down when more)."""
     return bias + rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+
+
+def rebalanced(graphdef, state, load):
+    """``state`` (a model's pure dict) with every MoE layer's RouterBias moved one
+    aux-loss-free step by its layers' ``load`` [moe layers, experts]; the same state where no
+    layer balances by bias."""
+    model = nnx.merge(graphdef, state)
+    layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE) and m.bias is not None]
+    if not layers:
+        return state
+    for layer in layers:  # one stacked MoE over depth: its bias is [moe layers, experts]
+        layer.bias[...] = updated_router_bias(layer.bias[...], load, layer.bias_rate)
+    return nnx.to_pure_dict(nnx.state(model))

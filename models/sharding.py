@@ -76,6 +76,12 @@ LOGICAL_AXIS_RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     "pp": dict(_PP),
     "pp_dp": {"batch": "data", **_PP},
     "pp_tp": {**_TP, **_PP, "vocab": ("pipe", "model")},
+    # Expert parallelism (mixture-of-experts models): the experts over "expert", which splits the
+    # batch too outside the experts (the tokens reach their experts by an all-to-all over it);
+    # with the experts' weights also FSDP-split over "data", or their hidden dim over "model".
+    "ep": {"batch": ("data", "expert"), "expert": "expert"},
+    "ep_fsdp": {"batch": ("data", "expert"), "expert": "expert", "embed": "data"},
+    "ep_tp": {"batch": ("data", "expert"), "expert": "expert", **_TP},
 }
 
 
@@ -170,7 +176,8 @@ def _set_nested(tree: dict, path: tuple, value) -> None:
 
 
 def param_logical_axes(model: nnx.Module) -> tuple[dict, list[str]]:
-    """Logical axes of every nnx.Param, as a nested dict shaped like ``nnx.to_pure_dict``.
+    """Logical axes of every nnx.Variable (parameters, and state such as an MoE router bias), as
+    a nested dict shaped like ``nnx.to_pure_dict``.
 
     Returns (axes tree, paths of parameters nobody annotated — those are replicated).
     Works on abstract models from ``nnx.eval_shape`` as well as real ones.
@@ -180,7 +187,7 @@ def param_logical_axes(model: nnx.Module) -> tuple[dict, list[str]]:
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module):
             modules[tuple(path)] = node
-        elif isinstance(node, nnx.Param):
+        elif isinstance(node, nnx.Variable):  # parameters and state the trainer carries with them
             params.append((tuple(path), node))
 
     tree: dict = {}
@@ -224,7 +231,7 @@ def param_specs(model: nnx.Module, rules: Rules, mesh: jax.sharding.Mesh | None 
     axes_tree, _ = param_logical_axes(model)
     specs = jax.tree.map(lambda axes: spec_for(axes, rules), axes_tree, is_leaf=_is_axes)
     if mesh is not None:
-        shapes = {p: v.shape for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+        shapes = {p: v.shape for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
         for path, shape in shapes.items():
             spec = _get_nested(specs, tuple(path))
             check_spec_divides("parameter " + "/".join(map(str, path)), shape, spec, mesh)

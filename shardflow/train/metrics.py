@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 # Dense bf16 peak per device, FLOP/s, by a substring of jax's device_kind.
 PEAK_FLOPS = {
     "H200": 989e12,
@@ -39,8 +41,32 @@ def flops_per_token(model_cfg, n_params: int, seq_len: int) -> float:
         n -= model_cfg.vocab_size * model_cfg.d_model
     if model_cfg.family == "gpt2":
         n -= model_cfg.max_seq_len * model_cfg.d_model  # learned positions: a gather too
+    if model_cfg.n_experts:  # the experts a token does not visit do no work for it
+        idle = model_cfg.n_experts - model_cfg.experts_per_token
+        n -= model_cfg.n_layers // model_cfg.moe_every * idle * 3 * model_cfg.d_model * model_cfg.expert_ffn_dim
     attn = 6 * model_cfg.n_layers * seq_len * model_cfg.n_heads * model_cfg.head_dim
     return 6 * n + attn
+
+
+def routing_scalars(metrics) -> dict:
+    """An MoE step's routing, as logged scalars: per MoE layer i, ``moe/load_max_mean/i`` (the
+    busiest expert's token choices over the mean expert's) and ``moe/dropped/i`` (the fraction of
+    choices dropped by capacity); ``expert_load_max_mean`` and ``dropped_fraction`` the worst
+    layer's; the cross-entropy and the balance losses summed over layers. {} for a dense step."""
+    if "load" not in metrics:
+        return {}
+    load, dropped = np.asarray(metrics["load"]), np.asarray(metrics["dropped"])
+    imbalance = load.max(-1) / load.mean(-1)
+    dropped = dropped / load.sum(-1)
+    scalars = {f"moe/load_max_mean/{i}": float(v) for i, v in enumerate(imbalance)}
+    scalars |= {f"moe/dropped/{i}": float(v) for i, v in enumerate(dropped)}
+    return scalars | {
+        "expert_load_max_mean": float(imbalance.max()),
+        "dropped_fraction": float(dropped.max()),
+        "cross_entropy": float(metrics["cross_entropy"]),
+        "aux_loss": float(np.sum(metrics["aux_loss"])),
+        "z_loss": float(np.sum(metrics["z_loss"])),
+    }
 
 
 class MetricsLog:

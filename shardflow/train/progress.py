@@ -64,6 +64,7 @@ class Progress:
             tokens_per_s=tok_s,
             mfu=mfu,
             val_loss=val,
+            **metrics_lib.routing_scalars(metrics),
         )
         shown = {
             "loss": f"{loss:.3f}",

@@ -23,60 +23,69 @@ def build_optimizer(ocfg, total_steps: int, decay_mask):
 
 
 def make_loss_fn(graphdef, compute_dtype, pipeline=None):
-    """(params, inputs, targets) -> mean next-token cross-entropy, fp32: the model's ``loss``,
-    its stacked layers run by ``sf.pipeline`` where ``pipeline`` (a models.PipelineConfig)
-    is given."""
+    """(params, inputs, targets) -> (loss, stats): the model's ``losses`` (the mean next-token
+    cross-entropy, fp32, plus an MoE model's balance terms; stats: its routing statistics, or
+    {}), its stacked layers run by ``sf.pipeline`` where ``pipeline`` (a
+    models.PipelineConfig) is given."""
     import jax
     from flax import nnx
 
     def loss_fn(params, inputs, targets):
         # fp32 master weights; the forward (and backward) run on a compute_dtype copy.
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-        return model.loss(inputs, targets, pipeline=pipeline)
+        return model.losses(inputs, targets, pipeline=pipeline)
 
     return loss_fn
 
 
 def make_train_step(graphdef, optimizer, compute_dtype, grad_accum: int, pipeline=None):
-    """(params, opt_state, batch) -> (params, opt_state, {"loss", "grad_norm"}).
+    """(params, opt_state, batch) -> (params, opt_state, {"loss", "grad_norm"} and an MoE
+    model's routing statistics).
 
     batch["inputs"/"targets"] are [grad_accum, micro_batch, seq]; gradients of the
-    micro-batches are summed in fp32 by a scan, then averaged. With ``pipeline``, each
-    micro-batch's loss and gradients come from the pipeline's schedule.
+    micro-batches are summed in fp32 by a scan, then averaged (and so are the statistics). With
+    ``pipeline``, each micro-batch's loss and gradients come from the pipeline's schedule. An
+    MoE model balancing by bias has its router biases moved by the step's expert loads after the
+    optimizer's update.
     """
     import jax
     import jax.numpy as jnp
     import optax
 
-    grad_fn = jax.value_and_grad(make_loss_fn(graphdef, compute_dtype, pipeline))
+    from shardflow.models import moe
+
+    grad_fn = jax.value_and_grad(make_loss_fn(graphdef, compute_dtype, pipeline), has_aux=True)
 
     def train_step(params, opt_state, batch):
         if grad_accum == 1:
-            loss, grads = grad_fn(params, batch["inputs"][0], batch["targets"][0])
+            (loss, stats), grads = grad_fn(params, batch["inputs"][0], batch["targets"][0])
         else:
 
             def accumulate(total, micro):
-                loss, grads = grad_fn(params, micro["inputs"], micro["targets"])
-                return jax.tree.map(jnp.add, total, (loss, grads)), None
+                return jax.tree.map(jnp.add, total, grad_fn(params, micro["inputs"], micro["targets"])), None
 
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
-            loss, grads = jax.tree.map(lambda x: x / grad_accum, (loss, grads))
+            first = jax.tree.map(lambda x: x[0], batch)
+            zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, first["inputs"], first["targets"]))
+            ((loss, stats), grads), _ = jax.lax.scan(accumulate, zeros, batch)
+            loss, stats, grads = jax.tree.map(lambda x: x / grad_accum, (loss, stats, grads))
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        if "load" in stats:
+            params = moe.rebalanced(graphdef, params, stats["load"])
+        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **stats}
 
     return train_step
 
 
 def make_eval_step(graphdef, compute_dtype, pipeline=None):
-    """(params, batch) -> mean loss over the batch's tokens (batch as in train_step). With
-    ``pipeline``, the pipelined loss (its layers stay on their stages; the schedule's backward
-    runs too, as sf.pipeline computes the loss with its gradient)."""
+    """(params, batch) -> mean cross-entropy over the batch's tokens (batch as in train_step).
+    With ``pipeline``, the pipelined loss (its layers stay on their stages; the schedule's
+    backward runs too, as sf.pipeline computes the loss with its gradient)."""
     loss_fn = make_loss_fn(graphdef, compute_dtype, pipeline)
 
     def eval_step(params, batch):
-        return loss_fn(params, batch["inputs"][0], batch["targets"][0])
+        loss, stats = loss_fn(params, batch["inputs"][0], batch["targets"][0])
+        return stats.get("cross_entropy", loss)
 
     return eval_step
 

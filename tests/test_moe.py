@@ -1,0 +1,175 @@
+"""Mixture of experts: routing against a token-by-token reference, and the model's loss and
+gradients sharded with expert parallelism equal to one device's."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import shardflow as sf
+from shardflow import models
+from shardflow.models import moe
+from shardflow.models import sharding as model_sharding
+
+SMALL_MOE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, moe_ffn_dim=32)
+
+
+def reference_moe(x, gates, experts, weights, capacity_factor):
+    """Token by token, as one device routes: each expert's queue filled by rank (every token's
+    first choice before any second choice), then by token; a choice past capacity dropped.
+    capacity_factor None: dropless. Returns (y, choices dropped)."""
+    w_gate, w_up, w_down = (np.asarray(w, np.float64) for w in weights)
+    x, gates, experts = np.asarray(x, np.float64), np.asarray(gates, np.float64), np.asarray(experts)
+    b, s, k = experts.shape
+    n_experts = w_gate.shape[0]
+    cap = math.inf if capacity_factor is None else moe.capacity(s, k, n_experts, capacity_factor)
+    y, dropped = np.zeros_like(x), 0
+    for row in range(b):
+        queued = np.zeros(n_experts, int)
+        for rank in range(k):
+            for t in range(s):
+                e = experts[row, t, rank]
+                queued[e] += 1
+                if queued[e] > cap:
+                    dropped += 1
+                    continue
+                h = x[row, t] @ w_gate[e]
+                h = h / (1 + np.exp(-h)) * (x[row, t] @ w_up[e])
+                y[row, t] += gates[row, t, rank] * (h @ w_down[e])
+    return y, dropped
+
+
+def _routed(seed, batch, seq, n_experts, k, d=8, f=6):
+    r = np.random.default_rng(seed)
+    x = jnp.asarray(r.normal(size=(batch, seq, d)), jnp.float32)
+    weights = [jnp.asarray(r.normal(size=shape) * 0.3, jnp.float32) for shape in ((n_experts, d, f),) * 2]
+    weights.append(jnp.asarray(r.normal(size=(n_experts, f, d)) * 0.3, jnp.float32))
+    gates, experts, _ = moe.route(jnp.asarray(r.normal(size=(batch, seq, n_experts)), jnp.float32), k)
+    return x, gates, experts, weights
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 24),
+    n_experts=st.sampled_from([2, 4, 8]),
+    k=st.integers(1, 4),
+    capacity_factor=st.sampled_from([0.1, 0.5, 1.0, 1.25, 2.0]),
+)
+def test_capacity_routing_drops_what_one_device_drops(seed, batch, seq, n_experts, k, capacity_factor):
+    k = min(k, n_experts)
+    x, gates, experts, weights = _routed(seed, batch, seq, n_experts, k)
+    y, dropped = moe.capacity_experts(x, gates, experts, *weights, capacity_factor)
+    expected, expected_dropped = reference_moe(x, gates, experts, weights, capacity_factor)
+    assert int(dropped) == expected_dropped
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), seq=st.integers(1, 24), n_experts=st.sampled_from([2, 4, 8]), k=st.integers(1, 3))
+def test_dropless_routing_computes_every_choice(seed, seq, n_experts, k):
+    k = min(k, n_experts)
+    x, gates, experts, weights = _routed(seed, 2, seq, n_experts, k)
+    expected, _ = reference_moe(x, gates, experts, weights, None)
+    np.testing.assert_allclose(np.asarray(moe.dropless_experts(x, gates, experts, *weights)), expected, atol=1e-5)
+
+
+def test_router_bias_moves_selection_not_gates_and_balances_load():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.2]] * 6, jnp.float32))
+    gates, experts, _ = moe.route(logits, 1, bias=jnp.asarray([0.0, 0.0, 0.4]))
+    assert experts[0, 0] == 2 and gates[0, 0] == 1.0  # chosen by the bias, weighted by its probability
+    bias = moe.updated_router_bias(jnp.zeros(3), jnp.asarray([6.0, 0.0, 0.0]), rate=0.1)
+    np.testing.assert_allclose(bias, [-0.1, 0.1, 0.1])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(experts_per_token=5), "experts_per_token"),
+        (dict(capacity_factor=0.0), "capacity_factor"),
+        (dict(routing="sparse"), "routing"),
+        (dict(balance="loss"), "balance"),
+        (dict(moe_every=3), "moe_every"),
+        (dict(family="gpt2", n_heads=4, head_dim=64), "llama-family"),
+    ],
+)
+def test_bad_moe_config_is_refused_by_name(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        models.preset("moe-tiny", n_experts=4, **overrides)
+
+
+def test_experts_not_divisible_by_the_expert_axis_are_refused_naming_the_parameter():
+    model = nnx.eval_shape(lambda: models.build(models.preset("moe-tiny", n_experts=6, **SMALL_MOE)))
+    mesh = sf.make_mesh({"data": 2, "expert": 4})
+    with pytest.raises(ValueError, match=r"mlp/w_(gate|up|down): dimension 1 \(size 6\).*expert"):
+        model_sharding.param_specs(model, {"expert": "expert"}, mesh)
+
+
+EP = {"batch": ("data", "expert"), "expert": "expert"}
+EP_TP = {**EP, "heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+
+
+def _loss_and_grads(cfg, tokens, mesh=None, rules=None, passes=None):
+    model = models.build(cfg)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+
+    def loss_and_grads(params, tokens):
+        def loss(params):
+            local = nnx.State(state)
+            nnx.replace_by_pure_dict(local, params)
+            return nnx.merge(graphdef, local).loss(tokens, tokens)
+
+        if rules is None:
+            return jax.value_and_grad(loss)(params)
+        with model_sharding.activation_sharding(rules, sf.constrain):
+            return jax.value_and_grad(loss)(params)
+
+    if mesh is None:
+        return jax.jit(loss_and_grads)(params, tokens), None
+    specs = model_sharding.param_specs(model, rules, mesh)
+    step = sf.parallelize(loss_and_grads, mesh=mesh, in_specs=(specs, P(("data", "expert"))), passes=passes)
+    return step(params, tokens), step.explain(params, tokens)
+
+
+MESHES = {
+    "expert4": ({"data": 1, "expert": 4}, EP),
+    "data2-expert4": ({"data": 2, "expert": 4}, EP),
+    "data2-expert2-model2": ({"data": 2, "expert": 2, "model": 2}, EP_TP),
+}
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("routing, balance", [("capacity", "aux_loss"), ("dropless", "bias")])
+def test_expert_parallel_loss_and_grads_equal_one_device(mesh_name, routing, balance):
+    axes, rules = MESHES[mesh_name]
+    devices = np.asarray(jax.devices()[: math.prod(axes.values())])
+    mesh = sf.make_mesh(axes, devices=devices)
+    cfg = models.preset("moe-tiny", routing=routing, balance=balance, z_loss_weight=1e-3, **SMALL_MOE)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 16)), jnp.int32)
+    (loss, grads), _ = _loss_and_grads(cfg, tokens)
+    (sharded_loss, sharded_grads), plan = _loss_and_grads(cfg, tokens, mesh, rules)
+    np.testing.assert_allclose(sharded_loss, loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), sharded_grads, grads)
+
+
+@pytest.mark.parametrize("passes", ["greedy", "solver"])
+def test_capacity_dispatch_is_an_all_to_all_over_the_expert_axis(passes):
+    """With the experts split over 'expert' and their weights larger than the tokens routed to
+    them (as in any trained MoE), the planner moves the dispatched tokens to their experts by an
+    all-to-all and never gathers an expert's weights. (Where the tokens outweigh the experts, the
+    solver may rightly gather the weights instead.)"""
+    mesh = sf.make_mesh({"data": 2, "expert": 4})
+    cfg = models.preset("moe-tiny", **{**SMALL_MOE, "moe_ffn_dim": 512})
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 16)), jnp.int32)
+    _, plan = _loss_and_grads(cfg, tokens, mesh, EP, sf.passes.SOLVER if passes == "solver" else None)
+    routed = [c for c in plan.collectives if c.kind == "all_to_all" and c.source.startswith("moe.py")]
+    assert routed and all(c.axes == ("expert",) for c in routed)
+    assert not [name for name, *_ in plan.gathered if "mlp" in name], plan.gathered
