@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from fast_tier import examples
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from soundness_cases import CATALOG, EXCLUDED, Case
@@ -76,7 +77,7 @@ def test_catalog_covers_every_rule():
 
 
 @pytest.mark.parametrize("c, i", _signature_params())
-@settings(max_examples=EXAMPLES, **SETTINGS)
+@settings(max_examples=examples(EXAMPLES), **SETTINGS)
 @given(n=st.sampled_from([2, 4]), seed=st.integers(0, 2**32 - 1))
 @example(n=4, seed=1)
 def test_signature_is_sound(c, i, n, seed):
@@ -98,7 +99,7 @@ def _two_axis_params():
 
 
 @pytest.mark.parametrize("c", _two_axis_params())
-@settings(max_examples=EXAMPLES_2D, **SETTINGS)
+@settings(max_examples=examples(EXAMPLES_2D), **SETTINGS)
 @given(data=st.data())
 def test_two_signatures_on_a_2x2_mesh_are_sound(c, data):
     """One signature per axis of {"x": 2, "y": 2}, drawn among the pairs that fit together (the

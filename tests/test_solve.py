@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fast_tier import examples
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from solve_cases import (
@@ -48,7 +49,7 @@ def chosen_assignment(options, eqns) -> list:
     return out
 
 
-@settings(max_examples=50, **SETTINGS)
+@settings(max_examples=examples(50), **SETTINGS)
 @given(
     ops=st.lists(st.sampled_from(CHAIN_OPS), min_size=1, max_size=3),
     specs=st.tuples(nd_sbp(), nd_sbp()),
@@ -95,7 +96,7 @@ STEP = st.one_of(
 )
 
 
-@settings(max_examples=max(EXAMPLES // 4, 10), **SETTINGS)
+@settings(max_examples=examples(max(EXAMPLES // 4, 10)), **SETTINGS)
 @given(
     steps=st.lists(STEP, min_size=1, max_size=6),
     specs=st.tuples(nd_sbp(), nd_sbp(), nd_sbp()),
@@ -168,6 +169,7 @@ def test_a_data_parallel_gradient_divides_every_matmul_over_the_devices():
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", ["1x8", "2x4", "4x2", "8x1"])
 def test_auto_finds_the_exhaustive_optimum_over_parameter_layouts(mesh_name):
     """sf.AUTO weights of an MLP's gradient, the batch split: on every factoring of the 8
@@ -190,6 +192,7 @@ def test_auto_finds_the_exhaustive_optimum_over_parameter_layouts(mesh_name):
     assert set(chosen) == {w1, w2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [attention_grad, sf_attention_grad])
 @pytest.mark.parametrize("axes,auto", [({"model": 8}, (0, 1)), ({"data": 2, "model": 4}, (1,))])
 def test_auto_finds_the_exhaustive_optimum_of_an_attention_block(axes, auto, block):
@@ -231,6 +234,7 @@ def test_auto_runs_and_equals_one_device_and_greedy_refuses_it():
         sf.parallelize(mlp_grad, out_specs=(sf.AUTO, None), passes=sf.passes.SOLVER, **kw).explain(*MLP_ARGS)
 
 
+@pytest.mark.slow
 def test_a_memory_budget_on_the_inputs_is_kept_at_the_least_cost():
     """sf.AUTO weights whose gradients are wanted replicated, under a budget of 1,500 input bytes
     per device that the unconstrained optimum exceeds: the optimum is the best of the
@@ -336,6 +340,7 @@ def test_pins_hold():
     assert pinned == [(S(1), B)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case,strategy",
     [(case, strategy) for case in ("mlp", "vocab_ce") for strategy in ("dp", "fsdp", "tp", "sp", "2d")]

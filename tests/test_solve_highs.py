@@ -21,6 +21,7 @@ from shardflow.program import source_line
 from shardflow.specs import B, Split
 
 
+@pytest.mark.slow
 def test_the_solves_of_one_program_price_each_conversion_once_and_the_second_starts_warm(monkeypatch):
     """The tiny tensor-parallel train step is solved twice (at greedy's overlap shares, then at
     its own plan's): the second solve reuses the first's conversion prices, and plans none again;
@@ -180,6 +181,7 @@ def test_an_optimizers_pinned_tail_is_coarsened_to_the_same_optimum(monkeypatch)
     assert coarse == pytest.approx(exact, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_one_alternatives_call_starts_each_relaxation_from_the_last_optimal_basis(monkeypatch):
     """Within one sf.alternatives call (``solve.shared_solves``) a candidate's LP relaxation
     starts from the optimal basis of the last one of its shape: fewer dual simplex iterations,

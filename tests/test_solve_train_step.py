@@ -23,6 +23,7 @@ def greedy_plan(strategy="tp", mesh=None, batch_size=16, preset="tiny", seq=128)
     return train.setup(cfg).train_step().explain(*state, batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "preset,strategy,mesh,batch_size,seq",
     [
@@ -47,6 +48,7 @@ def test_the_solved_llama_step_costs_no_more_than_its_strategys_greedy_plan(pres
         assert "(the solver planner's choice)" in str(plan)
 
 
+@pytest.mark.slow
 def test_a_memory_budget_keeps_the_fsdp_step_within_it():
     """The tiny preset's train step under fsdp on {data: 8}: unconstrained, the solver may hold
     whole weights across the step (explain counts them in memory_bytes); under a budget of
@@ -63,6 +65,7 @@ def test_a_memory_budget_keeps_the_fsdp_step_within_it():
     assert free.modelled_seconds * (1 - 1e-9) <= plan.modelled_seconds <= greedy.modelled_seconds * (1 + 1e-9)
 
 
+@pytest.mark.slow
 def test_a_plan_leaning_on_hiding_is_solved_again_at_its_own_overlap_shares():
     """The tiny preset's tensor-parallel train step is first priced at the overlap shares of
     greedy's plan, where a plan may count on hiding more of its loops' gradient reductions than
@@ -76,6 +79,7 @@ def test_a_plan_leaning_on_hiding_is_solved_again_at_its_own_overlap_shares():
     assert plan.modelled_seconds <= greedy_plan().modelled_seconds * (1 + 1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["tp", "tp_sp"])
 def test_the_solved_train_step_with_attention_equals_jits(strategy):
     """The tiny preset's train step in float32, solved — attention among the equations the
@@ -100,6 +104,7 @@ def test_the_solved_train_step_with_attention_equals_jits(strategy):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_every_process_solves_a_program_to_the_same_plan():
     """Deterministic across processes, whose str hashes are salted and objects placed at other
     addresses (the SBP atoms hash by identity): the solved tiny train step under 2d, planned in
