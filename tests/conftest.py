@@ -21,6 +21,14 @@ def pytest_configure(config):
         # tests compare (a program against itself on one device) is compiled the same way on both sides.
         if CPU_COMPILE_FLAGS not in os.environ["XLA_FLAGS"]:
             os.environ["XLA_FLAGS"] += " " + CPU_COMPILE_FLAGS
+    if "not slow" in (config.option.markexpr or ""):
+        # The fast tier: each hypothesis test on a tenth of its examples (fast_tier.examples),
+        # tests that name no count on ten; read when the test modules are imported, after this.
+        os.environ["SHARDFLOW_FAST_TIER"] = "1"
+        from hypothesis import settings
+
+        settings.register_profile("fast", max_examples=10)
+        settings.load_profile("fast")
     import jax
 
     jax.config.update("jax_enable_x64", False)

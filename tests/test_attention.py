@@ -11,6 +11,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fast_tier import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -113,6 +114,7 @@ def check_against_reference(
 KERNEL_BACKENDS = ["interpret", "interpret_tpu", "xla"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
@@ -121,7 +123,7 @@ def test_matches_reference(backend, dtype, causal, seq):
     check_against_reference(backend, dtype=dtype, causal=causal, q_len=seq, kv_len=seq, head_dim=64, group=2)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     backend=st.sampled_from(KERNEL_BACKENDS),
     q_len=st.one_of(st.integers(1, 70), st.integers(120, 300)),  # one block / several
@@ -155,7 +157,7 @@ def test_random_shapes(backend, q_len, kv_extra, group, heads_kv, head_dim, caus
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     block_q=st.sampled_from([16, 32, 64]),
     block_k=st.sampled_from([16, 32, 64]),
@@ -223,6 +225,7 @@ def test_block_ranges_agree_with_the_element_mask(
                 assert causal_mask.all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_fully_masked_rows_are_zero_with_minus_inf_lse(backend):
     # Queries at positions 0..15 against keys at 20..51: causal hides every key from rows < 20.
@@ -242,6 +245,7 @@ def test_fully_masked_rows_are_zero_with_minus_inf_lse(backend):
     check_against_reference(backend, q_len=40, kv_len=32, group=2, causal=True, kv_offset=20)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_traced_offsets(backend):
     q, k, v, dout, _ = make_inputs(2, 1, 48, 48, 1, 1, 32, jnp.float32)
@@ -257,6 +261,7 @@ def test_traced_offsets(backend):
         assert rel_err(f(q, k, v, q_offset, kv_offset), ref) < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_lse_gradient(backend):
     # A loss that uses lse, as ring attention's combination of partial results does.
@@ -277,6 +282,7 @@ def test_lse_gradient(backend):
         assert rel_err(g, g_ref) < 1e-3
 
 
+@pytest.mark.slow
 def test_fp16_interpret():
     check_against_reference(
         "interpret", dtype=jnp.float16, causal=True, q_len=40, kv_len=40, group=4, heads_kv=1, head_dim=64
@@ -442,6 +448,7 @@ def test_gpu_kernels_on_slices_of_stacked_layers(per_q_head, monkeypatch):
 # values: benchmarks/attention.py --check runs them on the GPU).
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("group", [1, 4])

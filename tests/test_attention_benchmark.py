@@ -36,6 +36,7 @@ def test_time_samples_pipelines_calls(bench):
     assert all(t > 0 for t in samples)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direction", ["--fwd", "--bwd"])
 def test_kernel_variants(bench, direction, tmp_path, monkeypatch, capsys):
     variant = tmp_path / "variant.py"
@@ -79,6 +80,7 @@ def test_kernel_variants(bench, direction, tmp_path, monkeypatch, capsys):
     assert re.fullmatch(r"same 0\.0e\+00", cells[8])  # the variant is the reference kernel
 
 
+@pytest.mark.slow
 def test_table(bench, monkeypatch, capsys):
     """The table's rows and ratios, its three contenders replaced by CPU-runnable ones."""
     from shardflow.attention import attention

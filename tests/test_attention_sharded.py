@@ -19,6 +19,7 @@ def inputs(b=4, s=16, hq=8, hkv=4, d=16, seed=0):
     return q, k, v
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
 @pytest.mark.parametrize(
     "spec", [PS("data"), PS(None, None, "model"), PS("data", None, "model")], ids=["batch", "heads", "batch+heads"]
@@ -64,6 +65,7 @@ def test_attention_inside_a_differentiated_scan():
     assert not f.explain(w, q, k, v).fallbacks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
 @pytest.mark.parametrize("traced_offsets", [False, True])
 def test_sequence_split_queries_gather_keys_and_shift_the_causal_mask(backend, traced_offsets):

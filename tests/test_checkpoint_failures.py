@@ -88,6 +88,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_newest_step_falls_back_to_the_newest_good_one(damage, saved, target, tmp_path, capsys, monkeypatch):
     out = _copy(saved, tmp_path)
@@ -109,6 +110,7 @@ def test_a_damaged_newest_step_falls_back_to_the_newest_good_one(damage, saved, 
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4.damaged"]
 
 
+@pytest.mark.slow
 def test_training_resumes_from_the_good_step_as_if_uninterrupted(data_dir, saved, tmp_path, capsys):
     out = _copy(saved, tmp_path)
     _flip_bytes(out / "checkpoints" / "4")
@@ -196,6 +198,7 @@ def test_a_run_that_does_not_resume_refuses_to_mix_with_old_checkpoints(data_dir
     assert _tree(out) == before
 
 
+@pytest.mark.slow
 def test_a_run_that_does_not_resume_saves_every_step_beside_set_aside_ones(data_dir, saved, tmp_path):
     out = _copy(saved, tmp_path)
     shutil.rmtree(out / "checkpoints" / "2")
@@ -252,6 +255,7 @@ def _train_command(data_dir, out, once_checked="pass"):
     ]
 
 
+@pytest.mark.slow
 def test_a_process_whose_saves_fail_exits_promptly_with_one_error(data_dir, tmp_path):
     """The checkpoint directory is fine when checked, then a file takes its place: the first
     save fails. orbax used to leave threads waiting 300 s at exit for a signal of the failed
@@ -276,6 +280,7 @@ def test_a_process_whose_saves_fail_exits_promptly_with_one_error(data_dir, tmp_
     assert elapsed < 60, f"exit took {elapsed:.0f} s"
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_prints_no_stray_traceback_in_the_process(data_dir, saved, tmp_path):
     out = _copy(saved, tmp_path)
     (out / "checkpoints" / "4" / "default" / "manifest.ocdbt").write_bytes(b"12345")
@@ -288,6 +293,7 @@ def test_a_damaged_checkpoint_prints_no_stray_traceback_in_the_process(data_dir,
     assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_failed_background_save_is_a_checkpoint_error(data_dir, tmp_path, monkeypatch):
     from orbax.checkpoint._src.serialization import serialization
 
@@ -357,6 +363,7 @@ def test_a_step_whose_checksums_were_not_written_is_set_aside(saved, target, tmp
     ) in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_nan_stop_after_resuming_names_the_step_that_verified(data_dir, saved, target, tmp_path, capsys):
     """Step 4's files replaced by well-formed ones of NaN parameters, as damage the storage
     format cannot see: the checksums refuse them, the run resumes from step 2, and the stop
@@ -398,6 +405,7 @@ _WITHOUT_ROOTS_READ_OVERRIDE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     os.geteuid() == 0 and shutil.which("setpriv") is None,
     reason="as root, needs setpriv to drop the capability to read any file",

@@ -43,6 +43,7 @@ def _nothing_allocated(monkeypatch):
     monkeypatch.setattr(run_setup, "init_state", abstract_only)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("planner", ["greedy", "solver"])
 def test_explain_prints_the_plan_time_and_memory_and_writes_nothing(
     planner, tmp_path, capsys, monkeypatch, host_of_32_gib
@@ -136,6 +137,7 @@ def test_the_125m_preset_fits_the_cpu_devices(capsys, monkeypatch, tmp_path, hos
     assert "; fits in 4.0 GiB each of 8 CPU devices" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_training_with_one_line_naming_the_last_checkpoint(tmp_path):
     """SIGINT once the first checkpoint is on disk: exit code 130, no traceback, every step on
     disk finished (its checksums written), the line names the newest."""

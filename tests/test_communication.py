@@ -58,6 +58,7 @@ def llama_step_plan(strategy, shape):
 # ------------------------------------------------------------------------------ data parallel
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [{"data": 8}, {"data": 2, "model": 4}])
 def test_dp_gradient_all_reduce(shape):
     plan, params, n = llama_step_plan("dp", shape)
@@ -68,6 +69,7 @@ def test_dp_gradient_all_reduce(shape):
     assert scalar_bytes(plan) <= 2 * 2 * ring(n) * 4  # the loss, at most one more scalar
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [{"data": 8}, {"data": 4, "model": 2}])
 def test_fsdp_gathers_params_and_scatters_grads(shape):
     plan, params, n = llama_step_plan("fsdp", shape)
@@ -236,6 +238,7 @@ def test_explain_counts_each_devices_matmul_flops(spec, share):
     assert f"{plan.flops:,.0f} flops" in str(plan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,mesh", [("dp", {"data": 8}), ("tp_sp", {"data": 2, "model": 4})])
 def test_explain_names_a_user_line_inside_library_code_too(strategy, mesh):
     """The shipped model's train step: JAX's own bodies (the transposed gather of the embedding,
@@ -274,6 +277,7 @@ def test_remat_bodies_are_partitioned_not_run_whole(policy):
     np.testing.assert_allclose(np.asarray(g(w, x)), np.asarray(f(w, x)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_reduces_once_after_the_loop():
     """A scan over micro-batches carries partial gradients (the carry's fixed point is P) and
     all-reduces them once, not once per micro-batch."""

@@ -4,6 +4,7 @@ and reports its time and ratio to one device."""
 import json
 import math
 
+import pytest
 from benchmark_scripts import load
 
 
@@ -11,6 +12,7 @@ def load_script():
     return load("context")
 
 
+@pytest.mark.slow
 def test_every_variant_runs_on_the_cpu_check(tmp_path):
     script = load_script()
     out = tmp_path / "context.json"
@@ -22,6 +24,7 @@ def test_every_variant_runs_on_the_cpu_check(tmp_path):
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
 
 
+@pytest.mark.slow
 def test_training_rows_report_each_variants_compiled_memory(tmp_path):
     """--train on the CPU check: the tiny preset's step per variant, each with its own compiled
     bytes per device (XLA's account of that program, not the process's allocator peak, which

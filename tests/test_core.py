@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fast_tier import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
@@ -47,7 +48,7 @@ def conversions(draw):
     return axes, shape, src, dst
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=examples(150), **SETTINGS)
 @given(conversions())
 def test_propagation_prices_the_plan_that_runs(case):
     """What propagation pays for a conversion is the plan boxing inserts, priced by the links —

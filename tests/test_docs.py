@@ -104,6 +104,7 @@ def test_the_convention_finds_every_python_block():
     assert CONFIG_REFERENCE in DOCS and any(p.parent.name == "tutorials" for p in DOCS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [b for p in DOCS for b in runnable(p)], ids=lambda b: b.name)
 def test_python_block_runs_alone(block, tmp_path):
     script = tmp_path / "example.py"

@@ -18,6 +18,7 @@ MESHES = {
 TRAIN_STEPS = {"llama_step", "scan"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("case", CASES)

@@ -252,6 +252,7 @@ def test_a_refusal_pickles_as_it_reads():
     assert str(pickle.loads(pickle.dumps(error))) == str(error)
 
 
+@pytest.mark.slow
 def test_a_cpu_machine_gets_its_devices_as_the_refusal_says():
     """On one CPU device the README's mesh is refused with the way out, and the way out works."""
     import subprocess
@@ -493,6 +494,7 @@ A = (np.eye(4) * 3 + 0.1 * np.arange(16).reshape(4, 4)).astype(np.float32)
 A8 = np.stack([A + i for i in range(8)]) + np.eye(4, dtype=np.float32) * 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["solve", "solve-split", "inv", "slogdet-grad", "slogdet-grad-split"])
 def test_linear_solves_run_whole(mesh, name):
     slogdet = lambda x: jnp.sum(jnp.linalg.slogdet(x)[1])

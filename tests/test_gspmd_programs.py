@@ -28,8 +28,25 @@ gp = _load("gspmd_programs")
 RTOL = 1e-4
 
 
+# The fast tier's rows: the small programs, each under one strategy, and MoE's expert parallelism.
+FAST = {
+    ("moe", "ep"),
+    ("mlp_adamw", "2d"),
+    ("scan", "2d"),
+    ("ce_integer", "2d"),
+    ("reductions", "2d"),
+    ("pad", "2d"),
+    ("scatter_add", "2d"),
+    ("dynamic_slice", "2d"),
+    ("top_k", "2d"),
+    ("user_shard_map", "dp"),
+}
+
+
 def _param(case):
     marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
+    if (case.program, case.strategy) not in FAST:
+        marks.append(pytest.mark.slow)
     return pytest.param(case, id=case.name, marks=marks)
 
 
@@ -44,6 +61,7 @@ def test_the_suite():
     assert len(programs) >= 15
     assert len({c.name for c in gp.CASES}) == len(gp.CASES)
     assert set(gp.XFAIL) <= {(c.program, c.strategy) for c in gp.CASES}
+    assert FAST <= {(c.program, c.strategy) for c in gp.CASES}
 
 
 @pytest.mark.parametrize("case", [_param(c) for c in gp.CASES])
@@ -70,6 +88,7 @@ def test_table_script(tmp_path, monkeypatch, capsys):
     assert "| scatter_add | 2d |" in text and "jax " in text
 
 
+@pytest.mark.slow
 def test_the_solver_brings_the_moe_and_pad_rows_under_gspmd(monkeypatch):
     """Rows greedy propagation leaves above 1.5x GSPMD's bytes (an MoE layer under dp, ep and
     2d: its dispatch's partial sums; pad under dp): the integer program minimising bytes
@@ -86,6 +105,7 @@ def test_the_solver_brings_the_moe_and_pad_rows_under_gspmd(monkeypatch):
         assert r.flops_ratio <= 1.05, (r.program, r.strategy, r.flops_ratio)
 
 
+@pytest.mark.slow
 def test_greedy_keeps_the_moe_rows_within_one_and_a_half_gspmd(monkeypatch):
     """Greedy propagation's lookahead through a contraction (passes.propagate.affinity): the
     expert slot's position, summed over the experts' axis, is all-reduced to meet the dispatch

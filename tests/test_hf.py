@@ -97,6 +97,7 @@ def saved(request, tmp_path_factory):
     return model, directory
 
 
+@pytest.mark.slow
 def test_imported_logits_equal_transformers(saved):
     model, directory = saved
     tokens = random_tokens()
@@ -106,6 +107,7 @@ def test_imported_logits_equal_transformers(saved):
     np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_exported_directory_loads_in_transformers_with_our_logits(saved, tmp_path):
     transformers, _ = hf_libs()
     model, directory = saved
@@ -134,6 +136,7 @@ def test_sharded_files_import_and_export(tmp_path):
     np.testing.assert_allclose(hf_logits(loaded, tokens), hf_logits(model, tokens), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind,strategy,mesh_shape",
     [
@@ -226,6 +229,7 @@ def test_mistral_refuses_sequences_longer_than_its_window(tmp_path):
         model(jnp.asarray(random_tokens(SEQ + 1)))
 
 
+@pytest.mark.slow
 def test_mistral_without_a_window_is_plain_attention(tmp_path):
     model = make_hf_model("mistral", sliding_window=None)
     model.save_pretrained(tmp_path)
@@ -334,6 +338,7 @@ def prepared(corpus, tokenizer_file, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_prepare_encodes_with_a_tokenizer_file(corpus, tokenizer_file, prepared):
     from tokenizers import Tokenizer
 
@@ -396,6 +401,7 @@ def run(prepared, tmp_path_factory):
     return out, train.train(cfg, progress=False)["params"]
 
 
+@pytest.mark.slow
 def test_sample_restores_the_newest_checkpoints_parameters(run):
     out, params = run
     model, step, _ = sample.restore_run(out)
@@ -406,6 +412,7 @@ def test_sample_restores_the_newest_checkpoints_parameters(run):
     jax.tree.map(np.testing.assert_array_equal, restored, jax.device_get(params))
 
 
+@pytest.mark.slow
 def test_sample_prints_the_requested_tokens_greedy_deterministic(run, tokenizer_file, capsys):
     out, _ = run
     argv = ["sample", "--checkpoint", str(out), "--prompt", "def main(", "--max-new-tokens", "12", "--temperature", "0"]
@@ -454,6 +461,7 @@ def test_sample_from_a_directory_without_a_run_is_one_line(tmp_path, capsys):
     )
 
 
+@pytest.mark.slow
 def test_greedy_sampling_from_a_hugging_face_directory_is_transformers_greedy(tokenizer_file, tmp_path, capsys):
     _, torch = hf_libs()
     model = make_hf_model("llama", vocab_size=300)
@@ -504,6 +512,7 @@ def test_the_trainer_checks_a_sliding_window_before_it_starts(window, message, t
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_sample_skips_a_step_whose_parameters_do_not_match_their_checksums(run, tmp_path, capsys):
     import json
     import shutil

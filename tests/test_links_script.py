@@ -23,6 +23,7 @@ def test_sent_bytes_are_the_ring_formulas_conversion_prices():
     assert [links.sent_bytes(k, 1024, 4) for k in links.KINDS] == [1536, 3072, 768, 768, 1024]
 
 
+@pytest.mark.slow
 def test_every_kind_runs_over_each_axis(tmp_path):
     out = tmp_path / "links.json"
     load_script().main(

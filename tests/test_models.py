@@ -107,6 +107,7 @@ def test_constrain_is_identity_without_active_rules():
     assert pinned == [P("data", "model", None)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny", "gpt2-tiny"])
 @pytest.mark.parametrize("compute_dtype", ["bfloat16", "float32"])
 def test_train_step_matmuls_run_in_compute_dtype(preset, compute_dtype):
@@ -138,6 +139,7 @@ def test_train_step_matmuls_run_in_compute_dtype(preset, compute_dtype):
     assert found and set(found) == {(compute_dtype,) * 3}, set(found)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_forward_shapes_and_remat_agree(model):
     fields = {k: v for k, v in (SMALL_LLAMA if model == "llama" else SMALL_GPT2).items() if k != "preset"}
@@ -175,6 +177,7 @@ def strategy_config(case, engine, data_dir, out):
     return small_config(data_dir, out, strategy=strategy, mesh=mesh, engine=engine, **extra)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine,case", [("jit", c) for c in JIT_CASES] + [("shardflow", c) for c in SHARDFLOW_CASES])
 def test_strategy_matches_single_device(engine, case, data_dir, tmp_path):
     cfg = strategy_config(case, engine, data_dir, tmp_path)
@@ -184,6 +187,7 @@ def test_strategy_matches_single_device(engine, case, data_dir, tmp_path):
     assert expected[2] < expected[0]
 
 
+@pytest.mark.slow
 def test_activation_constraints_reach_the_traced_step(data_dir, tmp_path):
     """The model's constrain() calls become sharding constraints of the step: the residual
     stream is split along the sequence under tp_sp, along the batch only under dp."""
@@ -200,3 +204,28 @@ def test_activation_constraints_reach_the_traced_step(data_dir, tmp_path):
     assert pinned_specs("dp", {"data": 8}) == {"P('data', None, None)"}
     # residual stream [batch, seq, embed]; logits [batch, seq, vocab] split on vocab
     assert pinned_specs("tp_sp", {"data": 2, "model": 4}) == {"P('data', 'model', None)", "P('data', None, 'model')"}
+
+
+@pytest.mark.parametrize("routing", ["capacity", "dropless"])
+def test_a_moe_layer_with_its_experts_split_equals_one_device(routing):
+    """A Mixture-of-Experts layer (models/moe.py) with its experts split over 'expert' and the
+    batch over 'data': its output and routing statistics equal the layer's on one device."""
+    import shardflow as sf
+    from shardflow.models import moe
+    from shardflow.models.config import preset
+
+    cfg = preset(
+        "moe-tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, moe_ffn_dim=16, routing=routing
+    )
+    graphdef, params = nnx.split(moe.MoE(cfg, nnx.Rngs(0)))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 16, 32)), jnp.float32)
+
+    def layer(params, x):
+        return nnx.merge(graphdef, params)(x)
+
+    experts = jax.tree.map(lambda p: P("expert") if p.ndim == 3 else P(), params)
+    step = sf.parallelize(
+        layer, mesh=sf.make_mesh({"data": 2, "expert": 4}), in_specs=(experts, P("data")), out_specs=(P("data"), P())
+    )
+    for got, want in zip(jax.tree.leaves(step(params, x)), jax.tree.leaves(jax.jit(layer)(params, x)), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)

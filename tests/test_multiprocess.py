@@ -10,6 +10,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 import yaml
 from test_docs import cpu_only_env
 from test_models import small_config
@@ -58,6 +59,7 @@ def launch(command, n_processes: int, devices_each: int, timeout: float) -> list
     return outputs
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(data_dir, tmp_path):  # noqa: F811
     def cfg(out, steps=3):
         c = small_config(data_dir, tmp_path / out, steps=steps, strategy="2d", mesh={"data": 2, "model": 4})
@@ -127,6 +129,7 @@ for case in ("whole", "cut on 0", "cut on 1", "differ on 1", "raise on 0"):
 """
 
 
+@pytest.mark.slow
 def test_processes_plan_with_process_0s_solve_and_refuse_plans_that_differ(tmp_path):
     """Each process plans the program itself, with HiGHS's results taken from process 0: where
     a solve would have stopped on one host only (simulated), every process plans what process

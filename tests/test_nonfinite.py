@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fast_tier import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -67,7 +68,7 @@ BINARY = {
 BF16 = {"max", "max0", "max1", "min", "max_of_neg1", "argmax0", "sort0", "maximum", "lt", "max_of_maximum"}
 
 SETTINGS = settings(
-    max_examples=25,
+    max_examples=examples(25),
     deadline=None,
     derandomize=True,
     database=None,

@@ -104,6 +104,7 @@ def differences(now: str | None, stored: str | None, collapse_whitespace=False) 
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_prints_its_stored_outputs(path, tmp_path):
     (tmp_path / "run_notebook.py").write_text(RUNNER)

@@ -5,7 +5,10 @@ solver's scipy and HiGHS (loaded when a program is first solved)."""
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_importing_the_compiler_loads_no_trainer_models_or_flax():
     check = (
         "import shardflow, sys; "
@@ -19,6 +22,7 @@ def test_importing_the_compiler_loads_no_trainer_models_or_flax():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_importing_the_compiler_loads_no_solver_libraries():
     check = (
         "import shardflow, sys; "

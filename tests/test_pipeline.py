@@ -115,6 +115,7 @@ def check(table):
 SCHEDULES = schedules.BUILTIN
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8)])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_pipelined_loss_and_gradients_equal_one_device(schedule, p, m):
@@ -144,6 +145,7 @@ def test_a_step_with_a_micro_batchs_b_and_w_runs_its_whole_backward():
     assert [(held.tables["w_chunk"][:, s] >= 0).sum() for s in range(4)] == [0, 2, 4, 6]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", [{"pipe": 2}, {"model": 2}], ids=["pp2", "in turn"])
 def test_bf16_gradients_are_summed_over_micro_batches_in_float32(axes):
     """bf16 parameters: each micro-batch's gradient is bf16, their sum over the micro-batches is
@@ -184,6 +186,7 @@ def pipelined_step(table):
     return step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "axes,layer_spec,batch_spec",
     [
@@ -212,15 +215,19 @@ def test_parallelize_equals_one_device(axes, layer_spec, batch_spec, schedule):
 @pytest.mark.parametrize(
     "axes,layer_spec,batch_spec",
     [
-        ({"pipe": 4}, P("pipe"), P()),
-        ({"pipe": 4, "data": 2}, P("pipe"), P("data")),
-        ({"pipe": 2, "model": 4}, P("pipe", None, "model"), P()),
-        ({"data": 2, "pipe": 4}, P("pipe", None, "data"), P("data")),
-        ({"model": 4, "pipe": 2}, P("pipe", None, "model"), P()),
+        pytest.param({"pipe": 4}, P("pipe"), P(), id="pp4"),  # the fast tier's
+        pytest.param({"pipe": 4, "data": 2}, P("pipe"), P("data"), id="pp4-dp2", marks=pytest.mark.slow),
+        pytest.param({"pipe": 2, "model": 4}, P("pipe", None, "model"), P(), id="pp2-tp4", marks=pytest.mark.slow),
+        pytest.param(
+            {"data": 2, "pipe": 4}, P("pipe", None, "data"), P("data"), id="dp2-pp4-fsdp", marks=pytest.mark.slow
+        ),
+        pytest.param({"model": 4, "pipe": 2}, P("pipe", None, "model"), P(), id="tp4-pp2", marks=pytest.mark.slow),
     ],
-    ids=["pp4", "pp4-dp2", "pp2-tp4", "dp2-pp4-fsdp", "tp4-pp2"],
 )
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-fused"])
+@pytest.mark.parametrize(
+    "schedule",
+    ["1f1b", pytest.param("interleaved", marks=pytest.mark.slow), pytest.param("zb-fused", marks=pytest.mark.slow)],
+)
 def test_the_solver_lays_out_the_stages_with_the_program(axes, layer_spec, batch_spec, schedule):
     """passes.solve solves the five bodies with the program — one layout per value crossing
     between them, the pipeline axis whole inside the stages —: equal to one device, the
@@ -249,6 +256,7 @@ def test_the_solver_lays_out_the_stages_with_the_program(axes, layer_spec, batch
     assert_close(step(layers, hp, x, tg), want)
 
 
+@pytest.mark.slow
 def test_sf_auto_lays_out_the_head_and_the_batch_of_a_pipeline():
     """sf.AUTO arguments: the solver runs without greedy's plan first, the pipeline's stages
     laid out with the rest."""
@@ -266,6 +274,7 @@ def test_sf_auto_lays_out_the_head_and_the_batch_of_a_pipeline():
     assert_close(step(layers, hp, x, tg), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("planner", ["greedy", "solver"])
 def test_without_a_pipeline_axis_the_stages_run_in_turn(planner):
     passes = sf.passes.SOLVER if planner == "solver" else sf.passes.DEFAULT
@@ -290,6 +299,7 @@ def test_without_a_pipeline_axis_the_stages_run_in_turn(planner):
     assert step.explain(layers, hp, x, tg).planner.startswith(planner)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule,counts",
     [
@@ -357,6 +367,7 @@ def test_uneven_stages_are_checked():
         )
 
 
+@pytest.mark.slow
 def test_bf16_loss_keeps_its_dtype():
     table = SCHEDULES["1f1b"](4, 8)
     layers, hp, x, tg = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model(4 * Lc, 8))
@@ -372,6 +383,7 @@ def test_bf16_loss_keeps_its_dtype():
     )
 
 
+@pytest.mark.slow
 def test_compiled_memory_falls_with_the_schedules_live_activations():
     """XLA's temporaries for the pipelined step: 1F1B keeps p micro-batches' residuals where
     GPipe keeps m, so at m = 4p its compiled step needs less memory."""
@@ -392,6 +404,7 @@ def test_compiled_memory_falls_with_the_schedules_live_activations():
     assert temp["1f1b"] < 0.8 * temp["gpipe"], temp
 
 
+@pytest.mark.slow
 def test_fsdp_weights_enter_a_stage_whole_once_a_step_not_once_a_micro_batch():
     """Over an axis that splits the micro-batches the stage's weights are gathered before the
     pipeline and their gradients reduce-scattered after it, once a step; inside the bodies

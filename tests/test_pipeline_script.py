@@ -7,6 +7,7 @@ import pytest
 from benchmark_scripts import load
 
 
+@pytest.mark.slow
 def test_pipeline_script_tiny(tmp_path, capsys):
     out = tmp_path / "pipeline.json"
     rows = load("pipeline").main(

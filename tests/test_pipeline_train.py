@@ -42,6 +42,7 @@ LLAMA4 = {**SMALL_LLAMA, "n_layers": 4}
 GPT2_4 = {**SMALL_GPT2, "n_layers": 4}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fields,overrides,pipeline",
     [
@@ -92,6 +93,7 @@ def parallelized(case, passes=None):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(PARALLELIZED))
 def test_pipelined_loss_under_parallelize_equals_one_device(case):
     """The schedule's loss and every gradient equal the plain loss's on one device."""
@@ -99,6 +101,7 @@ def test_pipelined_loss_under_parallelize_equals_one_device(case):
     assert_close(step(*args), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama-pp4-dp2", "llama-pp2-tp4"])
 def test_the_solver_lays_out_the_stages_with_the_step(case):
     """passes.solve solves the pipeline's bodies with the rest of the step (greedy lays them
@@ -152,6 +155,7 @@ def _argv(data_dir, out, *extra):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule,uneven",
     [(name, None) for name in ("gpipe", "1f1b", "1f1b-fused", "interleaved", "zb-h1", "zb-v", "zb-fused")]
@@ -189,6 +193,7 @@ def test_cli_trains_under_each_schedule_on_the_unpipelined_curve(schedule, uneve
     assert want[2] < want[0]
 
 
+@pytest.mark.slow
 def test_cli_trains_with_the_solver_planning_the_stages(data_dir, tmp_path):
     """`planner: solver` with a pipeline under tensor parallelism ({pipe: 2, model: 4}): the
     solver lays out the stages with the step, and the first steps' losses are one device's."""
@@ -220,6 +225,7 @@ def test_cli_trains_with_the_solver_planning_the_stages(data_dir, tmp_path):
     np.testing.assert_allclose(got, single_device_losses(cfg), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_restores_across_pipeline_sizes(data_dir, tmp_path):
     """Parameters keep their global [layers, ...] shapes, so a step saved with 4 stages (and
     fsdp: the mesh {data: 2, pipe: 4} runs with the pipe axis outermost) loads into 2 stages

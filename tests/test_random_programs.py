@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fast_tier import examples
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -41,7 +42,7 @@ def meshes():
 # ------------------------------------------------------------------------------ conversions
 
 
-@settings(max_examples=100, **SETTINGS)
+@settings(max_examples=examples(100), **SETTINGS)
 @given(src=nd_sbp(partial=True), mid=nd_sbp(partial=True), dst=nd_sbp(partial=False))
 @example(src=(S(0), S(1)), mid=(P, P), dst=(S(1), S(1)))  # one reduce-scatter over both axes
 @example(src=(B, B), mid=(S(0), P), dst=(S(0), S(0)))
@@ -73,7 +74,7 @@ def test_conversion_bytes_follow_the_table(src, dst, kind, factor):
     assert [s.kind for s in steps if s.is_collective] == ([kind] if kind else [])
 
 
-@settings(max_examples=100, **SETTINGS)
+@settings(max_examples=examples(100), **SETTINGS)
 @given(src=nd_sbp(partial=True), mid=nd_sbp(partial=True), dst=nd_sbp(partial=False))
 def test_every_routed_conversion_preserves_the_value_and_costs_no_more_than_the_direct_plan(src, mid, dst):
     """With no latency a conversion takes the shortest route through NdSbps between wherever
@@ -125,7 +126,7 @@ def test_a_value_of_more_layouts_than_routed_takes_the_direct_plan():
     assert conversion._graph.cache_info().currsize == before
 
 
-@settings(max_examples=EXAMPLES, **SETTINGS)
+@settings(max_examples=examples(EXAMPLES), **SETTINGS)
 @given(
     src=nd_sbp(3, partial=True),
     mid=nd_sbp(3, partial=True),
@@ -156,7 +157,7 @@ def test_several_axes_gathered_in_one_collective_are_one_hop():
     assert conversion.seconds(shape, jnp.bfloat16, src, dst, MESH, sf.LinkModel()) < 7e-6
 
 
-@settings(max_examples=100, **SETTINGS)
+@settings(max_examples=examples(100), **SETTINGS)
 @given(src=nd_sbp(partial=True), dst=nd_sbp(partial=True), mid=nd_sbp(partial=True))
 @example(src=(S(0), S(1)), dst=(S(1), S(1)), mid=(B, B))  # the logits case
 def test_an_axis_of_one_device_is_free(src, dst, mid):
@@ -261,7 +262,7 @@ def build(steps):
     return fn
 
 
-@settings(max_examples=EXAMPLES, **SETTINGS)
+@settings(max_examples=examples(EXAMPLES), **SETTINGS)
 @given(
     steps=st.lists(STEP, min_size=1, max_size=6),
     specs=st.tuples(nd_sbp(), nd_sbp(), nd_sbp()),

@@ -100,6 +100,7 @@ OUT_SPECS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", OUT_SPECS, ids=str)
 @pytest.mark.parametrize("name", SAMPLERS)
 def test_samples_equal_one_device(name, spec):

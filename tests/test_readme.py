@@ -3,11 +3,13 @@
 import pathlib
 import re
 
+import pytest
 from test_docs import run_python
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
+@pytest.mark.slow
 def test_readme_usage_example_runs(tmp_path):
     """Saved as train.py and run by a fresh `python` on a CPU-only machine (no device count in
     the environment: the block's own jax_num_cpu_devices line gives it 8), it prints the plan

@@ -51,6 +51,7 @@ def ring_step(
     return fn, step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("heads_kv", [8, 4, 2, 1], ids=lambda h: f"kv{h}")
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -66,6 +67,7 @@ def test_ring_equals_one_device(causal, heads_kv, n):
     assert not [c for c in plan.collectives if c.kind in ("all_gather", "all_to_all")], str(plan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
 def test_ring_with_offsets_and_lse_interpret_kernels(traced):
     """The Pallas GPU kernels in interpret mode, global offsets, the lse returned and differentiated."""
@@ -77,6 +79,7 @@ def test_ring_with_offsets_and_lse_interpret_kernels(traced):
         assert rel_l2(a, e) <= 1e-4
 
 
+@pytest.mark.slow
 def test_ring_over_two_axes_bf16():
     """A sequence split over (data, model) rings over both, in mesh order; bf16 within 1e-2."""
     fn, step = ring_step({"data": 2, "model": 4}, ("data", "model"), causal=True)
@@ -109,6 +112,7 @@ def packed_segments(b, s, seed=0):
     return np.cumsum(r.random((b, s)) < 0.15, axis=1).astype(np.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize(
     "variant,mesh,axes",
@@ -156,6 +160,7 @@ def test_segment_ids_on_every_variant(variant, mesh, axes, causal):
         np.testing.assert_allclose(np.asarray(layout.unpermute(want[0][1])), np.asarray(plain), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_segment_ids_on_a_ring_through_the_pallas_kernels():
     """The interpret-mode Pallas GPU kernels take a block's query ids and another block's key
     ids as a pair."""
@@ -178,6 +183,7 @@ def test_unknown_context_is_refused():
         attention(q, k, v, context="zigzag")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family,context",
     [
@@ -273,6 +279,7 @@ def test_ulysses_resplits_by_heads_with_all_to_alls(causal):
         step(*inputs(hkv=2))  # 2 kv heads do not split over 4 devices
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["zigzag", "striped"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("n,heads_kv", [(2, 1), (4, 4), (8, 2)])
@@ -329,6 +336,7 @@ def test_causal_self_attention_runs_a_step_as_one_switch_of_static_masks(layout)
     assert switch_branches(step, *inputs()) == [2] * (2 * (n - 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_zigzag_steps_are_unmasked_calls_without_a_branch(n):
     """Under zigzag every device attends two of a step's four chunk pairs unmasked (which two
@@ -377,6 +385,7 @@ def test_hybrid_ulysses_inside_a_ring():
     assert not {kind for kind, _ in moved} & {"all_gather"}, moved
 
 
+@pytest.mark.slow
 def test_ring_bytes_in_the_compiled_hlo_match_explain():
     """What XLA runs moves what explain lists, within 1 %: self-attention in a scan over
     layers, differentiated. (Explain lists what each attention's lowering sends; where the
@@ -407,6 +416,7 @@ def test_ring_bytes_in_the_compiled_hlo_match_explain():
     assert listed > 0 and abs(ran - listed) <= 0.01 * listed, (ran, listed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["zigzag", "striped"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("n,heads_kv", [(2, 1), (4, 4), (8, 2)])
@@ -426,6 +436,7 @@ def test_gathered_kv_on_a_balanced_layout_equals_one_device(kind, causal, n, hea
     assert counts == {"all_gather": 2, "ppermute": n - 1, "all_reduce": 1}, counts  # all_reduce: the loss
 
 
+@pytest.mark.slow
 def test_gathered_kv_bf16_over_two_axes_with_segment_ids():
     """bf16 within 1e-2 of float32 on one device (the sums travel in bf16), the sequence over
     (data, model) in mesh order, segment ids gathered with their K/V."""
@@ -448,6 +459,7 @@ def test_gathered_kv_bf16_over_two_axes_with_segment_ids():
         assert rel_l2(a, e) <= 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_gathered_kv_bytes_are_the_formula_and_the_compiled_hlos(dtype):
     """Per device and layer: the all-gather brings n-1 blocks of K and V in the forward and again
@@ -492,6 +504,7 @@ def test_gathered_kv_bytes_are_the_formula_and_the_compiled_hlos(dtype):
         assert abs(ran - want) <= 0.01 * want, (kind, ran, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["ring", "ulysses"])
 def test_the_cp_tp_strategy_trains_context_by_tensor_parallel_on_the_one_device_curve(context, data_dir, tmp_path):
     """Strategy cp_tp on {data: 2, context: 2, model: 2}: the sequence over `context`, the heads,

@@ -160,6 +160,7 @@ CONV_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("case", CONV_CASES)
 def test_conv(case, mesh_name):
@@ -384,6 +385,7 @@ def cnn_specs(strategy, mesh, args):
     return (p_specs, o_specs, PS(batch_axes), PS(batch_axes)), (p_specs, o_specs, PS())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ("dp", "fsdp", "tp"))
 def test_cnn_train_step(strategy, capsys):
     """A conv / max-pool / conv / avg-pool / dense step with optax SGD + momentum. dp: the

@@ -3,6 +3,7 @@
 import json
 import math
 
+import pytest
 from benchmark_scripts import load
 
 
@@ -10,6 +11,7 @@ def load_script():
     return load("scaling")
 
 
+@pytest.mark.slow
 def test_scaling_tiny_tp_both_engines(tmp_path):
     out = tmp_path / "scaling.json"
     rows = load_script().main(

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fast_tier import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,7 +45,7 @@ def test_every_builtin_table_is_valid_and_reads_back_from_its_text(name, p, m):
     assert Schedule.from_table(str(s), name=name, layout=s.layout) == s
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(p=st.integers(1, 8), m=st.integers(1, 20))
 def test_builders_are_valid_for_any_size(p, m):
     for name in ("gpipe", "1f1b", "zb-h1", "zb-v"):
@@ -54,7 +55,7 @@ def test_builders_are_valid_for_any_size(p, m):
     assert sched.peak_live_activations(sched.zb_v(p, m)) == tuple(min(m + 1 + s, 2 * m, 2 * p) for s in range(p))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(p=st.integers(1, 6), groups=st.integers(1, 4), v=st.integers(2, 4))
 def test_interleaved_is_valid_for_any_multiple_of_p(p, groups, v):
     m = groups * p
@@ -304,6 +305,7 @@ def test_text_grid():
     assert s[1, 1] == Action("F", 0) and s.actions[1] == (Action("F", 1), Action("F", 0))
 
 
+@pytest.mark.slow
 def test_draw_one_box_per_action():
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
@@ -319,6 +321,7 @@ def test_draw_one_box_per_action():
     assert sched.gpipe(2, 2).draw(own.add_subplot()) is own
 
 
+@pytest.mark.slow
 def test_importing_schedules_loads_no_matplotlib():
     check = "import shardflow.schedules, sys; assert not [m for m in sys.modules if m.startswith('matplotlib')]"
     done = subprocess.run(

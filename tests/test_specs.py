@@ -178,6 +178,7 @@ def test_donated_arguments_are_consumed(mesh):
     assert x.is_deleted()
 
 
+@pytest.mark.slow
 def test_typed_prng_keys_pass_whole_or_split(mesh):
     """jax.random.key arrays (an extended dtype) as arguments and results, whole or split."""
     x = jnp.arange(64.0).reshape(8, 8)

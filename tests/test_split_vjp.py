@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fast_tier import examples
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -141,6 +142,7 @@ def cond_matmuls(jaxpr, in_cond=False):
     return sorted(shapes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("active", [True, False])
 def test_a_cond_is_cut_into_a_b_cond_and_a_w_cond(active):
     """lax.cond(pred, layer, identity), an uneven stage's padding layer: B's cond runs the two
@@ -201,6 +203,7 @@ def test_a_switch_shares_stash_slots_between_its_branches():
         assert {s[0] for s in cond_matmuls(split.b.jaxpr)} == {4}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_a_llama_block_splits_into_its_seven_input_and_seven_weight_matmuls(remat):
     """The model's own layer as sf.pipeline traces it: W runs the 7 weight-gradient matmuls
@@ -262,7 +265,7 @@ def random_stack(steps, n_layers, seed):
     return stack
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     steps=st.lists(st.sampled_from(STEPS), min_size=1, max_size=6),
     remat=st.booleans(),

@@ -14,6 +14,7 @@ from shardflow import train
 from shardflow.train import cli, config, devices, steps
 
 
+@pytest.mark.slow
 def test_resume_gives_the_uninterrupted_loss_sequence(data_dir, tmp_path):
     def cfg(out):
         c = small_config(data_dir, out, steps=6, compute_dtype="bfloat16")
@@ -33,6 +34,7 @@ def test_resume_gives_the_uninterrupted_loss_sequence(data_dir, tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_restore_onto_a_different_mesh_gives_the_same_parameters(data_dir, tmp_path):
     saved = small_config(data_dir, tmp_path, steps=2, strategy="dp", mesh={"data": 8})
     saved.checkpoint.every = 2
@@ -47,6 +49,7 @@ def test_restore_onto_a_different_mesh_gives_the_same_parameters(data_dir, tmp_p
     jax.tree.map(np.testing.assert_array_equal, params_dp, jax.device_get(result["params"]))
 
 
+@pytest.mark.slow
 def test_resuming_another_models_checkpoint_is_a_config_error(data_dir, tmp_path):
     saved = small_config(data_dir, tmp_path, steps=2)
     saved.checkpoint.every = 2
@@ -100,6 +103,7 @@ def test_yaml_exponents_without_a_dot_are_numbers():
     assert (cfg.optimizer.lr, cfg.optimizer.eps) == (3e-4, 1e-8)
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):
     cfg = small_config(data_dir, tmp_path, steps=8)
     cfg.checkpoint.every = 2
@@ -111,6 +115,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path):
     assert saved and max(saved) < bad and f"step {max(saved)}" in result["stopped"]
 
 
+@pytest.mark.slow
 def test_cli_trains_and_writes_metrics_and_tensorboard(data_dir, tmp_path, capsys):
     out = tmp_path / "run"
     code = cli.main(
@@ -239,6 +244,7 @@ def _tensorboard_curve(tb_dir, tag):
     return curve
 
 
+@pytest.mark.slow
 def test_a_resumed_run_logs_each_step_once(data_dir, tmp_path):
     cfg = small_config(data_dir, tmp_path, steps=6)  # logs every step
     cfg.checkpoint.every = 2
@@ -253,6 +259,7 @@ def test_a_resumed_run_logs_each_step_once(data_dir, tmp_path):
     assert curve[3] == pytest.approx(second[3]) and curve[6] == pytest.approx(second[6])
 
 
+@pytest.mark.slow
 def test_progress_without_a_terminal_is_plain_log_lines(data_dir, tmp_path, capsys):
     """capsys's streams are not terminals, as a redirect to a file is not."""
     cfg = small_config(data_dir, tmp_path, steps=6)

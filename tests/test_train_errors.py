@@ -282,6 +282,7 @@ def test_an_unwritable_checkpoint_directory_is_refused_before_compiling(tmp_path
     assert list((tmp_path / "run").rglob("*")) == [ckpt_dir]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra,message",
     [
