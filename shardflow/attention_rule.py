@@ -257,6 +257,19 @@ def _attention_flops(eqn, in_shapes, out_shapes):
     return matmuls * 2.0 * batch * heads * seq * k[1] * dim * (0.5 if eqn.params["config"].causal else 1.0)
 
 
+def _admits(eqn, decision, mesh):
+    """Context "auto" only (an explicit context is laid out by q's layout as it comes, greedy's).
+    Under a causal mask or segment ids, never a ring on one axis with the queries alone split on
+    another: the ring's masks take each query block to span its K/V block's positions, which the
+    second split breaks (wrong results, found by the rules' soundness test on a 2x2 mesh)."""
+    config = eqn.params["config"]
+    if config.context != "auto":
+        return False
+    if decision is None or not (config.causal or config.has_segment_ids):
+        return True
+    return not (decision.named("ring") and decision.named("query_seq"))
+
+
 defrule(
     sf_attention_fwd_p,
     sf_attention_bwd_p,
@@ -265,5 +278,5 @@ defrule(
     comm_reason="passes K/V blocks around the ring (and their dK/dV sums home)",
     propagate=_propagate_attention,
     flops=_attention_flops,
-    admits=lambda eqn, decision, mesh: eqn.params["config"].context == "auto",
+    admits=_admits,
 )(_attention_signatures)

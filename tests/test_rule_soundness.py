@@ -111,3 +111,21 @@ def test_two_signatures_on_a_2x2_mesh_are_sound(c, data):
     assert pairs
     a, b = data.draw(st.sampled_from(pairs), label="signatures")
     check(c, (a, b), (2, 2), data.draw(st.integers(0, 2**32 - 1), label="seed"))
+
+
+@pytest.mark.parametrize("c", [c for c in CATALOG if c.name.startswith("attention")], ids=lambda c: c.name)
+def test_attention_admits_a_ring_beside_a_query_split_exactly_where_it_is_sound(c):
+    """A ring on one axis and the queries alone split on the other: the rule admits the pair
+    where the result is the global one (no mask), and refuses it under a causal mask or segment
+    ids, where the ring's block masks would be wrong."""
+    eqn, sigs = traced(c)
+    names = [s.name for s in sigs]
+    if not {"ring", "query_seq"} <= set(names):
+        pytest.skip("the case offers no ring beside a query split")
+    a, b = names.index("ring"), names.index("query_seq")
+    for pair in ((a, b), (b, a)):
+        if valid(c, eqn, (sigs[pair[0]], sigs[pair[1]]), mesh((2, 2))):
+            check(c, pair, (2, 2), 0)
+        else:
+            with pytest.raises(AssertionError):
+                check(c, pair, (2, 2), 0)
