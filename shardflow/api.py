@@ -42,7 +42,7 @@ from shardflow.specs import (
 )
 
 
-def _spec_of_each_leaf(specs, values, specs_name: str, values_name: str, noun: str, where: str) -> list:
+def spec_of_each_leaf(specs, values, specs_name: str, values_name: str, noun: str, where: str) -> list:
     """(the path of its spec in ``specs``, the spec) for each leaf of ``values``, in flatten order.
     ``specs`` is a pytree prefix of ``values`` whose leaves are specs, as shard_map's in_specs;
     ``noun`` names one leaf of ``values`` (argument, output) in errors."""
@@ -148,7 +148,7 @@ class Parallelized:
 
     def _build(self, args, in_tree, avals) -> Compiled:
         names = tuple(f"args{keystr(p)}" for p, _ in tree_flatten_with_path(args)[0])
-        in_specs = _spec_of_each_leaf(self.in_specs, args, "in_specs", "args", "argument", definition(self.fn))
+        in_specs = spec_of_each_leaf(self.in_specs, args, "in_specs", "args", "argument", definition(self.fn))
         in_sbp, in_orders = (
             zip(
                 *[
@@ -197,7 +197,7 @@ class Parallelized:
         if self.out_specs is None:
             return (None,) * len(outs), ()
         shaped = jax.tree.unflatten(out_tree, [v.aval for v in outs])
-        specs = _spec_of_each_leaf(self.out_specs, shaped, "out_specs", "output", "output", definition(self.fn))
+        specs = spec_of_each_leaf(self.out_specs, shaped, "out_specs", "output", "output", definition(self.fn))
         pairs = [
             self._boundary(spec, v.aval, f"{spec_path} for output {i}")
             for i, (v, (spec_path, spec)) in enumerate(zip(outs, specs))

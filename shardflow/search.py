@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import PartitionSpec
 
-from shardflow.api import Parallelized, ReplicatedAxisWarning, _spec_of_each_leaf, memory_budget_bytes, parallelize
+from shardflow.api import Parallelized, ReplicatedAxisWarning, spec_of_each_leaf, memory_budget_bytes, parallelize
 from shardflow.explain import Plan
 from shardflow.links import LinkModel
 from shardflow.mesh import make_mesh
@@ -204,7 +204,7 @@ def alternatives(step: Parallelized, *args, only: str | None = None, top: int | 
 def _alternatives(step: Parallelized, args, only: str | None) -> list[Alternative]:
     in_tree = jax.tree.structure(args)
     given = [
-        spec for _, spec in _spec_of_each_leaf(step.in_specs, args, "in_specs", "args", "argument", definition(step.fn))
+        spec for _, spec in spec_of_each_leaf(step.in_specs, args, "in_specs", "args", "argument", definition(step.fn))
     ]
     plan = step.explain(*args)
     base = plan.modelled_seconds
