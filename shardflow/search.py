@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import PartitionSpec
 
-from shardflow.api import Parallelized, ReplicatedAxisWarning, spec_of_each_leaf, memory_budget_bytes, parallelize
+from shardflow.api import Parallelized, ReplicatedAxisWarning, memory_budget_bytes, parallelize, spec_of_each_leaf
 from shardflow.explain import Plan
 from shardflow.links import LinkModel
 from shardflow.mesh import make_mesh
