@@ -182,48 +182,6 @@ PRESETS: dict[str, dict] = {
         ffn_dim=11008,
         max_seq_len=4096,
     ),
-    # Mixture of experts. moe-tiny: CPU tests and runs. moe-1b: fine-grained experts (DeepSeek's
-    # shape: many narrow experts, one shared), ~1.6B parameters, ~0.5B active. moe-8x1b: Mixtral's
-    # shape on the 1b (8 experts of the 1b's MLP, 2 per token), ~4.5B parameters, ~1.3B active.
-    "moe-tiny": dict(
-        vocab_size=256,
-        d_model=256,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=4,
-        head_dim=32,
-        ffn_dim=768,
-        max_seq_len=256,
-        n_experts=8,
-        experts_per_token=2,
-        moe_ffn_dim=256,
-    ),
-    "moe-1b": dict(
-        vocab_size=32000,
-        d_model=2048,
-        n_layers=16,
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=128,
-        ffn_dim=5632,
-        max_seq_len=4096,
-        n_experts=16,
-        experts_per_token=4,
-        moe_ffn_dim=1408,
-        shared_experts=1,
-    ),
-    "moe-8x1b": dict(
-        vocab_size=32000,
-        d_model=2048,
-        n_layers=16,
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=128,
-        ffn_dim=5632,
-        max_seq_len=4096,
-        n_experts=8,
-        experts_per_token=2,
-    ),
     "gpt2-tiny": dict(
         family="gpt2",
         vocab_size=256,
@@ -247,6 +205,13 @@ PRESETS: dict[str, dict] = {
         max_seq_len=1024,
     ),
 }
+
+# Mixture of experts. moe-tiny: CPU tests and runs. moe-1b: fine-grained experts (DeepSeek's
+# shape: many narrow experts, one shared), ~1.6B parameters, ~0.5B active. moe-8x1b: Mixtral's
+# shape on the 1b (8 experts of the 1b's MLP, 2 per token), ~4.5B parameters, ~1.3B active.
+PRESETS["moe-tiny"] = dict(PRESETS["tiny"], n_experts=8, experts_per_token=2, moe_ffn_dim=256)
+PRESETS["moe-1b"] = dict(PRESETS["1b"], n_experts=16, experts_per_token=4, moe_ffn_dim=1408, shared_experts=1)
+PRESETS["moe-8x1b"] = dict(PRESETS["1b"], n_experts=8, experts_per_token=2)
 
 
 def preset(name: str, **overrides) -> ModelConfig:
