@@ -173,3 +173,27 @@ def test_capacity_dispatch_is_an_all_to_all_over_the_expert_axis(passes):
     routed = [c for c in plan.collectives if c.kind == "all_to_all" and c.source.startswith("moe.py")]
     assert routed and all(c.axes == ("expert",) for c in routed)
     assert not [name for name, *_ in plan.gathered if "mlp" in name], plan.gathered
+
+
+TRAIN_CASES = {
+    "ep-capacity-aux": ("ep", {"data": 2, "expert": 4}, dict(routing="capacity", balance="aux_loss")),
+    "ep_fsdp-dropless-bias": ("ep_fsdp", {"data": 2, "expert": 4}, dict(routing="dropless", balance="bias")),
+    "ep_tp-capacity-bias": ("ep_tp", {"data": 2, "expert": 2, "model": 2}, dict(balance="bias", bias_rate=0.05)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TRAIN_CASES)
+def test_shardflow_train_with_expert_parallelism_equals_one_device(case, data_dir, tmp_path):
+    """Three optimizer steps of `shardflow train` (balance losses, router-bias updates and all)
+    give one device's losses."""
+    from test_models import single_device_losses, small_config
+
+    from shardflow import train
+
+    strategy, mesh, moe_keys = TRAIN_CASES[case]
+    cfg = small_config(data_dir, tmp_path, strategy=strategy, mesh=mesh)
+    cfg.model = {**cfg.model, **SMALL_MOE, "preset": "moe-tiny", "n_heads": 8, "n_kv_heads": 4, **moe_keys}
+    expected = single_device_losses(cfg)
+    got = train.train(cfg, progress=False)["losses"]
+    np.testing.assert_allclose([got[s] for s in (1, 2, 3)], expected, rtol=1e-5)

@@ -152,7 +152,7 @@ def init_state(run: Run):
 
     def init():
         model = models.build(run.model_cfg, run.cfg.seed)
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        params = nnx.to_pure_dict(nnx.state(model))  # parameters, and state such as a router bias
         return params, run.optimizer.init(params)
 
     out = (run.shardings(run.param_specs), run.shardings(run.opt_specs))

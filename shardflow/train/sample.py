@@ -119,7 +119,7 @@ def restore_run(run_dir):
     target = {
         "params": jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-            nnx.to_pure_dict(nnx.state(abstract, nnx.Param)),
+            nnx.to_pure_dict(nnx.state(abstract)),
         )
     }
     failures = []
