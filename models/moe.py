@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardflow.experts import routed_experts
+
 from .config import ModelConfig
 from .sharding import logical_axes
 
@@ -107,20 +109,11 @@ def capacity_experts(x, gates, experts, w_gate, w_up, w_down, capacity_factor: f
 
 
 def dropless_experts(x, gates, experts, w_gate, w_up, w_down):
-    """Dropless MoE of x [..., embed]: every token choice through its expert, the choices
-    sorted by expert and run as grouped GEMMs."""
-    n_experts, d = w_gate.shape[0], x.shape[-1]
-    k = experts.shape[-1]
-    tokens = x.reshape(-1, d)
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-    rows = tokens[order // k]
-    gate = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, sizes))
-    out = jax.lax.ragged_dot(gate * jax.lax.ragged_dot(rows, w_up, sizes), w_down, sizes)
-    unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
-    y = jnp.einsum("tk,tkd->td", gates.reshape(-1, k).astype(x.dtype), unsorted.reshape(-1, k, d))
-    return y.reshape(x.shape)
+    """Dropless MoE of x [..., embed]: every token choice through its expert
+    (`shardflow.experts.routed_experts`: grouped GEMMs over the choices sorted by expert, and
+    expert parallelism where the planner splits the experts), weighted by its gate."""
+    h = routed_experts(x, experts, w_gate, w_up, w_down)
+    return jnp.einsum("...k,...kd->...d", gates.astype(x.dtype), h)
 
 
 def _normal(rngs: nnx.Rngs, shape, std):

@@ -28,11 +28,10 @@ import dataclasses
 import functools
 
 import jax
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 
-from shardflow import _compat, ring_attention
+from shardflow import ring_attention
 from shardflow.kernels import attention_xla, flash_attention_gpu
+from shardflow.primitives import kernel_primitive
 
 BACKENDS = ("auto", "pallas", "interpret", "xla", "cudnn", "pallas_tpu", "interpret_tpu")
 CONTEXTS = ("auto", "ring", "all_gather", "ulysses", "hybrid")
@@ -140,23 +139,8 @@ def sf_attention_bwd(config: AttentionConfig, q, k, v, out, lse, dout, *extras):
     return grads if lay is None else tuple(lay.permute(g) for g in grads)
 
 
-def _attention_primitive(name: str, kernel):
-    """A primitive computing ``kernel(config, *operands)``; lowered by tracing the kernel."""
-    prim = Primitive(name)
-    prim.multiple_results = True
-    prim.def_impl(functools.partial(_compat.apply_primitive, prim))
-
-    def abstract_eval(*avals, config):
-        shapes = jax.eval_shape(functools.partial(kernel, config), *avals)
-        return [jax.core.ShapedArray(x.shape, x.dtype) for x in shapes]
-
-    prim.def_abstract_eval(abstract_eval)
-    mlir.register_lowering(prim, mlir.lower_fun(lambda *args, config: kernel(config, *args), multiple_results=True))
-    return prim
-
-
-sf_attention_fwd_p = _attention_primitive("sf_attention_fwd", sf_attention_fwd)
-sf_attention_bwd_p = _attention_primitive("sf_attention_bwd", sf_attention_bwd)
+sf_attention_fwd_p = kernel_primitive("sf_attention_fwd", sf_attention_fwd)
+sf_attention_bwd_p = kernel_primitive("sf_attention_bwd", sf_attention_bwd)
 
 
 # ------------------------------------------------------------------------------ sharding rule

@@ -1,12 +1,18 @@
 """shardflow's own primitives: ``constrain`` (a user pin) and ``box`` (an inserted conversion).
 
 Both are the identity on values; they exist so the passes — and JAX's jaxpr printer — see them.
+``kernel_primitive`` makes the primitives that stand for a kernel (attention, routed experts).
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+
+from shardflow import _compat
 
 constrain_p = Primitive("sf_constrain")
 constrain_p.def_impl(lambda x, *, spec: x)
@@ -47,3 +53,24 @@ class _Hashable:
 
 box_p = Primitive("sf_box")
 box_p.def_abstract_eval(lambda x, **_: x)
+
+
+def kernel_primitive(name: str, kernel):
+    """A primitive of several results computing ``kernel(config, *operands)``, its one param
+    ``config``; lowered by tracing the kernel, its shapes by evaluating it abstractly.
+
+    A kernel is a primitive rather than a named ``jit`` call for two reasons the compiler needs:
+    JAX's partial evaluation (inside a differentiated scan) never splits a primitive, and a
+    primitive rebinds at any operand shapes — the sharding passes run it on local blocks and its
+    abstract evaluation gives the local result shapes."""
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(functools.partial(_compat.apply_primitive, prim))
+
+    def abstract_eval(*avals, config):
+        shapes = jax.eval_shape(functools.partial(kernel, config), *avals)
+        return [jax.core.ShapedArray(x.shape, x.dtype) for x in shapes]
+
+    prim.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(prim, mlir.lower_fun(lambda *args, config: kernel(config, *args), multiple_results=True))
+    return prim

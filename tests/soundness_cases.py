@@ -14,6 +14,7 @@ from soundness_harness import GE1, POS, UNIT, Case, ints, nonzero, out_of_range,
 
 import shardflow as sf
 import shardflow.attention  # noqa: F401  (registers the attention primitives' rule)
+import shardflow.experts  # noqa: F401  (registers the routed experts' rule)
 import shardflow.rules  # noqa: F401  (registers every rule)
 from shardflow import _compat
 
@@ -396,6 +397,25 @@ case(
     *_QKV,
     values=((4, uniform(1.0, 3.0)),),
 )  # lse: a row's log-sum-exp, never far below its logits
+
+
+# --- routed experts (dropless MoE; the padded exchange on CPU): tokens [4, 4], k=2 of 4 experts
+def _experts_bwd(x, experts, *weights):
+    def loss(x, *weights):
+        return jnp.sum(jnp.sin(sf.experts.routed_experts(x, experts, *weights)))
+
+    return jax.grad(loss, (0, 1, 2, 3))(x, *weights)
+
+
+_EXPERTS = (f32(4, 4, 8), i32(4, 4, 2), f32(4, 8, 6), f32(4, 8, 6), f32(4, 6, 8))
+case(
+    sf.experts_primitives.sf_experts_fwd_p,
+    "experts-fwd",
+    sf.experts.routed_experts,
+    *_EXPERTS,
+    values=((1, ints(0, 4)),),
+)
+case(sf.experts_primitives.sf_experts_bwd_p, "experts-bwd", _experts_bwd, *_EXPERTS, values=((1, ints(0, 4)),))
 
 
 # --- convolutions and windowed reductions (shardflow/rules/conv.py)

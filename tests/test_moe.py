@@ -7,15 +7,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import soundness_harness as harness
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import shardflow as sf
-from shardflow import models
+from shardflow import experts_rule, models
+from shardflow.experts import routed_experts
+from shardflow.experts_primitives import ExpertsConfig, sf_experts_bwd_p, sf_experts_fwd_p
 from shardflow.models import moe
 from shardflow.models import sharding as model_sharding
+from shardflow.specs import S
 
 SMALL_MOE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, moe_ffn_dim=32)
 
@@ -197,3 +202,89 @@ def test_shardflow_train_with_expert_parallelism_equals_one_device(case, data_di
     expected = single_device_losses(cfg)
     got = train.train(cfg, progress=False)["losses"]
     np.testing.assert_allclose([got[s] for s in (1, 2, 3)], expected, rtol=1e-5)
+
+
+# --- the routed experts' exchange under expert parallelism
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """jax.lax.ragged_all_to_all's result (it has no CPU lowering), built from all-gathers: each
+    source's rows ``input_offsets[me] : + send_sizes[me]`` land at its ``output_offsets[me]``."""
+    every = [lax.all_gather(v, axis_name) for v in (operand, input_offsets, send_sizes, output_offsets)]
+    operands, starts, sizes, lands = every
+    me = lax.axis_index(axis_name)
+    rows = jnp.arange(output.shape[0])
+    for source in range(operands.shape[0]):
+        start, size, at = starts[source, me], sizes[source, me], lands[source, me]
+        inside = ((rows >= at) & (rows < at + size)).reshape(-1, *[1] * (output.ndim - 1))
+        taken = operands[source][jnp.clip(start + rows - at, 0, operand.shape[0] - 1)]
+        output = jnp.where(inside, taken, output)
+    return output
+
+
+def _experts_case(name, backward, exchange):
+    config = ExpertsConfig(exchange)
+
+    def fn(x, experts, w_gate, w_up, w_down, dh):
+        if backward:
+            return sf_experts_bwd_p.bind(x, experts, w_gate, w_up, w_down, dh, config=config)
+        return sf_experts_fwd_p.bind(x, experts, w_gate, w_up, w_down, config=config)
+
+    prim = sf_experts_bwd_p if backward else sf_experts_fwd_p
+    shapes = ((8, 2, 8), (8, 2, 2), (8, 8, 6), (8, 8, 6), (8, 6, 8), (8, 2, 2, 8))
+    args = tuple((s, jnp.int32 if i == 1 else jnp.float32) for i, s in enumerate(shapes))
+    return harness.Case(name, prim, fn, args, values=((1, harness.ints(0, 8)),))
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("exchange", ["ragged", "padded"])
+def test_expert_parallel_exchange_equals_the_experts_run_whole(backward, exchange, monkeypatch):
+    """Tokens and experts split over one axis, or over two at once, or beside a token split:
+    every choice reaches its expert's device and comes home, by the padded all-to-all and by the
+    ragged one's offsets (on CPU, through an emulated ragged all-to-all)."""
+    monkeypatch.setattr(experts_rule, "ragged_all_to_all", emulated_ragged_all_to_all)
+    c = _experts_case(f"experts-{exchange}-{'bwd' if backward else 'fwd'}", backward, exchange)
+    _, sigs = harness.traced(c)
+    ep, tokens = (
+        [i for i, s in enumerate(sigs) if s.name == name and s.ins[0] == S(0)][0] for name in ("ep", "tokens")
+    )
+    for sig_idx, sizes in [((ep,), (2,)), ((ep,), (4,)), ((ep, ep), (2, 2)), ((tokens, ep), (2, 2))]:
+        for seed in range(3):
+            harness.check(c, sig_idx, sizes, seed)
+
+
+def test_the_ragged_exchange_is_refused_on_cpu_naming_the_line():
+    mesh = sf.make_mesh({"expert": 4}, devices=np.asarray(jax.devices()[:4]))
+    x, experts = jnp.ones((256, 8, 64)), jnp.zeros((256, 8, 2), jnp.int32)
+    weights = jnp.ones((4, 64, 512)), jnp.ones((4, 64, 512)), jnp.ones((4, 512, 64))  # outweigh the tokens
+
+    def layer(x, experts, *weights):
+        return routed_experts(x, experts, *weights, exchange="ragged")
+
+    split = P("expert")
+    step = sf.parallelize(layer, mesh=mesh, in_specs=(split,) * 5, out_specs=split)
+    with pytest.raises(sf.ShardingError, match=r"test_moe.py:\d+.*ragged_all_to_all has no CPU lowering.*padded"):
+        step(x, experts, *weights)
+
+
+def test_dropless_expert_parallelism_sends_each_choice_once_each_way():
+    """Planned for a ragged exchange (explained on CPU, as for GPUs), a dropless layer's tokens
+    reach their experts by all-to-alls over 'expert' of the formula's bytes, on the model's line:
+    2 k T d bytes (P-1)/P per device forward at a balanced load, no expert weight gathered."""
+    mesh = sf.make_mesh({"data": 2, "expert": 4})
+    tokens, k, d, f, n_experts = 2048, 2, 64, 512, 8
+    x = jax.ShapeDtypeStruct((tokens, d), jnp.float32)
+    experts = jax.ShapeDtypeStruct((tokens, k), jnp.int32)
+    weights = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d))]
+
+    def layer(x, experts, *weights):
+        return routed_experts(x, experts, *weights, exchange="ragged").sum(1)
+
+    spec = P(("data", "expert"))
+    step = sf.parallelize(layer, mesh=mesh, in_specs=(spec, spec, *[P("expert")] * 3), out_specs=spec)
+    plan = step.explain(x, experts, *weights)
+    sent = [c for c in plan.collectives if c.kind == "all_to_all" and c.shape[-1] == d]
+    assert [(c.source[:12], c.axes, c.count) for c in sent] == [("test_moe.py:", ("expert",), 2)]  # out and home
+    local = tokens // 8
+    assert sent[0].bytes * sent[0].count == 2 * k * local * d * 4 * 3 // 4
+    assert not plan.gathered
