@@ -30,7 +30,9 @@ from shardflow.train import configure_host_platform
 CASES = {  # preset -> (batch, seq, remat)
     "1b": (8, 4096, "none"),
     "3b": (8, 4096, "dots"),
+    "moe-1b": (8, 4096, "dots"),
     "tiny": (16, 256, "none"),
+    "moe-tiny": (16, 256, "none"),
 }
 
 
