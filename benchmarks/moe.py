@@ -1,14 +1,17 @@
 """Mixture-of-experts kernels and layers on one GPU, each against its dense baseline, same run.
 
-    python benchmarks/moe.py [--tokens 16384] [--out results.json]
+    python benchmarks/moe.py [--check] [--tokens 16384] [--out results.json]
     python benchmarks/moe.py --tokens 256 --shapes tiny   # end-to-end check on CPU
 
 Per expert shape (the moe-1b and moe-8x1b presets' layers, bf16):
 
-* gemm: the experts' grouped GEMM, ``jax.lax.ragged_dot`` of the T*k routed rows [embed] by the
-  experts' [embed, ffn] weights, forward and forward+backward (both gradients), rows spread
-  evenly over the experts, against one dense GEMM [T*k, embed] x [embed, ffn] of the same
-  flops: TFLOP/s of each and their ratio.
+* gemm: the experts' grouped GEMM of the T*k routed rows [embed] by the experts' [embed, ffn]
+  weights, forward and forward+backward (both gradients), rows spread evenly over the
+  experts, by ``jax.lax.ragged_dot`` and by our kernels (``kernels/grouped_matmul_mgpu.py``,
+  on Hopper), against one dense GEMM [T*k, embed] x [embed, ffn] of the same flops: TFLOP/s of
+  each, and the faster grouped one's over the dense one's.
+* check (``--check``): our kernels against ``jax.lax.ragged_dot`` in float32, forward and both
+  gradients, on even and skewed groups (one empty): relative error.
 * layer: the dropless MoE layer (router, top-k, ``shardflow.experts.routed_experts``, gated
   combine) forward+backward against a dense SwiGLU layer of the same active flops (hidden dim
   k * expert ffn): milliseconds of each and their ratio.
@@ -49,17 +52,105 @@ def timed(fn, *args, iters: int, repeats: int) -> float:
     return statistics.median(runs)
 
 
-def gemm_rows(name, tokens, iters, repeats):
+def _grouped_inputs(name, tokens, sizes_of, seed=0):
+    """Random bf16 rows and expert weights of shape ``name``, the rows in ``sizes_of(rows,
+    experts)`` groups, and the dense weight of the same flops per row."""
     import jax
     import jax.numpy as jnp
 
     d, n_experts, k, f = SHAPES[name]
     rows = tokens * k
-    keys = jax.random.split(jax.random.key(0), 3)
+    keys = jax.random.split(jax.random.key(seed), 3)
     lhs = jax.random.normal(keys[0], (rows, d), jnp.bfloat16)
     experts_w = jax.random.normal(keys[1], (n_experts, d, f), jnp.bfloat16) * d**-0.5
     dense_w = jax.random.normal(keys[2], (d, f), jnp.bfloat16) * d**-0.5
-    sizes = jnp.full((n_experts,), rows // n_experts, jnp.int32).at[-1].add(rows % n_experts)
+    return lhs, experts_w, dense_w, jnp.asarray(sizes_of(rows, n_experts), jnp.int32)
+
+
+def _even(rows, n_experts):
+    import numpy as np
+
+    sizes = np.full(n_experts, rows // n_experts)
+    sizes[-1] += rows % n_experts
+    return sizes
+
+
+def _skewed(rows, n_experts):
+    """One expert empty, one with a quarter of the rows, the rest shared unevenly."""
+    import numpy as np
+
+    weights = np.random.default_rng(0).random(n_experts) + 0.1
+    weights[0], weights[1] = 0.0, weights.sum() / 3
+    sizes = np.floor(rows * weights / weights.sum()).astype(int)
+    sizes[-1] += rows - sizes.sum()
+    return sizes
+
+
+def _kernel_matmul(sizes, rows):
+    """(grouped GEMM by our kernel on rows sorted by group, the rows' tile-aligned layout)."""
+    from shardflow.kernels import grouped_matmul_mgpu as mgpu
+
+    layout = mgpu.tile_layout(sizes, rows)
+
+    def matmul(lhs, w):
+        return mgpu.gmm(lhs, w, layout.tile_groups, layout.group_tiles)
+
+    return matmul, layout
+
+
+def _tiled(lhs, sizes, layout):
+    import jax.numpy as jnp
+
+    ends = jnp.cumsum(sizes)
+    index = jnp.arange(lhs.shape[0])
+    group = jnp.minimum(jnp.searchsorted(ends, index, side="right"), sizes.shape[0] - 1)
+    dest = index + (layout.starts - (ends - sizes))[group]
+    return jnp.zeros((layout.rows, lhs.shape[1]), lhs.dtype).at[dest].set(lhs), dest
+
+
+def check_kernels(name, tokens) -> list:
+    """Our grouped GEMM kernels against ``jax.lax.ragged_dot`` in float32 on the same bf16
+    inputs, forward and both gradients, even and skewed groups: ||ours - ref|| / ||ref||."""
+    import jax
+    import jax.numpy as jnp
+
+    out = []
+    for sizes_of in (_even, _skewed):
+        lhs, w, _, sizes = _grouped_inputs(name, tokens, sizes_of, seed=7)
+        matmul, layout = _kernel_matmul(sizes, lhs.shape[0])
+        tiled, dest = _tiled(lhs, sizes, layout)
+        probe = jax.random.normal(jax.random.key(3), (lhs.shape[0], w.shape[2]), jnp.float32)
+
+        def ours(lhs_tiled, w):
+            return (matmul(lhs_tiled, w)[dest].astype(jnp.float32) * probe).sum()
+
+        def ref(lhs, w):
+            return (jax.lax.ragged_dot(lhs, w, sizes, preferred_element_type=jnp.float32) * probe).sum()
+
+        got = jax.jit(jax.value_and_grad(ours, (0, 1)))(tiled, w)
+        want = jax.jit(jax.value_and_grad(ref, (0, 1)))(lhs.astype(jnp.float32), w.astype(jnp.float32))
+        got_out = jax.jit(matmul)(tiled, w)[dest].astype(jnp.float32)
+        want_out = jax.lax.ragged_dot(lhs.astype(jnp.float32), w.astype(jnp.float32), sizes)
+
+        def error(a, b):
+            return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+        errors = {
+            "fwd": error(got_out, want_out),
+            "d_lhs": error(got[1][0][dest].astype(jnp.float32), want[1][0]),
+            "d_rhs": error(got[1][1].astype(jnp.float32), want[1][1]),
+        }
+        out.append({"bench": "check", "shape": name, "groups": sizes_of.__name__.strip("_"), **errors})
+    return out
+
+
+def gemm_rows(name, tokens, iters, repeats, kernel: bool):
+    import jax
+    import jax.numpy as jnp
+
+    lhs, experts_w, dense_w, sizes = _grouped_inputs(name, tokens, _even)
+    d, n_experts, k, f = SHAPES[name]
+    rows = lhs.shape[0]
 
     def grouped(lhs, w):
         return jax.lax.ragged_dot(lhs, w, sizes)
@@ -73,19 +164,22 @@ def gemm_rows(name, tokens, iters, repeats):
     flops = 2.0 * rows * d * f
     out = []
     for mode, wrap, passes in (("fwd", jax.jit, 1), ("fwd+bwd", both_grads, 3)):
-        t_grouped = timed(wrap(grouped), lhs, experts_w, iters=iters, repeats=repeats)
         t_dense = timed(wrap(dense), lhs, dense_w, iters=iters, repeats=repeats)
-        out.append(
-            {
-                "bench": "gemm",
-                "shape": name,
-                "mode": mode,
-                "rows": rows,
-                "grouped_tflops": passes * flops / t_grouped / 1e12,
-                "dense_tflops": passes * flops / t_dense / 1e12,
-                "ratio": t_dense / t_grouped,
-            }
-        )
+        t_grouped = timed(wrap(grouped), lhs, experts_w, iters=iters, repeats=repeats)
+        row = {
+            "bench": "gemm",
+            "shape": name,
+            "mode": mode,
+            "rows": rows,
+            "dense_tflops": passes * flops / t_dense / 1e12,
+            "ragged_dot_tflops": passes * flops / t_grouped / 1e12,
+        }
+        if kernel:
+            matmul, layout = _kernel_matmul(sizes, rows)
+            tiled, _ = _tiled(lhs, sizes, layout)
+            t_kernel = timed(wrap(matmul), tiled, experts_w, iters=iters, repeats=repeats)
+            row["kernel_tflops"] = passes * flops / t_kernel / 1e12
+        out.append(row)
     return out
 
 
@@ -135,25 +229,34 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--check", action="store_true", help="our kernels against ragged_dot first (GPU)")
+    parser.add_argument("--no-kernel", action="store_true", help="leave our grouped GEMM kernels out")
     parser.add_argument("--out", help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
     import jax
 
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}")
+    kernel = not args.no_kernel and jax.default_backend() == "gpu"
     rows = []
     for name in args.shapes.split(","):
-        rows += gemm_rows(name, args.tokens, args.iters, args.repeats)
+        if args.check and kernel:
+            rows += check_kernels(name, args.tokens)
+        rows += gemm_rows(name, args.tokens, args.iters, args.repeats, kernel)
         rows.append(layer_row(name, args.tokens, args.iters, args.repeats))
-    print(f"\n{'bench':6s} {'shape':9s} {'mode':8s} {'grouped/moe':>12s} {'dense':>10s} {'ratio':>6s}")
+    print(f"\n{'bench':6s} {'shape':9s} {'mode':8s} {'dense':>10s} {'ragged_dot':>11s} {'kernel':>11s}  ratio")
     for r in rows:
-        if r["bench"] == "gemm":
+        if r["bench"] == "check":
             print(
-                f"gemm   {r['shape']:9s} {r['mode']:8s} {r['grouped_tflops']:8.1f} TF/s {r['dense_tflops']:6.1f} TF/s"
-                f" {r['ratio']:6.3f}"
+                f"check  {r['shape']:9s} {r['groups']:8s} fwd {r['fwd']:.1e}  d_lhs {r['d_lhs']:.1e}  d_rhs {r['d_rhs']:.1e}"
             )
+        elif r["bench"] == "gemm":
+            best = max(r["ragged_dot_tflops"], r.get("kernel_tflops", 0.0))
+            kernel_tflops = f"{r['kernel_tflops']:6.1f} TF/s" if "kernel_tflops" in r else "          -"
+            rates = f"{r['dense_tflops']:5.1f} TF/s {r['ragged_dot_tflops']:6.1f} TF/s {kernel_tflops}"
+            print(f"gemm   {r['shape']:9s} {r['mode']:8s} {rates}  {best / r['dense_tflops']:.3f}")
         else:
-            times = f"{r['moe_ms']:9.3f} ms {r['dense_ms']:7.3f} ms"
-            print(f"layer  {r['shape']:9s} {r['mode']:8s} {times} {r['ratio']:6.3f}")
+            times = f"{r['dense_ms']:7.3f} ms {r['moe_ms']:8.3f} ms {'':11s}"
+            print(f"layer  {r['shape']:9s} {r['mode']:8s} {times}  {r['ratio']:.3f}")
     if args.out:
         _results.write_json(args.out, rows, tokens=args.tokens, iters=args.iters, repeats=args.repeats)
     return rows

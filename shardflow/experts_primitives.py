@@ -24,6 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from shardflow.kernels import grouped_matmul_mgpu
 from shardflow.primitives import kernel_primitive
 
 EXCHANGES = ("auto", "ragged", "padded")
@@ -51,9 +52,30 @@ def exchange_of(exchange: str) -> str:
 
 def grouped_swiglu(rows, group_sizes, w_gate, w_up, w_down):
     """SwiGLU of ``rows`` [m, embed] sorted by expert, ``group_sizes[e]`` rows for expert e as
-    grouped GEMMs; rows past the groups give zeros."""
+    grouped GEMMs; rows past the groups give zeros. On Hopper, where our kernels take the shapes
+    (``kernels.grouped_matmul_mgpu``), through them; elsewhere ``jax.lax.ragged_dot``."""
+    if all(grouped_matmul_mgpu.supports(rows, w) for w in (w_gate, w_down)):
+        return tiled_swiglu(rows, group_sizes, w_gate, w_up, w_down)
     gate = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, group_sizes))
     return jax.lax.ragged_dot(gate * jax.lax.ragged_dot(rows, w_up, group_sizes), w_down, group_sizes)
+
+
+def tiled_swiglu(rows, group_sizes, w_gate, w_up, w_down):
+    """``grouped_swiglu`` by the Mosaic GPU grouped GEMMs: the rows moved into their
+    tile-aligned layout (each group from a tile boundary), computed there, and moved back."""
+    layout = grouped_matmul_mgpu.tile_layout(group_sizes, rows.shape[0])
+    ends = jnp.cumsum(group_sizes)
+    index = jnp.arange(rows.shape[0])
+    group = jnp.searchsorted(ends, index, side="right")  # n_experts for the rows past the groups
+    shift = layout.starts - (ends - group_sizes)  # each group's rows move down by its padding
+    dest = jnp.where(group < group_sizes.shape[0], index + shift[jnp.minimum(group, shift.shape[0] - 1)], layout.rows)
+    tiled = jnp.zeros((layout.rows, rows.shape[1]), rows.dtype).at[dest].set(rows, mode="drop", unique_indices=True)
+
+    def gmm(lhs, w):
+        return grouped_matmul_mgpu.gmm(lhs, w, layout.tile_groups, layout.group_tiles)
+
+    out = gmm(jax.nn.silu(gmm(tiled, w_gate)) * gmm(tiled, w_up), w_down)
+    return out.at[dest].get(mode="fill", fill_value=0)
 
 
 def sorted_ffn(rows, ids, w_gate, w_up, w_down):

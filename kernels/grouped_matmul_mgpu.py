@@ -1,0 +1,201 @@
+"""Grouped GEMMs for mixture-of-experts on Hopper, in Pallas with the Mosaic GPU lowering.
+
+The rows come in a *tile-aligned* layout: sorted by group, each group's rows starting at a
+multiple of ``BLOCK_M`` and the gap to the next group zero-filled (``tile_layout`` builds it;
+MegaBlocks pads its blocks the same way). Then every ``BLOCK_M``-row tile belongs to one group,
+and each kernel is a plain tiled GEMM that looks up its tile's group — no masked loads or
+stores, no tile computed twice at a boundary; the zero rows cost at most ``BLOCK_M - 1`` rows
+of work per group. Three kernels, the forward and both gradients of ``out = lhs @ rhs[group]``:
+
+* ``grouped_matmul(lhs [M, K], rhs [G, K, N])``: out [M, N], one CTA per (tile, N block), K
+  streamed through shared memory by TMA, wgmma into a register accumulator;
+* ``grouped_matmul(dout, rhs, transpose_rhs=True)``: d lhs = dout @ rhs[group]^T, the same
+  kernel reading rhs's blocks transposed;
+* ``grouped_weight_grad(lhs [M, K], dout [M, N])``: d rhs [G, K, N], one CTA per (group, K
+  block, N block) summing lhs^T dout over the group's tiles (an empty group's is zero).
+
+Mosaic GPU has no interpret mode: ``benchmarks/moe.py --check`` tests the kernels on the GPU
+against ``jax.lax.ragged_dot``; on CPU the tests lower them for CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+BLOCK_M = 128
+BLOCK_N = 128
+BLOCK_K = 64
+MAX_CONCURRENT_STEPS = 4
+
+
+class TileLayout(NamedTuple):
+    """Where a group-sorted row set lives in the tile-aligned layout."""
+
+    rows: int  # rows of the layout: a multiple of BLOCK_M with room for every group's padding
+    starts: jax.Array  # [G] int32, the first layout row of each group (a multiple of BLOCK_M)
+    tile_groups: jax.Array  # [rows // BLOCK_M] int32, each tile's group (the last, past the end)
+    group_tiles: jax.Array  # [G + 1] int32, the first tile of each group, then the end
+
+
+def tile_layout(group_sizes, n_rows: int) -> TileLayout:
+    """The layout of ``n_rows`` rows (at most) in ``len(group_sizes)`` groups of those sizes."""
+    groups = group_sizes.shape[0]
+    tiles = -(-group_sizes // BLOCK_M)
+    group_tiles = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(tiles).astype(jnp.int32)])
+    n_tiles = -(-n_rows // BLOCK_M) + groups
+    tile_groups = jnp.searchsorted(group_tiles[1:], jnp.arange(n_tiles), side="right").astype(jnp.int32)
+    return TileLayout(n_tiles * BLOCK_M, group_tiles[:-1] * BLOCK_M, jnp.minimum(tile_groups, groups - 1), group_tiles)
+
+
+def supports(lhs, rhs) -> bool:
+    """Whether these kernels take a [M, K] by [G, K, N] grouped GEMM on this device."""
+    _, k, n = rhs.shape
+    return (
+        on_hopper()
+        and lhs.dtype == rhs.dtype
+        and lhs.dtype in (jnp.bfloat16, jnp.float16)
+        and k % BLOCK_K == 0
+        and k % BLOCK_N == 0
+        and n % BLOCK_N == 0
+        and n % BLOCK_K == 0
+    )
+
+
+def on_hopper() -> bool:
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+    except RuntimeError:
+        return False
+
+
+def _transforms(dtype, block_minor: int):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    swizzle = plgpu.find_swizzle(block_minor * jnp.dtype(dtype).itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _store(plgpu, acc, o_gmem, rows, cols, transforms):
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM(acc.shape, o_gmem.dtype, transforms=transforms))
+    def _(o_smem):
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[rows, cols])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _kernel(plgpu, body, out_shape, dtype, grid, grid_names):
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(out_shape, dtype),
+        grid=grid,
+        grid_names=grid_names,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+
+
+def _block(plgpu, shape, index_map, dtype):
+    """A pipelined operand's block, swizzled for wgmma, released one step late (wgmma reads it
+    asynchronously)."""
+    return plgpu.BlockSpec(shape, index_map, transforms=_transforms(dtype, shape[1]), delay_release=1)
+
+
+def grouped_matmul(lhs, rhs, tile_groups, *, transpose_rhs: bool = False):
+    """out[t] = lhs[t] @ rhs[tile_groups[t]] per BLOCK_M-row tile t of lhs [M, K]; rhs is
+    [G, K, N], or with ``transpose_rhs`` [G, N, K] used as its transpose (the input gradient
+    reads the forward's weights so, without a transposed copy)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+
+    def body(tile_groups_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        mi, ni = lax.axis_index("m"), lax.axis_index("n")
+        if transpose_rhs:
+            rhs_block = _block(plgpu, (BLOCK_N, BLOCK_K), lambda ki: (ni, ki), rhs.dtype)
+        else:
+            rhs_block = _block(plgpu, (BLOCK_K, BLOCK_N), lambda ki: (ki, ni), rhs.dtype)
+
+        def accumulate(acc_ref):
+            def step(_, lhs_smem, rhs_smem):
+                plgpu.wgmma(acc_ref, lhs_smem, plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem)
+
+            plgpu.emit_pipeline(
+                step,
+                grid=(k // BLOCK_K,),
+                in_specs=[_block(plgpu, (BLOCK_M, BLOCK_K), lambda ki: (mi, ki), lhs.dtype), rhs_block],
+                max_concurrent_steps=MAX_CONCURRENT_STEPS,
+            )(lhs_gmem, rhs_gmem.at[tile_groups_gmem[mi]])
+            return acc_ref[...]
+
+        acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK_M, BLOCK_N)))
+        rows, cols = pl.ds(mi * BLOCK_M, BLOCK_M), pl.ds(ni * BLOCK_N, BLOCK_N)
+        _store(plgpu, acc, o_gmem, rows, cols, _transforms(lhs.dtype, BLOCK_N))
+
+    grid = (m // BLOCK_M, n // BLOCK_N)
+    return _kernel(plgpu, body, (m, n), lhs.dtype, grid, ("m", "n"))(tile_groups, lhs, rhs)
+
+
+def grouped_weight_grad(lhs, dout, group_tiles):
+    """d rhs[g] = sum over group g's tiles t of lhs[t]^T @ dout[t]: [G, K, N]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    (_, k), n, groups = lhs.shape, dout.shape[1], group_tiles.shape[0] - 1
+
+    def body(group_tiles_gmem, lhs_gmem, dout_gmem, o_gmem):
+        g, ki, ni = lax.axis_index("g"), lax.axis_index("k"), lax.axis_index("n")
+        first = group_tiles_gmem[g]
+        count = group_tiles_gmem[g + 1] - first
+
+        def accumulate(acc_ref):
+            def step(_, lhs_smem, dout_smem):
+                plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), dout_smem)
+
+            @pl.when(count > 0)
+            def _():
+                plgpu.emit_pipeline(
+                    step,
+                    grid=(count,),
+                    in_specs=[
+                        _block(plgpu, (BLOCK_M, BLOCK_K), lambda t: (first + t, ki), lhs.dtype),
+                        _block(plgpu, (BLOCK_M, BLOCK_N), lambda t: (first + t, ni), dout.dtype),
+                    ],
+                    max_concurrent_steps=MAX_CONCURRENT_STEPS,
+                )(lhs_gmem, dout_gmem)
+
+            return acc_ref[...]
+
+        acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK_K, BLOCK_N)))
+        rows, cols = pl.ds(ki * BLOCK_K, BLOCK_K), pl.ds(ni * BLOCK_N, BLOCK_N)
+        _store(plgpu, acc, o_gmem.at[g], rows, cols, _transforms(lhs.dtype, BLOCK_N))
+
+    grid = (groups, k // BLOCK_K, n // BLOCK_N)
+    return _kernel(plgpu, body, (groups, k, n), lhs.dtype, grid, ("g", "k", "n"))(group_tiles, lhs, dout)
+
+
+@jax.custom_vjp
+def gmm(lhs, rhs, tile_groups, group_tiles):
+    """lhs [M, K] (tile-aligned layout) by rhs [G, K, N], each tile by its group's matrix."""
+    return grouped_matmul(lhs, rhs, tile_groups)
+
+
+def _gmm_fwd(lhs, rhs, tile_groups, group_tiles):
+    return gmm(lhs, rhs, tile_groups, group_tiles), (lhs, rhs, tile_groups, group_tiles)
+
+
+def _gmm_bwd(residuals, dout):
+    lhs, rhs, tile_groups, group_tiles = residuals
+    dout = dout.astype(lhs.dtype)
+    d_lhs = grouped_matmul(dout, rhs, tile_groups, transpose_rhs=True)
+    return d_lhs, grouped_weight_grad(lhs, dout, group_tiles), None, None
+
+
+gmm.defvjp(_gmm_fwd, _gmm_bwd)
