@@ -246,9 +246,8 @@ def main(argv=None):
     print(f"\n{'bench':6s} {'shape':9s} {'mode':8s} {'dense':>10s} {'ragged_dot':>11s} {'kernel':>11s}  ratio")
     for r in rows:
         if r["bench"] == "check":
-            print(
-                f"check  {r['shape']:9s} {r['groups']:8s} fwd {r['fwd']:.1e}  d_lhs {r['d_lhs']:.1e}  d_rhs {r['d_rhs']:.1e}"
-            )
+            errors = f"fwd {r['fwd']:.1e}  d_lhs {r['d_lhs']:.1e}  d_rhs {r['d_rhs']:.1e}"
+            print(f"check  {r['shape']:9s} {r['groups']:8s} {errors}")
         elif r["bench"] == "gemm":
             best = max(r["ragged_dot_tflops"], r.get("kernel_tflops", 0.0))
             kernel_tflops = f"{r['kernel_tflops']:6.1f} TF/s" if "kernel_tflops" in r else "          -"
