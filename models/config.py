@@ -50,6 +50,7 @@ class ModelConfig:
     moe_every: int = 1
     routing: str = "capacity"  # "capacity" (tokens over an expert's capacity dropped) or "dropless"
     capacity_factor: float = 1.25
+    routing_group: int = 0  # tokens per capacity routing group (whole sequences or a part of one); 0 = a sequence
     balance: str = "aux_loss"  # "aux_loss" (Switch), "bias" (DeepSeek's aux-loss-free) or "none"
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
@@ -112,6 +113,8 @@ class ModelConfig:
                 f"model.capacity_factor must be > 0 (an expert's capacity is at least one token), "
                 f"got {self.capacity_factor}"
             )
+        if self.routing_group < 0:
+            raise ValueError(f"model.routing_group must be a token count (or 0: a sequence), got {self.routing_group}")
         if self.moe_every < 1 or self.n_layers % self.moe_every:
             raise ValueError(
                 f"model.moe_every ({self.moe_every}) must be a positive divisor of model.n_layers ({self.n_layers})"

@@ -2,16 +2,19 @@
 
 Routing, two modes (``ModelConfig.routing``):
 
-* ``"capacity"`` (GShard / Switch): each sequence of the batch is a routing group; an expert
-  takes at most ``capacity = ceil(k * seq * capacity_factor / n_experts)`` of a group's token
-  choices, first choices of every token before second choices, in token order; the rest are
-  dropped (their share of the layer's output is zero; the residual carries the token). Dispatch
+* ``"capacity"`` (GShard / Switch): the batch is cut into routing groups of
+  ``ModelConfig.routing_group`` tokens (default: each sequence); an expert takes at most
+  ``capacity = ceil(k * group * capacity_factor / n_experts)`` of a group's token choices,
+  first choices of every token before second choices, in token order; the rest are dropped
+  (their share of the layer's output is zero; the residual carries the token). Dispatch
   and combine are one-hot einsums over ``[batch, seq, experts, capacity]``, so the program is
   ordinary dense algebra a planner can shard: with the experts' weights split over a mesh axis
   the tokens reach their experts by an all-to-all of the ``[experts, batch, capacity, embed]``
   buffer.
-* ``"dropless"`` (MegaBlocks): every choice is computed. The token choices are sorted by
-  expert and the experts run as grouped GEMMs (``jax.lax.ragged_dot``) over the sorted rows.
+* ``"dropless"`` (MegaBlocks): every choice is computed, by ``shardflow.experts.routed_experts``:
+  the token choices sorted by expert, the experts run as grouped GEMMs over the sorted rows,
+  and — with the experts split over a mesh axis that splits the tokens too — each choice sent
+  to its expert's device and back, as the planner decides.
 
 Balancing (``ModelConfig.balance``): ``"aux_loss"`` adds Switch/GShard's auxiliary loss
 ``n_experts * sum_e f_e * p_e`` (f_e the fraction of choices routed to e, p_e its mean router
@@ -53,9 +56,22 @@ class RoutingStats(NamedTuple):
     dropped: jax.Array  # token choices dropped by capacity, fp32 scalar
 
 
-def capacity(seq_len: int, k: int, n_experts: int, capacity_factor: float) -> int:
-    """Token choices one expert takes from one routing group (a sequence)."""
-    return max(1, math.ceil(k * seq_len * capacity_factor / n_experts))
+def capacity(group: int, k: int, n_experts: int, capacity_factor: float) -> int:
+    """Token choices one expert takes from one routing group of ``group`` tokens."""
+    return max(1, math.ceil(k * group * capacity_factor / n_experts))
+
+
+def in_groups(group: int, *values):
+    """``values`` [batch, seq, ...] as [groups, group, ...]: whole sequences or equal parts of
+    one (a group of several sequences lies on one device where the batch is split, if the
+    per-device batch holds whole groups; else the queues cross devices)."""
+    batch, seq = values[0].shape[:2]
+    if (batch * seq) % group or (group % seq and seq % group):
+        raise ValueError(
+            f"model.routing_group ({group}) must be a multiple or a divisor of the sequence length ({seq}) "
+            f"dividing the batch's {batch * seq} tokens"
+        )
+    return [v.reshape(batch * seq // group, group, *v.shape[2:]) for v in values]
 
 
 def route(logits, k: int, bias=None):
@@ -77,8 +93,8 @@ def balance_loss(probs, experts, n_experts: int):
 
 
 def capacity_slots(experts, n_experts: int, cap: int):
-    """Where each choice of ``experts`` [batch, seq, k] lands in its expert's queue of one
-    group (a sequence): (slot [batch, seq, k] int32, kept [batch, seq, k] bool). Choices queue
+    """Where each choice of ``experts`` [groups, group, k] lands in its expert's queue of its
+    routing group: (slot [groups, group, k] int32, kept [groups, group, k] bool). Choices queue
     by rank (every token's first choice before any second choice), then by token."""
     b, s, k = experts.shape
     chosen = jax.nn.one_hot(experts, n_experts, dtype=jnp.int32)  # [b, s, k, e]
@@ -95,7 +111,8 @@ def swiglu_experts(x, w_gate, w_up, w_down):
 
 
 def capacity_experts(x, gates, experts, w_gate, w_up, w_down, capacity_factor: float):
-    """Capacity-mode MoE of x [batch, seq, embed]: (y, dropped choices)."""
+    """Capacity-mode MoE of x [groups, group, embed] (each row a routing group: a sequence, or
+    ``in_groups``'s): (y, dropped choices)."""
     n_experts = w_gate.shape[0]
     cap = capacity(x.shape[1], experts.shape[-1], n_experts, capacity_factor)
     slot, kept = capacity_slots(experts, n_experts, cap)
@@ -141,6 +158,7 @@ class MoE(nnx.Module):
         self.bias = RouterBias(jnp.zeros((e,), jnp.float32)) if cfg.balance == "bias" else None
         self.shared = shared
         self.k, self.routing, self.capacity_factor = cfg.experts_per_token, cfg.routing, cfg.capacity_factor
+        self.routing_group = cfg.routing_group
         self.bias_rate = cfg.bias_rate
 
     def __call__(self, x):
@@ -149,7 +167,9 @@ class MoE(nnx.Module):
         gates, experts, probs = route(logits, self.k, bias)
         weights = self.w_gate[...], self.w_up[...], self.w_down[...]
         if self.routing == "capacity":
-            y, dropped = capacity_experts(x, gates, experts, *weights, self.capacity_factor)
+            grouped = in_groups(self.routing_group or x.shape[1], x, gates, experts)
+            y, dropped = capacity_experts(*grouped, *weights, self.capacity_factor)
+            y = y.reshape(x.shape)
         else:
             y, dropped = dropless_experts(x, gates, experts, *weights), jnp.zeros((), jnp.float32)
         if self.shared is not None:

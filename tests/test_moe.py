@@ -102,6 +102,7 @@ def test_router_bias_moves_selection_not_gates_and_balances_load():
         (dict(routing="sparse"), "routing"),
         (dict(balance="loss"), "balance"),
         (dict(moe_every=3), "moe_every"),
+        (dict(routing_group=-1), "routing_group"),
         (dict(family="gpt2", n_heads=4, head_dim=64), "llama-family"),
     ],
 )
@@ -163,6 +164,20 @@ def test_expert_parallel_loss_and_grads_equal_one_device(mesh_name, routing, bal
     (sharded_loss, sharded_grads), plan = _loss_and_grads(cfg, tokens, mesh, rules)
     np.testing.assert_allclose(sharded_loss, loss, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), sharded_grads, grads)
+
+
+def test_routing_groups_of_several_sequences_across_devices_equal_one_device():
+    """Capacity queues over groups of two sequences, each sequence on its own device: the queues
+    cross devices and still drop exactly what one device drops."""
+    mesh = sf.make_mesh({"data": 2, "expert": 4})
+    cfg = models.preset("moe-tiny", routing_group=32, capacity_factor=0.5, **SMALL_MOE)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (8, 16)), jnp.int32)
+    (loss, grads), _ = _loss_and_grads(cfg, tokens)
+    (sharded_loss, sharded_grads), _ = _loss_and_grads(cfg, tokens, mesh, EP)
+    np.testing.assert_allclose(sharded_loss, loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), sharded_grads, grads)
+    with pytest.raises(ValueError, match=r"routing_group \(24\) must be a multiple or a divisor"):
+        models.build(models.preset("moe-tiny", routing_group=24, **SMALL_MOE)).loss(tokens, tokens)
 
 
 @pytest.mark.parametrize("passes", ["greedy", "solver"])
