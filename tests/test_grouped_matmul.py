@@ -87,3 +87,27 @@ def test_kernels_equal_ragged_dot_on_hopper(sizes):
     for a, b in zip(jax.tree.leaves(got(rows, *weights)), jax.tree.leaves(want(rows, *weights))):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
+
+
+@pytest.mark.gpu
+def test_the_compiled_experts_hold_no_dense_experts_by_rows_buffer():
+    """Forward and backward of the routed experts on Hopper: no buffer of n_experts x rows x ffn
+    elements (what a grouped GEMM expanded into masked dense GEMMs would hold)."""
+    if not mgpu.on_hopper():
+        pytest.skip("the Mosaic GPU grouped GEMMs need a Hopper GPU")
+    import re
+
+    from shardflow.experts import routed_experts
+
+    tokens, k, d, f, n_experts = 2048, 2, 256, 512, 8
+    x = jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16)
+    experts = jax.ShapeDtypeStruct((tokens, k), jnp.int32)
+    weights = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((n_experts, d, f),) * 2 + ((n_experts, f, d),)]
+
+    def loss(x, *weights):
+        return jnp.sum(routed_experts(x, experts_value, *weights).astype(jnp.float32) ** 2)
+
+    experts_value = jnp.zeros(experts.shape, jnp.int32)
+    text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).lower(x, *weights).compile().as_text()
+    sizes = [np.prod([int(n) for n in dims.split(",")]) for dims in re.findall(r"\[([0-9,]+)\]", text) if dims]
+    assert max(sizes) < n_experts * tokens * k * f, max(sizes)
