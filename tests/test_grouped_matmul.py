@@ -90,24 +90,21 @@ def test_kernels_equal_ragged_dot_on_hopper(sizes):
 
 
 @pytest.mark.gpu
-def test_the_compiled_experts_hold_no_dense_experts_by_rows_buffer():
-    """Forward and backward of the routed experts on Hopper: no buffer of n_experts x rows x ffn
-    elements (what a grouped GEMM expanded into masked dense GEMMs would hold)."""
+def test_the_compiled_kernels_hold_no_dense_experts_by_rows_buffer():
+    """Forward and backward of the experts' SwiGLU by our kernels on Hopper: no buffer of
+    n_experts x rows x ffn elements (what a grouped GEMM expanded into masked dense GEMMs holds)."""
     if not mgpu.on_hopper():
         pytest.skip("the Mosaic GPU grouped GEMMs need a Hopper GPU")
     import re
 
-    from shardflow.experts import routed_experts
+    rows, d, f, n_experts = 4096, 256, 512, 8
+    group_sizes = jnp.full((n_experts,), rows // n_experts, jnp.int32)
+    args = [jax.ShapeDtypeStruct((rows, d), jnp.bfloat16)]
+    args += [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((n_experts, d, f),) * 2 + ((n_experts, f, d),)]
 
-    tokens, k, d, f, n_experts = 2048, 2, 256, 512, 8
-    x = jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16)
-    experts = jax.ShapeDtypeStruct((tokens, k), jnp.int32)
-    weights = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((n_experts, d, f),) * 2 + ((n_experts, f, d),)]
+    def loss(rows, *weights):
+        return jnp.sum(experts_primitives.tiled_swiglu(rows, group_sizes, *weights).astype(jnp.float32) ** 2)
 
-    def loss(x, *weights):
-        return jnp.sum(routed_experts(x, experts_value, *weights).astype(jnp.float32) ** 2)
-
-    experts_value = jnp.zeros(experts.shape, jnp.int32)
-    text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).lower(x, *weights).compile().as_text()
+    text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).lower(*args).compile().as_text()
     sizes = [np.prod([int(n) for n in dims.split(",")]) for dims in re.findall(r"\[([0-9,]+)\]", text) if dims]
-    assert max(sizes) < n_experts * tokens * k * f, max(sizes)
+    assert max(sizes) < n_experts * rows * f, max(sizes)
