@@ -10,6 +10,9 @@ Per expert shape (the moe-1b and moe-8x1b presets' layers, bf16):
   experts, by ``jax.lax.ragged_dot`` and by our kernels (``kernels/grouped_matmul_mgpu.py``,
   on Hopper), against one dense GEMM [T*k, embed] x [embed, ffn] of the same flops: TFLOP/s of
   each, and the faster grouped one's over the dense one's.
+* ep (with several devices): the layer with expert parallelism over all of them, by shardflow
+  and by ``jax.jit`` on the same shardings, against a dense layer of the same active flops on
+  one device's share of the tokens: milliseconds, ours over the dense one's, jit's over ours.
 * check (``--check``): our kernels against ``jax.lax.ragged_dot`` in float32, forward and both
   gradients, on even and skewed groups (one empty): relative error.
 * layer: the dropless MoE layer (router, top-k, ``shardflow.experts.routed_experts``, gated
@@ -223,6 +226,74 @@ def layer_row(name, tokens, iters, repeats):
     }
 
 
+def ep_row(name, tokens, iters, repeats):
+    """Expert parallelism over every device (mesh {expert: n}): the dropless layer's
+    forward+backward with the tokens and the experts split over the axis, by shardflow and by
+    ``jax.jit`` on the same shardings (XLA's partitioner), against a dense layer of the same
+    active flops on one device's tokens alone (the EP=1 dense equivalent)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import shardflow as sf
+    from shardflow.models import moe
+
+    d, n_experts, k, f = SHAPES[name]
+    n = jax.device_count()
+    seq = min(tokens, 1024)
+    keys = jax.random.split(jax.random.key(2), 8)
+
+    def weights(key, *shape):
+        return jax.random.normal(key, shape, jnp.bfloat16) * shape[-2] ** -0.5
+
+    x = jax.random.normal(keys[0], (n * max(1, tokens // seq), seq, d), jnp.bfloat16)
+    router = weights(keys[1], d, n_experts).astype(jnp.float32)
+    experts_w = tuple(weights(key, n_experts, *shape) for key, shape in zip(keys[2:5], ((d, f), (d, f), (f, d))))
+    dense_w = (weights(keys[5], d, k * f), weights(keys[6], d, k * f), weights(keys[7], k * f, d))
+
+    def moe_grads(x, router, w):
+        def loss(x, router, w):
+            gates, experts, _ = moe.route(jnp.einsum("bsd,de->bse", x.astype(jnp.float32), router), k)
+            return jnp.sum(moe.dropless_experts(x, gates, experts, *w).astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, (0, 1, 2))(x, router, w)
+
+    def dense_grads(x, w):
+        def loss(x, w):
+            return jnp.sum(((jax.nn.silu(x @ w[0]) * (x @ w[1])) @ w[2]).astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, (0, 1))(x, w)
+
+    mesh = sf.make_mesh({"expert": n})
+    specs = (P("expert"), P(), (P("expert"),) * 3)
+    shardflow_step = sf.parallelize(moe_grads, mesh=mesh, in_specs=specs, out_specs=specs)
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda v: isinstance(v, P))
+    jit_step = jax.jit(moe_grads, in_shardings=shardings, out_shardings=shardings)
+    args = jax.device_put((x, router, experts_w), shardings)
+    t_shardflow = timed(shardflow_step, *args, iters=iters, repeats=repeats)
+    t_jit = timed(jit_step, *args, iters=iters, repeats=repeats)
+    one = jax.devices()[0]
+    local = jax.device_put((x[: x.shape[0] // n], dense_w), one)
+    t_dense = timed(jax.jit(dense_grads), *local, iters=iters, repeats=repeats)
+    plan = shardflow_step.explain(*args)
+    routed = sum(c.bytes * c.count for c in plan.collectives if c.kind == "all_to_all")
+    return {
+        "bench": "ep",
+        "shape": name,
+        "mode": "fwd+bwd",
+        "devices": n,
+        "tokens_per_device": int(np.prod(x.shape[:2])) // n,
+        "shardflow_ms": 1e3 * t_shardflow,
+        "jit_ms": 1e3 * t_jit,
+        "dense_one_device_ms": 1e3 * t_dense,
+        "ratio": t_shardflow / t_dense,
+        "vs_jit": t_jit / t_shardflow,
+        "all_to_all_bytes": routed,
+    }
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="moe-1b,moe-8x1b")
@@ -243,6 +314,8 @@ def main(argv=None):
             rows += check_kernels(name, args.tokens)
         rows += gemm_rows(name, args.tokens, args.iters, args.repeats, kernel)
         rows.append(layer_row(name, args.tokens, args.iters, args.repeats))
+        if jax.device_count() > 1:
+            rows.append(ep_row(name, args.tokens, args.iters, args.repeats))
     print(f"\n{'bench':6s} {'shape':9s} {'mode':8s} {'dense':>10s} {'ragged_dot':>11s} {'kernel':>11s}  ratio")
     for r in rows:
         if r["bench"] == "check":
@@ -253,6 +326,10 @@ def main(argv=None):
             kernel_tflops = f"{r['kernel_tflops']:6.1f} TF/s" if "kernel_tflops" in r else "          -"
             rates = f"{r['dense_tflops']:5.1f} TF/s {r['ragged_dot_tflops']:6.1f} TF/s {kernel_tflops}"
             print(f"gemm   {r['shape']:9s} {r['mode']:8s} {rates}  {best / r['dense_tflops']:.3f}")
+        elif r["bench"] == "ep":
+            times = f"{r['dense_one_device_ms']:7.3f} ms {r['shardflow_ms']:8.3f} ms  jit {r['jit_ms']:.3f} ms"
+            ratios = f"{r['ratio']:.3f} (jit/ours {r['vs_jit']:.3f})"
+            print(f"ep={r['devices']:<3d} {r['shape']:9s} {r['mode']:8s} {times}  {ratios}")
         else:
             times = f"{r['dense_ms']:7.3f} ms {r['moe_ms']:8.3f} ms {'':11s}"
             print(f"layer  {r['shape']:9s} {r['mode']:8s} {times}  {r['ratio']:.3f}")
