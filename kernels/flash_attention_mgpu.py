@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import attention_common as common
+from . import on_hopper
 from .attention_common import LN_2, LOG2_E
 
 BLOCK_Q = 64  # rows per compute warpgroup; a CTA covers 2 * BLOCK_Q rows
@@ -52,15 +53,6 @@ def supports(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> 
     if causal and not (isinstance(offset_delta, int) and offset_delta == 0 and q_len == kv_len):
         return False
     return on_hopper()
-
-
-def on_hopper() -> bool:
-    if jax.default_backend() != "gpu":
-        return False
-    try:
-        return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
-    except RuntimeError:
-        return False
 
 
 class ForwardWork(NamedTuple):

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from . import on_hopper
+
 BLOCK_M = 128
 BLOCK_N = 128
 BLOCK_K = 64
@@ -65,15 +67,6 @@ def supports(lhs, rhs) -> bool:
         and n % BLOCK_N == 0
         and n % BLOCK_K == 0
     )
-
-
-def on_hopper() -> bool:
-    if jax.default_backend() != "gpu":
-        return False
-    try:
-        return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
-    except RuntimeError:
-        return False
 
 
 def _transforms(dtype, block_minor: int):
