@@ -53,7 +53,7 @@ def exchange_of(exchange: str) -> str:
 def grouped_swiglu(rows, group_sizes, w_gate, w_up, w_down):
     """SwiGLU of ``rows`` [m, embed] sorted by expert, ``group_sizes[e]`` rows for expert e as
     grouped GEMMs; rows past the groups give zeros. On Hopper, where our kernels take the shapes,
-    by them (``tiled_swiglu``: 13x ``jax.lax.ragged_dot``'s TFLOP/s on one H100 at the MoE
+    by them (``tiled_swiglu``: 6-13x ``jax.lax.ragged_dot``'s TFLOP/s on one H100 at the MoE
     presets' shapes, benchmarks/results/moe.md); elsewhere by ``jax.lax.ragged_dot``."""
     if all(grouped_matmul_mgpu.supports(rows, w) for w in (w_gate, w_down)):
         return tiled_swiglu(rows, group_sizes, w_gate, w_up, w_down)
