@@ -119,7 +119,7 @@ def grouped_matmul(lhs, rhs, tile_groups, *, transpose_rhs: bool = False):
 
         def accumulate(acc_ref):
             def step(_, lhs_smem, rhs_smem):
-                plgpu.wgmma(acc_ref, lhs_smem, plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem)
+                plgpu.wgmma(acc_ref, lhs_smem, rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem)
 
             plgpu.emit_pipeline(
                 step,
@@ -150,7 +150,7 @@ def grouped_weight_grad(lhs, dout, group_tiles):
 
         def accumulate(acc_ref):
             def step(_, lhs_smem, dout_smem):
-                plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), dout_smem)
+                plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), dout_smem)
 
             @pl.when(count > 0)
             def _():
