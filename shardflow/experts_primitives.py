@@ -50,51 +50,58 @@ def exchange_of(exchange: str) -> str:
     return exchange
 
 
-def grouped_swiglu(rows, group_sizes, w_gate, w_up, w_down):
-    """SwiGLU of ``rows`` [m, embed] sorted by expert, ``group_sizes[e]`` rows for expert e as
-    grouped GEMMs; rows past the groups give zeros. On Hopper, where our kernels take the shapes,
-    by them (``tiled_swiglu``: 6-13x ``jax.lax.ragged_dot``'s TFLOP/s on one H100 at the MoE
-    presets' shapes, benchmarks/results/moe.md); elsewhere by ``jax.lax.ragged_dot``."""
-    if all(grouped_matmul_mgpu.supports(rows, w) for w in (w_gate, w_down)):
-        return tiled_swiglu(rows, group_sizes, w_gate, w_up, w_down)
+def ragged_swiglu(rows, group_sizes, w_gate, w_up, w_down):
+    """SwiGLU of ``rows`` [m, embed] sorted by expert, ``group_sizes[e]`` rows for expert e, as
+    ``jax.lax.ragged_dot`` grouped GEMMs; rows past the groups give zeros."""
     gate = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, group_sizes))
     return jax.lax.ragged_dot(gate * jax.lax.ragged_dot(rows, w_up, group_sizes), w_down, group_sizes)
 
 
-def tiled_swiglu(rows, group_sizes, w_gate, w_up, w_down):
-    """``grouped_swiglu`` by the Mosaic GPU grouped GEMMs: the rows moved into their
-    tile-aligned layout (each group from a tile boundary), computed there, and moved back."""
-    layout = grouped_matmul_mgpu.tile_layout(group_sizes, rows.shape[0])
-    ends = jnp.cumsum(group_sizes)
-    index = jnp.arange(rows.shape[0])
-    group = jnp.searchsorted(ends, index, side="right")  # n_experts for the rows past the groups
-    shift = layout.starts - (ends - group_sizes)  # each group's rows move down by its padding
-    dest = jnp.where(group < group_sizes.shape[0], index + shift[jnp.minimum(group, shift.shape[0] - 1)], layout.rows)
-    tiled = jnp.zeros((layout.rows, rows.shape[1]), rows.dtype).at[dest].set(rows, mode="drop", unique_indices=True)
+def tiled_swiglu(tiled, layout, w_gate, w_up, w_down):
+    """The same by our Mosaic GPU grouped GEMMs, on rows in their tile-aligned layout."""
 
     def gmm(lhs, w):
         return grouped_matmul_mgpu.gmm(lhs, w, layout.tile_groups, layout.group_tiles)
 
-    out = gmm(jax.nn.silu(gmm(tiled, w_gate)) * gmm(tiled, w_up), w_down)
-    return out.at[dest].get(mode="fill", fill_value=0)
+    return gmm(jax.nn.silu(gmm(tiled, w_gate)) * gmm(tiled, w_up), w_down)
 
 
-def sorted_ffn(rows, ids, w_gate, w_up, w_down):
-    """``rows`` [m, embed] each through expert ``ids[i]`` of the weights (an id out of range, such
-    as n_experts, marks a row of another device's expert or padding: its result is zero)."""
-    n_experts = w_gate.shape[0]
+def sorted_ffn(rows, ids, w_gate, w_up, w_down, source=None):
+    """Choice i, row ``source[i]`` of ``rows`` [n, embed] (default: row i), through expert
+    ``ids[i]`` of the weights: [choices, embed]. An id out of range (n_experts: a row of another
+    device's expert, or padding) gives zeros.
+
+    The choices run sorted by expert as grouped GEMMs: on Hopper, where our kernels take the
+    shapes, by them (6-13x ``jax.lax.ragged_dot``'s TFLOP/s on one H100 at the MoE presets'
+    shapes, benchmarks/results/moe.md), each choice's row moved once into its place in the
+    tile-aligned layout and its result read once from there; elsewhere by ragged_dot."""
+    n_experts, (m,) = w_gate.shape[0], ids.shape
     ids = jnp.where((ids >= 0) & (ids < n_experts), ids, n_experts)
+    source = jnp.arange(m) if source is None else source
     order = jnp.argsort(ids, stable=True)
-    out = grouped_swiglu(rows[order], jnp.bincount(ids, length=n_experts).astype(jnp.int32), w_gate, w_up, w_down)
-    return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    sizes = jnp.bincount(ids, length=n_experts).astype(jnp.int32)
+    if not all(grouped_matmul_mgpu.supports(rows, w) for w in (w_gate, w_down)):
+        out = ragged_swiglu(rows[source[order]], sizes, w_gate, w_up, w_down)
+        return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    layout = grouped_matmul_mgpu.tile_layout(sizes, m)
+    ends = jnp.cumsum(sizes)
+    rank = jnp.arange(m)
+    group = jnp.searchsorted(ends, rank, side="right")  # n_experts for the ranks past the groups
+    shift = layout.starts - (ends - sizes)  # each group's rows move down by its padding
+    placed = jnp.where(group < n_experts, rank + shift[jnp.minimum(group, n_experts - 1)], layout.rows)
+    at = jnp.zeros(m, jnp.int32).at[order].set(placed.astype(jnp.int32), unique_indices=True)
+    tiled = (
+        jnp.zeros((layout.rows, rows.shape[1]), rows.dtype).at[at].set(rows[source], mode="drop", unique_indices=True)
+    )
+    return tiled_swiglu(tiled, layout, w_gate, w_up, w_down).at[at].get(mode="fill", fill_value=0)
 
 
 def routed_ffn(x, experts, w_gate, w_up, w_down, first_expert=0):
     """h [..., k, embed]: token i's choice j through expert ``experts[i, j] - first_expert`` of
     the weights given (zero where that is not one of them)."""
     k, d = experts.shape[-1], x.shape[-1]
-    rows = jnp.repeat(x.reshape(-1, d), k, axis=0)
-    h = sorted_ffn(rows, experts.reshape(-1) - first_expert, w_gate, w_up, w_down)
+    choices = experts.reshape(-1)
+    h = sorted_ffn(x.reshape(-1, d), choices - first_expert, w_gate, w_up, w_down, source=jnp.arange(choices.size) // k)
     return h.reshape(*experts.shape, d)
 
 

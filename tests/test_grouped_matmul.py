@@ -23,29 +23,38 @@ def per_tile_matmul(lhs, rhs, tile_groups, group_tiles):
     return jnp.einsum("tmk,tkn->tmn", tiles, rhs[tile_groups]).reshape(lhs.shape[0], -1)
 
 
-def ragged_swiglu(rows, sizes, w_gate, w_up, w_down):
-    gate = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, sizes))
-    return jax.lax.ragged_dot(gate * jax.lax.ragged_dot(rows, w_up, sizes), w_down, sizes)
+def routed(rows, ids, source, weights, kernels: bool):
+    """sorted_ffn by our kernels' path (its GEMMs the per-tile reference on CPU) or by ragged_dot."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not mgpu.on_hopper():
+            patch.setattr(mgpu, "gmm", per_tile_matmul)
+        patch.setattr(mgpu, "supports", lambda *_: kernels)
+
+        def loss(rows, *weights):
+            return jnp.sum(jnp.sin(experts_primitives.sorted_ffn(rows, ids, *weights, source=source)))
+
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(rows, *weights)
+
+
+def choices(seed, sizes, extra, n_rows):
+    """Expert ids for the given group sizes plus ``extra`` out-of-range ones, shuffled, and the
+    row each choice reads."""
+    r = np.random.default_rng(seed)
+    ids = np.concatenate([np.repeat(np.arange(len(sizes)), sizes), np.full(extra, len(sizes))])
+    return jnp.asarray(r.permutation(ids), jnp.int32), jnp.asarray(r.integers(0, n_rows, len(ids)), jnp.int32)
 
 
 @settings(max_examples=examples(10), deadline=None)
 @given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=5), extra=st.integers(0, 3), seed=st.integers(0, 99))
 def test_tile_aligned_layout_computes_what_ragged_dot_computes(sizes, extra, seed):
-    """Groups of any size (empty ones, one row, several tiles) and rows past the groups: the
-    layout puts each group from a tile boundary and brings every row's result home."""
+    """Groups of any size (empty ones, one row, several tiles), choices of no local expert, rows
+    read by several choices: the layout puts each group from a tile boundary and brings every
+    choice's result home, forward and backward."""
     r = np.random.default_rng(seed)
-    group_sizes = jnp.asarray(sizes, jnp.int32)
-    rows = jnp.asarray(r.normal(size=(sum(sizes) + extra, 8)), jnp.float32)
+    rows = jnp.asarray(r.normal(size=(max(1, sum(sizes) // 2), 8)), jnp.float32)
+    ids, source = choices(seed, sizes, extra, rows.shape[0])
     weights = [jnp.asarray(r.normal(size=s), jnp.float32) for s in ((len(sizes), 8, 4),) * 2 + ((len(sizes), 4, 8),)]
-
-    def loss(fn, rows, *weights):
-        return jnp.sum(jnp.sin(fn(rows, group_sizes, *weights)))
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mgpu, "gmm", per_tile_matmul)
-        got = jax.jit(jax.value_and_grad(functools.partial(loss, experts_primitives.tiled_swiglu), (0, 1, 2, 3)))
-        got = got(rows, *weights)
-    want = jax.jit(jax.value_and_grad(functools.partial(loss, ragged_swiglu), (0, 1, 2, 3)))(rows, *weights)
+    got, want = (routed(rows, ids, source, weights, kernels) for kernels in (True, False))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # float32 sums in another order
         assert np.linalg.norm(np.asarray(a) - b) <= 1e-5 * (1 + np.linalg.norm(b))
 
@@ -73,18 +82,13 @@ def test_kernels_equal_ragged_dot_on_hopper(sizes):
     if not mgpu.on_hopper():
         pytest.skip("the Mosaic GPU grouped GEMMs need a Hopper GPU")
     r = np.random.default_rng(0)
-    group_sizes = jnp.asarray(sizes, jnp.int32)
-    rows = jnp.asarray(r.normal(size=(sum(sizes), 256)), jnp.bfloat16)
+    rows = jnp.asarray(r.normal(size=(sum(sizes) // 2, 256)), jnp.bfloat16)
+    ids, source = choices(0, sizes, 5, rows.shape[0])
     shapes = ((4, 256, 512), (4, 256, 512), (4, 512, 256))
     weights = [jnp.asarray(r.normal(size=s) * 0.05, jnp.bfloat16) for s in shapes]
     assert all(mgpu.supports(rows, w) for w in weights)
-
-    def loss(fn, rows, *weights):
-        return jnp.sum(fn(rows, group_sizes, *weights).astype(jnp.float32) ** 2)
-
-    got = jax.jit(jax.value_and_grad(functools.partial(loss, experts_primitives.tiled_swiglu), (0, 1, 2, 3)))
-    want = jax.jit(jax.value_and_grad(functools.partial(loss, ragged_swiglu), (0, 1, 2, 3)))
-    for a, b in zip(jax.tree.leaves(got(rows, *weights)), jax.tree.leaves(want(rows, *weights))):
+    got, want = (routed(rows, ids, source, weights, kernels) for kernels in (True, False))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
 
@@ -98,12 +102,12 @@ def test_the_compiled_kernels_hold_no_dense_experts_by_rows_buffer():
     import re
 
     rows, d, f, n_experts = 4096, 256, 512, 8
-    group_sizes = jnp.full((n_experts,), rows // n_experts, jnp.int32)
+    ids = jnp.arange(rows, dtype=jnp.int32) % n_experts
     args = [jax.ShapeDtypeStruct((rows, d), jnp.bfloat16)]
     args += [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((n_experts, d, f),) * 2 + ((n_experts, f, d),)]
 
     def loss(rows, *weights):
-        return jnp.sum(experts_primitives.tiled_swiglu(rows, group_sizes, *weights).astype(jnp.float32) ** 2)
+        return jnp.sum(experts_primitives.sorted_ffn(rows, ids, *weights).astype(jnp.float32) ** 2)
 
     text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).lower(*args).compile().as_text()
     sizes = [np.prod([int(n) for n in dims.split(",")]) for dims in re.findall(r"\[([0-9,]+)\]", text) if dims]
