@@ -101,14 +101,11 @@ def _kernel_matmul(sizes, rows):
     return matmul, layout
 
 
-def _tiled(lhs, sizes, layout):
+def _tiled(lhs, layout):
+    """``lhs`` (rows sorted by group) in ``layout``, and each row's place there."""
     import jax.numpy as jnp
 
-    ends = jnp.cumsum(sizes)
-    index = jnp.arange(lhs.shape[0])
-    group = jnp.minimum(jnp.searchsorted(ends, index, side="right"), sizes.shape[0] - 1)
-    dest = index + (layout.starts - (ends - sizes))[group]
-    return jnp.zeros((layout.rows, lhs.shape[1]), lhs.dtype).at[dest].set(lhs), dest
+    return jnp.zeros((layout.rows, lhs.shape[1]), lhs.dtype).at[layout.placed].set(lhs), layout.placed
 
 
 def check_kernels(name, tokens) -> list:
@@ -121,7 +118,7 @@ def check_kernels(name, tokens) -> list:
     for sizes_of in (_even, _skewed):
         lhs, w, _, sizes = _grouped_inputs(name, tokens, sizes_of, seed=7)
         matmul, layout = _kernel_matmul(sizes, lhs.shape[0])
-        tiled, dest = _tiled(lhs, sizes, layout)
+        tiled, dest = _tiled(lhs, layout)
         probe = jax.random.normal(jax.random.key(3), (lhs.shape[0], w.shape[2]), jnp.float32)
 
         def ours(lhs_tiled, w):
@@ -179,42 +176,51 @@ def gemm_rows(name, tokens, iters, repeats, kernel: bool):
         }
         if kernel:
             matmul, layout = _kernel_matmul(sizes, rows)
-            tiled, _ = _tiled(lhs, sizes, layout)
+            tiled, _ = _tiled(lhs, layout)
             t_kernel = timed(wrap(matmul), tiled, experts_w, iters=iters, repeats=repeats)
             row["kernel_tflops"] = passes * flops / t_kernel / 1e12
         out.append(row)
     return out
 
 
-def layer_row(name, tokens, iters, repeats):
+def _layers(name, rows: int, seq: int, seed: int):
+    """bf16 tokens [rows, seq, embed] and the weights of shape ``name``'s MoE layer and of its
+    dense equivalent (hidden k x ffn), with the two layers' gradient functions:
+    ``moe_grads(x, router, experts_w)`` and ``dense_grads(x, dense_w)``."""
     import jax
     import jax.numpy as jnp
 
     from shardflow.models import moe
 
     d, n_experts, k, f = SHAPES[name]
-    keys = jax.random.split(jax.random.key(1), 8)
-    x = jax.random.normal(keys[0], (tokens // 1024 or 1, min(tokens, 1024), d), jnp.bfloat16)
+    keys = jax.random.split(jax.random.key(seed), 8)
 
     def weights(key, *shape):
         return jax.random.normal(key, shape, jnp.bfloat16) * shape[-2] ** -0.5
 
+    x = jax.random.normal(keys[0], (rows, seq, d), jnp.bfloat16)
     router = weights(keys[1], d, n_experts).astype(jnp.float32)
     experts_w = tuple(weights(key, n_experts, *shape) for key, shape in zip(keys[2:5], ((d, f), (d, f), (f, d))))
     dense_w = (weights(keys[5], d, k * f), weights(keys[6], d, k * f), weights(keys[7], k * f, d))
 
-    def moe_layer(x, router, w):
+    def moe_loss(x, router, w):
         gates, experts, _ = moe.route(jnp.einsum("bsd,de->bse", x.astype(jnp.float32), router), k)
-        return moe.dropless_experts(x, gates, experts, *w)
+        return jnp.sum(moe.dropless_experts(x, gates, experts, *w).astype(jnp.float32) ** 2)
 
-    def dense_layer(x, w):
-        return (jax.nn.silu(x @ w[0]) * (x @ w[1])) @ w[2]
+    def dense_loss(x, w):
+        return jnp.sum(((jax.nn.silu(x @ w[0]) * (x @ w[1])) @ w[2]).astype(jnp.float32) ** 2)
 
-    def fwd_bwd(layer, argnums):
-        return jax.jit(jax.grad(lambda *a: jnp.sum(layer(*a).astype(jnp.float32) ** 2), argnums))
+    moe_grads, dense_grads = jax.grad(moe_loss, (0, 1, 2)), jax.grad(dense_loss, (0, 1))
+    return (x, router, experts_w, dense_w), moe_grads, dense_grads
 
-    t_moe = timed(fwd_bwd(moe_layer, (0, 1, 2)), x, router, experts_w, iters=iters, repeats=repeats)
-    t_dense = timed(fwd_bwd(dense_layer, (0, 1)), x, dense_w, iters=iters, repeats=repeats)
+
+def layer_row(name, tokens, iters, repeats):
+    import jax
+
+    seq = min(tokens, 1024)
+    (x, router, experts_w, dense_w), moe_grads, dense_grads = _layers(name, max(1, tokens // seq), seq, seed=1)
+    t_moe = timed(jax.jit(moe_grads), x, router, experts_w, iters=iters, repeats=repeats)
+    t_dense = timed(jax.jit(dense_grads), x, dense_w, iters=iters, repeats=repeats)
     return {
         "bench": "layer",
         "shape": name,
@@ -232,39 +238,15 @@ def ep_row(name, tokens, iters, repeats):
     ``jax.jit`` on the same shardings (XLA's partitioner), against a dense layer of the same
     active flops on one device's tokens alone (the EP=1 dense equivalent)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import shardflow as sf
-    from shardflow.models import moe
 
-    d, n_experts, k, f = SHAPES[name]
     n = jax.device_count()
     seq = min(tokens, 1024)
-    keys = jax.random.split(jax.random.key(2), 8)
-
-    def weights(key, *shape):
-        return jax.random.normal(key, shape, jnp.bfloat16) * shape[-2] ** -0.5
-
-    x = jax.random.normal(keys[0], (n * max(1, tokens // seq), seq, d), jnp.bfloat16)
-    router = weights(keys[1], d, n_experts).astype(jnp.float32)
-    experts_w = tuple(weights(key, n_experts, *shape) for key, shape in zip(keys[2:5], ((d, f), (d, f), (f, d))))
-    dense_w = (weights(keys[5], d, k * f), weights(keys[6], d, k * f), weights(keys[7], k * f, d))
-
-    def moe_grads(x, router, w):
-        def loss(x, router, w):
-            gates, experts, _ = moe.route(jnp.einsum("bsd,de->bse", x.astype(jnp.float32), router), k)
-            return jnp.sum(moe.dropless_experts(x, gates, experts, *w).astype(jnp.float32) ** 2)
-
-        return jax.grad(loss, (0, 1, 2))(x, router, w)
-
-    def dense_grads(x, w):
-        def loss(x, w):
-            return jnp.sum(((jax.nn.silu(x @ w[0]) * (x @ w[1])) @ w[2]).astype(jnp.float32) ** 2)
-
-        return jax.grad(loss, (0, 1))(x, w)
+    (x, router, experts_w, dense_w), moe_grads, dense_grads = _layers(name, n * max(1, tokens // seq), seq, seed=2)
 
     mesh = sf.make_mesh({"expert": n})
     specs = (P("expert"), P(), (P("expert"),) * 3)

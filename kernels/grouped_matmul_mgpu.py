@@ -43,16 +43,26 @@ class TileLayout(NamedTuple):
     starts: jax.Array  # [G] int32, the first layout row of each group (a multiple of BLOCK_M)
     tile_groups: jax.Array  # [rows // BLOCK_M] int32, each tile's group (the last, past the end)
     group_tiles: jax.Array  # [G + 1] int32, the first tile of each group, then the end
+    placed: jax.Array  # [n_rows] int32, the layout row of each sorted row (``rows`` past the groups)
 
 
 def tile_layout(group_sizes, n_rows: int) -> TileLayout:
-    """The layout of ``n_rows`` rows (at most) in ``len(group_sizes)`` groups of those sizes."""
+    """The layout of ``n_rows`` rows sorted by group (those past the groups belong to none) in
+    ``len(group_sizes)`` groups of those sizes."""
     groups = group_sizes.shape[0]
     tiles = -(-group_sizes // BLOCK_M)
     group_tiles = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(tiles).astype(jnp.int32)])
     n_tiles = -(-n_rows // BLOCK_M) + groups
     tile_groups = jnp.searchsorted(group_tiles[1:], jnp.arange(n_tiles), side="right").astype(jnp.int32)
-    return TileLayout(n_tiles * BLOCK_M, group_tiles[:-1] * BLOCK_M, jnp.minimum(tile_groups, groups - 1), group_tiles)
+    starts = group_tiles[:-1] * BLOCK_M
+    ends = jnp.cumsum(group_sizes)
+    rank = jnp.arange(n_rows)
+    group = jnp.searchsorted(ends, rank, side="right")  # groups for the rows past the groups
+    shift = starts - (ends - group_sizes)  # each group's rows move down by its padding
+    placed = jnp.where(group < groups, rank + shift[jnp.minimum(group, groups - 1)], n_tiles * BLOCK_M)
+    return TileLayout(
+        n_tiles * BLOCK_M, starts, jnp.minimum(tile_groups, groups - 1), group_tiles, placed.astype(jnp.int32)
+    )
 
 
 def supports(lhs, rhs) -> bool:

@@ -84,12 +84,7 @@ def sorted_ffn(rows, ids, w_gate, w_up, w_down, source=None):
         out = ragged_swiglu(rows[source[order]], sizes, w_gate, w_up, w_down)
         return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     layout = grouped_matmul_mgpu.tile_layout(sizes, m)
-    ends = jnp.cumsum(sizes)
-    rank = jnp.arange(m)
-    group = jnp.searchsorted(ends, rank, side="right")  # n_experts for the ranks past the groups
-    shift = layout.starts - (ends - sizes)  # each group's rows move down by its padding
-    placed = jnp.where(group < n_experts, rank + shift[jnp.minimum(group, n_experts - 1)], layout.rows)
-    at = jnp.zeros(m, jnp.int32).at[order].set(placed.astype(jnp.int32), unique_indices=True)
+    at = jnp.zeros(m, jnp.int32).at[order].set(layout.placed, unique_indices=True)
     tiled = (
         jnp.zeros((layout.rows, rows.shape[1]), rows.dtype).at[at].set(rows[source], mode="drop", unique_indices=True)
     )
