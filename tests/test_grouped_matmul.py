@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fast_tier import examples
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from shardflow import experts_primitives
@@ -30,8 +30,8 @@ def routed(rows, ids, source, weights, kernels: bool):
             patch.setattr(mgpu, "gmm", per_tile_matmul)
         patch.setattr(mgpu, "supports", lambda *_: kernels)
 
-        def loss(rows, *weights):
-            return jnp.sum(jnp.sin(experts_primitives.sorted_ffn(rows, ids, *weights, source=source)))
+        def loss(rows, *weights):  # a sum of squares: no cancellation to magnify float32 order
+            return jnp.sum(experts_primitives.sorted_ffn(rows, ids, *weights, source=source) ** 2) / 2
 
         return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(rows, *weights)
 
@@ -46,6 +46,7 @@ def choices(seed, sizes, extra, n_rows):
 
 @settings(max_examples=examples(10), deadline=None)
 @given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=5), extra=st.integers(0, 3), seed=st.integers(0, 99))
+@example(sizes=[0, 300], extra=0, seed=3)
 def test_tile_aligned_layout_computes_what_ragged_dot_computes(sizes, extra, seed):
     """Groups of any size (empty ones, one row, several tiles), choices of no local expert, rows
     read by several choices: the layout puts each group from a tile boundary and brings every
