@@ -120,7 +120,7 @@ class GPT2(nnx.Module):
             remat=self.cfg.remat,
             head=head,
             head_params=head_params,
-        )
+        )[0]
 
     def _embed(self, tokens):
         """Token plus position embeddings; the positions are the tokens' (in the layout's order)."""

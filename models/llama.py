@@ -181,26 +181,33 @@ class Llama(nnx.Module):
     def losses(self, tokens, targets, *, pipeline: PipelineConfig | None = None):
         """(loss, stats): ``loss`` as :meth:`loss`; ``stats`` the MoE layers' routing
         statistics ({} for a dense model): the cross-entropy alone, and per MoE layer the
-        balance loss, the z-loss, each expert's load and the choices dropped."""
-        cfg = self.cfg
+        balance loss, the z-loss, each expert's load and the choices dropped. With
+        ``pipeline``, each micro-batch routes on its own (as under gradient accumulation): the
+        balance terms are its own, averaged over the micro-batches, as are the statistics."""
         if pipeline is None:
             logits, routing = self._logits(tokens)
             ce = cross_entropy(logits, targets)
-        elif cfg.n_experts:
-            raise NotImplementedError(
-                "model.n_experts with a pipeline: the routing statistics (balance loss, loads) do not "
-                "yet cross sf.pipeline's stages; run MoE models without pipeline stages"
-            )
+            if routing is None:
+                return ce, {}
+            loss = ce + self.routing_loss(routing)
         else:
-            ce, routing = self._pipelined_loss(tokens, targets, pipeline), None
-        if routing is None:
-            return ce, {}
-        loss = ce + cfg.z_loss_weight * routing.z_loss.sum()
-        if cfg.balance == "aux_loss":
-            loss = loss + cfg.aux_loss_weight * routing.aux_loss.sum()
+            loss, routing = self._pipelined_loss(tokens, targets, pipeline)
+            if routing is None:
+                return loss, {}
+            ce = loss - self.routing_loss(routing)
         return loss, {"cross_entropy": ce, **routing._asdict()}
 
+    def routing_loss(self, routing):
+        """The weighted balance and z-loss terms of one MoE layer's RoutingStats, or their sum
+        over the layers of stacked ones."""
+        cfg = self.cfg
+        terms = cfg.z_loss_weight * routing.z_loss
+        if cfg.balance == "aux_loss":
+            terms = terms + cfg.aux_loss_weight * routing.aux_loss
+        return jnp.sum(terms)
+
     def _pipelined_loss(self, tokens, targets, pipeline):
+        """(loss, the MoE layers' RoutingStats stacked over depth, or None)."""
         cfg = self.cfg
         self._check_window(tokens.shape[1])
         with jax.ensure_compile_time_eval():  # constants the pipelined layer closes over
@@ -215,6 +222,7 @@ class Llama(nnx.Module):
             layer_args=(cos, sin),
             head=head,
             head_params=head_params,
+            layer_loss=self.routing_loss if cfg.n_experts else None,
         )
 
     def _check_window(self, seq_len: int):

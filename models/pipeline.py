@@ -73,10 +73,22 @@ def cross_entropy(logits, targets):
 
 
 def pipelined_loss(
-    layers: nnx.Module, x, targets, *, pipeline: PipelineConfig, remat: str, layer_args=(), head: Callable, head_params
+    layers: nnx.Module,
+    x,
+    targets,
+    *,
+    pipeline: PipelineConfig,
+    remat: str,
+    layer_args=(),
+    head: Callable,
+    head_params,
+    layer_loss: Callable | None = None,
 ):
-    """``cross_entropy(head(head_params, layers(x)), targets)`` with the stacked ``layers`` run
-    by ``sf.pipeline`` in ``pipeline``'s stages, micro-batches and schedule.
+    """(``cross_entropy(head(head_params, layers(x)), targets)``, None) with the stacked
+    ``layers`` run by ``sf.pipeline`` in ``pipeline``'s stages, micro-batches and schedule; with
+    ``layer_loss`` (of what a layer returns beside its output: an MoE layer's RoutingStats)
+    each layer's term is added to the loss, differentiated on the stage that runs the layer,
+    and the second result is those statistics stacked over depth, averaged over micro-batches.
 
     ``head(head_params, h) -> logits`` is a pure function of its parameters (a pytree of arrays
     and nnx states), so that the pipeline owns its gradient; ``layer_args`` (RoPE tables) are
@@ -85,8 +97,13 @@ def pipelined_loss(
 
     graphdef, params = nnx.split(layers)
     step = layer_step(graphdef, remat, *layer_args)
-    return sf.pipeline(
-        lambda layer, h: step(h, layer)[0],
+
+    def layer(layer_params, h):
+        h, stats = step(h, layer_params)
+        return h if layer_loss is None else (h, layer_loss(stats), stats)
+
+    out = sf.pipeline(
+        layer,
         params,
         x,
         head=lambda hp, h, t: cross_entropy(head(hp, h), t),
@@ -99,3 +116,4 @@ def pipelined_loss(
         layers_per_stage=pipeline.layers_per_stage,
         axis=pipeline.axis,
     )
+    return out if layer_loss is not None else (out, None)

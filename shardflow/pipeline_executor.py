@@ -23,9 +23,12 @@ from shardflow.split_vjp import split_vjp
 class Bodies(NamedTuple):
     """A virtual stage and the head as functions of flat lists of arrays (one device's view).
 
-    forward(chunk, x) -> (y, stored): ``stored`` are the residuals B and W need, less those
-    that are the chunk's own parameters (passed again rather than kept per micro-batch).
-    backward(chunk, stored, dy) -> (d chunk, dx), and the same work cut in two
+    forward(chunk, x) -> (y, aux, stored): ``aux`` what the chunk's layers return beside their
+    output, each stacked over the chunk's layers (their loss terms first, then their metrics;
+    empty where a layer returns its output alone); ``stored`` the residuals B and W need, less
+    those that are the chunk's own parameters (passed again rather than kept per micro-batch).
+    backward(chunk, stored, dy) -> (d chunk, dx), the layers' loss terms seeded with one, and
+    the same work cut in two
     (``split_vjp``): backward_x(chunk, stored, dy) -> (dx, stash) and
     backward_w(chunk, stored, stash) -> d chunk, the stash being what W reads of B's values
     (the cotangents of the weights' matmuls).
@@ -39,36 +42,53 @@ class Bodies(NamedTuple):
     head: Callable
 
 
+def layer_outputs(out):
+    """(h, loss term, metrics) of what ``sf.pipeline``'s ``layer_fn`` returns: ``h`` alone, or
+    ``(h, loss, metrics)`` — a float scalar added to the micro-batch's loss (differentiated)
+    and a pytree of arrays returned per layer (not differentiated)."""
+    if isinstance(out, tuple) and len(out) == 3:
+        return out
+    return out, None, None
+
+
 def bodies_of(layer_fn, head_fn, chunk, x, head_params, args) -> Bodies:
-    """The Bodies on one device as ClosedJaxprs, for ``layer_fn(layer, h) -> h`` scanned over a
-    chunk of stacked layers and ``head_fn(head_params, y, args) -> loss``, traced at the given
-    (abstract) values."""
+    """The Bodies on one device as ClosedJaxprs, for ``layer_fn(layer, h)`` (see
+    ``layer_outputs``) scanned over a chunk of stacked layers and
+    ``head_fn(head_params, y, args) -> loss``, traced at the given (abstract) values."""
     chunk_leaves, chunk_tree = jax.tree.flatten(chunk)
     head_leaves, head_tree = jax.tree.flatten(head_params)
     arg_leaves, arg_tree = jax.tree.flatten(args)
     n = len(chunk_leaves)
 
-    def stage(leaves, x):
-        layers = jax.tree.unflatten(chunk_tree, leaves)
-        return lax.scan(lambda h, layer: (layer_fn(layer, h), None), x, layers)[0]
+    def stage(leaves, x):  # ((y, the layers' loss terms), their metrics)
+        def one(h, layer):
+            h, loss, metrics = layer_outputs(layer_fn(layer, h))
+            return h, (loss, metrics)
+
+        y, (losses, metrics) = lax.scan(one, x, jax.tree.unflatten(chunk_tree, leaves))
+        return (y, losses), metrics
 
     pullback = {}
 
     def full_forward(leaves, x):
-        y, vjp = jax.vjp(stage, leaves, x)
+        (y, losses), vjp, metrics = jax.vjp(stage, leaves, x, has_aux=True)
         residuals, pullback["tree"] = jax.tree.flatten(vjp)
-        return y, residuals
+        aux = pullback["aux"] = jax.tree.leaves((losses, metrics))
+        return y, aux, residuals
 
     traced = jax.make_jaxpr(full_forward)(chunk_leaves, x)
+    n_aux = len(pullback["aux"])
     inputs = traced.jaxpr.invars[:n]
+    y, *outs = traced.jaxpr.outvars
+    aux, residuals = outs[:n_aux], outs[n_aux:]
     # Where each residual comes from: a chunk parameter (its index) or the stored list (-1).
-    from_chunk = tuple(inputs.index(v) if v in inputs else -1 for v in traced.jaxpr.outvars[1:])
+    from_chunk = tuple(inputs.index(v) if v in inputs else -1 for v in residuals)
     # forward: the traced jaxpr less the residuals that are chunk parameters (no new trace).
-    y, *residuals = traced.jaxpr.outvars
     forward = traced.replace(
-        jaxpr=traced.jaxpr.replace(outvars=[y] + [r for r, i in zip(residuals, from_chunk) if i < 0])
+        jaxpr=traced.jaxpr.replace(outvars=[y, *aux] + [r for r, i in zip(residuals, from_chunk) if i < 0])
     )
-    y, *stored = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in forward.out_avals)
+    y, *outs = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in forward.out_avals)
+    losses, stored = outs[: min(n_aux, 1)], outs[n_aux:]
 
     def pullback_of(leaves, stored):
         stored = iter(stored)
@@ -76,7 +96,8 @@ def bodies_of(layer_fn, head_fn, chunk, x, head_params, args) -> Bodies:
         return jax.tree.unflatten(pullback["tree"], residuals)
 
     def backward(leaves, stored, dy):
-        d_leaves, dx = pullback_of(leaves, stored)(dy)
+        seed = [jnp.ones(a.shape, a.dtype) for a in losses]  # d loss / d (each layer's loss term)
+        d_leaves, dx = pullback_of(leaves, stored)((dy, seed[0] if seed else None))
         return list(d_leaves), dx
 
     def head(hp, y, a):
@@ -111,9 +132,9 @@ def callables(jaxprs: Bodies, run=jaxpr_as_fun) -> Bodies:
         return lambda *groups: split(list(fn(*[x for g in groups for x in (g if isinstance(g, list) else [g])])))
 
     f, b, bx, bw, h = jaxprs
-    n_dp = len(b.out_avals) - 1
+    n_dp, a = len(b.out_avals) - 1, 1 + aux_count(jaxprs)
     return Bodies(
-        forward=flat(f, lambda o: (o[0], o[1:])),
+        forward=flat(f, lambda o: (o[0], o[1:a], o[a:])),
         backward=flat(b, lambda o: (o[:n_dp], o[n_dp])),
         backward_x=flat(bx, lambda o: (o[0], o[1:])),
         backward_w=flat(bw, lambda o: o),
@@ -121,24 +142,34 @@ def callables(jaxprs: Bodies, run=jaxpr_as_fun) -> Bodies:
     )
 
 
+def aux_count(jaxprs: Bodies) -> int:
+    """How many of forward's results after y are the layers' aux (the rest are stored): backward
+    reads the chunk, the stored values and dy where forward reads the chunk and x."""
+    n_stored = len(jaxprs.backward.in_avals) - len(jaxprs.forward.in_avals)
+    return len(jaxprs.forward.out_avals) - 1 - n_stored
+
+
 def sequential(bodies: Bodies, table: Schedule, stage, head_params, xs, args):
     """What every schedule computes, one micro-batch and one virtual stage after another on one
-    device: (loss, d stage, d head_params, d xs), each a flat list (stage leaves [p, v, ...])."""
+    device: (head loss, d stage, d head_params, d xs, aux), each a flat list (stage leaves and
+    aux [p, v, ...]; aux the mean over micro-batches, in float32 at least)."""
     where = placements(table)
     m, n_virtual = table.microbatches, table.stages * table.chunks
 
     def chunk(k):
         return [x[where[k]] for x in stage]
 
-    d_chunk, d_hp = _gradient_shapes(bodies, chunk(0), xs[0], head_params, [a[0] for a in args])
+    d_chunk, d_hp, aux0 = _gradient_shapes(bodies, chunk(0), xs[0], head_params, [a[0] for a in args])
     d_stage = [jnp.zeros(x.shape[:2] + g.shape, _summed(g.dtype)) for x, g in zip(stage, d_chunk)]
     d_head = [jnp.zeros(g.shape, _summed(g.dtype)) for g in d_hp]
+    aux = [jnp.zeros(stage[0].shape[:2] + a.shape, _summed(a.dtype)) for a in aux0]
     loss, d_xs = jnp.zeros((), jnp.float32), []
 
     for i in range(m):
         h, stored = xs[i], []
         for k in range(n_virtual):
-            h, st = bodies.forward(chunk(k), h)
+            h, out, st = bodies.forward(chunk(k), h)
+            aux = [a.at[where[k]].add(o.astype(a.dtype)) for a, o in zip(aux, out)]
             stored.append(st)
         l, dh, dy = bodies.head(head_params, h, [a[i] for a in args])
         loss, d_head = loss + l, [a + b.astype(a.dtype) for a, b in zip(d_head, dh)]
@@ -151,35 +182,37 @@ def sequential(bodies: Bodies, table: Schedule, stage, head_params, xs, args):
         [(d / m).astype(g.dtype) for d, g in zip(d_stage, d_chunk)],
         [(d / m).astype(g.dtype) for d, g in zip(d_head, d_hp)],
         jnp.stack(d_xs) / m,
+        [a / m for a in aux],
     )
 
 
 def _summed(dtype):
-    """The dtype gradients are summed over micro-batches in: at least float32 (bf16 gradients
-    summed 16 times in bf16 would round 16 times; they are rounded once, at the end)."""
+    """The dtype gradients and aux are summed over micro-batches in: at least float32 (bf16
+    gradients summed 16 times in bf16 would round 16 times; they are rounded once, at the end)."""
     return jnp.promote_types(dtype, jnp.float32)
 
 
 def _flat(out) -> list:
-    first, rest = out
-    return [first, *rest]
+    first, *groups = out
+    return [first, *(x for group in groups for x in group)]
 
 
 def _gradient_shapes(bodies: Bodies, chunk, x, head_params, args):
-    """(a chunk's gradient, the head params' gradient) as the bodies make them: sharded bodies
-    may make them in other blocks than the parameters' (a replicated bias's gradient split with
-    the activations)."""
-    y, stored = jax.eval_shape(bodies.forward, chunk, x)
+    """(a chunk's gradient, the head params' gradient, a chunk's aux) as the bodies make them:
+    sharded bodies may make them in other blocks than the parameters' (a replicated bias's
+    gradient split with the activations)."""
+    y, aux, stored = jax.eval_shape(bodies.forward, chunk, x)
     return (
         jax.eval_shape(bodies.backward, chunk, stored, y)[0],
         jax.eval_shape(bodies.head, list(head_params), y, args)[1],
+        aux,
     )
 
 
 def execute(bodies: Bodies, table: Schedule, stage, head_params, xs, args, *, axis: str):
     """The pipelined loss and its gradients on this device (inside ``shard_map`` over ``axis``):
-    ``sequential``'s results, each device holding its own [1, v, ...] block of the stage leaves
-    and of their gradients, the rest whole on every device."""
+    ``sequential``'s results, each device holding its own [1, v, ...] block of the stage leaves,
+    of their gradients and of the aux, the rest whole on every device."""
     run = _Lockstep(bodies, table, stage, head_params, xs, args, axis)
     carry, _ = lax.scan(run.step, run.initial_carry(), jnp.arange(run.step_tables.steps))
     return run.results(carry)
@@ -234,7 +267,9 @@ class _Lockstep:
         self.layers = [[slots.Rows(x[k, l] for l in range(x.shape[1])) for x in mine] for k in range(self.v)]
         self.x0 = xs[0]
         stacked0 = [x[0] for x in mine]
-        self.d_chunk, self.d_hp = _gradient_shapes(bodies, stacked0, self.x0, head_params, [a[0] for a in args])
+        self.d_chunk, self.d_hp, self.aux0 = _gradient_shapes(
+            bodies, stacked0, self.x0, head_params, [a[0] for a in args]
+        )
         self.n = len(mine)
         self._trace_actions(_like(stacked0))
         self.tables = {name: jnp.asarray(tab) for name, tab in self.step_tables.tables.items()}
@@ -249,7 +284,8 @@ class _Lockstep:
         micro-batch in one step)."""
         bodies, n, x0, tables = self.bodies, self.n, self.x0, self.step_tables.tables
         self.f_jaxpr = jax.make_jaxpr(lambda *a: _flat(bodies.forward(list(a[:n]), a[n])))(*chunk0, x0)
-        self.stored0 = _like(self.f_jaxpr.out_avals[1:])
+        self.n_aux = len(self.aux0)
+        self.stored0 = _like(self.f_jaxpr.out_avals[1 + self.n_aux :])
         n_stored = self.n_stored = len(self.stored0)
         self.stash0 = []
         self.whole_b = bool(tables["bw_whole"].any())
@@ -280,6 +316,7 @@ class _Lockstep:
                 for g in self.d_chunk
             ],  # [leaf][chunk][layer]
             d_head=[jnp.zeros(g.shape, _summed(g.dtype)) for g in self.d_hp],
+            aux=[jnp.zeros((self.v,) + a.shape, _summed(a.dtype)) for a in self.aux0],
             d_xs=_buffers(self.m, [x0], spare=1)[0],
             loss=jnp.zeros((), jnp.float32),
             out_f=jnp.zeros_like(x0),  # what this step's F and B send on (read only where sent)
@@ -292,10 +329,12 @@ class _Lockstep:
     def forward(self, k, row, c):
         i = row["f_mb"]
         x = jnp.where(self.is_first(k), at(self.xs, i), at(c["in_f"], row["f_in"]))
-        y, *stored = slots.run(
-            self.f_jaxpr, self.layers[k] + [x], writes={1 + r: (b, row["f_resid"]) for r, b in enumerate(c["stored"])}
+        a = 1 + self.n_aux
+        y, *outs = slots.run(
+            self.f_jaxpr, self.layers[k] + [x], writes={a + r: (b, row["f_resid"]) for r, b in enumerate(c["stored"])}
         )
-        return dict(stored=stored, out_f=y)
+        aux = [s.at[k].add(o.astype(s.dtype)) for s, o in zip(c["aux"], outs)]
+        return dict(stored=outs[a - 1 :], out_f=y, aux=aux)
 
     def head(self, row, c):  # on every device: y from the last stage; dy to it
         y = lax.psum(jnp.where(self.me == self.last_stage, c["out_f"], jnp.zeros_like(c["out_f"])), self.axis)
@@ -354,7 +393,7 @@ class _Lockstep:
         loops one per chunk, of which one runs; then the head."""
         read = lambda fn, *key: lambda part: fn(*key, row, dict(c, **part))  # the other entries as they are now
         for k in range(self.v):
-            c = _when(row["f_chunk"] == k, read(self.forward, k), c, ("stored", "out_f"))
+            c = _when(row["f_chunk"] == k, read(self.forward, k), c, ("stored", "out_f", "aux"))
         for k in range(self.v):
             if self.split_b:
                 c = _when(
@@ -405,4 +444,4 @@ class _Lockstep:
             (jnp.stack([jnp.stack(rows) for rows in g]) / m).astype(like.dtype)[None]
             for g, like in zip(c["d_stage"], self.d_chunk)
         ]
-        return loss, d_stage, d_head, d_xs
+        return loss, d_stage, d_head, d_xs, [(a / m)[None] for a in c["aux"]]

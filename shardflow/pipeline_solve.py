@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from shardflow import conversion, registry
 from shardflow.passes.solve.build import by_layout, layouts
-from shardflow.pipeline_executor import Bodies
+from shardflow.pipeline_executor import Bodies, aux_count
 from shardflow.pipelining import operand_groups, outer_sbp, pipeline_axis
 from shardflow.program import open_jaxpr, rebody
 from shardflow.registry import DECISION, Decision
@@ -70,7 +70,9 @@ def solve_pipeline(b, eqn, scale) -> PipelineEntry:
     n, nh = len(stage), len(head)
     chunk = [choose(v) for v in forward.invars[:n]]
     x = choose(forward.invars[n])
-    stored = [choose(v) for v in forward.outvars[1:]]
+    n_aux = aux_count(Bodies(**{name: params[name] for name in Bodies._fields}))
+    aux = [choose(v, partial=True) for v in forward.outvars[1 : 1 + n_aux]]
+    stored = [choose(v) for v in forward.outvars[1 + n_aux :]]
     stash = [choose(v) for v in bodies["backward_x"].outvars[1:]]
     d_chunk = [choose(v, partial=True) for v in backward.outvars[:-1]]
     # The head runs on every device of the pipeline axis: split over it as its parameters
@@ -97,7 +99,7 @@ def solve_pipeline(b, eqn, scale) -> PipelineEntry:
         backward_w=chunk + stored + stash,
     )
     body_outs = dict(
-        forward=[x] + stored,
+        forward=[x] + aux + stored,
         head=[loss] + d_head + [x],
         backward=d_chunk + [x],
         backward_x=[x] + stash,
@@ -122,7 +124,13 @@ def solve_pipeline(b, eqn, scale) -> PipelineEntry:
     ins = [outside(c, 2, Split(0)) for c in chunk] + head_params + [outside(x, 1)] + [outside(c, 1) for c in head_args]
     for v, choice in zip(eqn.invars, ins):
         b.use(v, *choice)
-    outs = [loss] + [outside(c, 2, Split(0)) for c in d_chunk] + d_head + [outside(x, 1)]
+    outs = (
+        [loss]
+        + [outside(c, 2, Split(0)) for c in d_chunk]
+        + d_head
+        + [outside(x, 1)]
+        + [outside(c, 2, Split(0)) for c in aux]
+    )
     for v, (options, cols) in zip(eqn.outvars, outs):
         b.produced[v], b.scale[v] = by_layout(options, cols), scale
     for a, c in zip(*ins[n + nh]):  # its own collectives: a micro-batch's activation

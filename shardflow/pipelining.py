@@ -55,7 +55,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from shardflow.conversion import Step
-from shardflow.pipeline_executor import Bodies, bodies_of, callables, execute, sequential
+from shardflow.pipeline_executor import Bodies, aux_count, bodies_of, callables, execute, layer_outputs, sequential
 from shardflow.pipeline_tables import step_tables
 from shardflow.program import open_jaxpr, source_line
 from shardflow.registry import Decision, defrule
@@ -65,8 +65,9 @@ from shardflow.specs import B, Partial, ShardingError, Split, definition, descri
 # ------------------------------------------------------------------------------ the primitive
 #
 # sf_pipeline: operands (*stage leaves [p, v, ...], *head params, xs [m, ...], *args [m, ...]),
-# results (loss, *d stage leaves, *d head params, d xs) — the loss and its whole gradient, as
-# ``sequential`` computes them. Its params hold the Bodies as single-device jaxprs, so shardflow
+# results (loss, *d stage leaves, *d head params, d xs, *aux [p, v, ...]) — the head's loss, the
+# whole gradient (the layers' loss terms included) and the layers' aux, as ``sequential``
+# computes them. Its params hold the Bodies as single-device jaxprs, so shardflow
 # shards them like any loop body (the rule below); bound outside parallelize it runs them in
 # sequence.
 
@@ -106,21 +107,37 @@ def _uneven(layer_fn, counts, n_layers, table):
         return leaf[index]
 
     def masked(layer, h):
-        return lax.cond(layer["active"] > 0, lambda: layer_fn(layer["layer"], h), lambda: h)
+        def skipped():  # h passes on; a padding layer adds no loss term and no metrics
+            _, loss, metrics = layer_outputs(jax.eval_shape(layer_fn, layer["layer"], h))
+            if loss is None:
+                return h
+            zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
+            return h, zeros(loss), zeros(metrics)
+
+        return lax.cond(layer["active"] > 0, lambda: layer_fn(layer["layer"], h), skipped)
 
     return device_order, jnp.asarray(active), masked
 
 
+def _results(params, loss, d_stage, d_head, d_xs, aux) -> list:
+    """The equation's results, in its order, from what the executor returns."""
+    return [loss.astype(params["head"].out_avals[0].dtype), *d_stage, *d_head, d_xs, *aux]
+
+
 def _sequential_impl(*values, **params):
     stage, head, xs, args = operand_groups(params, list(values))
-    loss, d_stage, d_head, d_xs = sequential(callables(_bodies_param(params)), params["table"], stage, head, xs, args)
-    return [loss.astype(params["head"].out_avals[0].dtype), *d_stage, *d_head, d_xs]
+    return _results(params, *sequential(callables(_bodies_param(params)), params["table"], stage, head, xs, args))
 
 
 def _abstract_eval(*avals, **params):
     stage, head, xs, _ = operand_groups(params, list(avals))
-    loss = params["head"].out_avals[0]
-    return [loss, *stage, *head, xs]
+    loss, forward = params["head"].out_avals[0], params["forward"]
+    lead = stage[0].shape[:2]  # [p, v]
+    aux = [
+        jax.core.ShapedArray(lead + a.shape, jnp.promote_types(a.dtype, jnp.float32))
+        for a in forward.out_avals[1 : 1 + aux_count(_bodies_param(params))]
+    ]
+    return [loss, *stage, *head, xs, *aux]
 
 
 pipeline_p.def_impl(lambda *values, **params: jax.jit(lambda *v: _sequential_impl(*v, **params))(*values))
@@ -128,30 +145,42 @@ pipeline_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(pipeline_p, mlir.lower_fun(_sequential_impl, multiple_results=True))
 
 
-def _check_layer_and_head(layer_fn, head, layers, x, head_params, head_args, m: int) -> None:
-    """A ShardingError naming ``layer_fn`` or ``head`` unless one layer maps a micro-batch's
-    activations to their own shape and dtype (the stages hand them on) and the head makes a
-    float scalar of them (the loss the schedule differentiates)."""
+def _is_float_scalar(a) -> bool:
+    return isinstance(a, jax.ShapeDtypeStruct) and a.shape == () and jnp.issubdtype(a.dtype, jnp.floating)
+
+
+def _check_layer_and_head(layer_fn, head, layers, x, head_params, head_args, m: int):
+    """One layer's metrics (abstract; None where it returns h alone), or a ShardingError naming
+    ``layer_fn`` or ``head`` unless one layer maps a micro-batch's activations to their own
+    shape and dtype (the stages hand them on), with a float scalar loss term where it returns
+    one, and the head makes a float scalar of them (the loss the schedule differentiates)."""
 
     def one_micro_batch(a):
         return jax.ShapeDtypeStruct((a.shape[0] // m,) + tuple(a.shape[1:]), a.dtype)
 
     h = one_micro_batch(x)
     one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
-    got = jax.eval_shape(layer_fn, one_layer, h)
+    out = jax.eval_shape(layer_fn, one_layer, h)
+    got, loss, metrics = layer_outputs(out)
     if jax.tree.structure(got) != jax.tree.structure(h) or (got.shape, got.dtype) != (h.shape, h.dtype):
         raise ShardingError(
             f"sf.pipeline: layer_fn {definition(layer_fn)} must map a micro-batch's activations "
-            f"h {describe(h)} to the same shape and dtype; it returns {_described(got)}: each "
-            "stage hands its output to the next as the next one's h"
+            f"h {describe(h)} to the same shape and dtype, or return (h, loss term, metrics); "
+            f"it returns {_described(out)}: each stage hands its output to the next as the next one's h"
+        )
+    if out is not got and not _is_float_scalar(loss):
+        raise ShardingError(
+            f"sf.pipeline: layer_fn {definition(layer_fn)} returns (h, loss term, metrics) with a "
+            f"loss term {_described(loss)}; it must be a float scalar (added to the micro-batch's loss)"
         )
     loss = jax.eval_shape(head, head_params, h, jax.tree.map(one_micro_batch, head_args))
-    if not (isinstance(loss, jax.ShapeDtypeStruct) and loss.shape == () and jnp.issubdtype(loss.dtype, jnp.floating)):
+    if not _is_float_scalar(loss):
         raise ShardingError(
             f"sf.pipeline: head {definition(head)} must return a micro-batch's loss, a float "
             f"scalar; it returns {_described(loss)} (y {describe(h)}): the schedule "
             "differentiates the mean of the micro-batches' losses"
         )
+    return metrics
 
 
 def _described(tree) -> str:
@@ -159,6 +188,35 @@ def _described(tree) -> str:
     if len(leaves) == 1 and jax.tree.structure(tree).num_leaves == 1 and not isinstance(tree, (tuple, list, dict)):
         return describe(leaves[0])
     return str(jax.tree.map(describe, tree)).replace("'", "")
+
+
+def _even(n_layers, table):
+    """device_order of a layer leaf for ``table``'s virtual stages of equal layer counts."""
+    p, v = table.stages, table.chunks
+    if n_layers % (p * v):
+        raise ValueError(
+            f"pipeline: {n_layers} layers do not split into {p} stages x {v} chunks; "
+            f"give layers_per_stage for an uneven split"
+        )
+    per_chunk = n_layers // (p * v)
+    order = np.array([[table.virtual_stage(s, c) for c in range(v)] for s in range(p)])
+
+    def device_order(leaf):  # [L, ...] -> [p, v, L / (p v), ...]
+        blocks = leaf.reshape((p * v, per_chunk) + leaf.shape[1:])
+        if (order.reshape(-1) == np.arange(p * v)).all():
+            return blocks.reshape((p, v) + blocks.shape[1:])
+        return blocks[order]
+
+    return device_order
+
+
+def _model_order(device_order, active, n_layers):
+    """[p, v, width, ...] -> [L, ...]: each layer's entry of a per-slot value, in the model's
+    order (padding slots left out)."""
+    layer_at = np.asarray(device_order(np.arange(n_layers))).reshape(-1)
+    present = np.ones(layer_at.shape, bool) if active is None else np.asarray(active).reshape(-1) > 0
+    slot = np.array([np.flatnonzero((layer_at == layer) & present)[0] for layer in range(n_layers)])
+    return lambda a: a.reshape((-1,) + a.shape[3:])[slot]
 
 
 def pipeline(
@@ -181,13 +239,20 @@ def pipeline(
     ``layers`` is a pytree of stacked layer parameters (leading dim: the number of layers),
     ``layer_fn(layer, h) -> h`` one layer; ``x`` and each leaf of ``head_args`` are split into
     ``microbatches`` along dim 0, strided (micro-batch i holds rows i, i + m, ...: a batch split
-    over a data axis leaves every micro-batch split the same way, without moving a row). In ``sf.parallelize`` on a
-    mesh with ``axis`` of ``stages`` devices, the layers are split over it in blocks and the schedule runs;
-    elsewhere the same
-    numbers come from one device running the micro-batches in turn. Differentiating the result
-    gives the schedule's gradients (computed with the loss; the loss must be the output that is
-    differentiated — its gradient is linear in the seed). Partial: called without
-    differentiating (an evaluation), it still runs the backward and drops it.
+    over a data axis leaves every micro-batch split the same way, without moving a row). In
+    ``sf.parallelize`` on a mesh with ``axis`` of ``stages`` devices, the layers are split over
+    it in blocks and the schedule runs; elsewhere the same numbers come from one device running
+    the micro-batches in turn. Differentiating the result gives the schedule's gradients
+    (computed with the loss; the loss must be the output that is differentiated — its gradient
+    is linear in the seed). Partial: called without differentiating (an evaluation), it still
+    runs the backward and drops it.
+
+    A layer may also return ``(h, loss_term, metrics)`` (an MoE layer's balance loss and its
+    routing statistics): ``loss_term``, a float scalar, is added to its micro-batch's loss and
+    differentiated with it in the layer's own backward (the stage that runs the layer); the
+    result is then ``(loss, metrics)``, ``metrics`` stacked over the layers in the model's
+    order and averaged over the micro-batches, in float32 at least, under ``stop_gradient``
+    (a term to differentiate belongs in ``loss_term``).
 
     ``layers_per_stage`` (e.g. [5, 4, 4, 3]) splits the layers unevenly: every stage holds as
     many as the largest, the padding ones skipped by a ``lax.cond`` (predication: the stage's
@@ -200,35 +265,22 @@ def pipeline(
         raise ValueError(f"pipeline: the stacked layers' leading dims differ: {sorted(n_layers)}")
     (n_layers,) = n_layers
     table = schedule if isinstance(schedule, Schedule) else by_name(schedule, stages, microbatches, chunks)
-    p, m, v = table.stages, table.microbatches, table.chunks
+    m = table.microbatches
     if x.shape[0] % m:
         raise ValueError(f"pipeline: a batch of {x.shape[0]} does not split into {m} micro-batches")
-    _check_layer_and_head(layer_fn, head, layers, x, head_params, head_args, m)
+    metrics = _check_layer_and_head(layer_fn, head, layers, x, head_params, head_args, m)
     if layers_per_stage is not None:
         device_order, active, layer_fn = _uneven(layer_fn, tuple(layers_per_stage), n_layers, table)
         stage_tree = {"layer": jax.tree.map(device_order, layers), "active": active}
     else:
-        if n_layers % (p * v):
-            raise ValueError(
-                f"pipeline: {n_layers} layers do not split into {p} stages x {v} chunks; "
-                f"give layers_per_stage for an uneven split"
-            )
-        per_chunk = n_layers // (p * v)
-        order = np.array([[table.virtual_stage(s, c) for c in range(v)] for s in range(p)])
-
-        def device_order(leaf):  # [L, ...] -> [p, v, L / (p v), ...]
-            blocks = leaf.reshape((p * v, per_chunk) + leaf.shape[1:])
-            if (order.reshape(-1) == np.arange(p * v)).all():
-                return blocks.reshape((p, v) + blocks.shape[1:])
-            return blocks[order]
-
+        device_order, active = _even(n_layers, table), None
         stage_tree = jax.tree.map(device_order, layers)
 
     def micro(a):  # micro-batch i: rows i, i + m, i + 2m, ... (a batch split stays split)
         return a.reshape((a.shape[0] // m, m) + a.shape[1:]).swapaxes(0, 1)
 
     stage, layer_tree = jax.tree.flatten(stage_tree)
-    head_leaves, head_tree = jax.tree.flatten(head_params)
+    head_leaves = jax.tree.leaves(head_params)
     xs = micro(x)
     arg_leaves, arg_tree = jax.tree.flatten(jax.tree.map(micro, head_args))
     jaxprs = bodies_of(
@@ -242,25 +294,32 @@ def pipeline(
     params = dict(jaxprs._asdict(), table=table, axis=axis, counts=(len(stage), len(head_leaves), len(arg_leaves)))
 
     def bind(stage, head_leaves, xs, arg_leaves):
+        """((the loss, the layers' aux), (d stage, d head, d xs)); the loss with the layers'
+        loss terms, each the mean over the micro-batches."""
         outs = pipeline_p.bind(*stage, *head_leaves, xs, *arg_leaves, **params)
         ns, nh = len(stage), len(head_leaves)
-        return outs[0], (outs[1 : 1 + ns], outs[1 + ns : 1 + ns + nh], outs[1 + ns + nh])
+        loss, aux = outs[0], outs[2 + ns + nh :]
+        if aux:
+            loss = loss + jnp.sum(aux[0]).astype(loss.dtype)
+        return (loss, aux), (outs[1 : 1 + ns], outs[1 + ns : 1 + ns + nh], outs[1 + ns + nh])
 
     @jax.custom_vjp
     def loss(stage, head_leaves, xs, arg_leaves):
         return bind(stage, head_leaves, xs, arg_leaves)[0]
 
-    def loss_fwd(stage, head_leaves, xs, arg_leaves):
-        value, grads = bind(stage, head_leaves, xs, arg_leaves)
-        return value, grads
-
-    def loss_bwd(grads, g):  # head_args (targets, masks) get no gradient
+    def loss_bwd(grads, g):  # head_args (targets, masks) get no gradient; aux under stop_gradient
         d_stage, d_head, d_xs = grads
-        scale = lambda ds: [d * g.astype(d.dtype) for d in ds]
+        g = g[0]
+        scale = lambda ds: [d * g.astype(d.dtype) for d in ds]  # noqa: E731
         return scale(d_stage), scale(d_head), d_xs * g.astype(d_xs.dtype), [None] * len(arg_leaves)
 
-    loss.defvjp(loss_fwd, loss_bwd)
-    return loss(stage, head_leaves, xs, arg_leaves)
+    loss.defvjp(bind, loss_bwd)
+    value, aux = loss(stage, head_leaves, xs, arg_leaves)
+    if metrics is None:
+        return value
+    in_model_order = _model_order(device_order, active, n_layers)
+    aux = [in_model_order(lax.stop_gradient(a)) for a in aux[1:]]
+    return value, jax.tree.unflatten(jax.tree.structure(metrics), aux)
 
 
 # ------------------------------------------------------------------------------ the rule
@@ -340,7 +399,9 @@ def _propagate(prop, eqn):
         with prop.holding(ax):
             return prop.run_body(open_jaxpr(params[name]), in_sbp, src)
 
-    forward, (_, *stored) = run("forward", chunk + [x])
+    n_aux = aux_count(_bodies_param(params))
+    forward, (_, *outs) = run("forward", chunk + [x])
+    aux, stored = outs[:n_aux], outs[n_aux:]
     head_body, (loss, *d_head_and_dy) = run("head", head + [x] + [_inner(s, ax, 1) for s in args])
     on_axis = lambda sbp, entry=B: sbp if ax is None else tuple(entry if i == ax else s for i, s in enumerate(sbp))
     loss = on_axis(loss)
@@ -350,13 +411,19 @@ def _propagate(prop, eqn):
     backward_x, (_, *stash) = run("backward_x", chunk + stored + [x])
     backward_w, _ = run("backward_w", chunk + stored + stash)
     wanted = dict(
-        forward=(x, *stored),
+        forward=(x, *aux, *stored),
         head=(loss, *d_head, x),
         backward=(*d_chunk, x),
         backward_x=(x, *stash),
         backward_w=tuple(d_chunk),
     )
-    outs = [loss] + [outer_sbp(s, ax, 2, Split(0)) for s in d_chunk] + d_head + [outer_sbp(x, ax, 1, B)]
+    outs = (
+        [loss]
+        + [outer_sbp(s, ax, 2, Split(0)) for s in d_chunk]
+        + d_head
+        + [outer_sbp(x, ax, 1, B)]
+        + [outer_sbp(s, ax, 2, Split(0)) for s in aux]
+    )
     decision = Decision(
         tuple(stage + head + [xs] + args), tuple(outs), bodies=tuple((name, wanted[name]) for name in Bodies._fields)
     )
@@ -395,10 +462,8 @@ def _lower(local, eqn, ins):
     bodies = callables(_bodies_param(params), run=local.body_fn)
     stage, head, xs, args = operand_groups(params, list(ins))
     if params["axis"] not in local.names:  # one stage: the micro-batches in turn
-        loss, d_stage, d_head, d_xs = sequential(bodies, params["table"], stage, head, xs, args)
-    else:
-        loss, d_stage, d_head, d_xs = execute(bodies, params["table"], stage, head, xs, args, axis=params["axis"])
-    return [loss.astype(params["head"].out_avals[0].dtype), *d_stage, *d_head, d_xs]
+        return _results(params, *sequential(bodies, params["table"], stage, head, xs, args))
+    return _results(params, *execute(bodies, params["table"], stage, head, xs, args, axis=params["axis"]))
 
 
 def _comm(eqn, ins, sigs, mesh):

@@ -39,18 +39,20 @@ def small_config(data_dir, out, **overrides):
 _single_device_cache: dict = {}
 
 
-def single_device_losses(cfg):
-    """The same steps with no mesh at all: everything on device 0, one batch of all rows."""
-    key = (json.dumps(cfg.model, sort_keys=True), cfg.data.path, cfg.batch_size, cfg.steps)
+def single_device_losses(cfg, pipelined=False):
+    """The same steps with no mesh at all: everything on device 0, one batch of all rows; where
+    ``pipelined``, through the configured pipeline's micro-batches in turn."""
+    key = (json.dumps(cfg.model, sort_keys=True), cfg.data.path, cfg.batch_size, cfg.steps, pipelined)
     if key not in _single_device_cache:
-        _single_device_cache[key] = _single_device_losses(cfg)
+        _single_device_cache[key] = _single_device_losses(cfg, pipelined)
     return _single_device_cache[key]
 
 
-def _single_device_losses(cfg):
+def _single_device_losses(cfg, pipelined):
     run = train.setup(cfg)
     params, opt_state = jax.device_get(train.init_state(run))
-    step_fn = jax.jit(train.make_train_step(run.graphdef, run.optimizer, jnp.float32, 1))
+    pipeline = run.pipeline if pipelined else None
+    step_fn = jax.jit(train.make_train_step(run.graphdef, run.optimizer, jnp.float32, 1, pipeline))
     losses = []
     for step in range(cfg.steps):
         windows = run.data.windows(

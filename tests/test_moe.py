@@ -18,7 +18,7 @@ import shardflow as sf
 from shardflow import experts_rule, models
 from shardflow.experts import routed_experts
 from shardflow.experts_primitives import ExpertsConfig, sf_experts_bwd_p, sf_experts_fwd_p
-from shardflow.models import moe
+from shardflow.models import PipelineConfig, moe
 from shardflow.models import sharding as model_sharding
 from shardflow.specs import S
 
@@ -199,6 +199,8 @@ TRAIN_CASES = {
     "ep-capacity-aux": ("ep", {"data": 2, "expert": 4}, dict(routing="capacity", balance="aux_loss")),
     "ep_fsdp-dropless-bias": ("ep_fsdp", {"data": 2, "expert": 4}, dict(routing="dropless", balance="bias")),
     "ep_tp-capacity-bias": ("ep_tp", {"data": 2, "expert": 2, "model": 2}, dict(balance="bias", bias_rate=0.05)),
+    "pipe-ep-dropless-bias": ("ep", {"pipe": 2, "data": 2, "expert": 2}, dict(routing="dropless", balance="bias")),
+    "pipe-ep-capacity-aux": ("ep", {"pipe": 2, "data": 1, "expert": 4}, dict(routing="capacity", balance="aux_loss")),
 }
 
 
@@ -206,7 +208,8 @@ TRAIN_CASES = {
 @pytest.mark.parametrize("case", TRAIN_CASES)
 def test_shardflow_train_with_expert_parallelism_equals_one_device(case, data_dir, tmp_path):
     """Three optimizer steps of `shardflow train` (balance losses, router-bias updates and all)
-    give one device's losses."""
+    give one device's losses; with pipeline stages, one device's running the same micro-batches
+    in turn."""
     from test_models import single_device_losses, small_config
 
     from shardflow import train
@@ -214,7 +217,9 @@ def test_shardflow_train_with_expert_parallelism_equals_one_device(case, data_di
     strategy, mesh, moe_keys = TRAIN_CASES[case]
     cfg = small_config(data_dir, tmp_path, strategy=strategy, mesh=mesh)
     cfg.model = {**cfg.model, **SMALL_MOE, "preset": "moe-tiny", "n_heads": 8, "n_kv_heads": 4, **moe_keys}
-    expected = single_device_losses(cfg)
+    if "pipe" in mesh:
+        cfg.pipeline.stages, cfg.pipeline.microbatches = mesh["pipe"], 2
+    expected = single_device_losses(cfg, pipelined="pipe" in mesh)
     got = train.train(cfg, progress=False)["losses"]
     np.testing.assert_allclose([got[s] for s in (1, 2, 3)], expected, rtol=1e-5)
 
@@ -343,3 +348,78 @@ def test_capacity_layer_all_to_all_bytes_are_the_minimum_in_the_compiled_program
     assert sum(c.bytes * c.count for c in listed) == ran
     assert all(c.source.startswith("moe.py:") for c in listed)
     np.testing.assert_allclose(step(x, router, *weights), jax.jit(layer)(x, router, *weights), rtol=1e-5, atol=1e-5)
+
+
+# --- MoE under pipeline stages (sf.pipeline): each micro-batch routes on its own
+
+
+def _losses_and_grads(cfg, graphdef, pipeline):
+    def loss(params, tokens):
+        return nnx.merge(graphdef, params).losses(tokens, tokens, pipeline=pipeline)
+
+    return jax.value_and_grad(loss, has_aux=True)
+
+
+def _strided_reference(cfg, graphdef, params, tokens, m):
+    """The plain model on each strided micro-batch (sf.pipeline's split), averaged: what a
+    pipelined MoE step computes."""
+    micro = [tokens[i::m] for i in range(m)]
+    results = [jax.jit(_losses_and_grads(cfg, graphdef, None))(params, t) for t in micro]
+    return jax.tree.map(lambda *xs: sum(xs) / m, *results)
+
+
+@pytest.mark.parametrize("routing, balance", [("capacity", "aux_loss"), ("dropless", "bias")])
+def test_pipelined_moe_routes_each_micro_batch_as_the_plain_model_does(routing, balance):
+    """On one device sf.pipeline runs the micro-batches in turn: its loss (balance and z terms
+    included), its gradients and its routing statistics per layer are the plain model's on each
+    micro-batch, averaged; each layer's balance loss is differentiated on its own stage."""
+    cfg = models.preset(
+        "moe-tiny", routing=routing, balance=balance, z_loss_weight=1e-3, **{**SMALL_MOE, "n_layers": 4}
+    )
+    graphdef, params = nnx.split(models.build(cfg))
+    params = nnx.to_pure_dict(params)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 16)), jnp.int32)
+    want = _strided_reference(cfg, graphdef, params, tokens, 4)
+    got = jax.jit(_losses_and_grads(cfg, graphdef, PipelineConfig(2, 4, "1f1b")))(params, tokens)
+    assert got[0][1]["load"].shape == (4, cfg.n_experts)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+
+PIPELINED = {
+    "pipe2-expert4": ({"pipe": 2, "data": 1, "expert": 4}, EP, "1f1b"),
+    "pipe2-data2-expert2": ({"pipe": 2, "data": 2, "expert": 2}, EP, "zb-h1"),
+    "pipe2-expert2-model2": ({"pipe": 2, "data": 1, "expert": 2, "model": 2}, EP_TP, "gpipe"),
+}
+
+
+@pytest.mark.parametrize(
+    "case, passes",
+    [(case, "greedy") for case in PIPELINED] + [("pipe2-data2-expert2", "solver")],
+)
+@pytest.mark.parametrize("routing, balance", [("capacity", "aux_loss"), ("dropless", "bias")])
+def test_pipelined_expert_parallel_step_equals_one_device(case, passes, routing, balance):
+    """The stages on 'pipe', the experts on 'expert' within each stage (greedy's plan, and the
+    solver's with the pipeline's bodies): the loss, every gradient and the per-layer routing
+    statistics equal the same pipelined step on one device."""
+    axes, rules, schedule = PIPELINED[case]
+    mesh = sf.make_mesh(axes)
+    cfg = models.preset(
+        "moe-tiny", routing=routing, balance=balance, z_loss_weight=1e-3, **{**SMALL_MOE, "n_layers": 4}
+    )
+    model = models.build(cfg)
+    graphdef, params = nnx.split(model)
+    params = nnx.to_pure_dict(params)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (16, 16)), jnp.int32)  # micro-batches of 4
+    grad = _losses_and_grads(cfg, graphdef, PipelineConfig(2, 4, schedule))
+    want = jax.jit(grad)(params, tokens)
+    rules = model_sharding.with_pipeline(rules)
+    specs = model_sharding.param_specs(model, rules, mesh)
+
+    def step(params, tokens):
+        with model_sharding.activation_sharding(rules, sf.constrain):
+            return grad(params, tokens)
+
+    batch = model_sharding.spec_for(("batch", None), rules)
+    solver = {"passes": sf.passes.SOLVER} if passes == "solver" else {}
+    got = sf.parallelize(step, mesh=mesh, in_specs=(specs, batch), **solver)(params, tokens)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)

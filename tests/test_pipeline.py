@@ -94,11 +94,16 @@ def check(table):
 
     f = jax.jit(
         jax.shard_map(
-            body, mesh=mesh, in_specs=(P("pipe"), P(), P(), P()), out_specs=(P(), P("pipe"), P(), P()), check_vma=False
+            body,
+            mesh=mesh,
+            in_specs=(P("pipe"), P(), P(), P()),
+            out_specs=(P(), P("pipe"), P(), P(), P("pipe")),
+            check_vma=False,
         )
     )
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-    loss, d_stage, (d_hp,), d_xs = f(put(stage, P("pipe")), put(hp, P()), put(xs, P()), put(tgs, P()))
+    loss, d_stage, (d_hp,), d_xs, aux = f(put(stage, P("pipe")), put(hp, P()), put(xs, P()), put(tgs, P()))
+    assert aux == []  # layers that return h alone
     inverse = np.argsort(order.reshape(-1))
     d_layers = [
         np.asarray(g).reshape((p * v * Lc,) + g.shape[3:])
@@ -473,6 +478,11 @@ def per_row_loss(hp, y, tgt):
     return jnp.mean((y @ hp - tgt) ** 2, axis=-1)
 
 
+def per_row_loss_term(w, h):
+    h = layer(w, h)
+    return h, jnp.mean(h, axis=1), {}
+
+
 def count_loss(hp, y, tgt):
     return jnp.sum(y @ hp > tgt)
 
@@ -484,7 +494,8 @@ def count_loss(hp, y, tgt):
             widening,
             head_fn,
             r"layer_fn widening \(test_pipeline.py:\d+\) must map a micro-batch's activations "
-            r"h float32\[4, 8\] to the same shape and dtype; it returns float32\[4, 16\]",
+            r"h float32\[4, 8\] to the same shape and dtype, or return \(h, loss term, metrics\); "
+            r"it returns float32\[4, 16\]",
         ),
         (
             to_bf16,
@@ -499,6 +510,12 @@ def count_loss(hp, y, tgt):
             r"\(float32\[4, 8\], float32\[4, 8\]\)",
         ),
         (
+            per_row_loss_term,
+            head_fn,
+            r"layer_fn per_row_loss_term \(test_pipeline.py:\d+\) returns \(h, loss term, metrics\) "
+            r"with a loss term float32\[4\]; it must be a float scalar",
+        ),
+        (
             layer,
             per_row_loss,
             r"head per_row_loss \(test_pipeline.py:\d+\) must return a micro-batch's loss, a "
@@ -511,7 +528,7 @@ def count_loss(hp, y, tgt):
             r"int32\[\]",
         ),
     ],
-    ids=["shape", "dtype", "tuple", "non-scalar-loss", "integer-loss"],
+    ids=["shape", "dtype", "tuple", "non-scalar-loss-term", "non-scalar-loss", "integer-loss"],
 )
 def test_a_layer_or_head_of_the_wrong_shape_is_named(layer_fn, head, message):
     layers, hp, x, tg = model(4, 2)

@@ -451,11 +451,6 @@ def _check_pipeline(cfg: Config, micro: int, batch_axes, ways: int, mc) -> None:
 
     pl, pipeline = cfg.pipeline, pipeline_config(cfg)
     p, m = pipeline.stages, pipeline.microbatches
-    if mc.n_experts:
-        raise ConfigError(
-            f"model.n_experts {mc.n_experts} with pipeline.stages {p}: mixture-of-experts models do not "
-            "run under a pipeline yet (their routing statistics do not cross the stages); set pipeline.stages=null"
-        )
     try:
         table = schedules.by_name(pl.schedule, p, m, pl.chunks)
     except ValueError as e:
