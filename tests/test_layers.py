@@ -29,6 +29,7 @@ LAYERS = [
     ("model parts", ["models.sharding", "models.config", "models.moe", "models.attention", "models.pipeline"]),
     ("models", ["models.llama", "models.gpt2", "models"]),
     ("checkpoints", ["models.hf", "models.hf.*"]),
+    ("heterogeneous clusters", ["hetero", "hetero.*"]),
     ("trainer", ["train", "train.*"]),
 ]
 

@@ -1,0 +1,26 @@
+"""Heterogeneous clusters: a device catalogue, cluster descriptions and a simulator of a
+training step's time and memory under a plan of pipelines over mixed device kinds.
+
+Partial: the planner that searches plans, the execution of uneven micro-batch counts per data
+replica and elastic restarts are not built yet; the simulator's fit to published measurements
+is in benchmarks/results/hetero.md."""
+
+from shardflow.hetero.cluster import Cluster, Node
+from shardflow.hetero.devices import CATALOGUE, DeviceKind, device_kind
+from shardflow.hetero.simulate import Framework, Pipeline, Plan, Prediction, Stage, Transformer, simulate, uniform_plan
+
+__all__ = [
+    "CATALOGUE",
+    "Cluster",
+    "DeviceKind",
+    "Framework",
+    "Node",
+    "Pipeline",
+    "Plan",
+    "Prediction",
+    "Stage",
+    "Transformer",
+    "device_kind",
+    "simulate",
+    "uniform_plan",
+]

@@ -1,0 +1,120 @@
+"""The device catalogue: per GPU kind its datasheet peaks (dense tensor-core flop/s per
+precision), memory, memory bandwidth and links, as NVIDIA publishes them. A measured profile
+overrides any of them (``DeviceKind.replace``); the simulator's calibration does that for the
+sustained fraction of peak.
+
+Peaks are dense (half the sparse figures NVIDIA often leads with); GeForce parts' fp16 / bf16
+peaks are with fp32 accumulate (what mixed-precision training runs), half their fp16-accumulate
+rate. ``fp32`` is the CUDA-core rate; ``tf32`` the tensor-core rate fp32 matmuls reach where
+TF32 is allowed (PyTorch's default for cuDNN, NGC's for cuBLAS)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+TB, GB = 1e12, 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceKind:
+    name: str
+    memory: float  # bytes
+    memory_bandwidth: float  # bytes / s
+    peak: Mapping[str, float]  # precision ("fp8", "bf16", "fp16", "tf32", "fp32") -> dense flop/s
+    nvlink: float | None  # bytes / s each way per device, None where the part has no NVLink
+    pcie: float  # bytes / s each way per device
+    source: str
+
+    def flops(self, precision: str) -> float:
+        """Peak flop/s of matmuls in ``precision``; a ValueError naming the kind where it has
+        no such unit (a V100 has no bf16)."""
+        if self.peak.get(precision) is None:
+            has = ", ".join(sorted(p for p, v in self.peak.items() if v))
+            raise ValueError(f"device kind {self.name} has no {precision} tensor cores (it has {has})")
+        return self.peak[precision]
+
+    def replace(self, **changes) -> DeviceKind:
+        return dataclasses.replace(self, **changes)
+
+
+def _kind(name, memory_gb, bandwidth_gbps, nvlink_gbps, pcie_gbps, source, **peaks_tflops):
+    peak = {p: (None if v is None else v * TB) for p, v in peaks_tflops.items()}
+    nvlink = None if nvlink_gbps is None else nvlink_gbps * GB
+    return DeviceKind(name, memory_gb * GB, bandwidth_gbps * GB, peak, nvlink, pcie_gbps * GB, source)
+
+
+# name, memory GB, memory GB/s, NVLink GB/s (each way), PCIe GB/s (each way), source, dense TFLOP/s
+_HOPPER = dict(fp8=1979, bf16=989, fp16=989, tf32=494, fp32=67)
+_AMPERE = dict(fp8=None, bf16=312, fp16=312, tf32=156, fp32=19.5)
+CATALOGUE: dict[str, DeviceKind] = {
+    k.name: k
+    for k in (
+        _kind("H100", 80, 3350, 450, 64, "H100 Tensor Core GPU datasheet, SXM5", **_HOPPER),
+        _kind("H100-PCIe", 80, 2000, 300, 64, "H100 datasheet, PCIe", fp8=1513, bf16=756, fp16=756, tf32=378, fp32=51),
+        _kind("H200", 141, 4800, 450, 64, "H200 Tensor Core GPU datasheet, SXM", **_HOPPER),
+        _kind("GH200", 96, 4000, 450, 64, "GH200 Grace Hopper Superchip datasheet, 96 GB HBM3", **_HOPPER),
+        _kind("A100-40GB", 40, 1555, 300, 32, "A100 Tensor Core GPU datasheet, 40GB SXM", **_AMPERE),
+        _kind("A100-80GB", 80, 2039, 300, 32, "A100 Tensor Core GPU datasheet, 80GB SXM", **_AMPERE),
+        _kind("L4", 24, 300, None, 32, "L4 Tensor Core GPU datasheet", fp8=242, bf16=121, fp16=121, tf32=60, fp32=30.3),
+        _kind("A10", 24, 600, None, 32, "A10 Tensor Core GPU datasheet", bf16=125, fp16=125, tf32=62.5, fp32=31.2),
+        _kind(
+            "A10G",
+            24,
+            600,
+            None,
+            32,
+            "no NVIDIA datasheet (an AWS part): the A10's memory, its tensor rate at fp32 accumulate estimated "
+            "as half the A10's; override with a measured profile",
+            bf16=62.5,
+            fp16=62.5,
+            tf32=31.2,
+            fp32=31.2,
+        ),
+        _kind("V100-16GB", 16, 900, 150, 16, "V100 Tensor Core GPU datasheet, SXM2", fp16=125, fp32=15.7),
+        _kind("V100-32GB", 32, 900, 150, 16, "V100 Tensor Core GPU datasheet, SXM2", fp16=125, fp32=15.7),
+        _kind("T4", 16, 320, None, 16, "T4 Tensor Core GPU datasheet", fp16=65, fp32=8.1),
+        _kind(
+            "RTX-3090",
+            24,
+            936,
+            56,
+            32,
+            "GA102 architecture whitepaper, RTX 3090",
+            bf16=71,
+            fp16=71,
+            tf32=35.6,
+            fp32=35.6,
+        ),
+        _kind(
+            "RTX-4090",
+            24,
+            1008,
+            None,
+            32,
+            "Ada architecture whitepaper, RTX 4090",
+            fp8=330,
+            bf16=165,
+            fp16=165,
+            tf32=82.6,
+            fp32=82.6,
+        ),
+        _kind("RTX-2080Ti", 11, 616, 50, 16, "Turing architecture whitepaper, RTX 2080 Ti FE", fp16=56.9, fp32=14.2),
+        _kind("Titan-RTX", 24, 672, 50, 16, "TITAN RTX specifications", fp16=130, fp32=16.3),
+    )
+}
+ALIASES = {
+    "H100-SXM": "H100",
+    "H200-SXM": "H200",
+    "A100": "A100-80GB",
+    "V100": "V100-32GB",
+    "RTX-2080-Ti": "RTX-2080Ti",
+}
+
+
+def device_kind(name: str) -> DeviceKind:
+    """The catalogue's entry for ``name`` (or an alias), or a ValueError listing the kinds."""
+    found = CATALOGUE.get(ALIASES.get(name, name))
+    if found is None:
+        raise ValueError(f"unknown device kind {name!r}; the catalogue has {', '.join(CATALOGUE)}")
+    return found

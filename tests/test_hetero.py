@@ -1,0 +1,75 @@
+"""Heterogeneous clusters: the device catalogue, cluster descriptions and the step simulator's
+arithmetic (its fit to published measurements is benchmarks/hetero_validate.py's)."""
+
+import dataclasses
+
+import pytest
+
+from shardflow.hetero import CATALOGUE, Cluster, Framework, Pipeline, Plan, Stage, Transformer, device_kind, simulate
+from shardflow.hetero.simulate import uniform_plan
+
+GPT = Transformer(n_layers=24, d_model=1024, n_heads=16, head_dim=64, ffn_dim=4096, vocab_size=50272, seq_len=2048)
+FW = Framework(efficiency={"*": 0.5})
+
+
+def test_the_catalogue_names_every_kind_the_issue_lists_with_datasheet_numbers():
+    for name in ("H100", "H200", "A100-40GB", "A100-80GB", "L4", "A10G", "V100-16GB", "RTX-3090", "GH200"):
+        kind = device_kind(name)
+        assert kind.memory > 10e9 and kind.memory_bandwidth > 2e11 and kind.source
+    assert device_kind("H100").flops("bf16") == 989e12 and device_kind("H100").flops("fp8") == 1979e12
+    assert device_kind("H100-SXM") is CATALOGUE["H100"]
+    with pytest.raises(ValueError, match=r"device kind V100-16GB has no bf16 tensor cores \(it has fp16, fp32\)"):
+        device_kind("V100-16GB").flops("bf16")
+    with pytest.raises(ValueError, match=r"unknown device kind 'B300'; the catalogue has H100, "):
+        device_kind("B300")
+
+
+def test_an_inventory_becomes_nodes_with_links_and_loses_devices_from_its_last_nodes():
+    cluster = Cluster.from_inventory({"H100": 8, "A100-40GB": 12}, per_node={"H100": 8, "A100-40GB": 8})
+    assert [(n.kind.name, n.devices) for n in cluster.nodes] == [("H100", 8), ("A100-40GB", 8), ("A100-40GB", 4)]
+    assert cluster.size == 20 and cluster.inventory() == {"H100": 8, "A100-40GB": 12}
+    assert cluster.nodes[0].intra == 450e9 and cluster.nodes[0].inter == 25e9
+    assert Cluster.from_inventory({"L4": 4}).nodes[0].intra == 32e9  # no NVLink: PCIe
+    smaller = cluster.without("A100-40GB", 6)
+    assert [(n.kind.name, n.devices) for n in smaller.nodes] == [("H100", 8), ("A100-40GB", 6)]
+    with pytest.raises(ValueError, match=r"cannot lose 9 x H100; it has 8"):
+        cluster.without("H100", 9)
+    assert Cluster.from_config({"inventory": {"H100": 8}, "inter_node_GBps": 50}).nodes[0].inter == 50e9
+    with pytest.raises(ValueError, match=r"cluster: keys \['nodes'\] unknown"):
+        Cluster.from_config({"inventory": {"H100": 8}, "nodes": 2})
+
+
+def test_one_stage_on_one_device_is_its_layers_flops_at_the_sustained_rate():
+    """No communication, no pipeline: forward + backward (3x the forward's flops) at half of
+    the H100's bf16 peak, plus the element-wise bytes at its memory bandwidth."""
+    cluster = Cluster.from_inventory({"H100": 1})
+    plan = uniform_plan("H100", dp=1, tp=1, pp=1, layers=24, microbatches=1, micro_batch=1)
+    fw = dataclasses.replace(FW, elementwise=0.0, state_bytes=0.0)
+    got = simulate(GPT, cluster, plan, fw)
+    flops = 24 * GPT.layer_flops(1) + 2 * 2048 * 1024 * 50272
+    loss_bytes = 3 * 2048 * 50272 * 4
+    want = 3 * (flops / (989e12 * 0.5) + loss_bytes / (3350e9 * 0.7))
+    assert got.seconds == pytest.approx(want, rel=1e-9)
+
+
+def test_a_slower_replica_or_a_slower_link_never_makes_the_step_faster():
+    fast = Cluster.from_inventory({"A100-80GB": 8})
+    mixed = Cluster.from_inventory({"A100-80GB": 4, "V100-32GB": 4}, per_node=4)
+    even = uniform_plan("A100-80GB", dp=2, tp=2, pp=2, layers=24, microbatches=4, micro_batch=2, precision="fp16")
+    slow_pipe = Pipeline(tuple(Stage("V100-32GB", 2, 12) for _ in range(2)), 4)
+    uneven = Plan((even.pipelines[0], slow_pipe), 2, precision="fp16")
+    base = simulate(GPT, fast, even, FW).seconds
+    assert simulate(GPT, mixed, uneven, FW).seconds > base
+    slow_links = Cluster.from_inventory({"A100-80GB": 8}, per_node=2, inter_node_GBps=1)
+    assert simulate(GPT, slow_links, even, FW).seconds > base
+
+
+def test_memory_counts_the_state_of_a_stage_and_its_in_flight_micro_batches():
+    cluster = Cluster.from_inventory({"H100": 4})
+    plan = uniform_plan("H100", dp=1, tp=1, pp=4, layers=24, microbatches=8, micro_batch=1)
+    first, *_, last = simulate(GPT, cluster, plan, FW).memory[0]
+    assert first > last  # 1F1B: stage 0 keeps p micro-batches' activations, the last one 1
+    with pytest.raises(ValueError, match=r"pipelines of \[1, 2\] stages"):
+        simulate(
+            GPT, cluster, Plan((Pipeline((Stage("H100", 1, 24),), 1), Pipeline((Stage("H100", 1, 12),) * 2, 1)), 1), FW
+        )
