@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import soundness_harness as harness
+from fast_tier import examples
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -84,6 +85,34 @@ def test_dropless_routing_computes_every_choice(seed, seq, n_experts, k):
     x, gates, experts, weights = _routed(seed, 2, seq, n_experts, k)
     expected, _ = reference_moe(x, gates, experts, weights, None)
     np.testing.assert_allclose(np.asarray(moe.dropless_experts(x, gates, experts, *weights)), expected, atol=1e-5)
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    seq=st.sampled_from([4, 8, 12]),
+    k=st.integers(1, 3),
+    capacity_factor=st.sampled_from([None, 0.5, 1.0, 1.25, 2.0]),
+)
+def test_the_expert_parallel_layer_equals_one_device(seed, seq, k, capacity_factor):
+    """Tokens split over 'data' and 'expert', the experts over 'expert': each routing mode's
+    output and dropped choices, and the gradients of its operands, equal one device's."""
+    x, gates, experts, weights = _routed(seed, 8, seq, 4, k)
+
+    def layer(x, gates, w_gate, w_up, w_down):
+        if capacity_factor is None:
+            y, dropped = moe.dropless_experts(x, gates, experts, w_gate, w_up, w_down), jnp.zeros(())
+        else:
+            y, dropped = moe.capacity_experts(x, gates, experts, w_gate, w_up, w_down, capacity_factor)
+        return jnp.sum(jnp.sin(y)), dropped
+
+    grad = jax.value_and_grad(layer, argnums=(0, 1, 2, 3, 4), has_aux=True)
+    want = jax.jit(grad)(x, gates, *weights)
+    mesh = sf.make_mesh({"data": 2, "expert": 4})
+    tokens, expert = P(("data", "expert")), P("expert")
+    got = sf.parallelize(grad, mesh=mesh, in_specs=(tokens, tokens, expert, expert, expert))(x, gates, *weights)
+    assert int(got[0][1]) == int(want[0][1])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, want)
 
 
 def test_router_bias_moves_selection_not_gates_and_balances_load():
