@@ -56,26 +56,53 @@ class Transformer:
 class Framework:
     """What a training framework adds to the arithmetic, fitted per framework.
 
-    ``efficiency``: per device kind, the fraction of peak matmul flop/s sustained (a default
-    under the key "*"). ``elementwise``: bytes each token moves per d_model per layer in the
-    forward (norms, activations, residuals, dropout), in units of the compute dtype.
-    ``unfused_attention``: attention materialises its [heads, seq, seq] scores (read and
-    written ``unfused_attention`` times). ``state_bytes``: bytes of weights, gradients and
-    optimizer state per parameter. ``activation``: Megatron's activation bytes per token per
-    d_model per layer (34 for fp16 without recomputation) at the compute dtype's width over 2.
-    ``overhead``: bytes a device holds beyond the model (context, communication buffers,
-    allocator). ``memory_efficiency``: fraction of memory bandwidth streams reach."""
+    ``efficiency``: per device kind, the largest fraction of peak matmul flop/s sustained (a
+    default under the key "*"). ``half_tokens``: tokens per micro-batch at which matmuls reach
+    half of that: small micro-batches make small GEMMs and leave launch and tail costs bare.
+    ``elementwise``: bytes each token moves per d_model per layer in the forward (norms,
+    activations, residuals, dropout), in units of the compute dtype. ``unfused_attention``:
+    attention materialises its [heads, seq, seq] scores (read and written ``unfused_attention``
+    times). ``network_efficiency``: the fraction of a node's nominal network bandwidth its
+    collectives and sends reach. ``state_bytes``: bytes of weights, gradients and optimizer
+    state per parameter. ``activation``: a multiplier on Megatron's activation bytes per layer
+    (see :func:`activation_bytes`). ``overhead``: bytes a device holds beyond the model (CUDA
+    context, NCCL buffers, the caching allocator's slack). ``memory_efficiency``: fraction of
+    memory bandwidth streams reach."""
 
     efficiency: Mapping[str, float]
+    half_tokens: float = 0.0
     elementwise: float = 40.0
     unfused_attention: float = 0.0
+    network_efficiency: float = 1.0
     state_bytes: float = 16.0
-    activation: float = 34.0
+    activation: float = 1.0
     overhead: float = 2e9
     memory_efficiency: float = 0.7
 
-    def sustained(self, kind: str) -> float:
-        return self.efficiency.get(kind, self.efficiency["*"])
+    def sustained(self, kind: str, tokens: float = float("inf")) -> float:
+        """The fraction of peak a matmul over ``tokens`` rows sustains on ``kind``:
+        e_max · n / (n + n_half)."""
+        top = self.efficiency.get(kind, self.efficiency["*"])
+        return top if self.half_tokens <= 0 or tokens == float("inf") else top * tokens / (tokens + self.half_tokens)
+
+
+def activation_bytes(model: Transformer, micro_batch: int, tp: int, width: int) -> float:
+    """Bytes one layer keeps for its backward per micro-batch on each of ``tp`` devices:
+    Megatron's s·b·h·(10 + 24/t + 5·a·s/(h·t)) at 2 bytes a value (Korthikanti et al. 2022,
+    tensor parallel without sequence parallelism), scaled to the compute dtype's width. The
+    5·a·s/h term is the [heads, s, s] attention scores, softmax and dropout mask an unfused
+    attention keeps."""
+    s, h, a = model.seq_len, model.d_model, model.n_heads
+    return s * micro_batch * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * width / 2
+
+
+def all_reduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """A ring all-reduce of ``nbytes`` over ``n`` members: each sends 2(n-1)/n of the bytes
+    through its slowest link, in 2(n-1) steps of ``latency``."""
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+_all_reduce = all_reduce_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,97 +138,132 @@ class Prediction:
     sync_seconds: float
 
 
-def _all_reduce(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
-
-
 class _Costs:
-    """One stage's forward and backward seconds per micro-batch and its memory, on ``cluster``."""
+    """One stage's forward and backward seconds per micro-batch, its sends, its gradient
+    all-reduce and its memory, on ``cluster``."""
 
     def __init__(self, model: Transformer, cluster: Cluster, plan: Plan, framework: Framework):
         self.model, self.cluster, self.plan, self.fw = model, cluster, plan, framework
         self.nodes = {n.kind.name: n for n in cluster.nodes}
         self.width = BYTES[plan.precision]
 
-    def device(self, kind: str) -> LinkModel:
+    def device(self, kind: str, tokens: float = float("inf")) -> LinkModel:
+        """``kind`` running matmuls over ``tokens`` rows: its peak in the plan's precision (fp32
+        matmuls as TF32 where the kind has it) at the framework's sustained fraction."""
         node = self.nodes[kind]
         precision = self.plan.precision
-        if precision == "fp32" and node.kind.peak.get("tf32"):  # fp32 matmuls run as TF32 where they can
+        if precision == "fp32" and node.kind.peak.get("tf32"):
             precision = "tf32"
         return LinkModel(
-            flops=node.kind.flops(precision) * self.fw.sustained(kind),
+            flops=node.kind.flops(precision) * self.fw.sustained(kind, tokens),
             memory_bandwidth=node.kind.memory_bandwidth * self.fw.memory_efficiency,
         )
 
-    def forward(self, stage: Stage, first: bool, last: bool) -> float:
+    def inter(self, kind: str) -> float:
+        """A node's network bandwidth as collectives reach it."""
+        return self.nodes[kind].inter * self.fw.network_efficiency
+
+    def layer(self, stage: Stage) -> float:
+        """One transformer layer's forward on a micro-batch: its matmuls and attention at the
+        sustained rate for the micro-batch's tokens, the element-wise and (unfused) attention
+        score traffic at memory bandwidth, each of the tp devices doing 1/tp of both; then
+        Megatron's two tensor-parallel all-reduces of the [tokens, d_model] output (attention
+        and MLP) over the node's links."""
         m, b, t, w = self.model, self.plan.micro_batch, stage.tp, self.width
         tokens = b * m.seq_len
         moved = self.fw.elementwise * tokens * m.d_model * w
         moved += self.fw.unfused_attention * b * m.n_heads * m.seq_len**2 * w
-        layer = self.device(stage.kind).compute_seconds(m.layer_flops(b) / t, moved / t)
-        node = self.nodes[stage.kind]
-        tp_comm = 2 * _all_reduce(tokens * m.d_model * w, t, node.intra, self.cluster.intra_latency)
-        seconds = stage.layers * (layer + tp_comm)
-        if last:  # the output projection and the loss over the vocabulary
-            head = 2 * tokens * m.d_model * m.vocab_size / t
-            seconds += self.device(stage.kind).compute_seconds(head, 3 * tokens * m.vocab_size * 4 / t)
-        return seconds
+        compute = self.device(stage.kind, tokens).compute_seconds(m.layer_flops(b) / t, moved / t)
+        intra = self.nodes[stage.kind].intra
+        return compute + 2 * all_reduce_seconds(tokens * m.d_model * w, t, intra, self.cluster.intra_latency)
+
+    def head(self, stage: Stage) -> float:
+        """The last stage's output projection over the vocabulary and the loss (softmax and
+        cross entropy over fp32 logits, read and written about three times)."""
+        m, b, t = self.model, self.plan.micro_batch, stage.tp
+        tokens = b * m.seq_len
+        flops = 2 * tokens * m.d_model * m.vocab_size / t
+        return self.device(stage.kind, tokens).compute_seconds(flops, 3 * tokens * m.vocab_size * 4 / t)
+
+    def forward(self, stage: Stage, first: bool, last: bool) -> float:
+        return stage.layers * self.layer(stage) + (self.head(stage) if last else 0.0)
 
     def backward(self, stage: Stage, first: bool, last: bool) -> float:
+        """Twice the forward's flops and traffic (gradients of inputs and of weights), plus the
+        forward again under recomputation."""
         forward = self.forward(stage, first, last)
         return 2 * forward + (forward if self.plan.remat else 0.0)
 
     def hop(self, stage: Stage) -> float:
-        """An activation sent on to the next stage (on another node: its network)."""
+        """An activation (or its gradient) sent on to the neighbouring stage, over the node's
+        network: DeepSpeed's pipeline sends and receives block, so each is on the critical path."""
         m = self.model
         nbytes = self.plan.micro_batch * m.seq_len * m.d_model * self.width
-        node = self.nodes[stage.kind]
-        return self.cluster.inter_latency + nbytes / node.inter
+        return self.cluster.inter_latency + nbytes / self.inter(stage.kind)
 
     def params(self, stage: Stage, first: bool, last: bool) -> float:
+        """Parameters on each device of the stage: its layers, the embedding on the first, the
+        output projection on the last (tied: each of the two holds a copy), split over tp."""
         m = self.model
         extra = m.vocab_size * m.d_model * (first + last)
         return (stage.layers * m.layer_params + extra) / stage.tp
 
+    def gradient_sync(self, replicas: list[Stage], first: bool, last: bool) -> float:
+        """The data-parallel all-reduce of one stage's fp32 gradients over its replicas, after
+        the pipelines drain (DeepSpeed's pipeline engine does not overlap it). Replicas within
+        one node ring over its links, each device its 1/tp shard. Across nodes each node's tp
+        devices run their rings at once through the node's one network interface, so the node
+        sends 2(n-1)/n of a whole replica's gradients: the slowest node's network sets the pace."""
+        kinds = {r.kind for r in replicas}
+        devices = sum(r.tp for r in replicas)
+        grads = max(self.params(r, first, last) for r in replicas) * 4
+        node = self.nodes[replicas[0].kind]
+        if len(kinds) == 1 and devices <= node.devices:
+            return all_reduce_seconds(grads, len(replicas), node.intra, self.cluster.intra_latency)
+        slowest = min(self.inter(k) for k in kinds)
+        return all_reduce_seconds(grads * replicas[0].tp, len(replicas), slowest, self.cluster.inter_latency)
+
+    def update(self, stage: Stage, first: bool, last: bool) -> float:
+        """The optimizer step: memory-bound, reading and writing each parameter's state once."""
+        nbytes = self.fw.state_bytes * 2 * self.params(stage, first, last)
+        return self.device(stage.kind).compute_seconds(0, nbytes)
+
     def memory(self, stage: Stage, index: int, pipeline: Pipeline) -> float:
-        m, fw, p = self.model, self.fw, len(pipeline.stages)
-        first, last = index == 0, index == p - 1
+        """The framework's overhead, the stage's model state, and the activations of the
+        micro-batches 1F1B keeps in flight: stage s of p holds min(m, p - s) of them (the
+        first stage's warm-up is p deep, the last runs each backward right after its forward)."""
+        p, first, last = len(pipeline.stages), index == 0, index == len(pipeline.stages) - 1
         in_flight = min(pipeline.microbatches, p - index)
-        per_layer = fw.activation * self.plan.micro_batch * m.seq_len * m.d_model * self.width / 2 / stage.tp
+        per_layer = self.fw.activation * activation_bytes(self.model, self.plan.micro_batch, stage.tp, self.width)
         layers_kept = 1 if self.plan.remat else stage.layers
         activations = in_flight * per_layer * layers_kept
-        return fw.overhead + fw.state_bytes * self.params(stage, first, last) + activations
+        return self.fw.overhead + self.fw.state_bytes * self.params(stage, first, last) + activations
 
 
 def simulate(model: Transformer, cluster: Cluster, plan: Plan, framework: Framework) -> Prediction:
-    """The step's predicted seconds and each device's memory under ``plan`` (see the module)."""
+    """The step's predicted seconds and each device's memory under ``plan`` (see the module).
+
+    A pipeline of p stages running m micro-batches under 1F1B takes the sum of its stages'
+    forward + backward + sends (the first micro-batch through, warm-up and cool-down) plus
+    m - 1 times its slowest stage's (the steady state). The step is the slowest pipeline, then
+    each stage's gradient all-reduce and optimizer step (the slowest stage's)."""
     costs = _Costs(model, cluster, plan, framework)
+    depth = {len(p.stages) for p in plan.pipelines}
+    if len(depth) != 1:
+        raise ValueError(f"simulate: pipelines of {sorted(depth)} stages; every pipeline holds the same stages")
+    p = depth.pop()
     pipeline_seconds = []
     for pipe in plan.pipelines:
-        p = len(pipe.stages)
         work = [
             costs.forward(s, i == 0, i == p - 1) + costs.backward(s, i == 0, i == p - 1) + 2 * costs.hop(s) * (p > 1)
             for i, s in enumerate(pipe.stages)
         ]
         pipeline_seconds.append(sum(work) + (pipe.microbatches - 1) * max(work))
     sync = 0.0
-    depth = {len(p.stages) for p in plan.pipelines}
-    if len(depth) != 1:
-        raise ValueError(f"simulate: pipelines of {sorted(depth)} stages; every pipeline holds the same stages")
-    for s in range(depth.pop()):
+    for s in range(p):
         replicas = [pipe.stages[s] for pipe in plan.pipelines]
-        grads = max(costs.params(r, s == 0, False) for r in replicas) * 4  # all-reduced in fp32
-        nodes = {r.kind for r in replicas}
-        devices = sum(r.tp for r in replicas)
-        slowest = min(costs.nodes[k].inter / max(1, costs.nodes[k].devices) for k in nodes)
-        one_node = len(nodes) == 1 and devices <= costs.nodes[replicas[0].kind].devices
-        bandwidth = costs.nodes[replicas[0].kind].intra if one_node else slowest
-        latency = cluster.intra_latency if one_node else cluster.inter_latency
-        update = max(
-            costs.device(r.kind).compute_seconds(0, framework.state_bytes * 2 * costs.params(r, s == 0, False))
-            for r in replicas
-        )
-        sync = max(sync, _all_reduce(grads, len(replicas), bandwidth, latency) + update)
+        update = max(costs.update(r, s == 0, s == p - 1) for r in replicas)
+        sync = max(sync, costs.gradient_sync(replicas, s == 0, s == p - 1) + update)
     memory = tuple(tuple(costs.memory(s, i, pipe) for i, s in enumerate(pipe.stages)) for pipe in plan.pipelines)
     return Prediction(max(pipeline_seconds) + sync, memory, tuple(pipeline_seconds), sync)
 
