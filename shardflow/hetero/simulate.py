@@ -57,8 +57,11 @@ class Framework:
     """What a training framework adds to the arithmetic, fitted per framework.
 
     ``efficiency``: per device kind, the largest fraction of peak matmul flop/s sustained (a
-    default under the key "*"). ``half_tokens``: tokens per micro-batch at which matmuls reach
-    half of that: small micro-batches make small GEMMs and leave launch and tail costs bare.
+    default under the key "*"). ``half_tokens``: the size, in tokens per micro-batch per
+    tensor-parallel device (tokens / tp), at which matmuls reach half of that: small micro-batches
+    and wide tensor parallelism make small GEMMs and leave launch, tail and framework costs bare.
+    (Per layer this is a fixed cost of flops-per-token · n_half at the sustained rate, the same
+    however the tokens are split: what tensor parallelism cannot divide.)
     ``elementwise``: bytes each token moves per d_model per layer in the forward (norms,
     activations, residuals, dropout), in units of the compute dtype. ``unfused_attention``:
     attention materialises its [heads, seq, seq] scores (read and written ``unfused_attention``
@@ -165,7 +168,7 @@ class _Costs:
 
     def layer(self, stage: Stage) -> float:
         """One transformer layer's forward on a micro-batch: its matmuls and attention at the
-        sustained rate for the micro-batch's tokens, the element-wise and (unfused) attention
+        sustained rate for each device's share of the micro-batch's tokens, the element-wise and (unfused) attention
         score traffic at memory bandwidth, each of the tp devices doing 1/tp of both; then
         Megatron's two tensor-parallel all-reduces of the [tokens, d_model] output (attention
         and MLP) over the node's links."""
@@ -173,7 +176,7 @@ class _Costs:
         tokens = b * m.seq_len
         moved = self.fw.elementwise * tokens * m.d_model * w
         moved += self.fw.unfused_attention * b * m.n_heads * m.seq_len**2 * w
-        compute = self.device(stage.kind, tokens).compute_seconds(m.layer_flops(b) / t, moved / t)
+        compute = self.device(stage.kind, tokens / t).compute_seconds(m.layer_flops(b) / t, moved / t)
         intra = self.nodes[stage.kind].intra
         return compute + 2 * all_reduce_seconds(tokens * m.d_model * w, t, intra, self.cluster.intra_latency)
 
@@ -183,7 +186,7 @@ class _Costs:
         m, b, t = self.model, self.plan.micro_batch, stage.tp
         tokens = b * m.seq_len
         flops = 2 * tokens * m.d_model * m.vocab_size / t
-        return self.device(stage.kind, tokens).compute_seconds(flops, 3 * tokens * m.vocab_size * 4 / t)
+        return self.device(stage.kind, tokens / t).compute_seconds(flops, 3 * tokens * m.vocab_size * 4 / t)
 
     def forward(self, stage: Stage, first: bool, last: bool) -> float:
         return stage.layers * self.layer(stage) + (self.head(stage) if last else 0.0)
