@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from shardflow.hetero import CATALOGUE, Cluster, Framework, Pipeline, Plan, Stage, Transformer, device_kind, simulate
-from shardflow.hetero.simulate import uniform_plan
+from shardflow.hetero.simulate import activation_bytes, uniform_plan
 
 GPT = Transformer(n_layers=24, d_model=1024, n_heads=16, head_dim=64, ffn_dim=4096, vocab_size=50272, seq_len=2048)
 FW = Framework(efficiency={"*": 0.5})
@@ -73,3 +73,28 @@ def test_memory_counts_the_state_of_a_stage_and_its_in_flight_micro_batches():
         simulate(
             GPT, cluster, Plan((Pipeline((Stage("H100", 1, 24),), 1), Pipeline((Stage("H100", 1, 12),) * 2, 1)), 1), FW
         )
+
+
+def test_the_gradient_all_reduce_is_a_ring_over_each_nodes_network_or_within_a_node():
+    """Two replicas of the whole model, tp=4: across two nodes each node's four devices run
+    their rings at once through its one network, so the node sends 2(n-1)/n of a whole
+    replica's fp32 gradients at its bandwidth; within one node each device all-reduces its
+    1/tp shard over NVLink."""
+    fw = Framework(efficiency={"*": 0.5}, state_bytes=0.0)  # no optimizer state: the step is the ring alone
+    plan = uniform_plan("H100", dp=2, tp=4, pp=1, layers=24, microbatches=1, micro_batch=1)
+    params = 24 * GPT.layer_params + 2 * GPT.vocab_size * GPT.d_model  # embedding and head on the one stage
+    two_nodes = Cluster.from_inventory({"H100": 8}, per_node=4, inter_node_GBps=10)
+    want = 2 * (2 - 1) / 2 * params * 4 / 10e9 + 2 * (2 - 1) * two_nodes.inter_latency
+    assert simulate(GPT, two_nodes, plan, fw).sync_seconds == pytest.approx(want, rel=1e-12)
+    one_node = Cluster.from_inventory({"H100": 8}, per_node=8)
+    want = 2 * (2 - 1) / 2 * params / 4 * 4 / 450e9 + 2 * (2 - 1) * one_node.intra_latency
+    assert simulate(GPT, one_node, plan, fw).sync_seconds == pytest.approx(want, rel=1e-12)
+
+
+def test_matmul_efficiency_halves_at_half_tokens_per_device_and_activations_follow_megatron():
+    fw = Framework(efficiency={"*": 0.6, "T4": 0.4}, half_tokens=1024)
+    assert fw.sustained("T4", 1024) == pytest.approx(0.2) and fw.sustained("H100", 3 * 1024) == pytest.approx(0.45)
+    assert fw.sustained("T4") == 0.4  # no size given: the large-GEMM limit
+    # s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes at fp16: 2048·2·1024·(10 + 6 + 40) for b=2, t=4
+    assert activation_bytes(GPT, 2, 4, 2) == 2048 * 2 * 1024 * 56
+    assert activation_bytes(GPT, 2, 4, 4) == 2 * activation_bytes(GPT, 2, 4, 2)  # fp32 keeps 4-byte values
