@@ -137,6 +137,7 @@ TIME_KNOBS = {
     "elementwise": (40.0, 1.0, 2000.0),
     "unfused_attention": (2.0, 1e-3, 100.0),
     "network_efficiency": (0.5, 0.02, 1.0),
+    "intra_efficiency": (0.5, 0.02, 1.0),
 }
 MEMORY_KNOBS = {"overhead": (2e9, 1e8, 2e10), "activation": (1.0, 0.05, 10.0), "state_bytes": (16.0, 8.0, 40.0)}
 

@@ -66,7 +66,9 @@ class Framework:
     activations, residuals, dropout), in units of the compute dtype. ``unfused_attention``:
     attention materialises its [heads, seq, seq] scores (read and written ``unfused_attention``
     times). ``network_efficiency``: the fraction of a node's nominal network bandwidth its
-    collectives and sends reach. ``state_bytes``: bytes of weights, gradients and optimizer
+    collectives and sends reach; ``intra_efficiency`` the fraction of the links within a node that
+    the tensor-parallel all-reduces reach (small messages, PCIe through the host on GeForce
+    and T4 nodes). ``state_bytes``: bytes of weights, gradients and optimizer
     state per parameter. ``activation``: a multiplier on Megatron's activation bytes per layer
     (see :func:`activation_bytes`). ``overhead``: bytes a device holds beyond the model (CUDA
     context, NCCL buffers, the caching allocator's slack). ``memory_efficiency``: fraction of
@@ -77,6 +79,7 @@ class Framework:
     elementwise: float = 40.0
     unfused_attention: float = 0.0
     network_efficiency: float = 1.0
+    intra_efficiency: float = 1.0
     state_bytes: float = 16.0
     activation: float = 1.0
     overhead: float = 2e9
@@ -177,7 +180,7 @@ class _Costs:
         moved = self.fw.elementwise * tokens * m.d_model * w
         moved += self.fw.unfused_attention * b * m.n_heads * m.seq_len**2 * w
         compute = self.device(stage.kind, tokens / t).compute_seconds(m.layer_flops(b) / t, moved / t)
-        intra = self.nodes[stage.kind].intra
+        intra = self.nodes[stage.kind].intra * self.fw.intra_efficiency
         return compute + 2 * all_reduce_seconds(tokens * m.d_model * w, t, intra, self.cluster.intra_latency)
 
     def head(self, stage: Stage) -> float:
