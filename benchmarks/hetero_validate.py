@@ -2,10 +2,12 @@
 measurements (benchmarks/data/hetero/published.json: Sailor's and AMP's measured runs, on
 homogeneous and mixed clusters).
 
-Each framework's few constants (its matmuls' sustained fraction of peak per device kind, the
-bytes its element-wise ops and unfused attention move, what it holds beside the model state)
-are fitted to its rows; the error reported is that of held-out rows (k-fold), so a constant
-never predicts the row it was fitted on. Prints one line per row and the MAPE per source.
+Each framework's few constants (its matmuls' sustained fraction of peak per device kind and
+how it falls for small GEMMs, the bytes its element-wise ops and unfused attention move, the
+fraction of its links its collectives reach, what it holds beside the model state) are fitted
+to its rows (Sailor's GPT-Neo runs, of unknown precision, as a group of their own; Sailor's
+MIT runs' memory too); the error reported is that of held-out rows (k-fold), so a constant
+never predicts the row it was fitted on. Prints one line per row and the MAPE per group.
 
     python benchmarks/hetero_validate.py [--folds 5] [--out benchmarks/results/hetero/<date>_validate.json]
 """
