@@ -1,0 +1,468 @@
+"""A planner for heterogeneous clusters: search the plans :func:`~shardflow.hetero.simulate.simulate`
+prices and return the fastest that fit in every device's memory.
+
+The plan space is the literature's batch distribution over pipelines (Oobleck, AMP, Whale) with
+stages of mixed kinds inside a pipeline (HetPipe, FlashFlex):
+
+- a depth ``p`` and per device kind a tensor-parallel width ``tp`` (a power of two within one of
+  its nodes; one width per kind in a plan) or "unused"; the kind then offers ``slots`` stages:
+  its tp-groups that fit inside its nodes;
+- ``d`` pipelines of ``p`` stages, each stage one kind. Where the choices are few (small clusters)
+  every multiset of pipelines' kind sequences within the slots is tried; otherwise per kind a
+  number of stages used (all its slots, the largest multiple of ``p``, or ``p`` times a power of
+  two) laid out two ways: as many single-kind pipelines as go plus the remainders chained into
+  mixed ones, or every kind's stages dealt evenly over the pipelines (mixed pipelines alike);
+  inside a mixed pipeline the kinds with more memory come first (the first stage keeps the most
+  micro-batches in flight);
+- one layer split shared by all pipelines, by dynamic programming over layers (AMP, HetPipe):
+  minimise the largest per-micro-batch time of any stage in any pipeline given its kind and tp
+  (and its memory), then a hill climb moving one layer at a time on the predicted step time;
+- micro-batch counts per pipeline summing to ``global_batch / micro_batch``, each at least one,
+  handed out one at a time to the pipeline that would finish soonest (which is optimal for the
+  slowest pipeline's time, the simulator's step), within what its memory allows;
+- micro-batch sizes dividing the global batch, recomputation on or off.
+
+Candidates are visited best-first by a lower bound on their step time (each pipeline's work at
+its fastest stage's rate) and the visit stops once the bound passes the ``top``-th best found or
+``max_seconds`` runs out (``Result.complete`` says which). Costs come from the simulator's own
+per-stage arithmetic, and every plan returned is priced again by :func:`simulate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Iterable, Sequence
+
+from shardflow.hetero.cluster import Cluster
+from shardflow.hetero.simulate import Framework, Pipeline, Plan, Prediction, Stage, Transformer, _Costs, simulate
+
+INF = float("inf")
+# every multiset of kind sequences is tried while a (depth, tp per kind) has at most this many
+EXHAUSTIVE_LAYOUTS = 400
+# once the pool is full, a layer split the dynamic programme finds this much slower than the pool's
+# slowest is not hill-climbed
+REFINE_SLACK = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A plan, its prediction, its tokens per second and the largest predicted memory of any
+    device per kind (bytes)."""
+
+    plan: Plan
+    prediction: Prediction
+    tokens_per_second: float
+    peak_memory: dict[str, float]
+
+    @property
+    def seconds(self) -> float:
+        return self.prediction.seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """The best plans found, fastest first; ``complete`` is False where ``max_seconds`` ran out
+    before the search bound closed. ``costed``: layer splits priced; ``simulate_calls``: plans
+    handed to :func:`simulate`."""
+
+    candidates: tuple[Candidate, ...]
+    complete: bool
+    costed: int
+    simulate_calls: int
+    elapsed: float
+    capacity: dict[str, float]  # per kind, bytes of memory
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def format(self) -> str:
+        rows = [("#", "pipelines (stage kind x tp)", "layers", "micro-batches", "mb", "remat", "s/step", "tokens/s")]
+        kinds = list(self.capacity)
+        rows[0] += tuple(f"peak {k} GB" for k in kinds)
+        for n, c in enumerate(self.candidates, 1):
+            plan = c.plan
+            shapes = [" ".join(f"{s.kind}x{s.tp}" for s in p.stages) for p in plan.pipelines]
+            grouped = [f"{len(list(g))} x [{shape}]" for shape, g in itertools.groupby(shapes)]
+            layers = "/".join(str(s.layers) for s in plan.pipelines[0].stages)
+            micro = ",".join(str(p.microbatches) for p in plan.pipelines)
+            row = (str(n), "; ".join(grouped), layers, micro, str(plan.micro_batch), "on" if plan.remat else "off")
+            row += (f"{c.seconds:.4g}", f"{c.tokens_per_second:,.0f}")
+            row += tuple(
+                f"{c.peak_memory[k] / 1e9:.1f}/{self.capacity[k] / 1e9:.0f}" if k in c.peak_memory else "-"
+                for k in kinds
+            )
+            rows.append(row)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        state = "complete" if self.complete else "stopped at max_seconds"
+        lines.append(f"({self.costed} splits costed, {self.simulate_calls} simulated, {self.elapsed:.1f} s, {state})")
+        return "\n".join(lines)
+
+    __str__ = format
+
+
+class _Prices:
+    """The simulator's per-stage costs under one (micro_batch, remat), memoised."""
+
+    def __init__(self, model: Transformer, cluster: Cluster, framework: Framework, b: int, precision: str, remat: bool):
+        self.costs = _Costs(model, cluster, Plan((), b, precision, remat), framework)
+        self.capacity = {n.kind.name: n.kind.memory for n in cluster.nodes}
+        self._work: dict = {}
+        self._mem: dict = {}
+        self._sync: dict = {}
+
+    def work(self, kind: str, tp: int, layers: int, s: int, p: int) -> float:
+        """A stage's forward, backward and sends for one micro-batch, as simulate sums them."""
+        key = (kind, tp, layers, s == 0, s == p - 1, p > 1)
+        got = self._work.get(key)
+        if got is None:
+            st, first, last = Stage(kind, tp, layers), s == 0, s == p - 1
+            c = self.costs
+            got = c.forward(st, first, last) + c.backward(st, first, last) + 2 * c.hop(st) * (p > 1)
+            self._work[key] = got
+        return got
+
+    def fits(self, kind: str, tp: int, layers: int, s: int, p: int, microbatches: int) -> bool:
+        in_flight = min(microbatches, p - s)
+        key = (kind, tp, layers, s == 0, s == p - 1, p, in_flight)
+        got = self._mem.get(key)
+        if got is None:
+            st = Stage(kind, tp, layers)
+            got = self.costs.memory(st, s, Pipeline((st,) * p, in_flight)) <= self.capacity[kind]
+            self._mem[key] = got
+        return got
+
+    def sync(self, replicas: tuple[Stage, ...], s: int, p: int) -> float:
+        key = (replicas, s == 0, s == p - 1)
+        got = self._sync.get(key)
+        if got is None:
+            first, last = s == 0, s == p - 1
+            update = max(self.costs.update(r, first, last) for r in replicas)
+            got = self.costs.gradient_sync(list(replicas), first, last) + update
+            self._sync[key] = got
+        return got
+
+
+Layout = tuple[tuple[tuple[str, int], ...], ...]  # per pipeline, per stage: (kind, tp)
+
+
+def _distribute(prices: _Prices, layout: Layout, split: Sequence[int], total: int):
+    """The step's predicted seconds and the micro-batch counts for ``split``, or None where it
+    does not fit: each pipeline one micro-batch, the rest one at a time to the pipeline that
+    would finish soonest and still fits."""
+    p, d = len(split), len(layout)
+    if total < d:
+        return None
+    first, step, cap = [], [], []
+    seen: dict = {}
+    for pipe in layout:
+        if pipe in seen:
+            f, b, c = seen[pipe]
+        else:
+            works = [prices.work(k, t, split[s], s, p) for s, (k, t) in enumerate(pipe)]
+            f, b, c = sum(works), max(works), 0
+            for m in range(1, p + 1):
+                if not all(prices.fits(k, t, split[s], s, p, m) for s, (k, t) in enumerate(pipe)):
+                    break
+                c = m
+            if c == 0:
+                return None
+            c = INF if c == p else c
+            seen[pipe] = f, b, c
+        first.append(f)
+        step.append(b)
+        cap.append(c)
+    counts = [1] * d
+    left = total - d
+    if sum(min(c, total) for c in cap) < total:
+        return None
+    heap = [(first[i] + step[i], i) for i in range(d) if cap[i] > 1]
+    heapq.heapify(heap)
+    while left:
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        left -= 1
+        if counts[i] < cap[i]:
+            heapq.heappush(heap, (first[i] + counts[i] * step[i], i))
+    slowest = max(first[i] + (counts[i] - 1) * step[i] for i in range(d))
+    sync = max(
+        prices.sync(tuple(Stage(k, t, split[s]) for k, t in (pipe[s] for pipe in layout)), s, p) for s in range(p)
+    )
+    return slowest + sync, tuple(counts)
+
+
+def _dp_split(prices: _Prices, layout: Layout, layers: int, in_flight: int):
+    """The layer split minimising the largest per-micro-batch stage time over all pipelines (ties:
+    the smaller sum), every stage fitting with ``in_flight`` micro-batches; None if none fits."""
+    p = len(layout[0])
+    columns = [sorted({pipe[s] for pipe in layout}) for s in range(p)]
+
+    table = []  # table[s][n - 1]: stage s's largest time holding n layers, up to the first that does not fit
+    for s in range(p):
+        row = []
+        for n in range(1, layers - p + 2):
+            if not all(prices.fits(k, t, n, s, p, in_flight) for k, t in columns[s]):
+                break  # more layers only take more memory
+            row.append(max(prices.work(k, t, n, s, p) for k, t in columns[s]))
+        if not row:
+            return None
+        table.append(row)
+    # best[j]: (max, sum, split) over the stages so far holding j layers
+    best = {0: (0.0, 0.0, ())}
+    for s in range(p):
+        nxt: dict[int, tuple] = {}
+        row = table[s]
+        room = layers - (p - 1 - s)  # layers the stages so far may hold
+        for j, (mx, sm, split) in best.items():
+            top = min(room - j, len(row))
+            for n in range(1 if s < p - 1 else layers - j, top + 1):
+                c = row[n - 1]
+                cand = (max(mx, c), sm + c, split + (n,))
+                old = nxt.get(j + n)
+                if old is None or cand[:2] < old[:2]:
+                    nxt[j + n] = cand
+        best = nxt
+        if not best:
+            return None
+    return best[layers][2] if layers in best else None
+
+
+def _refine(prices: _Prices, layout: Layout, split: tuple[int, ...], total: int, counter: list[int]):
+    """Hill-climb the split by moving one layer between two stages while the step gets faster."""
+    got = _distribute(prices, layout, split, total)
+    counter[0] += 1
+    if got is None:
+        return None
+    seconds, counts = got
+    p = len(split)
+    while True:
+        improved = None
+        for a, b in itertools.permutations(range(p), 2):
+            if split[a] <= 1:
+                continue
+            trial = list(split)
+            trial[a] -= 1
+            trial[b] += 1
+            trial = tuple(trial)
+            other = _distribute(prices, layout, trial, total)
+            counter[0] += 1
+            if other is not None and other[0] < seconds * (1 - 1e-12) and (improved is None or other[0] < improved[0]):
+                improved = (other[0], other[1], trial)
+        if improved is None:
+            return seconds, counts, split
+        seconds, counts, split = improved
+
+
+def _sequences(kinds: Sequence[tuple[str, int]], p: int) -> list[tuple[tuple[str, int], ...]]:
+    return list(itertools.product(kinds, repeat=p))
+
+
+def _all_layouts(kinds: Sequence[tuple[str, int]], slots: dict[str, int], p: int) -> Iterable[Layout]:
+    """Every multiset of kind sequences that uses every kind in ``kinds`` within its slots."""
+    seqs = _sequences(kinds, p)
+    most = sum(slots[k] for k, _ in kinds) // p
+    for d in range(1, most + 1):
+        for layout in itertools.combinations_with_replacement(seqs, d):
+            used = {}
+            for pipe in layout:
+                for k, _ in pipe:
+                    used[k] = used.get(k, 0) + 1
+            if len(used) == len(kinds) and all(used[k] <= slots[k] for k in used):
+                yield layout
+
+
+def _count_all_layouts(kinds: Sequence[tuple[str, int]], slots: dict[str, int], p: int) -> int:
+    seqs = len(kinds) ** p
+    most = sum(slots[k] for k, _ in kinds) // p
+    return sum(math.comb(seqs + d - 1, d) for d in range(1, most + 1))
+
+
+def _canonical_layouts(kinds: Sequence[tuple[str, int]], slots: dict[str, int], p: int, order) -> Iterable[Layout]:
+    """Per kind a number of stages used (all its slots, the largest multiple of p, p times a
+    power of two), laid out as single-kind pipelines plus the remainders chained, or dealt evenly."""
+    options = []
+    for k, _ in kinds:
+        s = slots[k]
+        opts = {s, p * (s // p)} | {p * 2**i for i in range(s.bit_length()) if p * 2**i <= s}
+        options.append(sorted(o for o in opts if o > 0))
+    ranked = sorted(kinds, key=order)
+    seen = set()
+    for used in itertools.product(*options):
+        total = sum(used)
+        if total % p:
+            continue
+        count = dict(zip([k for k, _ in kinds], used, strict=True))
+        flat = [kt for kt in ranked for _ in range(count[kt[0]])]
+        # single-kind pipelines, then the remainders chained in memory order
+        pure = [tuple([kt] * p) for kt in ranked for _ in range(count[kt[0]] // p)]
+        rest = [kt for kt in ranked for _ in range(count[kt[0]] % p)]
+        mixed = [tuple(rest[i : i + p]) for i in range(0, len(rest), p)]
+        d = total // p
+        dealt = [tuple(sorted(flat[i::d], key=order)) for i in range(d)]
+        for layout in (pure + mixed, dealt):
+            key = tuple(sorted(layout, key=lambda pipe: [order(kt) for kt in pipe]))
+            if key not in seen:
+                seen.add(key)
+                yield key
+
+
+def _bound(prices: _Prices, layout: Layout, layers: int, total: int) -> float:
+    """A lower bound on the step: pipeline i doing m_i micro-batches takes at least m_i times its
+    work over p, and at least its work once; its work is at least all layers at its fastest stage."""
+    p = len(layout[0])
+    works = [layers * min(prices.work(k, t, 2, 1, 3) - prices.work(k, t, 1, 1, 3) for k, t in pipe) for pipe in layout]
+    return max(max(works), total / sum(p / w for w in works))
+
+
+def search(
+    model: Transformer,
+    cluster: Cluster,
+    global_batch: int,
+    framework: Framework,
+    *,
+    precision: str = "bf16",
+    remat_options: Sequence[bool] = (False, True),
+    top: int = 5,
+    max_seconds: float = 60.0,
+) -> Result:
+    """The ``top`` fastest plans found for ``global_batch`` sequences a step (see the module for
+    the plan space), each with every device's predicted memory within its kind's; a ValueError
+    naming the cluster and the model where no plan fits."""
+    start = time.perf_counter()
+    inventory = cluster.inventory()
+    kinds = list(inventory)
+    memory = {n.kind.name: n.kind.memory for n in cluster.nodes}
+    rank = {k: (-memory[k], i) for i, k in enumerate(kinds)}
+    order_mem = lambda kt: rank[kt[0]]  # noqa: E731
+    inv_rank = {k: i for i, k in enumerate(kinds)}
+    order_inv = lambda kt: inv_rank[kt[0]]  # noqa: E731
+    widest = {k: max(n.devices for n in cluster.nodes if n.kind.name == k) for k in kinds}
+    L = model.n_layers
+    depths = sorted(
+        {p for p in range(1, min(L, 8) + 1)} | {p for p in range(1, L + 1) if L % p == 0 or p & (p - 1) == 0}
+    )
+    total_slots = sum(inventory.values())
+    depths = [p for p in depths if p <= total_slots]
+
+    def slots_of(k: str, t: int) -> int:
+        return sum(n.devices // t for n in cluster.nodes if n.kind.name == k)
+
+    # every (depth, tp per kind) and its layouts
+    layouts: list[Layout] = []
+    for p in depths:
+        widths = [[0] + [t for t in (1, 2, 4, 8) if t <= widest[k]] for k in kinds]
+        for tps in itertools.product(*widths):
+            used = [(k, t) for k, t in zip(kinds, tps, strict=True) if t]
+            if not used:
+                continue
+            slots = {k: slots_of(k, t) for k, t in used}
+            if sum(slots.values()) < p:
+                continue
+            if _count_all_layouts(used, slots, p) <= EXHAUSTIVE_LAYOUTS:
+                found = (
+                    tuple(sorted(lay, key=lambda pipe: [order_inv(kt) for kt in pipe]))
+                    for lay in _all_layouts(used, slots, p)
+                )
+            else:
+                found = _canonical_layouts(used, slots, p, order_mem)
+            for lay in found:
+                layouts.append(tuple(sorted(lay, key=lambda pipe: [order_inv(kt) for kt in pipe])))
+    layouts = list(dict.fromkeys(layouts))
+
+    prices = {
+        (b, r): _Prices(model, cluster, framework, b, precision, r)
+        for b in range(1, global_batch + 1)
+        if global_batch % b == 0
+        for r in remat_options
+    }
+    queue = []
+    for (b, r), pr in prices.items():
+        total = global_batch // b
+        for n, lay in enumerate(layouts):
+            if len(lay) > total:
+                continue
+            p = len(lay[0])
+            # every (kind, tp) must hold one layer at the last stage with one micro-batch in flight
+            if not all(pr.fits(k, t, 1, p - 1, p, 1) for k, t in {kt for pipe in lay for kt in pipe}):
+                continue
+            queue.append((_bound(pr, lay, L, total), n, b, r))
+    queue.sort()
+
+    found: dict = {}  # plan -> seconds
+    kept: list[tuple[float, Plan]] = []
+    counter = [0]
+    complete = True
+    for bound, n, b, r in queue:
+        if len(kept) >= top * 2 and bound >= kept[top * 2 - 1][0]:
+            break
+        if time.perf_counter() - start > max_seconds:
+            complete = False
+            break
+        pr, lay, total = prices[(b, r)], layouts[n], global_batch // b
+        p = len(lay[0])
+        split = _dp_split(pr, lay, L, p) or _dp_split(pr, lay, L, 1)
+        if split is None:
+            continue
+        if len(kept) >= top * 2:
+            plain = _distribute(pr, lay, split, total)
+            counter[0] += 1
+            if plain is None or plain[0] > kept[top * 2 - 1][0] * (1 + REFINE_SLACK):
+                continue  # a hill climb seldom gains this much
+        got = _refine(pr, lay, split, total, counter)
+        if got is None:
+            continue
+        seconds, counts, split = got
+        plan = Plan(
+            tuple(
+                Pipeline(tuple(Stage(k, t, split[s]) for s, (k, t) in enumerate(pipe)), m)
+                for pipe, m in zip(lay, counts, strict=True)
+            ),
+            b,
+            precision,
+            r,
+        )
+        if plan in found:
+            continue
+        found[plan] = seconds
+        kept.append((seconds, plan))
+        kept.sort(key=lambda x: x[0])
+        del kept[top * 2 :]
+
+    candidates, calls = [], 0
+    for _, plan in kept:
+        prediction = simulate(model, cluster, plan, framework)
+        calls += 1
+        peak: dict[str, float] = {}
+        for pipe, mems in zip(plan.pipelines, prediction.memory, strict=True):
+            for stage, mem in zip(pipe.stages, mems, strict=True):
+                peak[stage.kind] = max(peak.get(stage.kind, 0.0), mem)
+        if any(peak[k] > memory[k] for k in peak):
+            continue
+        tokens = plan.global_batch * model.seq_len / prediction.seconds
+        candidates.append(Candidate(plan, prediction, tokens, peak))
+    candidates.sort(key=lambda c: c.seconds)
+    if not candidates:
+        params = model.n_layers * model.layer_params + 2 * model.vocab_size * model.d_model
+        state = framework.state_bytes * params
+        what = ", ".join(f"{v} x {k} ({memory[k] / 1e9:.0f} GB)" for k, v in inventory.items())
+        raise ValueError(
+            f"search: no plan fits the model ({params / 1e9:.2f} B parameters, {state / 1e9:.0f} GB of weights,"
+            f" gradients and optimizer state, {model.n_layers} layers) on the cluster {what}"
+            f" at a global batch of {global_batch} x {model.seq_len} tokens"
+        )
+    return Result(
+        tuple(candidates[:top]),
+        complete,
+        counter[0],
+        calls,
+        time.perf_counter() - start,
+        {k: memory[k] for k in kinds},
+    )
+
+
+__all__ = ["Candidate", "Result", "search"]
