@@ -7,6 +7,7 @@ is in benchmarks/results/hetero.md."""
 
 from shardflow.hetero.cluster import Cluster, Node
 from shardflow.hetero.devices import CATALOGUE, DeviceKind, device_kind
+from shardflow.hetero.search import search
 from shardflow.hetero.simulate import Framework, Pipeline, Plan, Prediction, Stage, Transformer, simulate, uniform_plan
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "Stage",
     "Transformer",
     "device_kind",
+    "search",
     "simulate",
     "uniform_plan",
 ]

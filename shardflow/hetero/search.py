@@ -364,13 +364,10 @@ def search(
             if sum(slots.values()) < p:
                 continue
             if _count_all_layouts(used, slots, p) <= EXHAUSTIVE_LAYOUTS:
-                found = (
-                    tuple(sorted(lay, key=lambda pipe: [order_inv(kt) for kt in pipe]))
-                    for lay in _all_layouts(used, slots, p)
-                )
+                some = _all_layouts(used, slots, p)
             else:
-                found = _canonical_layouts(used, slots, p, order_mem)
-            for lay in found:
+                some = _canonical_layouts(used, slots, p, order_mem)
+            for lay in some:  # pipelines in the inventory's kind order (simulate prices a sync by the first's tp)
                 layouts.append(tuple(sorted(lay, key=lambda pipe: [order_inv(kt) for kt in pipe])))
     layouts = list(dict.fromkeys(layouts))
 
