@@ -1,9 +1,10 @@
-"""Heterogeneous clusters: a device catalogue, cluster descriptions and a simulator of a
-training step's time and memory under a plan of pipelines over mixed device kinds.
+"""Heterogeneous clusters: a device catalogue, cluster descriptions, a simulator of a training
+step's time and memory under a plan of pipelines over mixed device kinds, and a search over
+such plans.
 
-Partial: the planner that searches plans, the execution of uneven micro-batch counts per data
-replica and elastic restarts are not built yet; the simulator's fit to published measurements
-is in benchmarks/results/hetero.md."""
+Partial: the execution of uneven micro-batch counts per data replica as one SPMD program and
+elastic restarts are not built yet; the simulator's fit to published measurements is in
+benchmarks/results/hetero.md."""
 
 from shardflow.hetero.cluster import Cluster, Node
 from shardflow.hetero.devices import CATALOGUE, DeviceKind, device_kind

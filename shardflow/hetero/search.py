@@ -38,7 +38,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from shardflow.hetero.cluster import Cluster
-from shardflow.hetero.simulate import Framework, Pipeline, Plan, Prediction, Stage, Transformer, _Costs, simulate
+from shardflow.hetero.simulate import Framework, Pipeline, Plan, Prediction, Stage, StageCosts, Transformer, simulate
 
 INF = float("inf")
 # every multiset of kind sequences is tried while a (depth, tp per kind) has at most this many
@@ -110,7 +110,7 @@ class _Prices:
     """The simulator's per-stage costs under one (micro_batch, remat), memoised."""
 
     def __init__(self, model: Transformer, cluster: Cluster, framework: Framework, b: int, precision: str, remat: bool):
-        self.costs = _Costs(model, cluster, Plan((), b, precision, remat), framework)
+        self.costs = StageCosts(model, cluster, Plan((), b, precision, remat), framework)
         self.capacity = {n.kind.name: n.kind.memory for n in cluster.nodes}
         self._work: dict = {}
         self._mem: dict = {}

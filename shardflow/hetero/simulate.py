@@ -144,7 +144,7 @@ class Prediction:
     sync_seconds: float
 
 
-class _Costs:
+class StageCosts:
     """One stage's forward and backward seconds per micro-batch, its sends, its gradient
     all-reduce and its memory, on ``cluster``."""
 
@@ -222,12 +222,13 @@ class _Costs:
         sends 2(n-1)/n of a whole replica's gradients: the slowest node's network sets the pace."""
         kinds = {r.kind for r in replicas}
         devices = sum(r.tp for r in replicas)
-        grads = max(self.params(r, first, last) for r in replicas) * 4
         node = self.nodes[replicas[0].kind]
         if len(kinds) == 1 and devices <= node.devices:
-            return all_reduce_seconds(grads, len(replicas), node.intra, self.cluster.intra_latency)
+            shard = max(self.params(r, first, last) for r in replicas) * 4
+            return all_reduce_seconds(shard, len(replicas), node.intra, self.cluster.intra_latency)
+        whole = self.params(replicas[0], first, last) * replicas[0].tp * 4  # the same whatever a replica's tp
         slowest = min(self.inter(k) for k in kinds)
-        return all_reduce_seconds(grads * replicas[0].tp, len(replicas), slowest, self.cluster.inter_latency)
+        return all_reduce_seconds(whole, len(replicas), slowest, self.cluster.inter_latency)
 
     def update(self, stage: Stage, first: bool, last: bool) -> float:
         """The optimizer step: memory-bound, reading and writing each parameter's state once."""
@@ -253,7 +254,7 @@ def simulate(model: Transformer, cluster: Cluster, plan: Plan, framework: Framew
     forward + backward + sends (the first micro-batch through, warm-up and cool-down) plus
     m - 1 times its slowest stage's (the steady state). The step is the slowest pipeline, then
     each stage's gradient all-reduce and optimizer step (the slowest stage's)."""
-    costs = _Costs(model, cluster, plan, framework)
+    costs = StageCosts(model, cluster, plan, framework)
     depth = {len(p.stages) for p in plan.pipelines}
     if len(depth) != 1:
         raise ValueError(f"simulate: pipelines of {sorted(depth)} stages; every pipeline holds the same stages")
