@@ -54,7 +54,7 @@ class ModelConfig:
     balance: str = "aux_loss"  # "aux_loss" (Switch), "bias" (DeepSeek's aux-loss-free) or "none"
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
-    bias_rate: float = 1e-3
+    bias_rate: float = 0.02
 
     @property
     def expert_ffn_dim(self) -> int:

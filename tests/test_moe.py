@@ -120,7 +120,7 @@ def test_router_bias_moves_selection_not_gates_and_balances_load():
     gates, experts, _ = moe.route(logits, 1, bias=jnp.asarray([0.0, 0.0, 0.4]))
     assert experts[0, 0] == 2 and gates[0, 0] == 1.0  # chosen by the bias, weighted by its probability
     bias = moe.updated_router_bias(jnp.zeros(3), jnp.asarray([6.0, 0.0, 0.0]), rate=0.1)
-    np.testing.assert_allclose(bias, [-0.1, 0.1, 0.1])
+    np.testing.assert_allclose(bias, [-0.2, 0.1, 0.1])  # by the relative imbalance: (2 - 6) / 2, (2 - 0) / 2
 
 
 @pytest.mark.parametrize(
