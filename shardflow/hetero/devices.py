@@ -38,70 +38,43 @@ class DeviceKind:
         return dataclasses.replace(self, **changes)
 
 
-def _kind(name, memory_gb, bandwidth_gbps, nvlink_gbps, pcie_gbps, source, **peaks_tflops):
-    peak = {p: (None if v is None else v * TB) for p, v in peaks_tflops.items()}
-    nvlink = None if nvlink_gbps is None else nvlink_gbps * GB
-    return DeviceKind(name, memory_gb * GB, bandwidth_gbps * GB, peak, nvlink, pcie_gbps * GB, source)
-
-
-# name, memory GB, memory GB/s, NVLink GB/s (each way), PCIe GB/s (each way), source, dense TFLOP/s
 _HOPPER = dict(fp8=1979, bf16=989, fp16=989, tf32=494, fp32=67)
-_AMPERE = dict(fp8=None, bf16=312, fp16=312, tf32=156, fp32=19.5)
+_AMPERE = dict(bf16=312, fp16=312, tf32=156, fp32=19.5)
+_A10G_SOURCE = (
+    "no NVIDIA datasheet (an AWS part): the A10's memory, its tensor rate at fp32 accumulate estimated as half "
+    "the A10's; override with a measured profile"
+)
+# fmt: off
+_ROWS = (  # name, memory GB, memory GB/s, NVLink GB/s each way (None: none), PCIe GB/s each way, dense TFLOP/s, source
+    ("H100", 80, 3350, 450, 64, _HOPPER, "H100 Tensor Core GPU datasheet, SXM5"),
+    ("H100-PCIe", 80, 2000, 300, 64, dict(fp8=1513, bf16=756, fp16=756, tf32=378, fp32=51), "H100 datasheet, PCIe"),
+    ("H200", 141, 4800, 450, 64, _HOPPER, "H200 Tensor Core GPU datasheet, SXM"),
+    ("GH200", 96, 4000, 450, 64, _HOPPER, "GH200 Grace Hopper Superchip datasheet, 96 GB HBM3"),
+    ("A100-40GB", 40, 1555, 300, 32, _AMPERE, "A100 Tensor Core GPU datasheet, 40GB SXM"),
+    ("A100-80GB", 80, 2039, 300, 32, _AMPERE, "A100 Tensor Core GPU datasheet, 80GB SXM"),
+    ("L4", 24, 300, None, 32, dict(fp8=242, bf16=121, fp16=121, tf32=60, fp32=30.3), "L4 Tensor Core GPU datasheet"),
+    ("A10", 24, 600, None, 32, dict(bf16=125, fp16=125, tf32=62.5, fp32=31.2), "A10 Tensor Core GPU datasheet"),
+    ("A10G", 24, 600, None, 32, dict(bf16=62.5, fp16=62.5, tf32=31.2, fp32=31.2), _A10G_SOURCE),
+    ("V100-16GB", 16, 900, 150, 16, dict(fp16=125, fp32=15.7), "V100 Tensor Core GPU datasheet, SXM2"),
+    ("V100-32GB", 32, 900, 150, 16, dict(fp16=125, fp32=15.7), "V100 Tensor Core GPU datasheet, SXM2"),
+    ("T4", 16, 320, None, 16, dict(fp16=65, fp32=8.1), "T4 Tensor Core GPU datasheet"),
+    ("RTX-3090", 24, 936, 56, 32, dict(bf16=71, fp16=71, tf32=35.6, fp32=35.6), "GA102 whitepaper, RTX 3090"),
+    ("RTX-4090", 24, 1008, None, 32, dict(fp8=330, bf16=165, fp16=165, tf32=82.6, fp32=82.6), "Ada whitepaper"),
+    ("RTX-2080Ti", 11, 616, 50, 16, dict(fp16=56.9, fp32=14.2), "Turing whitepaper, RTX 2080 Ti FE"),
+    ("Titan-RTX", 24, 672, 50, 16, dict(fp16=130, fp32=16.3), "TITAN RTX specifications"),
+)
+# fmt: on
 CATALOGUE: dict[str, DeviceKind] = {
-    k.name: k
-    for k in (
-        _kind("H100", 80, 3350, 450, 64, "H100 Tensor Core GPU datasheet, SXM5", **_HOPPER),
-        _kind("H100-PCIe", 80, 2000, 300, 64, "H100 datasheet, PCIe", fp8=1513, bf16=756, fp16=756, tf32=378, fp32=51),
-        _kind("H200", 141, 4800, 450, 64, "H200 Tensor Core GPU datasheet, SXM", **_HOPPER),
-        _kind("GH200", 96, 4000, 450, 64, "GH200 Grace Hopper Superchip datasheet, 96 GB HBM3", **_HOPPER),
-        _kind("A100-40GB", 40, 1555, 300, 32, "A100 Tensor Core GPU datasheet, 40GB SXM", **_AMPERE),
-        _kind("A100-80GB", 80, 2039, 300, 32, "A100 Tensor Core GPU datasheet, 80GB SXM", **_AMPERE),
-        _kind("L4", 24, 300, None, 32, "L4 Tensor Core GPU datasheet", fp8=242, bf16=121, fp16=121, tf32=60, fp32=30.3),
-        _kind("A10", 24, 600, None, 32, "A10 Tensor Core GPU datasheet", bf16=125, fp16=125, tf32=62.5, fp32=31.2),
-        _kind(
-            "A10G",
-            24,
-            600,
-            None,
-            32,
-            "no NVIDIA datasheet (an AWS part): the A10's memory, its tensor rate at fp32 accumulate estimated "
-            "as half the A10's; override with a measured profile",
-            bf16=62.5,
-            fp16=62.5,
-            tf32=31.2,
-            fp32=31.2,
-        ),
-        _kind("V100-16GB", 16, 900, 150, 16, "V100 Tensor Core GPU datasheet, SXM2", fp16=125, fp32=15.7),
-        _kind("V100-32GB", 32, 900, 150, 16, "V100 Tensor Core GPU datasheet, SXM2", fp16=125, fp32=15.7),
-        _kind("T4", 16, 320, None, 16, "T4 Tensor Core GPU datasheet", fp16=65, fp32=8.1),
-        _kind(
-            "RTX-3090",
-            24,
-            936,
-            56,
-            32,
-            "GA102 architecture whitepaper, RTX 3090",
-            bf16=71,
-            fp16=71,
-            tf32=35.6,
-            fp32=35.6,
-        ),
-        _kind(
-            "RTX-4090",
-            24,
-            1008,
-            None,
-            32,
-            "Ada architecture whitepaper, RTX 4090",
-            fp8=330,
-            bf16=165,
-            fp16=165,
-            tf32=82.6,
-            fp32=82.6,
-        ),
-        _kind("RTX-2080Ti", 11, 616, 50, 16, "Turing architecture whitepaper, RTX 2080 Ti FE", fp16=56.9, fp32=14.2),
-        _kind("Titan-RTX", 24, 672, 50, 16, "TITAN RTX specifications", fp16=130, fp32=16.3),
+    name: DeviceKind(
+        name,
+        memory * GB,
+        bandwidth * GB,
+        {precision: tflops * TB for precision, tflops in peaks.items()},
+        None if nvlink is None else nvlink * GB,
+        pcie * GB,
+        source,
     )
+    for name, memory, bandwidth, nvlink, pcie, peaks, source in _ROWS
 }
 ALIASES = {
     "H100-SXM": "H100",
