@@ -325,6 +325,23 @@ def _check_writable_dir(path: Path, what: str) -> None:
         raise ConfigError(f"{what} {str(path)!r} is not writable{where}")
 
 
+def _sized(mesh: dict, n_devices: int) -> dict:
+    """``mesh`` with its one ``auto`` axis (if any) sized to the devices the others leave: the
+    run takes the devices it finds, as after a preemption (8 devices, {data: auto, model: 2} ->
+    data 4; 6 devices -> data 3)."""
+    auto = [axis for axis, size in mesh.items() if size == "auto"]
+    if not auto:
+        return mesh
+    if len(auto) > 1:
+        raise ConfigError(f"mesh {mesh}: at most one axis may be auto")
+    fixed = math.prod(size for size in mesh.values() if size != "auto")
+    if n_devices % fixed:
+        raise ConfigError(
+            f"mesh {mesh}: the {n_devices} devices do not divide by the other axes' {fixed} to size {auto[0]!r}"
+        )
+    return {axis: n_devices // fixed if size == "auto" else size for axis, size in mesh.items()}
+
+
 def validate(cfg: Config, n_devices: int) -> dict:
     """Check what can be checked without compiling; returns the mesh shape to build."""
     if cfg.engine not in ("shardflow", "jit"):
@@ -344,9 +361,9 @@ def validate(cfg: Config, n_devices: int) -> dict:
     if cfg.mesh is not None and not isinstance(cfg.mesh, dict):
         raise ConfigError(f"mesh must map axis names to sizes, e.g. {{data: 2, model: 4}}; got {cfg.mesh!r}")
     for axis, size in (cfg.mesh or {}).items():
-        if not (_is_int(size) and size >= 1):
-            raise ConfigError(f"mesh axis {axis!r} must have a positive integer size, got {size!r}")
-    mesh = dict(cfg.mesh) if cfg.mesh else {"data": n_devices}
+        if not (_is_int(size) and size >= 1) and size != "auto":
+            raise ConfigError(f"mesh axis {axis!r} must have a positive integer size or auto, got {size!r}")
+    mesh = _sized(dict(cfg.mesh), n_devices) if cfg.mesh else {"data": n_devices}
     if math.prod(mesh.values()) != n_devices:
         raise ConfigError(f"mesh {mesh} has {math.prod(mesh.values())} devices but {n_devices} are available")
     pl = cfg.pipeline
