@@ -10,6 +10,11 @@ MIT runs' memory too); the error reported is that of held-out rows (k-fold), so 
 never predicts the row it was fitted on. Prints one line per row and the MAPE per group.
 
     python benchmarks/hetero_validate.py [--folds 5] [--out benchmarks/results/hetero/<date>_validate.json]
+
+``--ours``: instead, shardflow's own GPU runs (benchmarks/results/{train_mfu,scaling,pipeline}),
+held out one configuration at a time (see ``validate_ours``).
+
+    python benchmarks/hetero_validate.py --ours --out benchmarks/results/hetero/<date>_validate_shardflow.json
 """
 
 from __future__ import annotations
