@@ -243,3 +243,20 @@ def test_a_mesh_axis_the_strategy_leaves_unused_is_one_warning_line(tmp_path, ca
         "it, or leave it out of the mesh\n"
     ) in err, err
     assert "ReplicatedAxisWarning" not in err
+
+
+def test_plan_prints_the_best_plans_for_a_cluster_and_refuses_a_bad_one(tmp_path, capsys):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("cluster:\n  inventory: {H100: 2, A100-40GB: 2}\n  per_node: 2\n")
+    argv = ["plan", "--cluster", str(cluster), "--set", "model={preset: tiny, n_layers: 4}", "--set", "batch_size=8"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "cluster 2 x H100, 2 x A100-40GB" in out and "pipelines (stage kind x tp)" in out
+    rows = [line for line in out.splitlines() if line[:1].isdigit()]
+    assert rows and all("GB" not in r or "/" in r for r in rows)
+    cluster.write_text("cluster:\n  inventory: {B300: 8}\n")
+    assert cli.main(argv) == 2
+    assert "config error: unknown device kind 'B300'" in capsys.readouterr().err
+    moe = ["plan", "--cluster", str(tmp_path / "missing.yaml"), "--set", "model.preset=moe-tiny"]
+    assert cli.main(moe) == 2
+    assert "config error: --cluster" in capsys.readouterr().err

@@ -42,6 +42,12 @@ def main(argv=None) -> int:
             "memory per device) without training or writing anything",
         )
     )
+    plan_parser = commands.add_parser(
+        "plan",
+        help="the best plans for a config's model on a cluster of mixed device kinds, with predicted time and memory",
+    )
+    add_explain_arguments(plan_parser)
+    plan_parser.add_argument("--cluster", required=True, metavar="FILE", help="YAML: a cluster block with an inventory")
     prep = commands.add_parser("prepare", help="tokenise text files into a training data dir")
     prep.add_argument("--input", nargs="+", required=True, metavar="FILE")
     prep.add_argument("--out", required=True, metavar="DIR")
@@ -61,6 +67,8 @@ def main(argv=None) -> int:
         return run_from_args(args)
     if args.command == "explain":
         return explain_from_args(args)
+    if args.command == "plan":
+        return plan_from_args(args)
     if args.command == "prepare":
         return _prepare(args)
     if args.command == "sample":
@@ -104,6 +112,18 @@ def explain_from_args(args) -> int:
         return 2
     except sf.ShardingError as e:
         print(f"sharding error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def plan_from_args(args) -> int:
+    from shardflow.train import config as config_lib
+    from shardflow.train.cluster_plan import cluster_block, plan_text
+
+    try:
+        print(plan_text(config_lib.load(args.config, args.overrides), cluster_block(args.cluster)))
+    except config_lib.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
         return 2
     return 0
 

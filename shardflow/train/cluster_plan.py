@@ -1,0 +1,77 @@
+"""`shardflow plan --cluster FILE`: the best plans for a config's model and batch on a cluster
+of mixed device kinds, each with its predicted step time and memory (``shardflow.hetero``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardflow.train import config as config_lib
+
+# Fitted to shardflow's own step times on H100 / H200 (benchmarks/results/hetero.md: 7.5 %
+# held-out error over 25 runs on 1, 2 and 4 GPUs); other kinds are assumed to reach the same
+# fraction of their peak, unmeasured. Memory keeps the simulator's defaults: they count the
+# attention scores an unfused attention keeps and our fused kernels do not, so memory errs high.
+FRAMEWORK = dict(efficiency={"*": 0.856}, half_tokens=698.0, elementwise=41.4)
+
+
+def transformer_of(model_cfg, seq_len: int):
+    """The simulator's shape of a shipped model (Llama: SwiGLU and grouped-query attention)."""
+    from shardflow import hetero
+
+    if model_cfg.n_experts:
+        raise config_lib.ConfigError(
+            f"shardflow plan: model.n_experts {model_cfg.n_experts}: the cluster simulator models dense "
+            "transformers only"
+        )
+    llama = model_cfg.family == "llama"
+    return hetero.Transformer(
+        n_layers=model_cfg.n_layers,
+        d_model=model_cfg.d_model,
+        n_heads=model_cfg.n_heads,
+        head_dim=model_cfg.head_dim,
+        ffn_dim=model_cfg.ffn_dim,
+        vocab_size=model_cfg.vocab_size,
+        seq_len=seq_len,
+        kv_heads=model_cfg.n_kv_heads if llama else None,
+        gated=llama,
+    )
+
+
+def cluster_block(path: str) -> dict:
+    """The ``cluster:`` block of a YAML file (or the whole file, if it is the block)."""
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise config_lib.ConfigError(f"--cluster {path}: {e.strerror}") from None
+    loaded = yaml.safe_load(text) or {}
+    block = loaded.get("cluster", loaded) if isinstance(loaded, dict) else None
+    if not isinstance(block, dict):
+        raise config_lib.ConfigError(f"--cluster {path}: expected a mapping with an inventory, got {loaded!r}")
+    return block
+
+
+def plan_text(cfg, block: dict) -> str:
+    from shardflow import hetero
+
+    try:
+        cluster = hetero.Cluster.from_config(block)
+    except (TypeError, ValueError) as e:
+        raise config_lib.ConfigError(str(e)) from None
+    model_cfg = config_lib.model_config(cfg)
+    model = transformer_of(model_cfg, cfg.data.seq_len)
+    precision = {"bfloat16": "bf16", "float32": "fp32"}[cfg.compute_dtype]
+    framework = hetero.Framework(**FRAMEWORK)
+    try:
+        result = hetero.search(
+            model, cluster, cfg.batch_size, framework, precision=precision, remat_options=(False, True)
+        )
+    except ValueError as e:
+        raise config_lib.ConfigError(str(e)) from None
+    inventory = ", ".join(f"{n} x {k}" for k, n in cluster.inventory().items())
+    head = (
+        f"model {dict(cfg.model)} | batch {cfg.batch_size}x{cfg.data.seq_len} {precision} | cluster {inventory}\n"
+        "predicted with shardflow's constants fitted on H100 / H200 (other kinds: the same fraction of peak)\n"
+    )
+    return head + str(result)
