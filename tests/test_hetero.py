@@ -98,3 +98,37 @@ def test_matmul_efficiency_halves_at_half_tokens_per_device_and_activations_foll
     # s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes at fp16: 2048·2·1024·(10 + 6 + 40) for b=2, t=4
     assert activation_bytes(GPT, 2, 4, 2) == 2048 * 2 * 1024 * 56
     assert activation_bytes(GPT, 2, 4, 4) == 2 * activation_bytes(GPT, 2, 4, 2)  # fp32 keeps 4-byte values
+
+
+def test_a_fused_attention_keeps_no_scores_and_remat_levels_keep_less():
+    """Megatron's GPT less its 5·a·s/(h·t) scores term when attention is fused: 2048·2·1024·16
+    bytes for b=2, t=4 at fp16; a SwiGLU, grouped-query model without dropout keeps its norms'
+    inputs and outputs (4·h), Q, K, V and attention's output (2·q + 2·kv) and the MLP's three
+    [tokens, f] values, the last two split over tp. "dots" keeps the input, the matmul outputs
+    (q + 2·kv + 2·f split, two h-wide projections); "full" the input alone."""
+    assert activation_bytes(GPT, 2, 4, 2, fused=True) == 2048 * 2 * 1024 * 16
+    assert activation_bytes(GPT, 2, 4, 2) - activation_bytes(GPT, 2, 4, 2, fused=True) == 2048 * 2 * 1024 * 40
+    llama = Transformer(16, 2048, 16, 128, 5632, 32000, 4096, kv_heads=8, gated=True, dropout=False)
+    per_token = 4 * 2048 + (2 * 2048 + 2 * 1024 + 3 * 5632) / 2
+    assert activation_bytes(llama, 8, 2, 2, fused=True) == 4096 * 8 * per_token * 2
+    dots = 3 * 2048 + (2048 + 2 * 1024 + 2 * 5632) / 2
+    assert activation_bytes(llama, 8, 2, 2, fused=True, remat="dots") == 4096 * 8 * dots * 2
+    assert activation_bytes(llama, 8, 2, 2, fused=True, remat="full") == 4096 * 8 * 2048 * 2
+    with pytest.raises(ValueError, match="fused attention moves no scores"):
+        Framework(efficiency={"*": 0.5}, fused_attention=True, unfused_attention=2.0)
+
+
+def test_remat_true_is_full_and_dots_sits_between_none_and_full():
+    cluster = Cluster.from_inventory({"H100": 1})
+    fw = Framework(efficiency={"*": 0.5}, fused_attention=True)
+    plans = {
+        r: uniform_plan("H100", dp=1, tp=1, pp=1, layers=24, microbatches=1, micro_batch=4, remat=r)
+        for r in ("none", "dots", "full")
+    }
+    assert plans["full"] == uniform_plan("H100", dp=1, tp=1, pp=1, layers=24, microbatches=1, micro_batch=4, remat=True)
+    assert plans["none"].remat is False and plans["dots"].remat_level == "dots"
+    got = {r: simulate(GPT, cluster, p, fw) for r, p in plans.items()}
+    assert got["none"].seconds < got["dots"].seconds < got["full"].seconds
+    assert got["none"].memory[0][0] > got["dots"].memory[0][0] > got["full"].memory[0][0]
+    with pytest.raises(ValueError, match="remat must be"):
+        Plan((), 1, remat="some")

@@ -39,6 +39,7 @@ class Transformer:
     seq_len: int
     kv_heads: int | None = None  # grouped-query attention; None: n_heads
     gated: bool = False  # SwiGLU (three MLP matrices) rather than two
+    dropout: bool = True  # Megatron's GPT: dropout after attention, the MLP and on the attention probabilities
 
     @property
     def layer_params(self) -> int:
@@ -48,8 +49,15 @@ class Transformer:
     def layer_flops(self, sequences: int) -> float:
         """Forward flops of one layer on ``sequences`` sequences: its matmuls and attention's
         two products over every query-key pair."""
-        tokens = sequences * self.seq_len
-        return 2 * tokens * self.layer_params + 4 * sequences * self.seq_len**2 * self.n_heads * self.head_dim
+        return self.matmul_flops(sequences) + self.attention_flops(sequences)
+
+    def matmul_flops(self, sequences: int) -> float:
+        """Forward flops of one layer's weight matmuls."""
+        return 2 * sequences * self.seq_len * self.layer_params
+
+    def attention_flops(self, sequences: int) -> float:
+        """Forward flops of attention's two products over every query-key pair."""
+        return 4 * sequences * self.seq_len**2 * self.n_heads * self.head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,27 +71,40 @@ class Framework:
     (Per layer this is a fixed cost of flops-per-token · n_half at the sustained rate, the same
     however the tokens are split: what tensor parallelism cannot divide.)
     ``elementwise``: bytes each token moves per d_model per layer in the forward (norms,
-    activations, residuals, dropout), in units of the compute dtype. ``unfused_attention``:
-    attention materialises its [heads, seq, seq] scores (read and written ``unfused_attention``
-    times). ``network_efficiency``: the fraction of a node's nominal network bandwidth its
-    collectives and sends reach; ``intra_efficiency`` the fraction of the links within a node that
-    the tensor-parallel all-reduces reach (small messages, PCIe through the host on GeForce
-    and T4 nodes). ``state_bytes``: bytes of weights, gradients and optimizer
-    state per parameter. ``activation``: a multiplier on Megatron's activation bytes per layer
-    (see :func:`activation_bytes`). ``overhead``: bytes a device holds beyond the model (CUDA
+    activations, residuals, dropout), in units of the compute dtype. ``fused_attention``: attention
+    is one kernel (flash attention) that keeps no [heads, seq, seq] scores, neither in memory nor
+    in traffic; otherwise attention materialises its scores, read and written
+    ``unfused_attention`` times (fitted; it must be 0 when fused). ``network_efficiency``: the
+    fraction of a node's nominal network bandwidth its collectives and sends reach;
+    ``intra_efficiency`` the fraction of the links within a node that the tensor-parallel
+    all-reduces reach (small messages, PCIe through the host on GeForce and T4 nodes).
+    ``state_bytes``: bytes of weights, gradients and optimizer state per parameter.
+    ``activation``: a multiplier on the activation bytes a layer keeps (see
+    :func:`activation_bytes`: Megatron's for its GPT). ``overhead``: bytes a device holds beyond the model (CUDA
     context, NCCL buffers, the caching allocator's slack). ``memory_efficiency``: fraction of
-    memory bandwidth streams reach."""
+    memory bandwidth streams reach. ``rolled_loop``: the layers run as a rolled loop (``lax.scan``
+    as XLA lowers it) that writes what each layer keeps into stacked buffers, zero-filled first
+    (one more write of the kept bytes), and holds the stacks whole beside each trip's slices (a
+    second copy of the kept bytes in memory, see :meth:`StageCosts.memory`). The copies of the
+    matmul and attention outputs into and out of the stacks are not priced apart: the fitted
+    element-wise bytes carry them (pricing them, 4× the matmul outputs' bytes, fitted worse)."""
 
     efficiency: Mapping[str, float]
     half_tokens: float = 0.0
     elementwise: float = 40.0
     unfused_attention: float = 0.0
+    fused_attention: bool = False
     network_efficiency: float = 1.0
     intra_efficiency: float = 1.0
     state_bytes: float = 16.0
     activation: float = 1.0
     overhead: float = 2e9
     memory_efficiency: float = 0.7
+    rolled_loop: bool = False
+
+    def __post_init__(self):
+        if self.fused_attention and self.unfused_attention:
+            raise ValueError(f"Framework: fused attention moves no scores, unfused_attention={self.unfused_attention}")
 
     def sustained(self, kind: str, tokens: float = float("inf")) -> float:
         """The fraction of peak a matmul over ``tokens`` rows sustains on ``kind``:
@@ -92,14 +113,41 @@ class Framework:
         return top if self.half_tokens <= 0 or tokens == float("inf") else top * tokens / (tokens + self.half_tokens)
 
 
-def activation_bytes(model: Transformer, micro_batch: int, tp: int, width: int) -> float:
-    """Bytes one layer keeps for its backward per micro-batch on each of ``tp`` devices:
-    Megatron's s·b·h·(10 + 24/t + 5·a·s/(h·t)) at 2 bytes a value (Korthikanti et al. 2022,
-    tensor parallel without sequence parallelism), scaled to the compute dtype's width. The
-    5·a·s/h term is the [heads, s, s] attention scores, softmax and dropout mask an unfused
-    attention keeps."""
-    s, h, a = model.seq_len, model.d_model, model.n_heads
-    return s * micro_batch * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * width / 2
+REMAT = ("none", "dots", "full")
+
+
+def activation_bytes(
+    model: Transformer, micro_batch: int, tp: int, width: int, *, fused: bool = False, remat: str = "none"
+) -> float:
+    """Bytes one layer keeps for its backward per micro-batch on each of ``tp`` devices (tensor
+    parallel without sequence parallelism), values at the compute dtype's ``width``.
+
+    ``remat="none"``: per token, the two norms' inputs and outputs (4·h, on every device), the
+    1-byte dropout masks after attention and the MLP (h at 2 bytes, where the model has dropout),
+    then split over tp: Q, K, V and attention's output (2·q + 2·kv) and the MLP's up (and gate)
+    outputs and the down projection's input (3·f gated, 2·f not); an unfused attention also keeps
+    its [heads, s, s] probabilities (with dropout their mask and dropped copy: 2.5 values each).
+    For Megatron's GPT (q = kv = h, f = 4·h, dropout) this is Korthikanti et al. 2022's
+    s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes at 2 bytes a value. A fused attention keeps no scores.
+
+    ``remat="dots"`` (save matmul outputs, recompute the rest): the layer's input (h), the
+    Q, K, V projections, the attention and MLP output projections (h each, their partial sums on
+    every device) and the up (and gate) outputs; an unfused attention's score and probability
+    products are matmuls too (a·s + q). A fused attention kernel is not a matmul: recomputed.
+
+    ``remat="full"`` (keep the layer's input only): h."""
+    if remat not in REMAT:
+        raise ValueError(f"activation_bytes: remat must be one of {REMAT}, got {remat!r}")
+    s, h, a, t = model.seq_len, model.d_model, model.n_heads, tp
+    q, kv, f = model.n_heads * model.head_dim, (model.kv_heads or model.n_heads) * model.head_dim, model.ffn_dim
+    if remat == "full":
+        values = h
+    elif remat == "dots":
+        values = 3 * h + (q + 2 * kv + (2 if model.gated else 1) * f) / t + (0 if fused else (a * s + q) / t)
+    else:
+        scores = 0 if fused else (2.5 if model.dropout else 1.0) * a * s / t
+        values = 4 * h + (h if model.dropout else 0) + (2 * q + 2 * kv + (3 if model.gated else 2) * f) / t + scores
+    return s * micro_batch * values * width
 
 
 def all_reduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -129,7 +177,21 @@ class Plan:
     pipelines: tuple[Pipeline, ...]
     micro_batch: int  # sequences per micro-batch
     precision: str = "bf16"  # matmul precision ("fp32" runs at the kind's tf32 rate)
-    remat: bool = False
+    # What a layer keeps for its backward: False / "none" everything, "dots" its matmul outputs
+    # (the rest recomputed), True / "full" its input (its forward recomputed). "none" and "full"
+    # are stored as False and True, so plans compare equal however they were written.
+    remat: bool | str = False
+
+    def __post_init__(self):
+        remat = {"none": False, "full": True}.get(self.remat, self.remat)
+        if remat not in (False, True, "dots"):
+            raise ValueError(f"Plan: remat must be False/True or one of {REMAT}, got {self.remat!r}")
+        object.__setattr__(self, "remat", remat)
+
+    @property
+    def remat_level(self) -> str:
+        """ "none", "dots" or "full"."""
+        return {False: "none", True: "full"}.get(self.remat, self.remat)
 
     @property
     def global_batch(self) -> int:
@@ -171,17 +233,59 @@ class StageCosts:
 
     def layer(self, stage: Stage) -> float:
         """One transformer layer's forward on a micro-batch: its matmuls and attention at the
-        sustained rate for each device's share of the micro-batch's tokens, the element-wise and (unfused) attention
-        score traffic at memory bandwidth, each of the tp devices doing 1/tp of both; then
-        Megatron's two tensor-parallel all-reduces of the [tokens, d_model] output (attention
-        and MLP) over the node's links."""
-        m, b, t, w = self.model, self.plan.micro_batch, stage.tp, self.width
-        tokens = b * m.seq_len
-        moved = self.fw.elementwise * tokens * m.d_model * w
-        moved += self.fw.unfused_attention * b * m.n_heads * m.seq_len**2 * w
-        compute = self.device(stage.kind, tokens / t).compute_seconds(m.layer_flops(b) / t, moved / t)
+        sustained rate for each device's share of the micro-batch's tokens, the element-wise and
+        (unfused) attention score traffic at memory bandwidth, each of the tp devices doing 1/tp
+        of both; under a rolled layer loop, the zero fill of the stacks the layer's kept bytes go
+        to; then Megatron's two tensor-parallel all-reduces of the [tokens, d_model]
+        output (attention and MLP) over the node's links."""
+        return self._layer(stage, copies=self.fw.rolled_loop)
+
+    def _layer(self, stage: Stage, copies: bool) -> float:
+        m, b, t = self.model, self.plan.micro_batch, stage.tp
+        flops = m.layer_flops(b) / t
+        moved = self._elementwise_bytes(stage) + self._scores_bytes(stage)
+        if copies:  # the stacks' zero fill
+            moved += self._kept(stage, self.plan.remat_level)
+        return self.device(stage.kind, b * m.seq_len / t).compute_seconds(flops, moved) + self._tp_all_reduces(stage)
+
+    def _elementwise_bytes(self, stage: Stage) -> float:
+        m = self.model
+        return self.fw.elementwise * self.plan.micro_batch * m.seq_len * m.d_model * self.width / stage.tp
+
+    def _scores_bytes(self, stage: Stage) -> float:
+        """An unfused attention's [heads, s, s] score traffic on each device (none when fused)."""
+        if self.fw.fused_attention:
+            return 0.0
+        m = self.model
+        return self.fw.unfused_attention * self.plan.micro_batch * m.n_heads * m.seq_len**2 * self.width / stage.tp
+
+    def _tp_all_reduces(self, stage: Stage) -> float:
+        m, t = self.model, stage.tp
         intra = self.nodes[stage.kind].intra * self.fw.intra_efficiency
-        return compute + 2 * all_reduce_seconds(tokens * m.d_model * w, t, intra, self.cluster.intra_latency)
+        nbytes = self.plan.micro_batch * m.seq_len * m.d_model * self.width
+        return 2 * all_reduce_seconds(nbytes, t, intra, self.cluster.intra_latency)
+
+    def _kept(self, stage: Stage, remat: str) -> float:
+        """Bytes one layer keeps per micro-batch on each device of ``stage`` at ``remat``."""
+        fused = self.fw.fused_attention
+        return self.fw.activation * activation_bytes(
+            self.model, self.plan.micro_batch, stage.tp, self.width, fused=fused, remat=remat
+        )
+
+    def recompute(self, stage: Stage) -> float:
+        """One layer's recomputation in the backward. ``full``: the whole forward. ``dots``: what
+        is not a matmul: the element-wise traffic, an unfused attention's softmax over its kept
+        scores, a fused attention kernel's forward (its output is no matmul output) and the
+        tensor-parallel all-reduces (their results are not saved either)."""
+        level = self.plan.remat_level
+        if level == "none":
+            return 0.0
+        if level == "full":
+            return self._layer(stage, copies=False)
+        m, b, t = self.model, self.plan.micro_batch, stage.tp
+        flops = m.attention_flops(b) / t if self.fw.fused_attention else 0.0
+        moved = self._elementwise_bytes(stage) + self._scores_bytes(stage)
+        return self.device(stage.kind, b * m.seq_len / t).compute_seconds(flops, moved) + self._tp_all_reduces(stage)
 
     def head(self, stage: Stage) -> float:
         """The last stage's output projection over the vocabulary and the loss (softmax and
@@ -195,10 +299,9 @@ class StageCosts:
         return stage.layers * self.layer(stage) + (self.head(stage) if last else 0.0)
 
     def backward(self, stage: Stage, first: bool, last: bool) -> float:
-        """Twice the forward's flops and traffic (gradients of inputs and of weights), plus the
-        forward again under recomputation."""
-        forward = self.forward(stage, first, last)
-        return 2 * forward + (forward if self.plan.remat else 0.0)
+        """Twice the forward's flops and traffic (gradients of inputs and of weights), plus each
+        layer's recomputation under remat (the output head is not recomputed)."""
+        return 2 * self.forward(stage, first, last) + stage.layers * self.recompute(stage)
 
     def hop(self, stage: Stage) -> float:
         """An activation (or its gradient) sent on to the neighbouring stage, over the node's
@@ -238,12 +341,16 @@ class StageCosts:
     def memory(self, stage: Stage, index: int, pipeline: Pipeline) -> float:
         """The framework's overhead, the stage's model state, and the activations of the
         micro-batches 1F1B keeps in flight: stage s of p holds min(m, p - s) of them (the
-        first stage's warm-up is p deep, the last runs each backward right after its forward)."""
+        first stage's warm-up is p deep, the last runs each backward right after its forward),
+        each keeping what its remat level keeps of every layer (twice under a rolled layer loop:
+        the stacks and the slices), plus, under remat, what one layer recomputes in the backward
+        (the rest of that layer's activations, for one micro-batch)."""
         p, first, last = len(pipeline.stages), index == 0, index == len(pipeline.stages) - 1
         in_flight = min(pipeline.microbatches, p - index)
-        per_layer = self.fw.activation * activation_bytes(self.model, self.plan.micro_batch, stage.tp, self.width)
-        layers_kept = 1 if self.plan.remat else stage.layers
-        activations = in_flight * per_layer * layers_kept
+        level = self.plan.remat_level
+        kept = self._kept(stage, level)
+        activations = in_flight * stage.layers * kept * (2 if self.fw.rolled_loop else 1)
+        activations += self._kept(stage, "none") - kept
         return self.fw.overhead + self.fw.state_bytes * self.params(stage, first, last) + activations
 
 
@@ -283,4 +390,16 @@ def uniform_plan(kind: str, *, dp: int, tp: int, pp: int, layers: int, microbatc
     return Plan(tuple(Pipeline(stages, microbatches) for _ in range(dp)), micro_batch, **kw)
 
 
-__all__ = ["Framework", "Pipeline", "Plan", "Prediction", "Stage", "Transformer", "simulate", "uniform_plan"]
+__all__ = [
+    "REMAT",
+    "Framework",
+    "Pipeline",
+    "Plan",
+    "Prediction",
+    "Stage",
+    "StageCosts",
+    "Transformer",
+    "activation_bytes",
+    "simulate",
+    "uniform_plan",
+]
