@@ -46,6 +46,12 @@ class Case:
     plan: Plan
     seconds: float | None
     memory: float | None  # bytes, the busiest device
+    version: dict = dataclasses.field(default_factory=dict)  # Framework fields this row's code version sets
+
+
+def _simulate(c: Case, fw: Framework):
+    """``c`` simulated under ``fw`` as its code version runs (``Case.version``)."""
+    return simulate(c.model, c.cluster, c.plan, dataclasses.replace(fw, **c.version) if c.version else fw)
 
 
 def _source_of(row) -> str:
@@ -170,11 +176,11 @@ def fit(train: list[Case], time_knobs=TIME_KNOBS, memory_knobs=MEMORY_KNOBS, fix
 
     def time_residuals(x):
         fw = make(x, x_memory)
-        return [np.log(simulate(c.model, c.cluster, c.plan, fw).seconds / c.seconds) for c in timed]
+        return [np.log(_simulate(c, fw).seconds / c.seconds) for c in timed]
 
     def memory_residuals(x):
         fw = make(x_time, x)
-        return [np.log(max(max(s) for s in simulate(c.model, c.cluster, c.plan, fw).memory) / c.memory) for c in sized]
+        return [np.log(max(max(s) for s in _simulate(c, fw).memory) / c.memory) for c in sized]
 
     x_time = np.log([0.4] * len(kinds) + [v[0] for v in time_knobs.values()])
     if timed:
@@ -196,7 +202,7 @@ def _cross_validate(all_cases: list[Case], group_of, folds: int) -> dict:
         for fold in range(folds):
             held = [group[i] for i in order[fold::folds]]
             fw = _framework(*fit([c for c in group if c not in held]))
-            out.update({c.id: simulate(c.model, c.cluster, c.plan, fw) for c in held})
+            out.update({c.id: _simulate(c, fw) for c in held})
     return out
 
 
@@ -213,14 +219,14 @@ OUR_KINDS = {"NVIDIA H200": "H200", "NVIDIA H100 80GB HBM3": "H100"}
 NVLINK_GBPS = 450  # a pipeline's sends stay inside the one host: price them on NVLink, not a network
 # Fitted for shardflow: one sustained fraction for both Hopper kinds (the same GH100 tensor cores
 # and peak; H200's faster memory is in the catalogue), the small-GEMM knee and the element-wise
-# bytes. Fixed: attention is our fused (flash) kernel, so no [heads, s, s] traffic; no network
+# bytes. Fixed: attention is our fused (flash) kernel, so no [heads, s, s] traffic or memory; no network
 # (one host); the tensor-parallel all-reduces at NVLink's datasheet rate (NCCL's bus bandwidth
 # on NVSwitch Hoppers reaches it for large messages): our modelled rows hold one tensor-parallel
 # configuration, so leaving it out would leave that fraction with nothing to fit it.
 OUR_FIT = dict(
     time_knobs={k: TIME_KNOBS[k] for k in ("half_tokens", "elementwise")},
     memory_knobs=MEMORY_KNOBS,
-    fixed=dict(unfused_attention=0.0, network_efficiency=1.0, intra_efficiency=1.0),
+    fixed=dict(fused_attention=True, unfused_attention=0.0, network_efficiency=1.0, intra_efficiency=1.0),
     shared_kinds=True,
 )
 
@@ -283,25 +289,26 @@ def _our_case(source, pointer, meta, row):
     model = _our_model(row["preset"], row["seq"])
     plan = uniform_plan(
         kind, dp=data, tp=tp, pp=pp, layers=model.n_layers, microbatches=microbatches, micro_batch=micro_batch,
-        precision="bf16", remat=row["remat"] == "full",
+        precision="bf16", remat=row["remat"],
     )  # fmt: skip
     cluster = Cluster.from_inventory(
         {kind: data * tp * pp}, per_node=data * tp * pp, inter_node_GBps=NVLINK_GBPS
     )  # fmt: skip
     # Memory where the simulator's activations mean what the run keeps: not under FSDP (state split
     # over data), not with the sequence split over the model axis (tp_sp; the solver's tp plan, whose
-    # 20.9 GB is tp_sp's), not under remat "dots" (it keeps the matmul outputs: neither level).
+    # 20.9 GB is tp_sp's).
     sequence_split = name == "tp_sp" or (name == "tp" and engine == "shardflow-solver")
     memory = row.get("compiled_gb_per_device")
-    if fsdp or sequence_split or row["remat"] == "dots" or memory is None:
+    if fsdp or sequence_split or memory is None:
         memory = None
     case = Case(
         f"{source}#{pointer}", "shardflow", "shardflow", "shardflow", model, cluster, plan, row["step_s"],
-        None if memory is None else memory * 1e9,
+        None if memory is None else memory * 1e9, dict(rolled_loop=_rolled(meta["date"][:10], tp, pp, fsdp)),
     )  # fmt: skip
     describe = dict(
         date=meta["date"][:10], kind=kind, preset=row["preset"], engine=engine, config=name, mesh=mesh,
         remat=row["remat"], micro_batch=micro_batch, microbatches=microbatches, seq=row["seq"],
+        layer_loop="rolled" if case.version["rolled_loop"] else "unrolled",
     )  # fmt: skip
     return Ours(case, not fsdp, pointer, describe, repr((model, plan, cluster.inventory())))
 
@@ -324,8 +331,8 @@ def _fit_ours(train: list[Ours]) -> Framework:
     and memory): repeated measurements, or plans the simulator cannot tell apart (tp, tp_sp and the
     solver's tp are six rows of one configuration), do not outweigh a configuration measured once."""
     merged = []
-    for key in sorted({o.holdout for o in train}):
-        rows = [o.case for o in train if o.holdout == key]
+    for key in sorted({(o.holdout, repr(o.case.version)) for o in train}):
+        rows = [o.case for o in train if (o.holdout, repr(o.case.version)) == key]
         seconds = [c.seconds for c in rows if c.seconds]
         memory = [c.memory for c in rows if c.memory]
         gmean = lambda v: float(np.exp(np.mean(np.log(v)))) if v else None  # noqa: E731
@@ -336,6 +343,13 @@ def _fit_ours(train: list[Ours]) -> Framework:
 LOWERING = "2026-12-01"  # the layer-loop lowering (2191cdc, 63d0409, f943485): 1b on one GPU 0.406 s -> 0.340 s
 
 
+def _rolled(date: str, tp: int, pp: int, fsdp: bool) -> bool:
+    """Whether the row's layer loop ran rolled (``Framework.rolled_loop``): every row measured
+    before the lowering, and after it a loop whose body runs a collective (tp, FSDP, a pipeline's
+    stages); it unrolled the loops of one device and of dp (gradients reduced after the loop)."""
+    return date < LOWERING or tp > 1 or pp > 1 or fsdp
+
+
 def _leave_one_configuration_out(modelled: list[Ours]) -> dict:
     """Each row's prediction by constants fitted on the rows of every other configuration (all
     rows with the held-out row's simulator inputs are held out with it: repeated measurements of
@@ -344,7 +358,7 @@ def _leave_one_configuration_out(modelled: list[Ours]) -> dict:
     for key in sorted({o.holdout for o in modelled}):
         fw = _fit_ours([o for o in modelled if o.holdout != key])
         held = [o.case for o in modelled if o.holdout == key]
-        predicted.update({c.id: simulate(c.model, c.cluster, c.plan, fw) for c in held})
+        predicted.update({c.id: _simulate(c, fw) for c in held})
     return predicted
 
 
@@ -379,7 +393,7 @@ def validate_ours(out: str | None = None) -> dict:
     predicted = _leave_one_configuration_out(modelled)
     fw_all = _fit_ours(modelled)
     approximated = [o.case for o in taken if not o.modelled]
-    predicted.update({c.id: simulate(c.model, c.cluster, c.plan, fw_all) for c in approximated})
+    predicted.update({c.id: _simulate(c, fw_all) for c in approximated})
     before = [o for o in modelled if o.describe["date"] < LOWERING]
     one_version = _leave_one_configuration_out(before)
     rows = []
