@@ -13,6 +13,7 @@ from shardflow.explain import Plan
 from shardflow.links import LinkModel
 from shardflow.mesh import make_mesh
 from shardflow.pipelining import pipeline
+from shardflow.predication import predicated
 from shardflow.primitives import constrain
 from shardflow.search import Alternative, Candidate, alternatives, plan
 from shardflow.specs import AUTO, B, Broadcast, P, Partial, S, ShardingError, Split, to_partition_spec, to_sbp
@@ -32,6 +33,7 @@ __all__ = [
     "make_mesh",
     "constrain",
     "pipeline",
+    "predicated",
     "schedules",
     "passes",
     "parallelize",
