@@ -24,7 +24,10 @@ LAYERS = [
     ("rules", ["rules", "rules.*", "attention_primitives", "attention_rule", "experts_primitives", "experts_rule"]),
     ("passes", ["passes", "passes.*", "split_vjp"]),
     ("api", ["explain", "api", "search"]),
-    ("pipelining", ["pipeline_tables", "pipeline_executor", "pipelining", "pipeline_solve", "attention", "experts", "predication"]),
+    (
+        "pipelining",
+        ["pipeline_tables", "pipeline_executor", "pipelining", "pipeline_solve", "attention", "experts", "predication"],
+    ),
     ("public namespace", ["shardflow"]),
     ("model parts", ["models.sharding", "models.config", "models.moe", "models.attention", "models.pipeline"]),
     ("models", ["models.llama", "models.gpt2", "models"]),

@@ -77,6 +77,9 @@ class Config:
     planner: str = "greedy"  # shardflow's: "greedy" (passes.propagate) or "solver" (passes.solve)
     batch_size: int = 16  # sequences per optimizer step, all devices together
     grad_accum: int = 1  # micro-batches per optimizer step
+    # Micro-batches per data replica, uneven (a slower replica takes fewer): [4, 4, 3, 1]; null:
+    # every replica takes batch_size / data ways rows at once (see shardflow/train/uneven.py).
+    replica_microbatches: list | None = None
     compute_dtype: str = "bfloat16"  # parameters stay float32; this is the forward/backward dtype
     steps: int = 200
     seed: int = 0
@@ -415,6 +418,10 @@ def validate(cfg: Config, n_devices: int) -> dict:
             f"{batch_axes} of the mesh ({ways} ways)"
         )
     mc = model_config(cfg)
+    if cfg.replica_microbatches is not None:
+        from shardflow.train import uneven
+
+        uneven.check(cfg, ways, mc)
     if cfg.data.seq_len > mc.max_seq_len and mc.family == "gpt2":
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds gpt2 max_seq_len {mc.max_seq_len}")
     if mc.sliding_window is not None and cfg.data.seq_len > mc.sliding_window:

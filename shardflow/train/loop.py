@@ -147,6 +147,18 @@ class _Loop:
             tokens, index, shape, cfg.data.seq_len, cfg.data.seed, self.batch_sharding, self.order
         )
 
+    def train_batch(self, step: int):
+        cfg = self.cfg
+        if not cfg.replica_microbatches:
+            return self.batch(self.run.data, step, (cfg.grad_accum, self.micro))
+        from shardflow.train import uneven
+
+        rows = cfg.batch_size // sum(cfg.replica_microbatches)
+        shardings = self.run.shardings(self.run.step_batch_specs())
+        return uneven.global_batch(
+            self.run.data, step, cfg.replica_microbatches, rows, cfg.data.seq_len, cfg.data.seed, shardings
+        )
+
     def val_loss(self, params) -> float:
         """Mean loss over cfg.eval_batches fixed batches of val.bin (the same at every eval)."""
         losses = [
@@ -183,7 +195,7 @@ class _Loop:
             for step in range(self.start, min(cfg.steps, until or cfg.steps)):
                 if ctrl_c.pressed:
                     break
-                batch = self.batch(self.run.data, step, (cfg.grad_accum, self.micro))
+                batch = self.train_batch(step)
                 params, opt_state, metrics = self.step_fn(params, opt_state, batch)
                 if ckpt:
                     ckpt.poll()

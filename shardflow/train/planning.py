@@ -17,6 +17,15 @@ def abstract_step_args(run: run_setup.Run):
     import jax.numpy as jnp
 
     params, opt_state = jax.eval_shape(lambda: run_setup.init_state(run))
+    counts = run.cfg.replica_microbatches
+    if counts:  # uneven micro-batches: every replica's slots, and the rows' weights
+        slots = (max(counts), len(counts) * (run.cfg.batch_size // sum(counts)))
+        tokens = jax.ShapeDtypeStruct(slots + (run.cfg.data.seq_len,), jnp.int32)
+        return (
+            params,
+            opt_state,
+            {"inputs": tokens, "targets": tokens, "weights": jax.ShapeDtypeStruct(slots, jnp.float32)},
+        )
     micro = run.cfg.batch_size // run.cfg.grad_accum
     tokens = jax.ShapeDtypeStruct((run.cfg.grad_accum, micro, run.cfg.data.seq_len), jnp.int32)
     return params, opt_state, {"inputs": tokens, "targets": tokens}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shardflow.train import steps
+from shardflow.train import steps, uneven
 
 
 @dataclasses.dataclass
@@ -36,18 +36,30 @@ class Run:
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
         )
 
+    def step_batch_specs(self):
+        """The training step's batch specs: one for every leaf, or per leaf with uneven
+        micro-batches (their weights [slots, rows])."""
+        from jax.sharding import PartitionSpec
+
+        if not self.cfg.replica_microbatches:
+            return self.batch_spec
+        return {"inputs": self.batch_spec, "targets": self.batch_spec, "weights": PartitionSpec(*self.batch_spec[:2])}
+
     def train_step(self, engine: str | None = None):
         """The config's training step, (params, opt_state, batch) -> (params, opt_state,
         metrics), run by ``engine`` (default: the config's) with the run's specs."""
-        step = steps.make_train_step(
-            self.graphdef, self.optimizer, self.cfg.compute_dtype, self.cfg.grad_accum, self.pipeline
-        )
+        if self.cfg.replica_microbatches:
+            step = uneven.make_train_step(self.graphdef, self.optimizer, self.cfg.compute_dtype)
+        else:
+            step = steps.make_train_step(
+                self.graphdef, self.optimizer, self.cfg.compute_dtype, self.cfg.grad_accum, self.pipeline
+            )
         return steps.parallelize_step(
             step,
             engine or self.cfg.engine,
             self.mesh,
             self.rules,
-            in_specs=(self.param_specs, self.opt_specs, self.batch_spec),
+            in_specs=(self.param_specs, self.opt_specs, self.step_batch_specs()),
             out_specs=(self.param_specs, self.opt_specs, None),
             planner=self.cfg.planner,
         )
