@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from shardflow.train import cli, planning, run_setup
+from shardflow.train import cli, config, planning, run_setup
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GiB = 2**30
@@ -254,6 +254,13 @@ def test_plan_prints_the_best_plans_for_a_cluster_and_refuses_a_bad_one(tmp_path
     assert "cluster 2 x H100, 2 x A100-40GB" in out and "pipelines (stage kind x tp)" in out
     rows = [line for line in out.splitlines() if line[:1].isdigit()]
     assert rows and all("GB" not in r or "/" in r for r in rows)
+    run = out.strip().splitlines()[-1]
+    assert run.startswith(("run the best plan on the ", "the best plan pipelines layers")), run
+    if run.startswith("run"):  # the command's settings make a valid run on the devices it names
+        devices = int(run.split("run the best plan on the ")[1].split()[0])
+        keys = [k.strip().strip('"') for k in run.split("--set ")[1:]]
+        cfg = config.load(None, ["model={preset: tiny, n_layers: 4}", *keys])
+        config.validate(cfg, devices)
     cluster.write_text("cluster:\n  inventory: {B300: 8}\n")
     assert cli.main(argv) == 2
     assert "config error: unknown device kind 'B300'" in capsys.readouterr().err

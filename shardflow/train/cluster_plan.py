@@ -52,6 +52,25 @@ def cluster_block(path: str) -> dict:
     return block
 
 
+def trainer_settings(plan) -> list[str] | None:
+    """The ``--set`` keys with which `shardflow train` runs ``plan``, where it can: pipelines of
+    one stage and one tensor-parallel width (data x tensor parallel), uneven micro-batch counts
+    as ``replica_microbatches``. None for plans it does not run yet (pipelines of several
+    stages, mixed widths)."""
+    if any(len(p.stages) != 1 for p in plan.pipelines) or len({p.stages[0].tp for p in plan.pipelines}) != 1:
+        return None
+    tp, counts = plan.pipelines[0].stages[0].tp, [p.microbatches for p in plan.pipelines]
+    mesh = f"{{data: {len(counts)}, model: {tp}}}" if tp > 1 else f"{{data: {len(counts)}}}"
+    keys = [f"mesh={mesh}", f"strategy={'tp' if tp > 1 else 'dp'}", f"batch_size={plan.global_batch}"]
+    if len(set(counts)) > 1:
+        keys.append(f"replica_microbatches={counts}")
+    elif counts[0] > 1:
+        keys.append(f"grad_accum={counts[0]}")
+    if plan.remat:
+        keys.append(f"model.remat={'dots' if plan.remat == 'dots' else 'full'}")
+    return keys
+
+
 def plan_text(cfg, block: dict) -> str:
     from shardflow import hetero
 
@@ -74,4 +93,11 @@ def plan_text(cfg, block: dict) -> str:
         f"model {dict(cfg.model)} | batch {cfg.batch_size}x{cfg.data.seq_len} {precision} | cluster {inventory}\n"
         "predicted with shardflow's constants fitted on H100 / H200 (other kinds: the same fraction of peak)\n"
     )
-    return head + str(result)
+    keys = trainer_settings(result.best.plan)
+    run = (
+        f"run the best plan on the {sum(s.tp for p in result.best.plan.pipelines for s in p.stages)} devices it uses: "
+        "shardflow train " + " ".join(f'--set "{k}"' for k in keys)
+        if keys
+        else "the best plan pipelines layers over several stages or widths: shardflow train does not run it yet"
+    )
+    return head + str(result) + "\n" + run
