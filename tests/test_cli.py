@@ -255,7 +255,7 @@ def test_plan_prints_the_best_plans_for_a_cluster_and_refuses_a_bad_one(tmp_path
     rows = [line for line in out.splitlines() if line[:1].isdigit()]
     assert rows and all("GB" not in r or "/" in r for r in rows)
     run = out.strip().splitlines()[-1]
-    assert run.startswith(("run the best plan on the ", "the best plan pipelines layers")), run
+    assert run.startswith(("run the best plan on the ", "the best plan mixes")), run
     if run.startswith("run"):  # the command's settings make a valid run on the devices it names
         devices = int(run.split("run the best plan on the ")[1].split()[0])
         keys = [k.strip().strip('"') for k in run.split("--set ")[1:]]
@@ -267,3 +267,29 @@ def test_plan_prints_the_best_plans_for_a_cluster_and_refuses_a_bad_one(tmp_path
     moe = ["plan", "--cluster", str(tmp_path / "missing.yaml"), "--set", "model.preset=moe-tiny"]
     assert cli.main(moe) == 2
     assert "config error: --cluster" in capsys.readouterr().err
+
+
+def test_the_plans_the_trainer_runs_become_its_settings():
+    from shardflow.hetero import Pipeline, Plan, Stage
+    from shardflow.train.cluster_plan import trainer_settings
+
+    uneven = Plan((Pipeline((Stage("H100", 2, 8),), 3), Pipeline((Stage("A100-40GB", 2, 8),), 1)), micro_batch=2)
+    assert trainer_settings(uneven) == [
+        "mesh={data: 2, model: 2}",
+        "strategy=tp",
+        "batch_size=8",
+        "replica_microbatches=[3, 1]",
+    ]
+    staged = Pipeline((Stage("H100", 1, 5), Stage("A100-40GB", 1, 3)), 4)
+    assert trainer_settings(Plan((staged, staged), micro_batch=1, remat=True)) == [
+        "mesh={pipe: 2, data: 2}",
+        "strategy=dp",
+        "batch_size=8",
+        "pipeline.stages=2",
+        "pipeline.microbatches=4",
+        "pipeline.layers_per_stage=[5, 3]",
+        "model.remat=full",
+    ]
+    cfg = config.load(None, ["model={preset: tiny, n_layers: 8}", *trainer_settings(Plan((staged, staged), 1))])
+    config.validate(cfg, 4)
+    assert trainer_settings(Plan((staged, Pipeline(staged.stages, 2)), 1)) is None  # pipelines: equal counts only

@@ -53,16 +53,25 @@ def cluster_block(path: str) -> dict:
 
 
 def trainer_settings(plan) -> list[str] | None:
-    """The ``--set`` keys with which `shardflow train` runs ``plan``, where it can: pipelines of
-    one stage and one tensor-parallel width (data x tensor parallel), uneven micro-batch counts
-    as ``replica_microbatches``. None for plans it does not run yet (pipelines of several
-    stages, mixed widths)."""
-    if any(len(p.stages) != 1 for p in plan.pipelines) or len({p.stages[0].tp for p in plan.pipelines}) != 1:
+    """The ``--set`` keys with which `shardflow train` runs ``plan``, where it can: one
+    tensor-parallel width throughout; pipelines of one stage with uneven micro-batch counts as
+    ``replica_microbatches``, or pipelines of several stages (uneven layers as
+    ``pipeline.layers_per_stage``) with equal counts. None for plans it does not run yet (mixed
+    widths; several stages with uneven counts, which sf.pipeline does not predicate)."""
+    stages = [p.stages for p in plan.pipelines]
+    widths, counts = {s.tp for p in stages for s in p}, [p.microbatches for p in plan.pipelines]
+    depth = len(stages[0])
+    if len(widths) != 1 or (depth > 1 and len(set(counts)) > 1):
         return None
-    tp, counts = plan.pipelines[0].stages[0].tp, [p.microbatches for p in plan.pipelines]
-    mesh = f"{{data: {len(counts)}, model: {tp}}}" if tp > 1 else f"{{data: {len(counts)}}}"
-    keys = [f"mesh={mesh}", f"strategy={'tp' if tp > 1 else 'dp'}", f"batch_size={plan.global_batch}"]
-    if len(set(counts)) > 1:
+    (tp,) = widths
+    mesh = ([f"pipe: {depth}"] if depth > 1 else []) + [f"data: {len(counts)}"] + ([f"model: {tp}"] if tp > 1 else [])
+    keys = [f"mesh={{{', '.join(mesh)}}}", f"strategy={'tp' if tp > 1 else 'dp'}", f"batch_size={plan.global_batch}"]
+    if depth > 1:
+        layers = [s.layers for s in stages[0]]
+        keys += [f"pipeline.stages={depth}", f"pipeline.microbatches={counts[0]}"]
+        if len(set(layers)) > 1:
+            keys.append(f"pipeline.layers_per_stage={layers}")
+    elif len(set(counts)) > 1:
         keys.append(f"replica_microbatches={counts}")
     elif counts[0] > 1:
         keys.append(f"grad_accum={counts[0]}")
@@ -98,6 +107,7 @@ def plan_text(cfg, block: dict) -> str:
         f"run the best plan on the {sum(s.tp for p in result.best.plan.pipelines for s in p.stages)} devices it uses: "
         "shardflow train " + " ".join(f'--set "{k}"' for k in keys)
         if keys
-        else "the best plan pipelines layers over several stages or widths: shardflow train does not run it yet"
+        else "the best plan mixes tensor-parallel widths, or gives pipelines of several stages uneven micro-batch "
+        "counts: shardflow train does not run it yet"
     )
     return head + str(result) + "\n" + run
