@@ -421,11 +421,16 @@ PIPELINED = {
 }
 
 
-@pytest.mark.parametrize(
-    "case, passes",
-    [(case, "greedy") for case in PIPELINED] + [("pipe2-data2-expert2", "solver")],
-)
-@pytest.mark.parametrize("routing, balance", [("capacity", "aux_loss"), ("dropless", "bias")])
+def _pipelined_cases():
+    """Every mesh with greedy, one with the solver, both routings: the fast tier runs one."""
+    for case, passes in [(case, "greedy") for case in PIPELINED] + [("pipe2-data2-expert2", "solver")]:
+        for routing, balance in (("capacity", "aux_loss"), ("dropless", "bias")):
+            fast = (case, passes, routing) == ("pipe2-data2-expert2", "greedy", "dropless")
+            marks = () if fast else (pytest.mark.slow,)
+            yield pytest.param(case, passes, routing, balance, marks=marks, id=f"{case}-{passes}-{routing}-{balance}")
+
+
+@pytest.mark.parametrize("case, passes, routing, balance", _pipelined_cases())
 def test_pipelined_expert_parallel_step_equals_one_device(case, passes, routing, balance):
     """The stages on 'pipe', the experts on 'expert' within each stage (greedy's plan, and the
     solver's with the pipeline's bodies): the loss, every gradient and the per-layer routing
