@@ -319,40 +319,25 @@ def _bound(prices: _Prices, layout: Layout, layers: int, total: int) -> float:
     return max(max(works), total / sum(p / w for w in works))
 
 
-def search(
-    model: Transformer,
-    cluster: Cluster,
-    global_batch: int,
-    framework: Framework,
-    *,
-    precision: str = "bf16",
-    remat_options: Sequence[bool] = (False, True),
-    top: int = 5,
-    max_seconds: float = 60.0,
-) -> Result:
-    """The ``top`` fastest plans found for ``global_batch`` sequences a step (see the module for
-    the plan space), each with every device's predicted memory within its kind's; a ValueError
-    naming the cluster and the model where no plan fits."""
-    start = time.perf_counter()
+def _layouts(model: Transformer, cluster: Cluster) -> list:
+    """Every (depth, tp per kind)'s pipeline layouts: each a tuple of pipelines, each a tuple of
+    (kind, tp) stages, in the inventory's kind order, without repeats."""
     inventory = cluster.inventory()
     kinds = list(inventory)
     memory = {n.kind.name: n.kind.memory for n in cluster.nodes}
     rank = {k: (-memory[k], i) for i, k in enumerate(kinds)}
     order_mem = lambda kt: rank[kt[0]]  # noqa: E731
     inv_rank = {k: i for i, k in enumerate(kinds)}
-    order_inv = lambda kt: inv_rank[kt[0]]  # noqa: E731
     widest = {k: max(n.devices for n in cluster.nodes if n.kind.name == k) for k in kinds}
     L = model.n_layers
     depths = sorted(
         {p for p in range(1, min(L, 8) + 1)} | {p for p in range(1, L + 1) if L % p == 0 or p & (p - 1) == 0}
     )
-    total_slots = sum(inventory.values())
-    depths = [p for p in depths if p <= total_slots]
+    depths = [p for p in depths if p <= sum(inventory.values())]
 
     def slots_of(k: str, t: int) -> int:
         return sum(n.devices // t for n in cluster.nodes if n.kind.name == k)
 
-    # every (depth, tp per kind) and its layouts
     layouts: list[Layout] = []
     for p in depths:
         widths = [[0] + [t for t in (1, 2, 4, 8) if t <= widest[k]] for k in kinds]
@@ -368,9 +353,54 @@ def search(
             else:
                 some = _canonical_layouts(used, slots, p, order_mem)
             for lay in some:  # pipelines in the inventory's kind order (simulate prices a sync by the first's tp)
-                layouts.append(tuple(sorted(lay, key=lambda pipe: [order_inv(kt) for kt in pipe])))
-    layouts = list(dict.fromkeys(layouts))
+                layouts.append(tuple(sorted(lay, key=lambda pipe: [inv_rank[k] for k, _ in pipe])))
+    return list(dict.fromkeys(layouts))
 
+
+def _fitting(model, cluster, framework, plans, global_batch) -> list[Candidate]:
+    """``plans`` simulated, those whose every device fits its kind's memory, fastest first; a
+    ValueError naming the cluster and the model where none does."""
+    memory = {n.kind.name: n.kind.memory for n in cluster.nodes}
+    candidates = []
+    for plan in plans:
+        prediction = simulate(model, cluster, plan, framework)
+        peak: dict[str, float] = {}
+        for pipe, mems in zip(plan.pipelines, prediction.memory, strict=True):
+            for stage, mem in zip(pipe.stages, mems, strict=True):
+                peak[stage.kind] = max(peak.get(stage.kind, 0.0), mem)
+        if any(peak[k] > memory[k] for k in peak):
+            continue
+        tokens = plan.global_batch * model.seq_len / prediction.seconds
+        candidates.append(Candidate(plan, prediction, tokens, peak))
+    candidates.sort(key=lambda c: c.seconds)
+    if not candidates:
+        params = model.n_layers * model.layer_params + 2 * model.vocab_size * model.d_model
+        state = framework.state_bytes * params
+        what = ", ".join(f"{v} x {k} ({memory[k] / 1e9:.0f} GB)" for k, v in cluster.inventory().items())
+        raise ValueError(
+            f"search: no plan fits the model ({params / 1e9:.2f} B parameters, {state / 1e9:.0f} GB of weights,"
+            f" gradients and optimizer state, {model.n_layers} layers) on the cluster {what}"
+            f" at a global batch of {global_batch} x {model.seq_len} tokens"
+        )
+    return candidates
+
+
+def search(
+    model: Transformer,
+    cluster: Cluster,
+    global_batch: int,
+    framework: Framework,
+    *,
+    precision: str = "bf16",
+    remat_options: Sequence[bool] = (False, True),
+    top: int = 5,
+    max_seconds: float = 60.0,
+) -> Result:
+    """The ``top`` fastest plans found for ``global_batch`` sequences a step (see the module for
+    the plan space), each with every device's predicted memory within its kind's; a ValueError
+    naming the cluster and the model where no plan fits."""
+    start = time.perf_counter()
+    layouts, L = _layouts(model, cluster), model.n_layers
     prices = {
         (b, r): _Prices(model, cluster, framework, b, precision, r)
         for b in range(1, global_batch + 1)
@@ -430,35 +460,15 @@ def search(
         kept.sort(key=lambda x: x[0])
         del kept[top * 2 :]
 
-    candidates, calls = [], 0
-    for _, plan in kept:
-        prediction = simulate(model, cluster, plan, framework)
-        calls += 1
-        peak: dict[str, float] = {}
-        for pipe, mems in zip(plan.pipelines, prediction.memory, strict=True):
-            for stage, mem in zip(pipe.stages, mems, strict=True):
-                peak[stage.kind] = max(peak.get(stage.kind, 0.0), mem)
-        if any(peak[k] > memory[k] for k in peak):
-            continue
-        tokens = plan.global_batch * model.seq_len / prediction.seconds
-        candidates.append(Candidate(plan, prediction, tokens, peak))
-    candidates.sort(key=lambda c: c.seconds)
-    if not candidates:
-        params = model.n_layers * model.layer_params + 2 * model.vocab_size * model.d_model
-        state = framework.state_bytes * params
-        what = ", ".join(f"{v} x {k} ({memory[k] / 1e9:.0f} GB)" for k, v in inventory.items())
-        raise ValueError(
-            f"search: no plan fits the model ({params / 1e9:.2f} B parameters, {state / 1e9:.0f} GB of weights,"
-            f" gradients and optimizer state, {model.n_layers} layers) on the cluster {what}"
-            f" at a global batch of {global_batch} x {model.seq_len} tokens"
-        )
+    candidates = _fitting(model, cluster, framework, [plan for _, plan in kept], global_batch)
+    memory = {n.kind.name: n.kind.memory for n in cluster.nodes}
     return Result(
         tuple(candidates[:top]),
         complete,
         counter[0],
-        calls,
+        len(kept),
         time.perf_counter() - start,
-        {k: memory[k] for k in kinds},
+        {k: memory[k] for k in cluster.inventory()},
     )
 
 
