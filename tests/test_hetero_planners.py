@@ -8,6 +8,7 @@ from benchmark_scripts import load
 from shardflow.hetero import Cluster, Framework, Transformer, search, simulate
 
 hp = load("hetero_planners")
+hb = load("_hetero_baselines")  # the baselines and their pieces
 FW = Framework(efficiency={"*": 0.5})
 SMALL = Transformer(n_layers=6, d_model=1024, n_heads=16, head_dim=64, ffn_dim=4096, vocab_size=8192, seq_len=1024)
 
@@ -18,11 +19,11 @@ def cluster():
 
 
 def test_pieces():
-    assert hp.largest_remainder(10, [1, 1, 2]) == [3, 3, 4]
-    assert sum(hp.largest_remainder(24, [3.0, 1.0, 0.5])) == 24
-    assert hp.minmax_split(lambda s, n: n * (1 if s == 0 else 3), 8, 2) == [6, 2]
+    assert hb.largest_remainder(10, [1, 1, 2]) == [3, 3, 4]
+    assert sum(hb.largest_remainder(24, [3.0, 1.0, 0.5])) == 24
+    assert hb.minmax_split(lambda s, n: n * (1 if s == 0 else 3), 8, 2) == [6, 2]
     for stages in (1, 3, 5):
-        for groups in hp._stage_group_orders(16, stages, 1.0, 4):
+        for groups in hb._stage_group_orders(16, stages, 1.0, 4):
             assert len(groups) == stages and sum(groups) == 16
             assert all(g & (g - 1) == 0 and g >= 16 // stages for g in groups)
 
