@@ -95,7 +95,7 @@ CASES = {
     ),
     "negative mesh sizes": (
         lambda tmp: ["--set", "mesh={data: -2, model: -4}"],
-        "mesh axis 'data' must have a positive integer size, got -2",
+        "mesh axis 'data' must have a positive integer size or auto, got -2",
     ),
     "empty data file": (_data(n_tokens=0), "train.bin is empty"),
     "data shorter than a sequence": (

@@ -419,9 +419,7 @@ def validate(cfg: Config, n_devices: int) -> dict:
         )
     mc = model_config(cfg)
     if cfg.replica_microbatches is not None:
-        from shardflow.train import uneven
-
-        uneven.check(cfg, ways, mc)
+        _check_replicas(cfg, ways, mc)
     if cfg.data.seq_len > mc.max_seq_len and mc.family == "gpt2":
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds gpt2 max_seq_len {mc.max_seq_len}")
     if mc.sliding_window is not None and cfg.data.seq_len > mc.sliding_window:
@@ -434,6 +432,24 @@ def validate(cfg: Config, n_devices: int) -> dict:
     if pl.stages is not None:
         _check_pipeline(cfg, micro, batch_axes, ways, mc)
     return mesh
+
+
+def _check_replicas(cfg, ways: int, model_cfg) -> int:
+    """The rows each data replica takes per micro-batch slot (``replica_microbatches``,
+    shardflow/train/uneven.py), or a ConfigError naming the key."""
+    counts = cfg.replica_microbatches
+    what = f"replica_microbatches {counts}"
+    if not (isinstance(counts, list) and counts and all(isinstance(c, int) and c >= 1 for c in counts)):
+        raise ConfigError(f"{what}: a list of positive integers, one per data replica")
+    if len(counts) != ways:
+        raise ConfigError(f"{what}: one count per data replica; the mesh's data axes make {ways}")
+    if cfg.batch_size % sum(counts):
+        raise ConfigError(f"{what}: batch_size {cfg.batch_size} is not divisible by their sum {sum(counts)}")
+    if cfg.grad_accum != 1 or cfg.pipeline.stages is not None or cfg.engine != "shardflow":
+        raise ConfigError(f"{what}: runs under engine shardflow, without grad_accum or a pipeline (it sets both)")
+    if model_cfg.n_experts:
+        raise ConfigError(f"{what}: an MoE model routes each micro-batch's rows together; dense models only")
+    return cfg.batch_size // sum(counts)
 
 
 def _check_context(cfg: Config, mesh: dict, rules: dict, mc) -> None:

@@ -16,25 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardflow.train.config import ConfigError
-
-
-def check(cfg, ways: int, model_cfg) -> int:
-    """The rows each replica takes per micro-batch slot, or a ConfigError naming the key."""
-    counts = cfg.replica_microbatches
-    what = f"replica_microbatches {counts}"
-    if not (isinstance(counts, list) and counts and all(isinstance(c, int) and c >= 1 for c in counts)):
-        raise ConfigError(f"{what}: a list of positive integers, one per data replica")
-    if len(counts) != ways:
-        raise ConfigError(f"{what}: one count per data replica; the mesh's data axes make {ways}")
-    if cfg.batch_size % sum(counts):
-        raise ConfigError(f"{what}: batch_size {cfg.batch_size} is not divisible by their sum {sum(counts)}")
-    if cfg.grad_accum != 1 or cfg.pipeline.stages is not None or cfg.engine != "shardflow":
-        raise ConfigError(f"{what}: runs under engine shardflow, without grad_accum or a pipeline (it sets both)")
-    if model_cfg.n_experts:
-        raise ConfigError(f"{what}: an MoE model routes each micro-batch's rows together; dense models only")
-    return cfg.batch_size // sum(counts)
-
 
 def slots(counts, rows: int):
     """(index [slots, replicas * rows] of each slot row into the step's global batch, weight of
