@@ -57,9 +57,10 @@ def predicated(fn, weights, *args):
     """``fn(*args)`` with every output's row i scaled by ``weights[i]`` (outputs: float arrays
     whose dim 0 is the rows); a device whose rows all weigh zero skips ``fn`` (see the module)."""
     leaves, tree = jax.tree.flatten(args)
-    out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
+    outs = jax.eval_shape(fn, *args)
+    out_tree = jax.tree.structure(outs)
     rows = weights.shape[0]
-    for out in jax.tree.leaves(jax.eval_shape(fn, *args)):
+    for out in jax.tree.leaves(outs):
         if not out.shape or out.shape[0] != rows or not jnp.issubdtype(out.dtype, jnp.floating):
             raise ValueError(
                 f"predicated: each output of fn must be a float array of the {rows} rows the weights weigh; "
