@@ -43,7 +43,7 @@ class TileLayout(NamedTuple):
     starts: jax.Array  # [G] int32, the first layout row of each group (a multiple of BLOCK_M)
     tile_groups: jax.Array  # [rows // BLOCK_M] int32, each tile's group (the last, past the end)
     group_tiles: jax.Array  # [G + 1] int32, the first tile of each group, then the end
-    placed: jax.Array  # [n_rows] int32, the layout row of each sorted row (``rows`` past the groups)
+    placed: jax.Array  # [n_rows] int32, the layout row of each sorted row (past ``rows``, each its own, if in no group)
 
 
 def tile_layout(group_sizes, n_rows: int) -> TileLayout:
@@ -59,7 +59,7 @@ def tile_layout(group_sizes, n_rows: int) -> TileLayout:
     rank = jnp.arange(n_rows)
     group = jnp.searchsorted(ends, rank, side="right")  # groups for the rows past the groups
     shift = starts - (ends - group_sizes)  # each group's rows move down by its padding
-    placed = jnp.where(group < groups, rank + shift[jnp.minimum(group, groups - 1)], n_tiles * BLOCK_M)
+    placed = jnp.where(group < groups, rank + shift[jnp.minimum(group, groups - 1)], n_tiles * BLOCK_M + rank)
     return TileLayout(
         n_tiles * BLOCK_M, starts, jnp.minimum(tile_groups, groups - 1), group_tiles, placed.astype(jnp.int32)
     )
@@ -147,8 +147,9 @@ def grouped_matmul(lhs, rhs, tile_groups, *, transpose_rhs: bool = False):
     return _kernel(plgpu, body, (m, n), lhs.dtype, grid, ("m", "n"))(tile_groups, lhs, rhs)
 
 
-def grouped_weight_grad(lhs, dout, group_tiles):
-    """d rhs[g] = sum over group g's tiles t of lhs[t]^T @ dout[t]: [G, K, N]."""
+def grouped_weight_grad(lhs, dout, group_tiles, *, block_k: int = BLOCK_K):
+    """d rhs[g] = sum over group g's tiles t of lhs[t]^T @ dout[t]: [G, K, N], one CTA per
+    (group, ``block_k`` rows of K, BLOCK_N columns of N)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     (_, k), n, groups = lhs.shape, dout.shape[1], group_tiles.shape[0] - 1
@@ -168,19 +169,19 @@ def grouped_weight_grad(lhs, dout, group_tiles):
                     step,
                     grid=(count,),
                     in_specs=[
-                        _block(plgpu, (BLOCK_M, BLOCK_K), lambda t: (first + t, ki), lhs.dtype),
+                        _block(plgpu, (BLOCK_M, block_k), lambda t: (first + t, ki), lhs.dtype),
                         _block(plgpu, (BLOCK_M, BLOCK_N), lambda t: (first + t, ni), dout.dtype),
                     ],
-                    max_concurrent_steps=MAX_CONCURRENT_STEPS,
+                    max_concurrent_steps=MAX_CONCURRENT_STEPS * BLOCK_K // block_k + (block_k > BLOCK_K),
                 )(lhs_gmem, dout_gmem)
 
             return acc_ref[...]
 
-        acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK_K, BLOCK_N)))
-        rows, cols = pl.ds(ki * BLOCK_K, BLOCK_K), pl.ds(ni * BLOCK_N, BLOCK_N)
+        acc = pl.run_scoped(accumulate, plgpu.ACC((block_k, BLOCK_N)))
+        rows, cols = pl.ds(ki * block_k, block_k), pl.ds(ni * BLOCK_N, BLOCK_N)
         _store(plgpu, acc, o_gmem.at[g], rows, cols, _transforms(lhs.dtype, BLOCK_N))
 
-    grid = (groups, k // BLOCK_K, n // BLOCK_N)
+    grid = (groups, k // block_k, n // BLOCK_N)
     return _kernel(plgpu, body, (groups, k, n), lhs.dtype, grid, ("g", "k", "n"))(group_tiles, lhs, dout)
 
 

@@ -66,37 +66,37 @@ def tiled_swiglu(tiled, layout, w_gate, w_up, w_down):
     return gmm(jax.nn.silu(gmm(tiled, w_gate)) * gmm(tiled, w_up), w_down)
 
 
-def sorted_ffn(rows, ids, w_gate, w_up, w_down, source=None):
-    """Choice i, row ``source[i]`` of ``rows`` [n, embed] (default: row i), through expert
-    ``ids[i]`` of the weights: [choices, embed]. An id out of range (n_experts: a row of another
-    device's expert, or padding) gives zeros.
+def sorted_ffn(rows, ids, w_gate, w_up, w_down, repeats: int = 1):
+    """Choice i, row ``i // repeats`` of ``rows`` [n, embed], through expert ``ids[i]`` of the
+    weights: [n * repeats, embed]. An id out of range (n_experts: a row of another device's
+    expert, or padding) gives zeros.
 
     The choices run sorted by expert as grouped GEMMs: on Hopper, where our kernels take the
     shapes, by them (6-13x ``jax.lax.ragged_dot``'s TFLOP/s on one H100 at the MoE presets'
     shapes, benchmarks/results/moe.md), each choice's row moved once into its place in the
-    tile-aligned layout and its result read once from there; elsewhere by ragged_dot."""
+    tile-aligned layout and its result read once from there; elsewhere by ragged_dot. Every
+    move is a permutation (unique indices) and a row's copies are a repeat, so the backward
+    moves them back by gathers, scatters without atomics and a sum over the copies."""
     n_experts, (m,) = w_gate.shape[0], ids.shape
     ids = jnp.where((ids >= 0) & (ids < n_experts), ids, n_experts)
-    source = jnp.arange(m) if source is None else source
+    choices = jnp.repeat(rows, repeats, axis=0) if repeats > 1 else rows
     order = jnp.argsort(ids, stable=True)
     sizes = jnp.bincount(ids, length=n_experts).astype(jnp.int32)
     if not all(grouped_matmul_mgpu.supports(rows, w) for w in (w_gate, w_down)):
-        out = ragged_swiglu(rows[source[order]], sizes, w_gate, w_up, w_down)
+        out = ragged_swiglu(choices.at[order].get(unique_indices=True), sizes, w_gate, w_up, w_down)
         return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     layout = grouped_matmul_mgpu.tile_layout(sizes, m)
     at = jnp.zeros(m, jnp.int32).at[order].set(layout.placed, unique_indices=True)
-    tiled = (
-        jnp.zeros((layout.rows, rows.shape[1]), rows.dtype).at[at].set(rows[source], mode="drop", unique_indices=True)
-    )
-    return tiled_swiglu(tiled, layout, w_gate, w_up, w_down).at[at].get(mode="fill", fill_value=0)
+    tiled = jnp.zeros((layout.rows, rows.shape[1]), rows.dtype).at[at].set(choices, mode="drop", unique_indices=True)
+    out = tiled_swiglu(tiled, layout, w_gate, w_up, w_down)
+    return out.at[at].get(mode="fill", fill_value=0, unique_indices=True)
 
 
 def routed_ffn(x, experts, w_gate, w_up, w_down, first_expert=0):
     """h [..., k, embed]: token i's choice j through expert ``experts[i, j] - first_expert`` of
     the weights given (zero where that is not one of them)."""
     k, d = experts.shape[-1], x.shape[-1]
-    choices = experts.reshape(-1)
-    h = sorted_ffn(x.reshape(-1, d), choices - first_expert, w_gate, w_up, w_down, source=jnp.arange(choices.size) // k)
+    h = sorted_ffn(x.reshape(-1, d), experts.reshape(-1) - first_expert, w_gate, w_up, w_down, repeats=k)
     return h.reshape(*experts.shape, d)
 
 

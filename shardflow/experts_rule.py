@@ -132,7 +132,7 @@ def _expert_parallel(eqn, ins, axes, n_devices):
             "jax.lax.ragged_all_to_all has no CPU lowering; exchange='padded' computes the same on CPU"
         )
     exchange = _ragged_exchange if ragged else _padded_exchange
-    rows = x.reshape(-1, d)[order // k]
+    rows = jnp.repeat(x.reshape(-1, d), k, axis=0).at[order].get(unique_indices=True)
     weights = (w_gate, w_up, w_down)
     if eqn.primitive is sf_experts_fwd_p:
         received, ids, home = exchange(rows, *routing)
@@ -142,8 +142,8 @@ def _expert_parallel(eqn, ins, axes, n_devices):
     received, ids, home = exchange(jnp.concatenate([rows, dh], -1), *routing)
     _, vjp = jax.vjp(lambda r, *w: sorted_ffn(r, ids, *w), received[:, :d], *weights)
     d_rows, *d_weights = vjp(received[:, d:])
-    dx = jnp.zeros((flat.size // k, d), d_rows.dtype).at[order // k].add(home(d_rows))
-    return [dx.reshape(x.shape), *d_weights]
+    d_choices = jnp.zeros((flat.size, d), d_rows.dtype).at[order].set(home(d_rows), unique_indices=True)
+    return [d_choices.reshape(*experts.shape, d).sum(-2).reshape(x.shape), *d_weights]
 
 
 def _local_experts(local, eqn, ins):

@@ -23,41 +23,67 @@ def per_tile_matmul(lhs, rhs, tile_groups, group_tiles):
     return jnp.einsum("tmk,tkn->tmn", tiles, rhs[tile_groups]).reshape(lhs.shape[0], -1)
 
 
-def routed(rows, ids, source, weights, kernels: bool):
+def routed(rows, ids, repeats, weights, kernels: bool):
     """sorted_ffn by our kernels' path (its GEMMs the per-tile reference on CPU) or by ragged_dot."""
     with pytest.MonkeyPatch.context() as patch:
         if not mgpu.on_hopper():
             patch.setattr(mgpu, "gmm", per_tile_matmul)
         patch.setattr(mgpu, "supports", lambda *_: kernels)
 
-        def loss(rows, *weights):  # a sum of squares: no cancellation to magnify float32 order
-            return jnp.sum(experts_primitives.sorted_ffn(rows, ids, *weights, source=source) ** 2) / 2
+        def loss(rows, *weights):
+            return jnp.sum(experts_primitives.sorted_ffn(rows, ids, *weights, repeats=repeats) ** 2) / 2
 
         return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(rows, *weights)
 
 
-def choices(seed, sizes, extra, n_rows):
-    """Expert ids for the given group sizes plus ``extra`` out-of-range ones, shuffled, and the
-    row each choice reads."""
+def per_choice(rows, ids, repeats, weights):
+    """The same computed choice by choice: row i // repeats through expert ids[i]'s own
+    matrices (zeros for an id of no expert)."""
+
+    def loss(rows, w_gate, w_up, w_down):
+        n_experts = w_gate.shape[0]
+        mine = ids < n_experts
+        pick = [w[jnp.minimum(ids, n_experts - 1)] for w in (w_gate, w_up, w_down)]
+        x = jnp.repeat(rows, repeats, axis=0)
+        h = jax.nn.silu(jnp.einsum("md,mdf->mf", x, pick[0])) * jnp.einsum("md,mdf->mf", x, pick[1])
+        out = jnp.einsum("mf,mfd->md", h, pick[2]) * mine[:, None]
+        return jnp.sum(out**2) / 2  # a sum of squares: no cancellation to magnify float32 order
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(rows, *weights)
+
+
+def choices(seed, sizes, extra, repeats):
+    """Expert ids for the given group sizes plus at least ``extra`` out-of-range ones (as many
+    as make the count a multiple of ``repeats``), shuffled."""
     r = np.random.default_rng(seed)
-    ids = np.concatenate([np.repeat(np.arange(len(sizes)), sizes), np.full(extra, len(sizes))])
-    return jnp.asarray(r.permutation(ids), jnp.int32), jnp.asarray(r.integers(0, n_rows, len(ids)), jnp.int32)
+    n = sum(sizes) + extra
+    ids = np.concatenate([np.repeat(np.arange(len(sizes)), sizes), np.full(extra - n % -repeats, len(sizes))])
+    return jnp.asarray(r.permutation(ids), jnp.int32)
 
 
 @settings(max_examples=examples(10), deadline=None)
-@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=5), extra=st.integers(0, 3), seed=st.integers(0, 99))
-@example(sizes=[0, 300], extra=0, seed=3)
-def test_tile_aligned_layout_computes_what_ragged_dot_computes(sizes, extra, seed):
-    """Groups of any size (empty ones, one row, several tiles), choices of no local expert, rows
-    read by several choices: the layout puts each group from a tile boundary and brings every
-    choice's result home, forward and backward."""
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=5),
+    extra=st.integers(0, 3),
+    repeats=st.integers(1, 3),
+    seed=st.integers(0, 99),
+)
+@example(sizes=[0, 300], extra=0, repeats=1, seed=3)
+def test_tile_aligned_layout_computes_what_ragged_dot_computes(sizes, extra, repeats, seed):
+    """Groups of any size (empty ones, one row, several tiles), choices of no local expert, each
+    row read by ``repeats`` choices: the layout puts each group from a tile boundary and brings
+    every choice's result home, forward and backward, as ragged_dot does and as computing each
+    choice on its own does."""
     r = np.random.default_rng(seed)
-    rows = jnp.asarray(r.normal(size=(max(1, sum(sizes) // 2), 8)), jnp.float32)
-    ids, source = choices(seed, sizes, extra, rows.shape[0])
+    ids = choices(seed, sizes, extra, repeats)
+    rows = jnp.asarray(r.normal(size=(max(1, ids.shape[0] // repeats), 8)), jnp.float32)
+    ids = ids if ids.shape[0] else jnp.full(repeats, len(sizes), jnp.int32)
     weights = [jnp.asarray(r.normal(size=s), jnp.float32) for s in ((len(sizes), 8, 4),) * 2 + ((len(sizes), 4, 8),)]
-    got, want = (routed(rows, ids, source, weights, kernels) for kernels in (True, False))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # float32 sums in another order
-        assert np.linalg.norm(np.asarray(a) - b) <= 1e-5 * (1 + np.linalg.norm(b))
+    want = per_choice(rows, ids, repeats, weights)
+    for kernels in (True, False):
+        got = routed(rows, ids, repeats, weights, kernels)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # float32 sums in another order
+            assert np.linalg.norm(np.asarray(a) - b) <= 1e-5 * (1 + np.linalg.norm(b))
 
 
 def test_kernels_lower_for_cuda():
