@@ -226,7 +226,9 @@ NVLINK_GBPS = 450  # a pipeline's sends stay inside the one host: price them on 
 OUR_FIT = dict(
     time_knobs={k: TIME_KNOBS[k] for k in ("half_tokens", "elementwise")},
     memory_knobs=MEMORY_KNOBS,
-    fixed=dict(fused_attention=True, unfused_attention=0.0, network_efficiency=1.0, intra_efficiency=1.0),
+    fixed=dict(
+        fused_attention=True, unfused_attention=0.0, network_efficiency=1.0, intra_efficiency=1.0, spmd_pipeline=True
+    ),
     shared_kinds=True,
 )
 
@@ -257,7 +259,7 @@ def _our_model(preset: str, seq: int) -> Transformer:
     m = PRESETS[preset]
     return Transformer(
         m["n_layers"], m["d_model"], m["n_heads"], m["head_dim"], m["ffn_dim"], m["vocab_size"], seq,
-        kv_heads=m["n_kv_heads"], gated=True,
+        kv_heads=m["n_kv_heads"], gated=True, dropout=False, fp32_norms=True,
     )  # fmt: skip
 
 

@@ -40,6 +40,7 @@ class Transformer:
     kv_heads: int | None = None  # grouped-query attention; None: n_heads
     gated: bool = False  # SwiGLU (three MLP matrices) rather than two
     dropout: bool = True  # Megatron's GPT: dropout after attention, the MLP and on the attention probabilities
+    fp32_norms: bool = False  # the norms compute in float32 (upcast input, normalised value), as Llama's RMSNorm
 
     @property
     def layer_params(self) -> int:
@@ -87,7 +88,9 @@ class Framework:
     (one more write of the kept bytes), and holds the stacks whole beside each trip's slices (a
     second copy of the kept bytes in memory, see :meth:`StageCosts.memory`). The copies of the
     matmul and attention outputs into and out of the stacks are not priced apart: the fitted
-    element-wise bytes carry them (pricing them, 4× the matmul outputs' bytes, fitted worse)."""
+    element-wise bytes carry them (pricing them, 4× the matmul outputs' bytes, fitted worse).
+    ``spmd_pipeline``: a pipeline is one SPMD program (shardflow's executor), so every device
+    allocates the busiest stage's buffers (see :meth:`StageCosts.memory`)."""
 
     efficiency: Mapping[str, float]
     half_tokens: float = 0.0
@@ -101,6 +104,7 @@ class Framework:
     overhead: float = 2e9
     memory_efficiency: float = 0.7
     rolled_loop: bool = False
+    spmd_pipeline: bool = False
 
     def __post_init__(self):
         if self.fused_attention and self.unfused_attention:
@@ -117,7 +121,14 @@ REMAT = ("none", "dots", "full")
 
 
 def activation_bytes(
-    model: Transformer, micro_batch: int, tp: int, width: int, *, fused: bool = False, remat: str = "none"
+    model: Transformer,
+    micro_batch: int,
+    tp: int,
+    width: int,
+    *,
+    fused: bool = False,
+    remat: str = "none",
+    materialised: bool = False,
 ) -> float:
     """Bytes one layer keeps for its backward per micro-batch on each of ``tp`` devices (tensor
     parallel without sequence parallelism), values at the compute dtype's ``width``.
@@ -135,7 +146,15 @@ def activation_bytes(
     every device) and the up (and gate) outputs; an unfused attention's score and probability
     products are matmuls too (a·s + q). A fused attention kernel is not a matmul: recomputed.
 
-    ``remat="full"`` (keep the layer's input only): h."""
+    ``remat="full"`` (keep the layer's input only): h.
+
+    ``materialised`` (``remat="none"`` only): every residual the layer's vjp saves, as a pipeline
+    executor's slots hold them between a micro-batch's forward and backward, where no fusion
+    into the backward can drop one. Each norm keeps its output and, computing in float32, its
+    upcast input and normalised value at 4 bytes; SwiGLU keeps six [tokens, f] values (what
+    jax's linearisation of silu(gate) · up and the down projection saves, where one program
+    keeps the gate and up outputs and their product). For shardflow's 1b Llama layer this is
+    121.9 kB a token, jax.vjp's residuals counted by shape (the fused count: 62.5 kB)."""
     if remat not in REMAT:
         raise ValueError(f"activation_bytes: remat must be one of {REMAT}, got {remat!r}")
     s, h, a, t = model.seq_len, model.d_model, model.n_heads, tp
@@ -146,7 +165,9 @@ def activation_bytes(
         values = 3 * h + (q + 2 * kv + (2 if model.gated else 1) * f) / t + (0 if fused else (a * s + q) / t)
     else:
         scores = 0 if fused else (2.5 if model.dropout else 1.0) * a * s / t
-        values = 4 * h + (h if model.dropout else 0) + (2 * q + 2 * kv + (3 if model.gated else 2) * f) / t + scores
+        mlp = (6 if materialised and model.gated else 3 if model.gated else 2) * f
+        norms = 2 * h * (1 + 2 * 4 / width) if materialised and model.fp32_norms else 4 * h
+        values = norms + (h if model.dropout else 0) + (2 * q + 2 * kv + mlp) / t + scores
     return s * micro_batch * values * width
 
 
@@ -265,11 +286,11 @@ class StageCosts:
         nbytes = self.plan.micro_batch * m.seq_len * m.d_model * self.width
         return 2 * all_reduce_seconds(nbytes, t, intra, self.cluster.intra_latency)
 
-    def _kept(self, stage: Stage, remat: str) -> float:
+    def _kept(self, stage: Stage, remat: str, materialised: bool = False) -> float:
         """Bytes one layer keeps per micro-batch on each device of ``stage`` at ``remat``."""
         fused = self.fw.fused_attention
         return self.fw.activation * activation_bytes(
-            self.model, self.plan.micro_batch, stage.tp, self.width, fused=fused, remat=remat
+            self.model, self.plan.micro_batch, stage.tp, self.width, fused=fused, remat=remat, materialised=materialised
         )
 
     def recompute(self, stage: Stage) -> float:
@@ -344,14 +365,42 @@ class StageCosts:
         first stage's warm-up is p deep, the last runs each backward right after its forward),
         each keeping what its remat level keeps of every layer (twice under a rolled layer loop:
         the stacks and the slices), plus, under remat, what one layer recomputes in the backward
-        (the rest of that layer's activations, for one micro-batch)."""
+        (the rest of that layer's activations, for one micro-batch); the last stage also holds
+        the head's logits. Under ``spmd_pipeline`` see :meth:`spmd_memory`."""
         p, first, last = len(pipeline.stages), index == 0, index == len(pipeline.stages) - 1
+        if self.fw.spmd_pipeline and p > 1:
+            return self.spmd_memory(stage, pipeline)
         in_flight = min(pipeline.microbatches, p - index)
         level = self.plan.remat_level
         kept = self._kept(stage, level)
         activations = in_flight * stage.layers * kept * (2 if self.fw.rolled_loop else 1)
         activations += self._kept(stage, "none") - kept
-        return self.fw.overhead + self.fw.state_bytes * self.params(stage, first, last) + activations
+        logits = self.logits(stage.tp) if last else 0.0
+        return self.fw.overhead + self.fw.state_bytes * self.params(stage, first, last) + activations + logits
+
+    def logits(self, shards: int) -> float:
+        """What the head holds at the loss, on each of the ``shards`` devices its vocabulary is
+        split over: one micro-batch's logits at the compute dtype and their float32 gradient."""
+        m = self.model
+        return self.plan.micro_batch * m.seq_len * m.vocab_size / shards * (self.width + 4)
+
+    def spmd_memory(self, stage: Stage, pipeline: Pipeline) -> float:
+        """A device of a pipeline run as one SPMD program: every stage's device allocates the
+        same buffers, sized for the busiest stage. The fused 1F1B keeps a micro-batch's residuals
+        from its forward to its weight gradient, 2(p - s) alive on stage s, so every device holds
+        min(m, 2p) slots, each the vjp residuals of its layers as saved (``materialised``), and
+        no rolled loop's second copy (the layers' scans write them straight into the slots).
+        The embedding and head are split over the stages with the layers, the head runs on every
+        device over its 1/p of the vocabulary, and the micro-batches' inputs and their gradients
+        ([m, b, s, h] each) and the hand-off buffers between stages are whole on every device."""
+        m, p = self.model, len(pipeline.stages)
+        layers, level = max(s.layers for s in pipeline.stages), self.plan.remat_level
+        slots = min(pipeline.microbatches, 2 * p) * layers * self._kept(stage, level, materialised=True)
+        recomputed = self._kept(stage, "none") - self._kept(stage, level)  # one layer's, in the backward
+        params = (layers * m.layer_params + 2 * m.vocab_size * m.d_model / p) / stage.tp
+        inputs = 2 * (pipeline.microbatches + 2) * self.plan.micro_batch * m.seq_len * m.d_model * self.width
+        state = self.fw.state_bytes * params
+        return self.fw.overhead + state + slots + recomputed + inputs + self.logits(stage.tp * p)
 
 
 def simulate(model: Transformer, cluster: Cluster, plan: Plan, framework: Framework) -> Prediction:
