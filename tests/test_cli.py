@@ -287,6 +287,7 @@ def test_the_plans_the_trainer_runs_become_its_settings():
         "batch_size=8",
         "pipeline.stages=2",
         "pipeline.microbatches=4",
+        "pipeline.schedule=1f1b-fused",
         "pipeline.layers_per_stage=[5, 3]",
         "model.remat=full",
     ]

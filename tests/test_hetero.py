@@ -3,10 +3,12 @@ arithmetic (its fit to published measurements is benchmarks/hetero_validate.py's
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from shardflow.hetero import CATALOGUE, Cluster, Framework, Pipeline, Plan, Stage, Transformer, device_kind, simulate
-from shardflow.hetero.simulate import activation_bytes, uniform_plan
+from shardflow.hetero.simulate import StageCosts, activation_bytes, uniform_plan
 
 GPT = Transformer(n_layers=24, d_model=1024, n_heads=16, head_dim=64, ffn_dim=4096, vocab_size=50272, seq_len=2048)
 FW = Framework(efficiency={"*": 0.5})
@@ -132,3 +134,55 @@ def test_remat_true_is_full_and_dots_sits_between_none_and_full():
     assert got["none"].memory[0][0] > got["dots"].memory[0][0] > got["full"].memory[0][0]
     with pytest.raises(ValueError, match="remat must be"):
         Plan((), 1, remat="some")
+
+
+def test_materialised_residuals_are_what_jax_vjp_saves_of_a_llama_layer():
+    """A pipeline's slots hold a layer's vjp residuals as saved: for shardflow's 1b Llama block
+    (float32 norms, SwiGLU) the simulator's count equals the bytes of the residuals jax.vjp
+    keeps per token (those of attention's scores, which a fused kernel does not keep, aside)."""
+    import numpy as np
+    from flax import nnx
+
+    import models.llama as llama_lib
+    from models.config import preset
+
+    cfg, seq = preset("1b"), 96
+    graphdef, state = nnx.split(llama_lib.Block(cfg, nnx.Rngs(0)))
+    state = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.ndim > 1 else a, state)
+    cos, sin = llama_lib.rope_tables(seq, cfg.head_dim, cfg.rope_theta)
+    x = jnp.zeros((1, seq, cfg.d_model), jnp.bfloat16)
+
+    def residuals():
+        return jax.tree.leaves(jax.vjp(lambda st, x: nnx.merge(graphdef, st)(x, cos, sin), state, x)[1])
+
+    per_token = sum(
+        int(np.prod(a.shape)) // seq * a.dtype.itemsize
+        for a in jax.eval_shape(residuals)
+        if a.shape.count(seq) == 1 and a.shape[-1] != cfg.head_dim // 2  # not the scores, not the RoPE tables
+    )
+    model = Transformer(
+        cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size, seq,
+        kv_heads=cfg.n_kv_heads, gated=True, dropout=False, fp32_norms=True,
+    )  # fmt: skip
+    counted = activation_bytes(model, 1, 1, 2, fused=True, materialised=True) / seq
+    # less attention's float32 log-sum-exp per head and four float32 statistics per token (norms)
+    assert per_token - cfg.n_heads * 4 - 4 * 4 == counted
+
+
+def test_an_spmd_pipeline_allocates_the_busiest_stage_on_every_device():
+    """Under ``spmd_pipeline`` every stage's device holds the same bytes: min(m, 2p) slots of
+    its layers' residuals, one stage's share of the state (embedding and head split over the
+    stages), and more than the MPMD pipeline's last stage, which keeps one micro-batch."""
+    cluster = Cluster.from_inventory({"H100": 4})
+    plan = uniform_plan("H100", dp=1, tp=1, pp=4, layers=24, microbatches=16, micro_batch=2)
+    mpmd = Framework(efficiency={"*": 0.5}, fused_attention=True)
+    spmd = dataclasses.replace(mpmd, spmd_pipeline=True)
+    (stages,) = simulate(GPT, cluster, plan, spmd).memory
+    assert len(set(stages)) == 1
+    (mpmd_stages,) = simulate(GPT, cluster, plan, mpmd).memory
+    assert stages[0] > max(mpmd_stages)
+    short = dataclasses.replace(plan, pipelines=(Pipeline(plan.pipelines[0].stages, 3),))
+    costs, stage = StageCosts(GPT, cluster, plan, spmd), plan.pipelines[0].stages[0]
+    slot = 6 * costs._kept(stage, "none", materialised=True)  # a micro-batch's residuals of 6 layers
+    inputs = 2 * 13 * 2 * GPT.seq_len * GPT.d_model * 2  # 13 fewer micro-batches' inputs and gradients
+    assert stages[0] - simulate(GPT, cluster, short, spmd).memory[0][0] == pytest.approx((8 - 3) * slot + inputs)
