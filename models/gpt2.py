@@ -102,15 +102,16 @@ class GPT2(nnx.Module):
         head, head_params = self._head()
         return head(head_params, x)
 
-    def losses(self, tokens, targets, *, pipeline: PipelineConfig | None = None):
+    def losses(self, tokens, targets, *, pipeline: PipelineConfig | None = None, weights=None):
         """(loss, {}): as Llama's, a dense model's has no routing statistics."""
-        return self.loss(tokens, targets, pipeline=pipeline), {}
+        return self.loss(tokens, targets, pipeline=pipeline, weights=weights), {}
 
-    def loss(self, tokens, targets, *, pipeline: PipelineConfig | None = None):
-        """Mean next-token cross-entropy (fp32) of ``tokens`` against ``targets`` [batch, seq].
-        With ``pipeline``, the stacked layers run as ``sf.pipeline``'s stages (models/pipeline.py)."""
+    def loss(self, tokens, targets, *, pipeline: PipelineConfig | None = None, weights=None):
+        """Mean next-token cross-entropy (fp32) of ``tokens`` against ``targets`` [batch, seq]
+        (with ``weights`` [batch], the rows' weighted mean). With ``pipeline``, the stacked
+        layers run as ``sf.pipeline``'s stages (models/pipeline.py)."""
         if pipeline is None:
-            return cross_entropy(self(tokens), targets)
+            return cross_entropy(self(tokens), targets, weights)
         head, head_params = self._head()
         return pipelined_loss(
             self.layers,
@@ -120,6 +121,7 @@ class GPT2(nnx.Module):
             remat=self.cfg.remat,
             head=head,
             head_params=head_params,
+            weights=weights,
         )[0]
 
     def _embed(self, tokens):

@@ -172,26 +172,29 @@ class Llama(nnx.Module):
         head, head_params = self._head()
         return head(head_params, x), stats
 
-    def loss(self, tokens, targets, *, pipeline: PipelineConfig | None = None):
+    def loss(self, tokens, targets, *, pipeline: PipelineConfig | None = None, weights=None):
         """Mean next-token cross-entropy (fp32) of ``tokens`` against ``targets`` [batch, seq],
         plus an MoE model's balance and z-losses. With ``pipeline``, the stacked layers run as
-        ``sf.pipeline``'s stages (models/pipeline.py)."""
-        return self.losses(tokens, targets, pipeline=pipeline)[0]
+        ``sf.pipeline``'s stages (models/pipeline.py); with ``weights`` [batch], the rows'
+        weighted mean (dense models: an MoE layer routes a batch's rows together)."""
+        return self.losses(tokens, targets, pipeline=pipeline, weights=weights)[0]
 
-    def losses(self, tokens, targets, *, pipeline: PipelineConfig | None = None):
+    def losses(self, tokens, targets, *, pipeline: PipelineConfig | None = None, weights=None):
         """(loss, stats): ``loss`` as :meth:`loss`; ``stats`` the MoE layers' routing
         statistics ({} for a dense model): the cross-entropy alone, and per MoE layer the
         balance loss, the z-loss, each expert's load and the choices dropped. With
         ``pipeline``, each micro-batch routes on its own (as under gradient accumulation): the
         balance terms are its own, averaged over the micro-batches, as are the statistics."""
+        if weights is not None and self.cfg.n_experts:
+            raise ValueError("weighted rows: an MoE model routes a batch's rows together; dense models only")
         if pipeline is None:
             logits, routing = self._logits(tokens)
-            ce = cross_entropy(logits, targets)
+            ce = cross_entropy(logits, targets, weights)
             if routing is None:
                 return ce, {}
             loss = ce + self.routing_loss(routing)
         else:
-            loss, routing = self._pipelined_loss(tokens, targets, pipeline)
+            loss, routing = self._pipelined_loss(tokens, targets, pipeline, weights)
             if routing is None:
                 return loss, {}
             ce = loss - self.routing_loss(routing)
@@ -206,7 +209,7 @@ class Llama(nnx.Module):
             terms = terms + cfg.aux_loss_weight * routing.aux_loss
         return jnp.sum(terms)
 
-    def _pipelined_loss(self, tokens, targets, pipeline):
+    def _pipelined_loss(self, tokens, targets, pipeline, weights):
         """(loss, the MoE layers' RoutingStats stacked over depth, or None)."""
         cfg = self.cfg
         self._check_window(tokens.shape[1])
@@ -223,6 +226,7 @@ class Llama(nnx.Module):
             head=head,
             head_params=head_params,
             layer_loss=self.routing_loss if cfg.n_experts else None,
+            weights=weights,
         )
 
     def _check_window(self, seq_len: int):

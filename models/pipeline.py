@@ -67,9 +67,17 @@ def scan_layers(layers: nnx.Module, x, remat: str, *args):
     return jax.lax.scan(layer_step(graphdef, remat, *args), x, params)
 
 
-def cross_entropy(logits, targets):
-    """Mean next-token cross-entropy in fp32."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+def row_cross_entropy(logits, targets):
+    """Each row's mean next-token cross-entropy in fp32: [batch]."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean(-1)
+
+
+def cross_entropy(logits, targets, weights=None):
+    """Mean next-token cross-entropy in fp32; with ``weights`` [batch], the rows' weighted mean
+    (a row of weight zero contributes exactly nothing, to the loss or to any gradient)."""
+    if weights is None:
+        return row_cross_entropy(logits, targets).mean()
+    return jnp.sum(row_cross_entropy(logits, targets) * weights) / jnp.sum(weights)
 
 
 def pipelined_loss(
@@ -83,8 +91,9 @@ def pipelined_loss(
     head: Callable,
     head_params,
     layer_loss: Callable | None = None,
+    weights=None,
 ):
-    """(``cross_entropy(head(head_params, layers(x)), targets)``, None) with the stacked
+    """(``cross_entropy(head(head_params, layers(x)), targets, weights)``, None) with the stacked
     ``layers`` run by ``sf.pipeline`` in ``pipeline``'s stages, micro-batches and schedule; with
     ``layer_loss`` (of what a layer returns beside its output: an MoE layer's RoutingStats)
     each layer's term is added to the loss, differentiated on the stage that runs the layer,
@@ -92,7 +101,11 @@ def pipelined_loss(
 
     ``head(head_params, h) -> logits`` is a pure function of its parameters (a pytree of arrays
     and nnx states), so that the pipeline owns its gradient; ``layer_args`` (RoPE tables) are
-    closed over by the pipelined layer, so they must be values known at trace time."""
+    closed over by the pipelined layer, so they must be values known at trace time.
+
+    ``weights`` [batch] (None: every row weighs one) go to the head with the targets, scaled so
+    that the pipeline's mean over micro-batches is their weighted mean over all rows: a
+    micro-batch of zero weights (padding) adds exactly nothing, however many there are."""
     import shardflow as sf
 
     graphdef, params = nnx.split(layers)
@@ -102,13 +115,27 @@ def pipelined_loss(
         h, stats = step(h, layer_params)
         return h if layer_loss is None else (h, layer_loss(stats), stats)
 
+    if weights is None:
+        head_args = targets
+
+        def head_loss(hp, h, targets):
+            return cross_entropy(head(hp, h), targets)
+    else:
+        schedule = pipeline.schedule
+        m = schedule.microbatches if isinstance(schedule, sf.schedules.Schedule) else pipeline.microbatches
+        head_args = (targets, weights * (m / jnp.sum(weights)))
+
+        def head_loss(hp, h, targets_and_weights):
+            targets, weights = targets_and_weights
+            return jnp.sum(row_cross_entropy(head(hp, h), targets) * weights)
+
     out = sf.pipeline(
         layer,
         params,
         x,
-        head=lambda hp, h, t: cross_entropy(head(hp, h), t),
+        head=head_loss,
         head_params=head_params,
-        head_args=targets,
+        head_args=head_args,
         stages=pipeline.stages,
         microbatches=pipeline.microbatches,
         schedule=pipeline.schedule,

@@ -184,12 +184,12 @@ def pipeline_config(cfg: Config):
     """The models' PipelineConfig of the run, or None where no pipeline is configured."""
     from shardflow.models import PipelineConfig
 
-    pl = cfg.pipeline
+    pl, counts = cfg.pipeline, cfg.replica_microbatches
     if pl.stages is None:
         return None
     return PipelineConfig(
         stages=pl.stages,
-        microbatches=pl.microbatches or 2 * pl.stages,
+        microbatches=pl.microbatches or (max(counts) if counts else 2 * pl.stages),
         schedule=pl.schedule,
         chunks=pl.chunks,
         axis=pl.axis,
@@ -445,8 +445,14 @@ def _check_replicas(cfg, ways: int, model_cfg) -> int:
         raise ConfigError(f"{what}: one count per data replica; the mesh's data axes make {ways}")
     if cfg.batch_size % sum(counts):
         raise ConfigError(f"{what}: batch_size {cfg.batch_size} is not divisible by their sum {sum(counts)}")
-    if cfg.grad_accum != 1 or cfg.pipeline.stages is not None or cfg.engine != "shardflow":
-        raise ConfigError(f"{what}: runs under engine shardflow, without grad_accum or a pipeline (it sets both)")
+    if cfg.grad_accum != 1 or cfg.engine != "shardflow":
+        raise ConfigError(f"{what}: runs under engine shardflow, without grad_accum (it sets the micro-batches)")
+    slots = cfg.pipeline.microbatches
+    if cfg.pipeline.stages is not None and slots is not None and slots < max(counts):
+        raise ConfigError(
+            f"{what}: each replica runs its micro-batches as the pipeline's, so pipeline.microbatches "
+            f"{slots} must be at least the largest count, {max(counts)} (or null: that count)"
+        )
     if model_cfg.n_experts:
         raise ConfigError(f"{what}: an MoE model routes each micro-batch's rows together; dense models only")
     return cfg.batch_size // sum(counts)
@@ -494,7 +500,11 @@ def _check_pipeline(cfg: Config, micro: int, batch_axes, ways: int, mc) -> None:
     try:
         table = schedules.by_name(pl.schedule, p, m, pl.chunks)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        slots = cfg.replica_microbatches and (
+            f"replica_microbatches {cfg.replica_microbatches}: every replica runs {m} micro-batch slots "
+            "(pipeline.microbatches, else the largest count), which pipeline.schedule cannot: "
+        )
+        raise ConfigError(f"{slots or ''}{e}") from None
     chunks = f" x {table.chunks} chunks ({table.name})" if table.chunks > 1 else ""
     counts = pl.layers_per_stage
     if counts is not None and (len(counts) != p * table.chunks or sum(counts) != mc.n_layers):
@@ -512,7 +522,7 @@ def _check_pipeline(cfg: Config, micro: int, batch_axes, ways: int, mc) -> None:
             f"model.n_layers {mc.n_layers} does not split into pipeline.stages "
             f"{p}{chunks}; pipeline.layers_per_stage gives an uneven split"
         )
-    if micro % (m * ways):
+    if not cfg.replica_microbatches and micro % (m * ways):  # uneven: laid out in m slots already
         data = f" x the data axes {batch_axes} ({ways} ways)" if ways > 1 else ""
         raise ConfigError(
             f"micro-batch {micro} (batch_size {cfg.batch_size} / grad_accum "

@@ -11,7 +11,7 @@ import math
 import sys
 from pathlib import Path
 
-from shardflow.train import planning, steps
+from shardflow.train import planning
 from shardflow.train.interrupt import CtrlC, Interrupted
 from shardflow.train.memory import check_memory
 from shardflow.train.progress import Progress
@@ -122,47 +122,15 @@ class _Loop:
         self.losses: dict[int, float] = {}
         self.summary = {"losses": self.losses, "stopped": None, "start_step": start, "out": str(Path(cfg.out))}
         self.last_good_save = start if resumed else None
-        self.batch_sharding = run.shardings(run.batch_spec)
-        self.micro = cfg.batch_size // cfg.grad_accum
-        layout = run.model_cfg.layout  # a context-parallel token order: the data stored in it
-        self.order = None if layout is None else layout.positions(cfg.data.seq_len)
-        self.eval_fn = None
-        if run.val_data is not None:
-            self.eval_fn = steps.parallelize_step(
-                steps.make_eval_step(run.graphdef, cfg.compute_dtype, run.pipeline),
-                cfg.engine,
-                run.mesh,
-                run.rules,
-                in_specs=(run.param_specs, run.batch_spec),
-                out_specs=None,
-                donate=(),
-                planner=cfg.planner,
-            )
-
-    def batch(self, tokens, index, shape):
-        from shardflow.train import data as data_lib
-
-        cfg = self.cfg
-        return data_lib.global_batch(
-            tokens, index, shape, cfg.data.seq_len, cfg.data.seed, self.batch_sharding, self.order
-        )
+        self.eval_fn = None if run.val_data is None else run.eval_step()
 
     def train_batch(self, step: int):
-        cfg = self.cfg
-        if not cfg.replica_microbatches:
-            return self.batch(self.run.data, step, (cfg.grad_accum, self.micro))
-        from shardflow.train import uneven
-
-        rows = cfg.batch_size // sum(cfg.replica_microbatches)
-        shardings = self.run.shardings(self.run.step_batch_specs())
-        return uneven.global_batch(
-            self.run.data, step, cfg.replica_microbatches, rows, cfg.data.seq_len, cfg.data.seed, shardings
-        )
+        return self.run.step_batch(self.run.data, step)
 
     def val_loss(self, params) -> float:
         """Mean loss over cfg.eval_batches fixed batches of val.bin (the same at every eval)."""
         losses = [
-            self.eval_fn(params, self.batch(self.run.val_data, i, (1, self.micro)))
+            self.eval_fn(params, self.run.step_batch(self.run.val_data, i, accum=1))
             for i in range(self.cfg.eval_batches)
         ]
         return float(sum(losses)) / len(losses)

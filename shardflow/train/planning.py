@@ -19,7 +19,7 @@ def abstract_step_args(run: run_setup.Run):
     params, opt_state = jax.eval_shape(lambda: run_setup.init_state(run))
     counts = run.cfg.replica_microbatches
     if counts:  # uneven micro-batches: every replica's slots, and the rows' weights
-        slots = (max(counts), len(counts) * (run.cfg.batch_size // sum(counts)))
+        slots = (run.replica_slots, len(counts) * (run.cfg.batch_size // sum(counts)))
         tokens = jax.ShapeDtypeStruct(slots + (run.cfg.data.seq_len,), jnp.int32)
         return (
             params,

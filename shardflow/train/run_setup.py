@@ -45,11 +45,37 @@ class Run:
             return self.batch_spec
         return {"inputs": self.batch_spec, "targets": self.batch_spec, "weights": PartitionSpec(*self.batch_spec[:2])}
 
+    @property
+    def replica_slots(self) -> int:
+        """The micro-batch slots every data replica runs under ``replica_microbatches``: the
+        pipeline's micro-batches, else the largest count."""
+        return self.pipeline.microbatches if self.pipeline else max(self.cfg.replica_microbatches)
+
+    def step_batch(self, tokens, index: int, accum: int | None = None):
+        """Batch ``index`` of ``tokens`` (a data.TokenFile) as the steps take it, in their
+        shardings: [accum (default grad_accum), micro-batch, seq], or the replicas' slots under
+        ``replica_microbatches``; in a context-parallel layout's token order where it has one."""
+        from shardflow.train import data as data_lib
+
+        cfg, layout = self.cfg, self.model_cfg.layout
+        order = None if layout is None else layout.positions(cfg.data.seq_len)
+        counts, seed = cfg.replica_microbatches, cfg.data.seed
+        if counts:
+            shardings = self.shardings(self.step_batch_specs())
+            rows = cfg.batch_size // sum(counts)
+            return uneven.global_batch(
+                tokens, index, counts, rows, self.replica_slots, cfg.data.seq_len, seed, shardings, order
+            )
+        shape = (accum or cfg.grad_accum, cfg.batch_size // cfg.grad_accum)
+        return data_lib.global_batch(
+            tokens, index, shape, cfg.data.seq_len, seed, self.shardings(self.batch_spec), order
+        )
+
     def train_step(self, engine: str | None = None):
         """The config's training step, (params, opt_state, batch) -> (params, opt_state,
         metrics), run by ``engine`` (default: the config's) with the run's specs."""
         if self.cfg.replica_microbatches:
-            step = uneven.make_train_step(self.graphdef, self.optimizer, self.cfg.compute_dtype)
+            step = uneven.make_train_step(self.graphdef, self.optimizer, self.cfg.compute_dtype, self.pipeline)
         else:
             step = steps.make_train_step(
                 self.graphdef, self.optimizer, self.cfg.compute_dtype, self.cfg.grad_accum, self.pipeline
@@ -61,6 +87,21 @@ class Run:
             self.rules,
             in_specs=(self.param_specs, self.opt_specs, self.step_batch_specs()),
             out_specs=(self.param_specs, self.opt_specs, None),
+            planner=self.cfg.planner,
+        )
+
+    def eval_step(self):
+        """(params, batch) -> the mean cross-entropy of a validation batch, laid out as the
+        training step's (in slots under ``replica_microbatches``)."""
+        make = uneven.make_eval_step if self.cfg.replica_microbatches else steps.make_eval_step
+        return steps.parallelize_step(
+            make(self.graphdef, self.cfg.compute_dtype, self.pipeline),
+            self.cfg.engine,
+            self.mesh,
+            self.rules,
+            in_specs=(self.param_specs, self.step_batch_specs()),
+            out_specs=None,
+            donate=(),
             planner=self.cfg.planner,
         )
 

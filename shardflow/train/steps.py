@@ -23,17 +23,17 @@ def build_optimizer(ocfg, total_steps: int, decay_mask):
 
 
 def make_loss_fn(graphdef, compute_dtype, pipeline=None):
-    """(params, inputs, targets) -> (loss, stats): the model's ``losses`` (the mean next-token
-    cross-entropy, fp32, plus an MoE model's balance terms; stats: its routing statistics, or
-    {}), its stacked layers run by ``sf.pipeline`` where ``pipeline`` (a
-    models.PipelineConfig) is given."""
+    """(params, inputs, targets, weights=None) -> (loss, stats): the model's ``losses`` (the mean
+    next-token cross-entropy, fp32, or with ``weights`` [batch] the rows' weighted mean, plus an
+    MoE model's balance terms; stats: its routing statistics, or {}), its stacked layers run by
+    ``sf.pipeline`` where ``pipeline`` (a models.PipelineConfig) is given."""
     import jax
     from flax import nnx
 
-    def loss_fn(params, inputs, targets):
+    def loss_fn(params, inputs, targets, weights=None):
         # fp32 master weights; the forward (and backward) run on a compute_dtype copy.
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-        return model.losses(inputs, targets, pipeline=pipeline)
+        return model.losses(inputs, targets, pipeline=pipeline, weights=weights)
 
     return loss_fn
 
