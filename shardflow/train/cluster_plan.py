@@ -68,8 +68,9 @@ def trainer_settings(plan) -> list[str] | None:
     """The ``--set`` keys with which `shardflow train` runs ``plan``, where it can: one
     tensor-parallel width throughout; pipelines of one stage with uneven micro-batch counts as
     ``replica_microbatches``, or pipelines of several stages (uneven layers as
-    ``pipeline.layers_per_stage``) with equal counts, under the fused 1F1B the simulator prices. None for plans it does not run yet (mixed
-    widths; several stages with uneven counts, which sf.pipeline does not predicate)."""
+    ``pipeline.layers_per_stage``) with equal counts, under the fused 1F1B the simulator prices.
+    None for plans it does not run yet (mixed widths; several stages with uneven counts, which
+    sf.pipeline does not predicate)."""
     stages = [p.stages for p in plan.pipelines]
     widths, counts = {s.tp for p in stages for s in p}, [p.microbatches for p in plan.pipelines]
     depth = len(stages[0])
