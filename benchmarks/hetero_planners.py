@@ -11,7 +11,7 @@ the same candidates less well, never better (under this simulator). Every baseli
 the recomputation switch that our search has.
 
     python benchmarks/hetero_planners.py [--framework round|small-gemm|both] [--metis-variance 1.0] \
-        [--clusters NAME ...] [--models NAME ...] [--out benchmarks/results/hetero/2026-12-06_planners.json]
+        [--clusters NAME ...] [--models NAME ...] [--out benchmarks/results/hetero/2026-12-07_planners.json]
 """
 
 from __future__ import annotations
