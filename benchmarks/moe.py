@@ -1,6 +1,6 @@
 """Mixture-of-experts kernels and layers on one GPU, each against its dense baseline, same run.
 
-    python benchmarks/moe.py [--check] [--tokens 16384] [--out results.json]
+    python benchmarks/moe.py [--check] [--tokens 16384] [--variants simple,ws] [--out results.json]
     python benchmarks/moe.py --tokens 256 --shapes tiny   # end-to-end check on CPU
 
 Per expert shape (the moe-1b and moe-8x1b presets' layers, bf16):
@@ -15,6 +15,8 @@ Per expert shape (the moe-1b and moe-8x1b presets' layers, bf16):
   one device's share of the tokens: milliseconds, ours over the dense one's, jit's over ours.
 * check (``--check``): our kernels against ``jax.lax.ragged_dot`` in float32, forward and both
   gradients, on even and skewed groups (one empty): relative error.
+* ``--variants``: our kernels' variants (tilings, weight-gradient blocks) each checked and timed
+  in the gemm and layer rows.
 * layer: the dropless MoE layer (router, top-k, ``shardflow.experts.routed_experts``, gated
   combine) forward+backward against a dense SwiGLU layer of the same active flops (hidden dim
   k * expert ffn): milliseconds of each and their ratio.
@@ -26,11 +28,41 @@ Each timing is the median of --repeats runs of --iters calls after two untimed c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import _checkout  # noqa: F401
 import _results
+
+
+def _variants():
+    """Our kernels' variants, each timed: (the tilings grouped_matmul prefers, the weight
+    gradient's rows of K per CTA), by name."""
+    from shardflow.kernels.grouped_matmul_mgpu import SIMPLE, Tiling
+
+    warp_specialized = Tiling(warp_specialized=True)
+    return {
+        "simple": ((SIMPLE,), 64),
+        "simple/wgrad128": ((SIMPLE,), 128),
+        "ws": ((warp_specialized,), 128),
+        "ws-n": ((Tiling(True, tile_m=128, tile_n=64, split="n"),), 128),
+        "ws-wide": ((Tiling(True, tile_n=256, steps=3), warp_specialized), 128),
+    }
+
+
+@contextlib.contextmanager
+def variant(name):
+    """Our kernels run as variant ``name`` inside the block."""
+    from shardflow.kernels import grouped_matmul_mgpu as mgpu
+
+    saved = mgpu.PREFERRED, mgpu.WEIGHT_GRAD_BLOCK_K
+    mgpu.PREFERRED, mgpu.WEIGHT_GRAD_BLOCK_K = _variants()[name]
+    try:
+        yield
+    finally:
+        mgpu.PREFERRED, mgpu.WEIGHT_GRAD_BLOCK_K = saved
+
 
 SHAPES = {  # name -> (embed, experts, k, expert ffn)
     "moe-1b": (2048, 16, 4, 1408),
@@ -144,7 +176,7 @@ def check_kernels(name, tokens) -> list:
     return out
 
 
-def gemm_rows(name, tokens, iters, repeats, kernel: bool):
+def gemm_rows(name, tokens, iters, repeats, kernel: bool, variants=()):
     import jax
     import jax.numpy as jnp
 
@@ -174,11 +206,19 @@ def gemm_rows(name, tokens, iters, repeats, kernel: bool):
             "dense_tflops": passes * flops / t_dense / 1e12,
             "ragged_dot_tflops": passes * flops / t_grouped / 1e12,
         }
-        if kernel:
+        for name in variants if kernel else ():
             matmul, layout = _kernel_matmul(sizes, rows)
             tiled, _ = _tiled(lhs, layout)
-            t_kernel = timed(wrap(matmul), tiled, experts_w, iters=iters, repeats=repeats)
-            row["kernel_tflops"] = passes * flops / t_kernel / 1e12
+            with variant(name):
+                try:
+                    t_kernel = timed(wrap(matmul), tiled, experts_w, iters=iters, repeats=repeats)
+                except Exception as e:  # a variant that does not build is reported, not fatal
+                    row[f"kernel_error[{name}]"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    continue
+            row[f"kernel_tflops[{name}]"] = passes * flops / t_kernel / 1e12
+        kernels = [v for key, v in row.items() if key.startswith("kernel_tflops")]
+        if kernels:
+            row["kernel_tflops"] = max(kernels)
         out.append(row)
     return out
 
@@ -214,17 +254,19 @@ def _layers(name, rows: int, seq: int, seed: int):
     return (x, router, experts_w, dense_w), moe_grads, dense_grads
 
 
-def layer_row(name, tokens, iters, repeats):
+def layer_row(name, tokens, iters, repeats, variant_name=None):
     import jax
 
     seq = min(tokens, 1024)
     (x, router, experts_w, dense_w), moe_grads, dense_grads = _layers(name, max(1, tokens // seq), seq, seed=1)
-    t_moe = timed(jax.jit(moe_grads), x, router, experts_w, iters=iters, repeats=repeats)
+    with variant(variant_name) if variant_name else contextlib.nullcontext():
+        t_moe = timed(jax.jit(moe_grads), x, router, experts_w, iters=iters, repeats=repeats)
     t_dense = timed(jax.jit(dense_grads), x, dense_w, iters=iters, repeats=repeats)
     return {
         "bench": "layer",
         "shape": name,
         "mode": "fwd+bwd",
+        "variant": variant_name or "-",
         "tokens": x.shape[0] * x.shape[1],
         "moe_ms": 1e3 * t_moe,
         "dense_ms": 1e3 * t_dense,
@@ -284,6 +326,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--check", action="store_true", help="our kernels against ragged_dot first (GPU)")
     parser.add_argument("--no-kernel", action="store_true", help="leave our grouped GEMM kernels out")
+    parser.add_argument(
+        "--variants", default="simple", help="our kernels' variants to time, comma-separated: " + ", ".join(_variants())
+    )
     parser.add_argument("--out", help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
     import jax
@@ -291,29 +336,43 @@ def main(argv=None):
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}")
     kernel = not args.no_kernel and jax.default_backend() == "gpu"
     rows = []
+    variants = args.variants.split(",")
     for name in args.shapes.split(","):
-        if args.check and kernel:
-            rows += check_kernels(name, args.tokens)
-        rows += gemm_rows(name, args.tokens, args.iters, args.repeats, kernel)
-        rows.append(layer_row(name, args.tokens, args.iters, args.repeats))
+        for variant_name in variants if args.check and kernel else ():
+            with variant(variant_name):
+                try:
+                    rows += [{**r, "variant": variant_name} for r in check_kernels(name, args.tokens)]
+                except Exception as e:  # a variant that does not build is reported, not fatal
+                    print(f"check {name} {variant_name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        rows += gemm_rows(name, args.tokens, args.iters, args.repeats, kernel, variants)
+        for variant_name in variants if kernel else [None]:
+            try:
+                rows.append(layer_row(name, args.tokens, args.iters, args.repeats, variant_name))
+            except Exception as e:  # a variant that does not build is reported, not fatal
+                print(f"layer {name} {variant_name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         if jax.device_count() > 1:
             rows.append(ep_row(name, args.tokens, args.iters, args.repeats))
     print(f"\n{'bench':6s} {'shape':9s} {'mode':8s} {'dense':>10s} {'ragged_dot':>11s} {'kernel':>11s}  ratio")
     for r in rows:
         if r["bench"] == "check":
             errors = f"fwd {r['fwd']:.1e}  d_lhs {r['d_lhs']:.1e}  d_rhs {r['d_rhs']:.1e}"
-            print(f"check  {r['shape']:9s} {r['groups']:8s} {errors}")
+            print(f"check  {r['shape']:9s} {r['groups']:8s} {errors}  {r['variant']}")
         elif r["bench"] == "gemm":
             best = max(r["ragged_dot_tflops"], r.get("kernel_tflops", 0.0))
             kernel_tflops = f"{r['kernel_tflops']:6.1f} TF/s" if "kernel_tflops" in r else "          -"
             rates = f"{r['dense_tflops']:5.1f} TF/s {r['ragged_dot_tflops']:6.1f} TF/s {kernel_tflops}"
             print(f"gemm   {r['shape']:9s} {r['mode']:8s} {rates}  {best / r['dense_tflops']:.3f}")
+            for key, value in r.items():
+                if key.startswith("kernel_tflops["):
+                    print(f"         {key[14:-1]:16s} {value:6.1f} TF/s  {value / r['dense_tflops']:.3f}")
+                elif key.startswith("kernel_error["):
+                    print(f"         {key[13:-1]:16s} {value}")
         elif r["bench"] == "ep":
             times = f"{r['dense_one_device_ms']:7.3f} ms {r['shardflow_ms']:8.3f} ms  jit {r['jit_ms']:.3f} ms"
             ratios = f"{r['ratio']:.3f} (jit/ours {r['vs_jit']:.3f})"
             print(f"ep={r['devices']:<3d} {r['shape']:9s} {r['mode']:8s} {times}  {ratios}")
         else:
-            times = f"{r['dense_ms']:7.3f} ms {r['moe_ms']:8.3f} ms {'':11s}"
+            times = f"{r['dense_ms']:7.3f} ms {r['moe_ms']:8.3f} ms {r['variant']:>11s}"
             print(f"layer  {r['shape']:9s} {r['mode']:8s} {times}  {r['ratio']:.3f}")
     if args.out:
         _results.write_json(args.out, rows, tokens=args.tokens, iters=args.iters, repeats=args.repeats)

@@ -7,8 +7,13 @@ and each kernel is a plain tiled GEMM that looks up its tile's group — no mask
 stores, no tile computed twice at a boundary; the zero rows cost at most ``BLOCK_M - 1`` rows
 of work per group. Three kernels, the forward and both gradients of ``out = lhs @ rhs[group]``:
 
-* ``grouped_matmul(lhs [M, K], rhs [G, K, N])``: out [M, N], one CTA per (tile, N block), K
-  streamed through shared memory by TMA, wgmma into a register accumulator;
+* ``grouped_matmul(lhs [M, K], rhs [G, K, N])``: out [M, N], K streamed through shared memory
+  by TMA, wgmma into register accumulators. Two forms (``Tiling``): one CTA per (tile, N block),
+  one warpgroup loading and computing; or persistent and warp-specialized, as Hopper GEMMs
+  reach their peak: one CTA per SM walks the (tile, N block) grid in a snake (neighbouring CTAs
+  share blocks of rhs in L2), a producer warpgroup issues the TMA loads and two consumer
+  warpgroups each accumulate half of the CTA's tile (split along M or N), the output store
+  overlapping the next tile's loads;
 * ``grouped_matmul(dout, rhs, transpose_rhs=True)``: d lhs = dout @ rhs[group]^T, the same
   kernel reading rhs's blocks transposed;
 * ``grouped_weight_grad(lhs [M, K], dout [M, N])``: d rhs [G, K, N], one CTA per (group, K
@@ -34,6 +39,35 @@ BLOCK_M = 128
 BLOCK_N = 128
 BLOCK_K = 64
 MAX_CONCURRENT_STEPS = 4
+
+
+class Tiling(NamedTuple):
+    """How ``grouped_matmul`` runs. ``warp_specialized=False``: one CTA per (BLOCK_M tile,
+    BLOCK_N block); the other fields are ignored. ``True``: persistent, two consumer
+    warpgroups of ``tile_m`` x ``tile_n`` each, side by side along ``split`` ("m" or "n": a
+    CTA covers BLOCK_M rows, so tile_m is BLOCK_M / 2 under "m" and BLOCK_M under "n"),
+    ``steps`` blocks of K in flight, the grid walked in snake bands ``band`` tiles wide."""
+
+    warp_specialized: bool = False
+    tile_m: int = 64
+    tile_n: int = 128
+    split: str = "m"
+    steps: int = 4
+    band: int = 8
+
+    def cta_n(self) -> int:
+        return self.tile_n * (2 if self.split == "n" else 1) if self.warp_specialized else BLOCK_N
+
+
+SIMPLE = Tiling()
+# Set from measurement (benchmarks/moe.py): the tilings grouped_matmul takes, the first whose
+# CTA width divides the output's columns, and the weight gradient's rows of K per CTA.
+PREFERRED: tuple[Tiling, ...] = (SIMPLE,)
+WEIGHT_GRAD_BLOCK_K = BLOCK_K
+
+
+def preferred_tiling(n: int) -> Tiling:
+    return next((t for t in PREFERRED if n % t.cta_n() == 0), SIMPLE)
 
 
 class TileLayout(NamedTuple):
@@ -111,10 +145,13 @@ def _block(plgpu, shape, index_map, dtype):
     return plgpu.BlockSpec(shape, index_map, transforms=_transforms(dtype, shape[1]), delay_release=1)
 
 
-def grouped_matmul(lhs, rhs, tile_groups, *, transpose_rhs: bool = False):
+def grouped_matmul(lhs, rhs, tile_groups, *, transpose_rhs: bool = False, tiling: Tiling | None = None):
     """out[t] = lhs[t] @ rhs[tile_groups[t]] per BLOCK_M-row tile t of lhs [M, K]; rhs is
     [G, K, N], or with ``transpose_rhs`` [G, N, K] used as its transpose (the input gradient
     reads the forward's weights so, without a transposed copy)."""
+    tiling = tiling or preferred_tiling(rhs.shape[1] if transpose_rhs else rhs.shape[2])
+    if tiling.warp_specialized:
+        return _warp_specialized_matmul(lhs, rhs, tile_groups, transpose_rhs, tiling)
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, k = lhs.shape
@@ -147,12 +184,120 @@ def grouped_matmul(lhs, rhs, tile_groups, *, transpose_rhs: bool = False):
     return _kernel(plgpu, body, (m, n), lhs.dtype, grid, ("m", "n"))(tile_groups, lhs, rhs)
 
 
-def grouped_weight_grad(lhs, dout, group_tiles, *, block_k: int = BLOCK_K):
+def _warp_specialized_matmul(lhs, rhs, tile_groups, transpose_rhs: bool, tiling: Tiling):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    tile_m, tile_n, cta_n = tiling.tile_m, tiling.tile_n, tiling.cta_n()
+    if tile_m * (2 if tiling.split == "m" else 1) != BLOCK_M or n % cta_n:
+        raise ValueError(f"grouped_matmul: {tiling} does not tile {BLOCK_M}-row tiles by {n} columns")
+    m_tiles, n_blocks = m // BLOCK_M, n // cta_n
+    b_block = (cta_n, BLOCK_K) if transpose_rhs else (BLOCK_K, cta_n)
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k // BLOCK_K,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec(
+                    (BLOCK_M, BLOCK_K),
+                    lambda ki: (0, ki),
+                    transforms=_transforms(lhs.dtype, BLOCK_K),
+                    memory_space=plgpu.SMEM,
+                ),
+                plgpu.BlockSpec(
+                    b_block,
+                    (lambda ki: (0, ki)) if transpose_rhs else (lambda ki: (ki, 0)),
+                    transforms=_transforms(rhs.dtype, b_block[1]),
+                    memory_space=plgpu.SMEM,
+                ),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=tiling.steps,
+            compute_context=context,
+        )
+
+    def rhs_block(rhs_gmem, group, ni):
+        cols = pl.ds(ni * cta_n, cta_n)
+        return rhs_gmem.at[group, cols, :] if transpose_rhs else rhs_gmem.at[group, :, cols]
+
+    def body(tile_groups_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        def unused(*_, **__):
+            return None
+
+        @functools.partial(
+            pl.run_scoped,
+            allocations=pipeline(unused, unused).get_allocations(
+                lhs_gmem.at[pl.ds(0, BLOCK_M), :], rhs_block(rhs_gmem, 0, 0)
+            ),
+            o_smem=plgpu.SMEM((2, tile_m, tile_n), o_gmem.dtype, transforms=_transforms(lhs.dtype, tile_n)),
+            collective_axes="wg",
+        )
+        def _(allocations, o_smem):
+            wg = lax.axis_index("wg")
+            mine = (
+                (pl.ds(wg * tile_m, tile_m), slice(None))
+                if tiling.split == "m"
+                else (slice(None), pl.ds(wg * tile_n, tile_n))
+            )
+
+            @plgpu.nd_loop((m_tiles * n_blocks,), collective_axes="sm")
+            def _(loop):
+                mi, ni = plgpu.planar_snake(loop.index[0], (m_tiles, n_blocks), 1, tiling.band)
+
+                def store(run_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n)))
+                    def _(acc_ref):
+                        run_pipeline(acc_ref)
+                        acc = acc_ref[...].astype(o_gmem.dtype)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read o_smem
+                        o_smem[wg] = acc
+                        plgpu.commit_smem()
+                        cta = o_gmem.at[pl.ds(mi * BLOCK_M, BLOCK_M), pl.ds(ni * cta_n, cta_n)]
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], cta.at[mine])
+
+                def step(_, lhs_smem, rhs_smem, acc_ref):
+                    if transpose_rhs:
+                        operand = plgpu.transpose_ref(rhs_smem.at[mine[1], :], (1, 0))
+                    else:
+                        operand = rhs_smem.at[:, mine[1]]
+                    plgpu.wgmma(acc_ref, lhs_smem.at[mine[0]], operand)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                lhs_tile = lhs_gmem.at[pl.ds(mi * BLOCK_M, BLOCK_M), :]
+                pipeline(step, store)(lhs_tile, rhs_block(rhs_gmem, tile_groups_gmem[mi], ni), allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        grid=(_sm_count(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(tile_groups, lhs, rhs)
+
+
+def _sm_count() -> int:
+    device = jax.devices()[0]
+    return getattr(device, "core_count", None) or 132  # lowering on a host without the GPU: an H100's
+
+
+def grouped_weight_grad(lhs, dout, group_tiles, *, block_k: int | None = None):
     """d rhs[g] = sum over group g's tiles t of lhs[t]^T @ dout[t]: [G, K, N], one CTA per
     (group, ``block_k`` rows of K, BLOCK_N columns of N)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     (_, k), n, groups = lhs.shape, dout.shape[1], group_tiles.shape[0] - 1
+    block_k = block_k or WEIGHT_GRAD_BLOCK_K
+    steps = MAX_CONCURRENT_STEPS if block_k == BLOCK_K else 3  # 64 KiB a step at 128: three fit
 
     def body(group_tiles_gmem, lhs_gmem, dout_gmem, o_gmem):
         g, ki, ni = lax.axis_index("g"), lax.axis_index("k"), lax.axis_index("n")
@@ -172,7 +317,7 @@ def grouped_weight_grad(lhs, dout, group_tiles, *, block_k: int = BLOCK_K):
                         _block(plgpu, (BLOCK_M, block_k), lambda t: (first + t, ki), lhs.dtype),
                         _block(plgpu, (BLOCK_M, BLOCK_N), lambda t: (first + t, ni), dout.dtype),
                     ],
-                    max_concurrent_steps=MAX_CONCURRENT_STEPS * BLOCK_K // block_k + (block_k > BLOCK_K),
+                    max_concurrent_steps=steps,
                 )(lhs_gmem, dout_gmem)
 
             return acc_ref[...]
