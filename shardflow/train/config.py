@@ -7,11 +7,12 @@ all before anything is traced or compiled.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -88,6 +89,13 @@ class Config:
     eval_every: int = 100  # steps between val.bin losses (on logged steps); 0 = never
     eval_batches: int = 4  # micro-batches of val.bin per evaluation
     peak_flops: float | None = None  # per device; None = known accelerators, else MFU is n/a
+    # A heterogeneous cluster (`shardflow plan --cluster`'s block: inventory, per_node, ...): the
+    # trainer runs hetero.search's best plan for it (shardflow/train/cluster_plan.py).
+    cluster: dict | None = None
+
+    # The dotted keys the YAML file and the overrides gave (set by `load`; not a config key): a
+    # cluster plan may set any key but these.
+    given: ClassVar[frozenset[str]] = frozenset()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -143,21 +151,59 @@ def _set_path(tree: dict, dotted: str, value) -> None:
 def load(path: str | None = None, overrides: list[str] = (), **direct) -> Config:
     """Build a Config from an optional YAML file and ``key.sub=value`` strings (YAML values)."""
     cfg = Config()
+    trees = []
     if path:
         try:
             text = Path(path).read_text()
         except OSError as e:
             raise ConfigError(f"--config {path}: {e.strerror}") from None
-        _merge(cfg, _parse_yaml(text, f"--config {path}") or {}, "")
+        trees.append(_parse_yaml(text, f"--config {path}") or {})
+    trees += [override_tree(overrides), {k: v for k, v in direct.items() if v is not None}]
+    for tree in trees:
+        _merge(cfg, tree, "")
+    cfg.given = frozenset().union(*(_dotted_keys(tree) for tree in trees))
+    return cfg
+
+
+def override_tree(overrides) -> dict:
+    """``["a.b=1", "c=[2, 3]"]`` as the nested mapping a YAML file would give."""
     tree: dict = {}
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        key, raw = item.split("=", 1)
-        _set_path(tree, key.strip(), _parse_yaml(raw, f"--set {item!r}"))
-    _merge(cfg, tree, "")
-    _merge(cfg, {k: v for k, v in direct.items() if v is not None}, "")
-    return cfg
+        _set_path(tree, *parse_override(item))
+    return tree
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"a.b=[1, 2]"`` -> ``("a.b", [1, 2])``: the dotted key and its YAML value."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got {item!r}")
+    key, raw = item.split("=", 1)
+    return key.strip(), _parse_yaml(raw, f"--set {item!r}")
+
+
+def with_values(cfg: Config, values: dict[str, Any]) -> Config:
+    """A copy of ``cfg`` with each dotted key of ``values`` set to its value."""
+    tree: dict = {}
+    for key, value in values.items():
+        _set_path(tree, key, value)
+    updated = copy.deepcopy(cfg)
+    _merge(updated, tree, "")
+    return updated
+
+
+def value_at(cfg: Config, dotted: str):
+    """The value of a dotted key: ``value_at(cfg, "pipeline.stages")``, ``"model.remat"`` (None
+    where the model mapping does not name it)."""
+    value = cfg
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part)
+    return value
+
+
+def _dotted_keys(tree, prefix: str = "") -> set[str]:
+    if not isinstance(tree, dict) or not tree:
+        return {prefix[:-1]} if prefix else set()
+    return set().union(*(_dotted_keys(v, f"{prefix}{k}.") for k, v in tree.items()))
 
 
 def model_config(cfg: Config):
