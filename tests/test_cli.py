@@ -293,4 +293,15 @@ def test_the_plans_the_trainer_runs_become_its_settings():
     ]
     cfg = config.load(None, ["model={preset: tiny, n_layers: 8}", *trainer_settings(Plan((staged, staged), 1))])
     config.validate(cfg, 4)
-    assert trainer_settings(Plan((staged, Pipeline(staged.stages, 2)), 1)) is None  # pipelines: equal counts only
+    # uneven counts under a pipeline: the replicas' slots are its micro-batches (padding computed)
+    uneven_pipelines = Plan((staged, Pipeline(staged.stages, 2)), 1)
+    assert trainer_settings(uneven_pipelines)[3:] == [
+        "pipeline.stages=2",
+        "pipeline.microbatches=4",
+        "pipeline.schedule=1f1b-fused",
+        "pipeline.layers_per_stage=[5, 3]",
+        "replica_microbatches=[4, 2]",
+    ]
+    config.validate(config.load(None, ["model={preset: tiny, n_layers: 8}", *trainer_settings(uneven_pipelines)]), 4)
+    mixed = Pipeline((Stage("H100", 1, 5), Stage("A100-40GB", 2, 3)), 4)
+    assert trainer_settings(Plan((mixed,), 1)) is None  # one mesh: one tensor-parallel width

@@ -3,6 +3,7 @@ of mixed device kinds, each with its predicted step time and memory (``shardflow
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from shardflow.train import config as config_lib
@@ -22,6 +23,9 @@ FRAMEWORK = dict(
     activation=0.789,
     spmd_pipeline=True,
 )
+# Plans asked of hetero.search, best first: the trainer takes the best of them on every device of
+# the inventory, and names the best it can express where that one is not (search has no filter).
+PLANS_SEARCHED = 100
 
 
 def transformer_of(model_cfg, seq_len: int):
@@ -66,61 +70,213 @@ def cluster_block(path: str) -> dict:
 
 def trainer_settings(plan) -> list[str] | None:
     """The ``--set`` keys with which `shardflow train` runs ``plan``, where it can: one
-    tensor-parallel width throughout; pipelines of one stage with uneven micro-batch counts as
-    ``replica_microbatches``, or pipelines of several stages (uneven layers as
-    ``pipeline.layers_per_stage``) with equal counts, under the fused 1F1B the simulator prices.
-    None for plans it does not run yet (mixed widths; several stages with uneven counts, which
-    sf.pipeline does not predicate)."""
+    tensor-parallel width throughout (None for plans that mix widths). Pipelines of one stage
+    with uneven micro-batch counts take them as ``replica_microbatches``; pipelines of several
+    stages as ``pipeline.*`` under the fused 1F1B the simulator prices, their layers as
+    ``pipeline.layers_per_stage`` and uneven counts as ``replica_microbatches`` too (the
+    padding micro-batches computed, exact: shardflow/train/uneven.py)."""
     stages = [p.stages for p in plan.pipelines]
     widths, counts = {s.tp for p in stages for s in p}, [p.microbatches for p in plan.pipelines]
     depth = len(stages[0])
-    if len(widths) != 1 or (depth > 1 and len(set(counts)) > 1):
+    if len(widths) != 1:
         return None
     (tp,) = widths
     mesh = ([f"pipe: {depth}"] if depth > 1 else []) + [f"data: {len(counts)}"] + ([f"model: {tp}"] if tp > 1 else [])
     keys = [f"mesh={{{', '.join(mesh)}}}", f"strategy={'tp' if tp > 1 else 'dp'}", f"batch_size={plan.global_batch}"]
     if depth > 1:
-        layers = [s.layers for s in stages[0]]
-        keys += [f"pipeline.stages={depth}", f"pipeline.microbatches={counts[0]}", "pipeline.schedule=1f1b-fused"]
-        if len(set(layers)) > 1:
-            keys.append(f"pipeline.layers_per_stage={layers}")
-    elif len(set(counts)) > 1:
+        keys += [f"pipeline.stages={depth}", f"pipeline.microbatches={max(counts)}", "pipeline.schedule=1f1b-fused"]
+        keys.append(f"pipeline.layers_per_stage={[s.layers for s in stages[0]]}")
+    if len(set(counts)) > 1:
         keys.append(f"replica_microbatches={counts}")
-    elif counts[0] > 1:
+    elif depth == 1 and counts[0] > 1:
         keys.append(f"grad_accum={counts[0]}")
     if plan.remat:
         keys.append(f"model.remat={'dots' if plan.remat == 'dots' else 'full'}")
     return keys
 
 
-def plan_text(cfg, block: dict) -> str:
+def devices_used(plan) -> int:
+    return sum(s.tp for p in plan.pipelines for s in p.stages)
+
+
+def inventory_text(inventory: dict[str, int]) -> str:
+    return ", ".join(f"{n} x {k}" for k, n in inventory.items())
+
+
+def widths_text(plan) -> str:
+    """The tensor-parallel widths a plan gives each kind: "H100 x1, A100-40GB x2"."""
+    widths = {(s.kind, s.tp): None for p in plan.pipelines for s in p.stages}
+    return ", ".join(f"{kind} x{tp}" for kind, tp in widths)
+
+
+def search_cluster(cfg, block: dict, top: int):
+    """(the cluster, hetero.search's ``top`` best plans) for the config's model, batch, sequence
+    and precision on the cluster ``block`` describes."""
     from shardflow import hetero
 
     try:
         cluster = hetero.Cluster.from_config(block)
     except (TypeError, ValueError) as e:
         raise config_lib.ConfigError(str(e)) from None
-    model_cfg = config_lib.model_config(cfg)
-    model = transformer_of(model_cfg, cfg.data.seq_len)
-    precision = {"bfloat16": "bf16", "float32": "fp32"}[cfg.compute_dtype]
+    model = transformer_of(config_lib.model_config(cfg), cfg.data.seq_len)
     framework = hetero.Framework(**FRAMEWORK)
     try:
         result = hetero.search(
-            model, cluster, cfg.batch_size, framework, precision=precision, remat_options=(False, True)
+            model, cluster, cfg.batch_size, framework, precision=precision_of(cfg), remat_options=(False, True), top=top
         )
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
-    inventory = ", ".join(f"{n} x {k}" for k, n in cluster.inventory().items())
+    return cluster, result
+
+
+def precision_of(cfg) -> str:
+    return {"bfloat16": "bf16", "float32": "fp32"}[cfg.compute_dtype]
+
+
+def expressible(candidates):
+    """The first of ``candidates`` `shardflow train` runs, with its settings, or (None, None)."""
+    return next(((c, keys) for c in candidates if (keys := trainer_settings(c.plan))), (None, None))
+
+
+def run_line(keys: list[str]) -> str:
+    return "shardflow train " + " ".join(f'--set "{k}"' for k in keys)
+
+
+def plan_text(cfg, block: dict, shown: int = 5) -> str:
+    cluster, result = search_cluster(cfg, block, PLANS_SEARCHED)
+    batch = f"{cfg.batch_size}x{cfg.data.seq_len} {precision_of(cfg)}"
     head = (
-        f"model {dict(cfg.model)} | batch {cfg.batch_size}x{cfg.data.seq_len} {precision} | cluster {inventory}\n"
+        f"model {dict(cfg.model)} | batch {batch} | cluster {inventory_text(cluster.inventory())}\n"
         "predicted with shardflow's constants fitted on H100 / H200 (other kinds: the same fraction of peak)\n"
     )
-    keys = trainer_settings(result.best.plan)
-    run = (
-        f"run the best plan on the {sum(s.tp for p in result.best.plan.pipelines for s in p.stages)} devices it uses: "
-        "shardflow train " + " ".join(f'--set "{k}"' for k in keys)
-        if keys
-        else "the best plan mixes tensor-parallel widths, or gives pipelines of several stages uneven micro-batch "
-        "counts: shardflow train does not run it yet"
-    )
-    return head + str(result) + "\n" + run
+    best = result.best
+    keys = trainer_settings(best.plan)
+    if keys:
+        run = f"run the best plan on the {devices_used(best.plan)} devices it uses: {run_line(keys)}"
+    else:
+        alternative, alt_keys = expressible(result.candidates)
+        run = f"the best plan mixes tensor-parallel widths ({widths_text(best.plan)}): shardflow train does not run it"
+        if alternative:
+            run += (
+                f"; the best it runs ({alternative.seconds:.4g} s/step, on {devices_used(alternative.plan)} devices): "
+                + run_line(alt_keys)
+            )
+    table = dataclasses.replace(result, candidates=result.candidates[:shown])
+    return head + str(table) + "\n" + run
+
+
+# The keys a plan decides, with their values where its settings leave them out.
+PLAN_DEFAULTS = {"grad_accum": 1, "replica_microbatches": None, "pipeline.stages": None, "model.remat": "none"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterPlan:
+    """The plan a run with a ``cluster:`` block trains: hetero.search's best on every device of
+    the inventory, the settings that run it, and what those devices are (``simulated``: CPU
+    devices standing in for the kinds)."""
+
+    result: object  # hetero's search Result, whose ``candidate`` is one
+    candidate: object
+    settings: list[str]
+    inventory: dict[str, int]
+    simulated: bool
+
+    def describe(self) -> str:
+        """The log lines: the cluster, the plan's row with its prediction, the settings."""
+        devices = sum(self.inventory.values())
+        kinds = inventory_text(self.inventory)
+        where = f"; {devices} simulated CPU devices stand in for the kinds" if self.simulated else ""
+        row = dataclasses.replace(self.result, candidates=(self.candidate,))
+        lines = [f"cluster plan for {kinds} ({devices} devices{where}):", *str(row).splitlines()[:2]]
+        lines.append(f"runs as: {run_line(self.settings)}")
+        plan = self.candidate.plan
+        counts = [p.microbatches for p in plan.pipelines]
+        if len(plan.pipelines[0].stages) > 1 and len(set(counts)) > 1:
+            lines.append(
+                f"uneven micro-batches {counts} under a pipeline: every replica runs {max(counts)} slots, the "
+                "padding ones computed (weighted zero, exact), not skipped"
+            )
+        best = self.result.best
+        if devices_used(best.plan) < devices:
+            lines.append(
+                f"(the search's best plan uses {devices_used(best.plan)} of the {devices} devices, "
+                f"{best.seconds:.4g} s/step: an inventory of those runs it)"
+            )
+        return "\n".join(lines)
+
+    def metadata(self) -> dict:
+        """The plan and its prediction, as the run directory's cluster_plan.json holds them."""
+        c = self.candidate
+        return {
+            "inventory": self.inventory,
+            "simulated_on_cpu": self.simulated,
+            "plan": dataclasses.asdict(c.plan),
+            "predicted": {
+                "seconds_per_step": c.seconds,
+                "tokens_per_second": c.tokens_per_second,
+                "peak_memory_bytes": c.peak_memory,
+            },
+            "settings": self.settings,
+        }
+
+
+def planned(cfg, devices):
+    """(``cfg`` with its cluster plan's settings, the ClusterPlan), or (``cfg``, None) without a
+    ``cluster:`` block. A ConfigError where the devices are not the inventory's, no plan the
+    trainer runs uses them all, or the config gives a key the plan sets a different value."""
+    if cfg.cluster is None:
+        return cfg, None
+    cluster, result = search_cluster(cfg, cfg.cluster, PLANS_SEARCHED)
+    inventory = cluster.inventory()
+    kinds = inventory_text(inventory)
+    if len(devices) != cluster.size:
+        raise config_lib.ConfigError(
+            f"cluster: the inventory ({kinds}) has {cluster.size} devices, but this run has {len(devices)}"
+        )
+    on_every_device = [c for c in result.candidates if devices_used(c.plan) == cluster.size]
+    if not on_every_device:
+        raise config_lib.ConfigError(
+            f"cluster: none of the search's {len(result.candidates)} best plans for {kinds} uses all "
+            f"{cluster.size} devices; the best uses {devices_used(result.best.plan)} "
+            f"(`shardflow plan --cluster` lists them): give an inventory of those"
+        )
+    chosen, keys = on_every_device[0], trainer_settings(on_every_device[0].plan)
+    if keys is None:
+        alternative, alt_keys = expressible(on_every_device)
+        nearest = (
+            f"the best plan it runs on all {cluster.size} is predicted {alternative.seconds:.4g} s/step against "
+            f"{chosen.seconds:.4g}: {run_line(alt_keys)} (without the cluster block)"
+            if alternative
+            else f"none of the {len(on_every_device)} plans on all {cluster.size} devices among the search's "
+            f"{len(result.candidates)} best has one width"
+        )
+        raise config_lib.ConfigError(
+            f"cluster: the best plan for {kinds} gives the kinds different tensor-parallel widths "
+            f"({widths_text(chosen.plan)}), which shardflow train cannot express (one mesh, one width); {nearest}"
+        )
+    values = PLAN_DEFAULTS | dict(map(config_lib.parse_override, keys))
+    _check_given(cfg, values)
+    simulated = devices[0].platform == "cpu"
+    return config_lib.with_values(cfg, values), ClusterPlan(result, chosen, keys, inventory, simulated)
+
+
+def _check_given(cfg, values: dict) -> None:
+    """A ConfigError naming each key the config gives that the plan sets otherwise."""
+    clashes = []
+    for key, value in values.items():
+        given = [k for k in cfg.given if k == key or k.startswith(key + ".")]
+        mine = config_lib.value_at(cfg, key)
+        if given and mine != value:
+            clashes.append(f"{key}: the config gives {_yaml(mine)}, the plan {_yaml(value)}")
+    if clashes:
+        raise config_lib.ConfigError(
+            "cluster: the plan sets keys the config also gives, differently ("
+            + "; ".join(clashes)
+            + "): drop them from the config to run the plan, or drop the cluster block to run them"
+        )
+
+
+def _yaml(value) -> str:
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1_000).strip().removesuffix("\n...")

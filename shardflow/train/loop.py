@@ -29,6 +29,7 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     from shardflow.train import config as config_lib
 
     run = setup(cfg)
+    cfg = run.cfg  # with a cluster block, its plan's settings
     config_lib.check_writable(cfg)
     config_lib.check_not_overwriting(cfg)
     step_fn = run.train_step()
@@ -43,6 +44,9 @@ def train(cfg, *, progress: bool = True, until: int | None = None) -> dict:
     if main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
+        if run.cluster_plan:
+            (out / "cluster_plan.json").write_text(json.dumps(run.cluster_plan.metadata(), indent=1))
+            print(run.cluster_plan.describe())
         print(_header(run))
     loop = _Loop(
         run, step_fn, ckpt, start, restored, Progress(run, out, start, progress=progress, main_process=main_process)

@@ -66,6 +66,7 @@ def explain(cfg) -> str:
             "engine=shardflow"
         )
     run = run_setup.setup(cfg)
+    cfg = run.cfg  # with a cluster block, its plan's settings
     plan = plan_step(run, run.train_step())
     available, what = device_memory()
     fits = (
@@ -78,7 +79,8 @@ def explain(cfg) -> str:
     pl = run.pipeline
     pipeline_note = f" | pipeline {pl.schedule} {pl.stages} stages x {pl.microbatches} micro-batches" if pl else ""
     return "\n".join(
-        [
+        ([run.cluster_plan.describe(), ""] if run.cluster_plan else [])
+        + [
             f"model {cfg.model} {params_text(run.n_params)} params | mesh {dict(run.mesh.shape)} "
             f"strategy {cfg.strategy} planner {cfg.planner}{pipeline_note} | batch "
             f"{cfg.batch_size}x{cfg.data.seq_len} (accum {cfg.grad_accum}) | compute {cfg.compute_dtype}",

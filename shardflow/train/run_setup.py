@@ -27,6 +27,7 @@ class Run:
     data: object
     val_data: object
     pipeline: object = None  # models.PipelineConfig, or None
+    cluster_plan: object = None  # cluster_plan.ClusterPlan where the config has a cluster block
 
     def shardings(self, specs):
         import jax
@@ -107,6 +108,8 @@ class Run:
 
 
 def setup(cfg) -> Run:
+    """The run ``cfg`` describes; with a ``cluster:`` block, its plan's (``Run.cfg`` holds the
+    plan's settings)."""
     import jax
     import numpy as np
     import optax
@@ -117,7 +120,9 @@ def setup(cfg) -> Run:
     from shardflow.models import sharding as model_sharding
     from shardflow.train import config as config_lib
     from shardflow.train import data as data_lib
+    from shardflow.train.cluster_plan import planned
 
+    cfg, cluster_plan = planned(cfg, jax.devices())
     mesh_shape = config_lib.validate(cfg, jax.device_count())
     model_cfg = config_lib.model_config(cfg)
     data_dir = cfg.data.path or data_lib.default_corpus_dir()
@@ -193,6 +198,7 @@ def setup(cfg) -> Run:
         data,
         val_data,
         config_lib.pipeline_config(cfg),
+        cluster_plan,
     )
 
 

@@ -1,0 +1,113 @@
+"""`shardflow train` with a `cluster:` block: it runs hetero.search's best plan for the config's
+model and batch on the inventory (8 simulated CPU devices standing in for the kinds), and its
+losses are those of the same run configured by hand with the settings it prints; settings that
+contradict the plan, plans it cannot express and a device count other than the inventory's are
+config errors."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from shardflow.train import cli
+
+TINY = {"preset": "tiny", "d_model": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "head_dim": 8, "ffn_dim": 128}
+FAST_AND_SLOW = {"inventory": {"H100": 4, "A100-40GB": 4}, "per_node": 4}
+
+
+def write_config(path: Path, data_dir, **keys) -> str:
+    base = {
+        "model": TINY,
+        "data": {"path": str(data_dir), "seq_len": 32},
+        "batch_size": 16,
+        "compute_dtype": "float32",
+        "log_every": 1,
+        "eval_every": 0,
+        "checkpoint": {"every": 0},
+    }
+    path.write_text(yaml.safe_dump(base | keys, sort_keys=False))
+    return str(path)
+
+
+def train(tmp_path, name, config, *settings):
+    out = tmp_path / name
+    argv = ["train", "--config", config, "--out", str(out), "--steps", "2", "--no-progress"]
+    argv += [arg for key in settings for arg in ("--set", key)]
+    return cli.main(argv), out
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_train_runs_the_cluster_plan_as_the_settings_it_prints(data_dir, tmp_path, capsys):
+    """4 H100 + 4 A100-40GB: the run logs the plan (its row, prediction and settings, the CPU
+    devices standing in), writes it to cluster_plan.json, and its two losses equal those of a run
+    without the block given the printed settings."""
+    code, planned = train(tmp_path, "planned", write_config(tmp_path / "c.yaml", data_dir, cluster=FAST_AND_SLOW))
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "cluster plan for 4 x H100, 4 x A100-40GB (8 devices; 8 simulated CPU devices stand in" in out
+    assert "pipelines (stage kind x tp)" in out
+    (line,) = [s for s in out.splitlines() if s.startswith("runs as: shardflow train ")]
+    settings = [k.strip().strip('"') for k in line.split("--set ")[1:]]
+    metadata = json.loads((planned / "cluster_plan.json").read_text())
+    assert metadata["settings"] == settings and metadata["simulated_on_cpu"] is True
+    assert metadata["predicted"]["seconds_per_step"] > 0
+    assert sum(s["tp"] for p in metadata["plan"]["pipelines"] for s in p["stages"]) == 8
+
+    code, by_hand = train(tmp_path, "by-hand", write_config(tmp_path / "h.yaml", data_dir), *settings)
+    assert code == 0
+    assert "cluster plan" not in capsys.readouterr().out
+    np.testing.assert_allclose(losses(planned), losses(by_hand), rtol=1e-6)
+    assert len(losses(planned)) == 2
+
+
+def test_a_setting_that_contradicts_the_plan_is_a_config_error_naming_both(data_dir, tmp_path, capsys):
+    config = write_config(tmp_path / "c.yaml", data_dir, cluster=FAST_AND_SLOW, mesh={"data": 8})
+    code, out = train(tmp_path, "run", config, "model.remat=full")
+    assert code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("config error: cluster: the plan sets keys the config also gives, differently (") and (
+        err.count("\n") == 1
+    )
+    assert "mesh: the config gives {data: 8}, the plan {" in err
+    assert "model.remat: the config gives full, the plan none" in err
+
+
+def test_a_plan_of_mixed_tensor_parallel_widths_is_a_config_error(data_dir, tmp_path, capsys):
+    """H100 + T4 for the tiny preset: the best plan gives the T4s wider tensor parallelism than
+    the H100s, which one mesh cannot; the search's other plans on all 8 devices do too."""
+    cluster = {"inventory": {"H100": 4, "T4": 4}, "per_node": 4}
+    model = {"preset": "tiny", "n_layers": 4}
+    config = write_config(tmp_path / "c.yaml", data_dir, cluster=cluster, model=model, data={"seq_len": 64})
+    code, _ = train(tmp_path, "run", config)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "config error: cluster: the best plan for 4 x H100, 4 x T4 gives the kinds different tensor-parallel" in err
+    assert "which shardflow train cannot express" in err
+
+
+def test_a_mixed_width_plan_names_the_best_plan_the_trainer_runs(tmp_path, capsys):
+    """A 1B model on 4 H100 + 4 A100-40GB: the best plan on all 8 mixes widths; the error gives
+    the command of the best one that does not, and that command's settings validate."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"cluster": FAST_AND_SLOW, "model": "1b", "batch_size": 16}))
+    assert cli.main(["train", "--config", str(config), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "different tensor-parallel widths" in err and "the best plan it runs on all 8 is predicted" in err
+    settings = [k.strip().strip('"') for k in err.split(" (without the cluster block)")[0].split("--set ")[1:]]
+    from shardflow.train import config as config_lib
+
+    config_lib.validate(config_lib.load(None, ["model=1b", *settings]), 8)
+
+
+def test_the_inventory_must_be_the_devices(data_dir, tmp_path, capsys):
+    cluster = {"inventory": {"H100": 4, "A100-40GB": 2}, "per_node": 4}
+    code, _ = train(tmp_path, "run", write_config(tmp_path / "c.yaml", data_dir, cluster=cluster))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err == "config error: cluster: the inventory (4 x H100, 2 x A100-40GB) has 6 devices, but this run has 8\n"
