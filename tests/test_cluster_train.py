@@ -4,6 +4,7 @@ losses are those of the same run configured by hand with the settings it prints;
 contradict the plan, plans it cannot express and a device count other than the inventory's are
 config errors."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -78,9 +79,20 @@ def test_a_setting_that_contradicts_the_plan_is_a_config_error_naming_both(data_
     assert "model.remat: the config gives full, the plan none" in err
 
 
-def test_a_plan_of_mixed_tensor_parallel_widths_is_a_config_error(data_dir, tmp_path, capsys):
-    """H100 + T4 for the tiny preset: the best plan gives the T4s wider tensor parallelism than
-    the H100s, which one mesh cannot; the search's other plans on all 8 devices do too."""
+def test_a_plan_of_mixed_tensor_parallel_widths_is_a_config_error(data_dir, tmp_path, capsys, monkeypatch):
+    """H100 + T4 for the tiny preset, the search's plans narrowed to those that give the T4s
+    another tensor-parallel width than the H100s (which one mesh cannot run)."""
+    from shardflow import hetero
+    from shardflow.train import cluster_plan
+
+    def mixed_widths_only(*args, **kwargs):
+        result = search(*args, **kwargs)
+        mixed = tuple(c for c in result.candidates if not cluster_plan.trainer_settings(c.plan))
+        assert mixed, "the search found no plan of mixed widths to test with"
+        return dataclasses.replace(result, candidates=mixed)
+
+    search = hetero.search
+    monkeypatch.setattr(hetero, "search", mixed_widths_only)
     cluster = {"inventory": {"H100": 4, "T4": 4}, "per_node": 4}
     model = {"preset": "tiny", "n_layers": 4}
     config = write_config(tmp_path / "c.yaml", data_dir, cluster=cluster, model=model, data={"seq_len": 64})

@@ -143,8 +143,8 @@ def test_materialised_residuals_are_what_jax_vjp_saves_of_a_llama_layer():
     import numpy as np
     from flax import nnx
 
-    import models.llama as llama_lib
-    from models.config import preset
+    import shardflow.models.llama as llama_lib
+    from shardflow.models.config import preset
 
     cfg, seq = preset("1b"), 96
     graphdef, state = nnx.split(llama_lib.Block(cfg, nnx.Rngs(0)))

@@ -2,9 +2,10 @@
 step's time and memory under a plan of pipelines over mixed device kinds, and a search over
 such plans.
 
-Partial: the execution of uneven micro-batch counts per data replica as one SPMD program and
-elastic restarts are not built yet; the simulator's fit to published measurements is in
-benchmarks/results/hetero.md."""
+Plans run through ``shardflow train`` (its ``cluster:`` key): uneven micro-batch counts per
+data replica as one SPMD program (padding skipped by predication without a pipeline, computed
+under one), uneven layers per stage. The simulator's fit to published measurements and to our
+own runs is in benchmarks/results/hetero.md."""
 
 from shardflow.hetero.cluster import Cluster, Node
 from shardflow.hetero.devices import CATALOGUE, DeviceKind, device_kind

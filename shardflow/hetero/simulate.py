@@ -90,7 +90,8 @@ class Framework:
     matmul and attention outputs into and out of the stacks are not priced apart: the fitted
     element-wise bytes carry them (pricing them, 4× the matmul outputs' bytes, fitted worse).
     ``spmd_pipeline``: a pipeline is one SPMD program (shardflow's executor), so every device
-    allocates the busiest stage's buffers (see :meth:`StageCosts.memory`)."""
+    allocates the busiest stage's buffers (see :meth:`StageCosts.memory`) and every pipeline
+    runs the busiest pipeline's micro-batch count (:func:`simulate`)."""
 
     efficiency: Mapping[str, float]
     half_tokens: float = 0.0
@@ -415,13 +416,17 @@ def simulate(model: Transformer, cluster: Cluster, plan: Plan, framework: Framew
     if len(depth) != 1:
         raise ValueError(f"simulate: pipelines of {sorted(depth)} stages; every pipeline holds the same stages")
     p = depth.pop()
+    # shardflow's pipeline is one SPMD program: every pipeline runs the busiest one's count of
+    # micro-batches, its own past its count being weightless padding (computed, not skipped).
+    padded = framework.spmd_pipeline and p > 1
+    busiest = max(pipe.microbatches for pipe in plan.pipelines)
     pipeline_seconds = []
     for pipe in plan.pipelines:
         work = [
             costs.forward(s, i == 0, i == p - 1) + costs.backward(s, i == 0, i == p - 1) + 2 * costs.hop(s) * (p > 1)
             for i, s in enumerate(pipe.stages)
         ]
-        pipeline_seconds.append(sum(work) + (pipe.microbatches - 1) * max(work))
+        pipeline_seconds.append(sum(work) + ((busiest if padded else pipe.microbatches) - 1) * max(work))
     sync = 0.0
     for s in range(p):
         replicas = [pipe.stages[s] for pipe in plan.pipelines]
