@@ -92,6 +92,7 @@ class HloCollective:
     count: int = 1  # executions per call: trip counts of the enclosing loops
     computation: str = ""  # the HLO computation it sits in
     trip_count_known: bool = True  # False: an enclosing loop had no known_trip_count (count 1)
+    attrs: str = ""  # the instruction's text after its operands: replica groups, source-target pairs
 
 
 def _bytes(text: str) -> int:
@@ -251,7 +252,15 @@ def collectives(hlo_text: str) -> list:
                 sent = operand if _moves(m.group("attrs")) else 0
             out.append(
                 HloCollective(
-                    kind, n, result, operand, int(round(sent)), mult.get(comp, 1), comp, known.get(comp, True)
+                    kind,
+                    n,
+                    result,
+                    operand,
+                    int(round(sent)),
+                    mult.get(comp, 1),
+                    comp,
+                    known.get(comp, True),
+                    m.group("attrs"),
                 )
             )
     return out
