@@ -22,8 +22,9 @@ stages of mixed kinds inside a pipeline (HetPipe, FlashFlex):
   slowest pipeline's time, the simulator's step), within what its memory allows;
 - micro-batch sizes dividing the global batch, recomputation on or off.
 
-Candidates are visited best-first by a lower bound on their step time (each pipeline's work at
-its fastest stage's rate) and the visit stops once the bound passes the ``top``-th best found or
+Candidates are visited best-first by a lower bound on their step time (each pipeline's layers
+split in proportion to its stages' speeds, plus the all-reduce and optimizer step of the layers
+split likewise) and the visit stops once the bound passes the ``top``-th best found or
 ``max_seconds`` runs out (``Result.complete`` says which). Costs come from the simulator's own
 per-stage arithmetic, and every plan returned is priced again by :func:`simulate`.
 """
@@ -115,6 +116,10 @@ class _Prices:
         self._work: dict = {}
         self._mem: dict = {}
         self._sync: dict = {}
+        self._rows: dict = {}
+        self._pipelines: dict = {}
+        self._rates: dict = {}
+        self._sync_per_layer: dict = {}
 
     def work(self, kind: str, tp: int, layers: int, s: int, p: int) -> float:
         """A stage's forward, backward and sends for one micro-batch, as simulate sums them."""
@@ -135,6 +140,54 @@ class _Prices:
             st = Stage(kind, tp, layers)
             got = self.costs.memory(st, s, Pipeline((st,) * p, in_flight)) <= self.capacity[kind]
             self._mem[key] = got
+        return got
+
+    def rates(self, pipe: tuple[tuple[str, int], ...]) -> tuple[float, float]:
+        """A pipeline's time per layer at its fastest stage, and with the layers split in
+        proportion to its stages' speeds (what one more layer adds to a middle stage)."""
+        got = self._rates.get(pipe)
+        if got is None:
+            per_layer = [self.work(k, t, 2, 1, 3) - self.work(k, t, 1, 1, 3) for k, t in pipe]
+            got = self._rates[pipe] = min(per_layer), 1 / sum(1 / c for c in per_layer)
+        return got
+
+    def pipeline(self, pipe: tuple[tuple[str, int], ...], split: Sequence[int]):
+        """A pipeline's first micro-batch through, its slowest stage's time a micro-batch and the
+        most micro-batches it holds (INF: as many as it has stages, so any), or None where not one
+        fits."""
+        key = (pipe, tuple(split))
+        if key in self._pipelines:
+            return self._pipelines[key]
+        p = len(split)
+        works = [self.work(k, t, split[s], s, p) for s, (k, t) in enumerate(pipe)]
+        most = 0
+        for m in range(1, p + 1):
+            if not all(self.fits(k, t, split[s], s, p, m) for s, (k, t) in enumerate(pipe)):
+                break
+            most = m
+        got = self._pipelines[key] = (sum(works), max(works), INF if most == p else most) if most else None
+        return got
+
+    def stage_times(self, column: tuple[tuple[str, int], ...], s: int, p: int, in_flight: int, most: int):
+        """Stage ``s``'s largest work over its replicas ``column`` holding 1, 2, ... layers, up to
+        ``most`` or the first that does not fit with ``in_flight`` micro-batches."""
+        key = (column, s == 0, s == p - 1, p, min(in_flight, p - s), most)
+        got = self._rows.get(key)
+        if got is None:
+            row = []
+            for n in range(1, most + 1):
+                if not all(self.fits(k, t, n, s, p, in_flight) for k, t in column):
+                    break  # more layers only take more memory
+                row.append(max(self.work(k, t, n, s, p) for k, t in column))
+            got = self._rows[key] = tuple(row)
+        return got
+
+    def sync_per_layer(self, replicas: tuple[tuple[str, int], ...]) -> float:
+        """What one more layer adds to a middle stage's all-reduce and optimizer step."""
+        got = self._sync_per_layer.get(replicas)
+        if got is None:
+            one, two = (self.sync(tuple(Stage(k, t, n) for k, t in replicas), 1, 3) for n in (1, 2))
+            got = self._sync_per_layer[replicas] = two - one
         return got
 
     def sync(self, replicas: tuple[Stage, ...], s: int, p: int) -> float:
@@ -159,21 +212,11 @@ def _distribute(prices: _Prices, layout: Layout, split: Sequence[int], total: in
     if total < d:
         return None
     first, step, cap = [], [], []
-    seen: dict = {}
     for pipe in layout:
-        if pipe in seen:
-            f, b, c = seen[pipe]
-        else:
-            works = [prices.work(k, t, split[s], s, p) for s, (k, t) in enumerate(pipe)]
-            f, b, c = sum(works), max(works), 0
-            for m in range(1, p + 1):
-                if not all(prices.fits(k, t, split[s], s, p, m) for s, (k, t) in enumerate(pipe)):
-                    break
-                c = m
-            if c == 0:
-                return None
-            c = INF if c == p else c
-            seen[pipe] = f, b, c
+        got = prices.pipeline(pipe, split)
+        if got is None:
+            return None
+        f, b, c = got
         first.append(f)
         step.append(b)
         cap.append(c)
@@ -200,36 +243,39 @@ def _dp_split(prices: _Prices, layout: Layout, layers: int, in_flight: int):
     """The layer split minimising the largest per-micro-batch stage time over all pipelines (ties:
     the smaller sum), every stage fitting with ``in_flight`` micro-batches; None if none fits."""
     p = len(layout[0])
-    columns = [sorted({pipe[s] for pipe in layout}) for s in range(p)]
-
     table = []  # table[s][n - 1]: stage s's largest time holding n layers, up to the first that does not fit
     for s in range(p):
-        row = []
-        for n in range(1, layers - p + 2):
-            if not all(prices.fits(k, t, n, s, p, in_flight) for k, t in columns[s]):
-                break  # more layers only take more memory
-            row.append(max(prices.work(k, t, n, s, p) for k, t in columns[s]))
+        row = prices.stage_times(tuple(sorted({pipe[s] for pipe in layout})), s, p, in_flight, layers - p + 1)
         if not row:
             return None
         table.append(row)
-    # best[j]: (max, sum, split) over the stages so far holding j layers
-    best = {0: (0.0, 0.0, ())}
+    # over the stages so far: for j layers held, the (largest, sum) of their times and the last's layers
+    best_max, best_sum = [0.0] + [INF] * layers, [0.0] + [INF] * layers
+    chosen = []
+    held = range(1)  # the layer counts the stages so far can hold
     for s in range(p):
-        nxt: dict[int, tuple] = {}
         row = table[s]
+        new_max, new_sum, pick = [INF] * (layers + 1), [INF] * (layers + 1), [0] * (layers + 1)
         room = layers - (p - 1 - s)  # layers the stages so far may hold
-        for j, (mx, sm, split) in best.items():
-            top = min(room - j, len(row))
-            for n in range(1 if s < p - 1 else layers - j, top + 1):
+        for j in held:
+            mx, sm = best_max[j], best_sum[j]
+            if mx == INF:
+                continue
+            for n in range(1 if s < p - 1 else layers - j, min(room - j, len(row)) + 1):
                 c = row[n - 1]
-                cand = (max(mx, c), sm + c, split + (n,))
-                old = nxt.get(j + n)
-                if old is None or cand[:2] < old[:2]:
-                    nxt[j + n] = cand
-        best = nxt
-        if not best:
-            return None
-    return best[layers][2] if layers in best else None
+                top, total = (mx if mx > c else c), sm + c
+                if top < new_max[j + n] or (top == new_max[j + n] and total < new_sum[j + n]):
+                    new_max[j + n], new_sum[j + n], pick[j + n] = top, total, n
+        best_max, best_sum = new_max, new_sum
+        chosen.append(pick)
+        held = range(s + 1, room + 1)
+    if best_max[layers] == INF:
+        return None
+    split, j = [], layers
+    for pick in reversed(chosen):
+        split.append(pick[j])
+        j -= pick[j]
+    return tuple(reversed(split))
 
 
 def _refine(prices: _Prices, layout: Layout, split: tuple[int, ...], total: int, counter: list[int]):
@@ -312,11 +358,21 @@ def _canonical_layouts(kinds: Sequence[tuple[str, int]], slots: dict[str, int], 
 
 
 def _bound(prices: _Prices, layout: Layout, layers: int, total: int) -> float:
-    """A lower bound on the step: pipeline i doing m_i micro-batches takes at least m_i times its
-    work over p, and at least its work once; its work is at least all layers at its fastest stage."""
-    p = len(layout[0])
-    works = [layers * min(prices.work(k, t, 2, 1, 3) - prices.work(k, t, 1, 1, 3) for k, t in pipe) for pipe in layout]
-    return max(max(works), total / sum(p / w for w in works))
+    """A lower bound on the slowest pipeline, from each stage's time per layer (sends, embedding
+    and head left out). A pipeline's slowest stage takes at least all layers split in proportion to
+    its stages' speeds a micro-batch, so pipeline i doing m_i micro-batches takes at least m_i
+    times that, and its first micro-batch at least all layers at its fastest stage."""
+    rates = [prices.rates(pipe) for pipe in layout]
+    return layers * max(max(fastest for fastest, _ in rates), total / sum(1 / balanced for _, balanced in rates))
+
+
+def _sync_bound(prices: _Prices, layout: Layout, layers: int) -> float:
+    """A lower bound on the step's gradient all-reduce and optimizer step (its slowest stage's): a
+    stage's takes at least its layers times what one more layer adds to it (embedding and head left
+    out), and the largest at least what the split that evens those out gives. The micro-batch and
+    remat do not change it."""
+    per_layer = [prices.sync_per_layer(tuple(pipe[s] for pipe in layout)) for s in range(len(layout[0]))]
+    return layers / sum(1 / c for c in per_layer)
 
 
 def _layouts(model: Transformer, cluster: Cluster) -> list:
@@ -407,6 +463,7 @@ def search(
         if global_batch % b == 0
         for r in remat_options
     }
+    sync = [_sync_bound(next(iter(prices.values())), lay, L) for lay in layouts]
     queue = []
     for (b, r), pr in prices.items():
         total = global_batch // b
@@ -417,7 +474,7 @@ def search(
             # every (kind, tp) must hold one layer at the last stage with one micro-batch in flight
             if not all(pr.fits(k, t, 1, p - 1, p, 1) for k, t in {kt for pipe in lay for kt in pipe}):
                 continue
-            queue.append((_bound(pr, lay, L, total), n, b, r))
+            queue.append((_bound(pr, lay, L, total) + sync[n], n, b, r))
     queue.sort()
 
     found: dict = {}  # plan -> seconds
