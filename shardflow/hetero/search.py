@@ -12,8 +12,8 @@ stages of mixed kinds inside a pipeline (HetPipe, FlashFlex):
   number of stages used (all its slots, the largest multiple of ``p``, or ``p`` times a power of
   two) laid out two ways: as many single-kind pipelines as go plus the remainders chained into
   mixed ones, or every kind's stages dealt evenly over the pipelines (mixed pipelines alike);
-  inside a mixed pipeline the kinds with more memory come first (the first stage keeps the most
-  micro-batches in flight);
+  inside a mixed pipeline any kind first and any kind last (the ends hold the embedding and the
+  head), the rest with more memory first (an earlier stage keeps more micro-batches in flight);
 - one layer split shared by all pipelines, by dynamic programming over layers (AMP, HetPipe):
   minimise the largest per-micro-batch time of any stage in any pipeline given its kind and tp
   (and its memory), then a hill climb moving one layer at a time on the predicted step time;
@@ -328,33 +328,50 @@ def _count_all_layouts(kinds: Sequence[tuple[str, int]], slots: dict[str, int], 
     return sum(math.comb(seqs + d - 1, d) for d in range(1, most + 1))
 
 
-def _canonical_layouts(kinds: Sequence[tuple[str, int]], slots: dict[str, int], p: int, order) -> Iterable[Layout]:
+def _stage_orders(kinds: Sequence[tuple[str, int]], memory_rank) -> list[tuple[tuple[str, int], ...]]:
+    """The orders a mixed pipeline's stages take by kind: every choice of the kinds at its two ends,
+    the rest by memory, more first (an earlier stage keeps more micro-batches in flight). The ends
+    differ most: the first holds the embedding and the most micro-batches, the last the head and
+    its logits, so which kinds suit them depends on the model."""
+    by_memory = sorted(kinds, key=memory_rank)
+    orders = {tuple(by_memory): None}
+    for first, last in itertools.permutations(by_memory, 2):
+        orders[(first, *(kt for kt in by_memory if kt not in (first, last)), last)] = None
+    return list(orders)
+
+
+def _canonical_layouts(
+    kinds: Sequence[tuple[str, int]], slots: dict[str, int], p: int, memory_rank
+) -> Iterable[Layout]:
     """Per kind a number of stages used (all its slots, the largest multiple of p, p times a
-    power of two), laid out as single-kind pipelines plus the remainders chained, or dealt evenly."""
+    power of two), laid out as single-kind pipelines plus the remainders chained, or dealt evenly;
+    the stages of mixed pipelines in each of :func:`_stage_orders`."""
     options = []
     for k, _ in kinds:
         s = slots[k]
         opts = {s, p * (s // p)} | {p * 2**i for i in range(s.bit_length()) if p * 2**i <= s}
         options.append(sorted(o for o in opts if o > 0))
-    ranked = sorted(kinds, key=order)
+    orders = _stage_orders(kinds, memory_rank)
     seen = set()
     for used in itertools.product(*options):
         total = sum(used)
         if total % p:
             continue
         count = dict(zip([k for k, _ in kinds], used, strict=True))
-        flat = [kt for kt in ranked for _ in range(count[kt[0]])]
-        # single-kind pipelines, then the remainders chained in memory order
-        pure = [tuple([kt] * p) for kt in ranked for _ in range(count[kt[0]] // p)]
-        rest = [kt for kt in ranked for _ in range(count[kt[0]] % p)]
-        mixed = [tuple(rest[i : i + p]) for i in range(0, len(rest), p)]
         d = total // p
-        dealt = [tuple(sorted(flat[i::d], key=order)) for i in range(d)]
-        for layout in (pure + mixed, dealt):
-            key = tuple(sorted(layout, key=lambda pipe: [order(kt) for kt in pipe]))
-            if key not in seen:
-                seen.add(key)
-                yield key
+        for ranked in orders:
+            position = {kt: i for i, kt in enumerate(ranked)}
+            flat = [kt for kt in ranked for _ in range(count[kt[0]])]
+            # single-kind pipelines, then the remainders chained in this order
+            pure = [tuple([kt] * p) for kt in ranked for _ in range(count[kt[0]] // p)]
+            rest = [kt for kt in ranked for _ in range(count[kt[0]] % p)]
+            mixed = [tuple(rest[i : i + p]) for i in range(0, len(rest), p)]
+            dealt = [tuple(sorted(flat[i::d], key=position.__getitem__)) for i in range(d)]
+            for layout in (pure + mixed, dealt):
+                key = tuple(sorted(layout))
+                if key not in seen:
+                    seen.add(key)
+                    yield key
 
 
 def _bound(prices: _Prices, layout: Layout, layers: int, total: int) -> float:
@@ -382,7 +399,7 @@ def _layouts(model: Transformer, cluster: Cluster) -> list:
     kinds = list(inventory)
     memory = {n.kind.name: n.kind.memory for n in cluster.nodes}
     rank = {k: (-memory[k], i) for i, k in enumerate(kinds)}
-    order_mem = lambda kt: rank[kt[0]]  # noqa: E731
+    memory_rank = lambda kt: rank[kt[0]]  # noqa: E731
     inv_rank = {k: i for i, k in enumerate(kinds)}
     widest = {k: max(n.devices for n in cluster.nodes if n.kind.name == k) for k in kinds}
     L = model.n_layers
@@ -407,7 +424,7 @@ def _layouts(model: Transformer, cluster: Cluster) -> list:
             if _count_all_layouts(used, slots, p) <= EXHAUSTIVE_LAYOUTS:
                 some = _all_layouts(used, slots, p)
             else:
-                some = _canonical_layouts(used, slots, p, order_mem)
+                some = _canonical_layouts(used, slots, p, memory_rank)
             for lay in some:  # pipelines in the inventory's kind order (simulate prices a sync by the first's tp)
                 layouts.append(tuple(sorted(lay, key=lambda pipe: [inv_rank[k] for k, _ in pipe])))
     return list(dict.fromkeys(layouts))
