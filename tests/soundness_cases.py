@@ -14,6 +14,7 @@ from soundness_harness import GE1, POS, UNIT, Case, ints, nonzero, out_of_range,
 
 import shardflow as sf
 import shardflow.attention  # noqa: F401  (registers the attention primitives' rule)
+import shardflow.cross_entropy  # noqa: F401  (registers the fused cross-entropy's rule)
 import shardflow.experts  # noqa: F401  (registers the routed experts' rule)
 import shardflow.rules  # noqa: F401  (registers every rule)
 from shardflow import _compat
@@ -416,6 +417,32 @@ case(
     values=((1, ints(0, 4)),),
 )
 case(sf.experts_primitives.sf_experts_bwd_p, "experts-bwd", _experts_bwd, *_EXPERTS, values=((1, ints(0, 4)),))
+
+
+# --- fused linear cross-entropy: tokens [4, 4], d 8, vocab 12 in tiles of 5 (the last shifted)
+def _linear_ce_fwd(h, w, targets):
+    return sf.cross_entropy.linear_cross_entropy(h, w, targets, chunk=5)
+
+
+def _linear_ce_bwd(h, w, targets):
+    return jax.grad(lambda h, w: jnp.sum(jnp.sin(_linear_ce_fwd(h, w, targets))), (0, 1))(h, w)
+
+
+_LINEAR_CE = (f32(4, 4, 8), f32(8, 12), i32(4, 4))
+case(
+    sf.cross_entropy_primitives.sf_linear_ce_fwd_p,
+    "linear-ce-fwd",
+    _linear_ce_fwd,
+    *_LINEAR_CE,
+    values=((2, ints(0, 12)),),
+)
+case(
+    sf.cross_entropy_primitives.sf_linear_ce_bwd_p,
+    "linear-ce-bwd",
+    _linear_ce_bwd,
+    *_LINEAR_CE,
+    values=((2, ints(0, 12)),),
+)
 
 
 # --- convolutions and windowed reductions (shardflow/rules/conv.py)
