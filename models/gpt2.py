@@ -98,6 +98,12 @@ class GPT2(nnx.Module):
         self.ln_f = _layer_norm(cfg.d_model, cfg.norm_eps, rngs)
 
     def __call__(self, tokens):
+        hidden, weight = self.features(tokens)
+        return constrain(hidden @ weight, ("batch", None, "vocab"))
+
+    def features(self, tokens):
+        """(hidden [batch, seq, d_model], weight [d_model, vocab]): the logits' factors, the
+        final hidden states and the tied embedding transposed."""
         x, _ = scan_layers(self.layers, constrain(self._embed(tokens), RESIDUAL), self.cfg.remat)
         head, head_params = self._head()
         return head(head_params, x)
@@ -111,7 +117,7 @@ class GPT2(nnx.Module):
         (with ``weights`` [batch], the rows' weighted mean). With ``pipeline``, the stacked
         layers run as ``sf.pipeline``'s stages (models/pipeline.py)."""
         if pipeline is None:
-            return cross_entropy(self(tokens), targets, weights)
+            return cross_entropy(*self.features(tokens), targets, weights)
         head, head_params = self._head()
         return pipelined_loss(
             self.layers,
@@ -131,12 +137,12 @@ class GPT2(nnx.Module):
         return self.wte(tokens) + self.wpe(positions)[None]
 
     def _head(self):
-        """(head(head_params, x) -> logits, head_params): final LayerNorm and the tied
-        embedding as a pure function."""
+        """(head(head_params, x) -> (hidden, weight), head_params): the final LayerNorm and
+        the tied embedding, transposed, as a pure function."""
         graphdef, state = nnx.split((self.ln_f, self.wte))
 
         def head(state, x):
             ln_f, wte = nnx.merge(graphdef, state)
-            return constrain(wte.attend(ln_f(x)), ("batch", None, "vocab"))
+            return ln_f(x), wte.embedding[...].T
 
         return head, state

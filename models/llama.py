@@ -161,16 +161,23 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens):
         """tokens [batch, seq] int → logits [batch, seq, vocab] in the compute dtype."""
-        return self._logits(tokens)[0]
+        hidden, weight, _ = self._features(tokens)
+        return constrain(hidden @ weight, ("batch", None, "vocab"))
 
-    def _logits(self, tokens):
+    def features(self, tokens):
+        """(hidden [batch, seq, d_model], weight [d_model, vocab]): the logits' factors, the
+        final hidden states and the output projection; the loss never multiplies them whole."""
+        return self._features(tokens)[:2]
+
+    def _features(self, tokens):
+        """(hidden, weight, the MoE layers' RoutingStats stacked over depth, or None)."""
         cfg = self.cfg
         self._check_window(tokens.shape[1])
         x = self._embed(tokens)
         cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.layout)
         x, stats = scan_layers(self.layers, x, cfg.remat, cos, sin)
         head, head_params = self._head()
-        return head(head_params, x), stats
+        return *head(head_params, x), stats
 
     def loss(self, tokens, targets, *, pipeline: PipelineConfig | None = None, weights=None):
         """Mean next-token cross-entropy (fp32) of ``tokens`` against ``targets`` [batch, seq],
@@ -188,8 +195,8 @@ class Llama(nnx.Module):
         if weights is not None and self.cfg.n_experts:
             raise ValueError("weighted rows: an MoE model routes a batch's rows together; dense models only")
         if pipeline is None:
-            logits, routing = self._logits(tokens)
-            ce = cross_entropy(logits, targets, weights)
+            hidden, weight, routing = self._features(tokens)
+            ce = cross_entropy(hidden, weight, targets, weights)
             if routing is None:
                 return ce, {}
             loss = ce + self.routing_loss(routing)
@@ -242,15 +249,14 @@ class Llama(nnx.Module):
         return constrain(jnp.take(self.embedding[...], tokens, axis=0), RESIDUAL)
 
     def _head(self):
-        """(head(head_params, x) -> logits, head_params): the final norm and the output
-        projection (the embedding, transposed, where tied) as a pure function."""
+        """(head(head_params, x) -> (hidden, weight), head_params): the final norm and the
+        output projection (the embedding, transposed, where tied) as a pure function."""
         norm_def, norm_state = nnx.split(self.final_norm)
         tied = self.cfg.tie_embeddings
         weight = self.embedding[...] if tied else self.lm_head[...]
 
         def head(params, x):
             norm_state, weight = params
-            x = nnx.merge(norm_def, norm_state)(x)
-            return constrain(x @ (weight.T if tied else weight), ("batch", None, "vocab"))
+            return nnx.merge(norm_def, norm_state)(x), weight.T if tied else weight
 
         return head, (norm_state, weight)

@@ -4,8 +4,8 @@ A model's ``loss(tokens, targets, pipeline=None)`` is the mean next-token cross-
 a :class:`PipelineConfig` the same loss is computed by ``sf.pipeline``: the embedding runs
 before it, the stacked layers are its layers (one Block, merged from the stack's graphdef, as
 ``scan_layers`` runs it: the residual stream's ``constrain`` and the remat policy stay inside
-the layer), and the final norm, the output projection and the cross-entropy are its head, the
-targets the head's per-micro-batch argument. Nothing in a model is schedule-specific; on one
+the layer), and the final norm and the fused output projection and cross-entropy are its
+head, the targets the head's per-micro-batch argument. Nothing in a model is schedule-specific; on one
 device, or under ``sf.parallelize`` on a mesh with the pipeline axis, the numbers are the plain
 loss's (up to float rounding: micro-batches are summed in another order).
 """
@@ -18,8 +18,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
+
+from shardflow.cross_entropy import linear_cross_entropy
 
 from .config import REMAT_POLICIES
 from .sharding import constrain
@@ -67,17 +68,20 @@ def scan_layers(layers: nnx.Module, x, remat: str, *args):
     return jax.lax.scan(layer_step(graphdef, remat, *args), x, params)
 
 
-def row_cross_entropy(logits, targets):
-    """Each row's mean next-token cross-entropy in fp32: [batch]."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean(-1)
+def row_cross_entropy(hidden, weight, targets):
+    """Each row's mean next-token cross-entropy in fp32 of the logits ``hidden @ weight``
+    (hidden [batch, seq, d], weight [d, vocab]), fused: computed a vocab tile at a time, the
+    logits never held whole (``shardflow.cross_entropy``): [batch]."""
+    return linear_cross_entropy(hidden, weight, targets).mean(-1)
 
 
-def cross_entropy(logits, targets, weights=None):
-    """Mean next-token cross-entropy in fp32; with ``weights`` [batch], the rows' weighted mean
-    (a row of weight zero contributes exactly nothing, to the loss or to any gradient)."""
+def cross_entropy(hidden, weight, targets, weights=None):
+    """Mean next-token cross-entropy in fp32 of the logits ``hidden @ weight``, fused as
+    :func:`row_cross_entropy`; with ``weights`` [batch], the rows' weighted mean (a row of
+    weight zero contributes exactly nothing, to the loss or to any gradient)."""
     if weights is None:
-        return row_cross_entropy(logits, targets).mean()
-    return jnp.sum(row_cross_entropy(logits, targets) * weights) / jnp.sum(weights)
+        return row_cross_entropy(hidden, weight, targets).mean()
+    return jnp.sum(row_cross_entropy(hidden, weight, targets) * weights) / jnp.sum(weights)
 
 
 def pipelined_loss(
@@ -93,15 +97,16 @@ def pipelined_loss(
     layer_loss: Callable | None = None,
     weights=None,
 ):
-    """(``cross_entropy(head(head_params, layers(x)), targets, weights)``, None) with the stacked
+    """(``cross_entropy(*head(head_params, layers(x)), targets, weights)``, None) with the stacked
     ``layers`` run by ``sf.pipeline`` in ``pipeline``'s stages, micro-batches and schedule; with
     ``layer_loss`` (of what a layer returns beside its output: an MoE layer's RoutingStats)
     each layer's term is added to the loss, differentiated on the stage that runs the layer,
     and the second result is those statistics stacked over depth, averaged over micro-batches.
 
-    ``head(head_params, h) -> logits`` is a pure function of its parameters (a pytree of arrays
-    and nnx states), so that the pipeline owns its gradient; ``layer_args`` (RoPE tables) are
-    closed over by the pipelined layer, so they must be values known at trace time.
+    ``head(head_params, h) -> (hidden, weight)``, the logits' factors, is a pure function of
+    its parameters (a pytree of arrays and nnx states), so that the pipeline owns its
+    gradient; ``layer_args`` (RoPE tables) are closed over by the pipelined layer, so they must
+    be values known at trace time.
 
     ``weights`` [batch] (None: every row weighs one) go to the head with the targets, scaled so
     that the pipeline's mean over micro-batches is their weighted mean over all rows: a
@@ -119,7 +124,7 @@ def pipelined_loss(
         head_args = targets
 
         def head_loss(hp, h, targets):
-            return cross_entropy(head(hp, h), targets)
+            return cross_entropy(*head(hp, h), targets)
     else:
         schedule = pipeline.schedule
         m = schedule.microbatches if isinstance(schedule, sf.schedules.Schedule) else pipeline.microbatches
@@ -127,7 +132,7 @@ def pipelined_loss(
 
         def head_loss(hp, h, targets_and_weights):
             targets, weights = targets_and_weights
-            return jnp.sum(row_cross_entropy(head(hp, h), targets) * weights)
+            return jnp.sum(row_cross_entropy(*head(hp, h), targets) * weights)
 
     out = sf.pipeline(
         layer,

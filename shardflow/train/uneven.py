@@ -104,7 +104,7 @@ def _slot_gradients(graphdef, compute_dtype, _):
 
     def per_row(params, inputs, targets):
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-        return row_cross_entropy(model(inputs), targets)
+        return row_cross_entropy(*model.features(inputs), targets)
 
     def slot_loss(params, inputs, targets, weights):
         return jnp.sum(sf.predicated(per_row, weights, params, inputs, targets))
