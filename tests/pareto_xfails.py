@@ -18,12 +18,10 @@ PARETO_XFAIL = {  # "program-strategy-planner": ours vs GSPMD
     "lstm-fsdp-greedy": "890.85 > 301.33 µs (178 vs 60 coll.)",
     "mlp_adamw-tp-greedy": "40.06 > 15.05 µs (8 vs 3 coll.)",
     "mlp_adamw-2d-greedy": "65.05 > 45.06 µs (13 vs 9 coll.)",
-    "mlp_adafactor-dp-greedy": "5.27 > 5.26 µs (1 vs 1 coll.)",
     "mlp_adafactor-fsdp-greedy": "80.05 > 75.05 µs (16 vs 15 coll.)",
     "mlp_adafactor-tp-greedy": "80.06 > 55.06 µs (16 vs 11 coll.)",
     "mlp_lion-tp-greedy": "40.05 > 15.05 µs (8 vs 3 coll.)",
     "mlp_lion-2d-greedy": "65.05 > 45.06 µs (13 vs 9 coll.)",
-    "mlp_lamb-dp-greedy": "5.32 > 5.31 µs (1 vs 1 coll.)",
     "mlp_lamb-tp-greedy": "75.06 > 50.06 µs (15 vs 10 coll.)",
     "mlp_muon-fsdp-greedy": "180.64 > 85.48 µs (36 vs 17 coll.)",
     "mlp_muon-tp-greedy": "195.63 > 70.48 µs (39 vs 14 coll.)",
@@ -51,7 +49,6 @@ PARETO_XFAIL = {  # "program-strategy-planner": ours vs GSPMD
     "lm-tp-solver": "bytes 264,775 > 116,992 and flops 1,853,354 > 1,705,862; 72.80 > 51.32 µs (14 vs 10 coll.)",
     "lm-2d-solver": "bytes 276,551 > 220,156 and flops 1,796,925 > 1,654,314",
     "mlp_adamw-tp-solver": "bytes 23,776 > 3,990 and flops 65,031 > 50,470; 15.23 > 15.05 µs (3 vs 3 coll.)",
-    "mlp_adafactor-dp-solver": "5.27 > 5.26 µs (1 vs 1 coll.)",
     "mlp_adafactor-fsdp-solver": "bytes 33,117 > 5,551 and flops 103,373 > 43,403",
     "mlp_adafactor-tp-solver": "bytes 31,485 > 4,716 and flops 105,604 > 55,451",
     "mlp_adafactor-2d-solver": "bytes 33,057 > 6,420 and flops 103,588 > 45,241",
@@ -71,7 +68,6 @@ PARETO_XFAIL = {  # "program-strategy-planner": ours vs GSPMD
     "reductions-2d-solver": "bytes 3,584 > 1,124 and flops 17,887 > 2,404",
     "llama_train-dp-greedy": "546.05 > 470.90 µs (5 vs 5 coll.; the work: XLA's bytes accessed)",
     "llama_train-tp_sp-greedy": "1056.06 > 952.23 µs (131 vs 92 coll.)",
-    "llama_train-2d-greedy": "958.96 > 950.56 µs (125 vs 91 coll.)",
 }
 
 # "strategy-planner-check": a layer's collectives over 'model' vs Megatron's (bytes per device,
