@@ -34,6 +34,16 @@ def pytest_configure(config):
     jax.config.update("jax_enable_x64", False)
 
 
+def pytest_collection_modifyitems(config, items):
+    # A sweep (every row of a comparison table: tens of minutes on 2 cores) runs where -m names it.
+    if "sweep" in (config.option.markexpr or ""):
+        return
+    swept = [item for item in items if item.get_closest_marker("sweep")]
+    if swept:
+        config.hook.pytest_deselected(items=swept)
+        items[:] = [item for item in items if not item.get_closest_marker("sweep")]
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
     """A small token corpus prepared from the standard library's sources, shared by the trainer tests."""

@@ -13,7 +13,10 @@ sequence parallelism all-gather + reduce-scatter pairs instead), gathers no weig
 collectives are modelled no slower than Megatron's priced by the same link model.
 
 Rows where a criterion does not hold today are strict expected failures naming the numbers:
-a planner that fixes one flags it.
+a planner that fixes one flags it. The suite runs the train step's rows, Megatron's and a few
+program rows; every program row (about 25 minutes on 2 cores) is a sweep:
+
+    python -m pytest -q -n 2 -m sweep tests/test_pareto_megatron.py
 """
 
 import dataclasses
@@ -139,7 +142,7 @@ def _pareto_param(case, planner):
     key = f"{case.name}-{planner}"
     marks = [pytest.mark.xfail(strict=True, reason=PARETO_XFAIL[key])] if key in PARETO_XFAIL else []
     if (case.program, case.strategy) not in FAST:
-        marks.append(pytest.mark.slow)
+        marks += [pytest.mark.slow, pytest.mark.sweep]
     return pytest.param(case, planner, id=f"{case.name}-{planner}", marks=marks)
 
 
