@@ -186,3 +186,21 @@ def test_an_spmd_pipeline_allocates_the_busiest_stage_on_every_device():
     slot = 6 * costs._kept(stage, "none", materialised=True)  # a micro-batch's residuals of 6 layers
     inputs = 2 * 13 * 2 * GPT.seq_len * GPT.d_model * 2  # 13 fewer micro-batches' inputs and gradients
     assert stages[0] - simulate(GPT, cluster, short, spmd).memory[0][0] == pytest.approx((8 - 3) * slot + inputs)
+
+
+def test_a_plan_draws_one_box_per_stage_and_names_each_pipelines_microbatches():
+    pytest.importorskip("matplotlib")
+    from matplotlib.patches import Rectangle
+
+    plan = Plan(
+        (
+            Pipeline((Stage("A100-40GB", 2, 4), Stage("H100", 2, 12)), 5),
+            Pipeline((Stage("H100", 1, 8), Stage("H100", 1, 8)), 3),
+        ),
+        micro_batch=2,
+    )
+    ax = plan.draw().axes[0]
+    boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert [(b.get_x(), b.get_width()) for b in boxes] == [(0, 4), (4, 12), (0, 8), (8, 8)]
+    texts = [t.get_text() for t in ax.texts]
+    assert "5 micro-batches" in texts and "3 micro-batches" in texts and "A100-40GB\ntp 2\n4 layers" in texts

@@ -219,6 +219,43 @@ class Plan:
     def global_batch(self) -> int:
         return self.micro_batch * sum(p.microbatches for p in self.pipelines)
 
+    def draw(self, ax=None):
+        """The plan as a matplotlib picture: one row per pipeline, its stages as boxes along the
+        model's layers (a box spans its stage's layers, colored by device kind, labeled with the
+        kind, its tensor-parallel width and its layer count), each pipeline's micro-batches at
+        its right. Draws on ``ax`` (a new Figure, no pyplot, when None); returns the figure."""
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch, Rectangle
+
+        layers = sum(s.layers for s in self.pipelines[0].stages)
+        if ax is None:
+            ax = Figure(figsize=(8.0, 0.7 * len(self.pipelines) + 1.6), layout="constrained").add_subplot()
+        kinds = list(dict.fromkeys(s.kind for p in self.pipelines for s in p.stages))
+        colors = {kind: f"C{i}" for i, kind in enumerate(kinds)}
+        for row, pipeline in enumerate(self.pipelines):
+            start = 0
+            for stage in pipeline.stages:
+                box = Rectangle((start, row + 0.1), stage.layers, 0.8, facecolor=colors[stage.kind], edgecolor="white")
+                ax.add_patch(box)
+                label = f"{stage.kind}\ntp {stage.tp}\n{stage.layers} layers"
+                ax.text(start + stage.layers / 2, row + 0.5, label, ha="center", va="center", fontsize=7, color="white")
+                start += stage.layers
+            ax.text(layers * 1.01, row + 0.5, f"{pipeline.microbatches} micro-batches", va="center", fontsize=8)
+        ax.set_xlim(0, layers * 1.18)
+        ax.set_ylim(len(self.pipelines), 0)
+        ax.set_yticks(
+            [r + 0.5 for r in range(len(self.pipelines))], [f"pipeline {r}" for r in range(len(self.pipelines))]
+        )
+        ax.set_xlabel("layer")
+        ax.set_title(
+            f"{len(self.pipelines)} pipelines, micro-batches of {self.micro_batch} "
+            f"sequence{'s' * (self.micro_batch != 1)}, remat {self.remat_level}",
+            fontsize=9,
+        )
+        handles = [Patch(color=colors[k], label=k) for k in kinds]
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(kinds), fontsize=7)
+        return ax.figure
+
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
