@@ -13,8 +13,9 @@ sequence parallelism all-gather + reduce-scatter pairs instead), gathers no weig
 collectives are modelled no slower than Megatron's priced by the same link model.
 
 Rows where a criterion does not hold today are strict expected failures naming the numbers:
-a planner that fixes one flags it. The suite runs the train step's rows, Megatron's and a few
-program rows; every program row (about 25 minutes on 2 cores) is a sweep:
+a planner that fixes one flags it. The suite runs a few program rows and the pricing's own
+tests; every program row, the train step's and Megatron's (about 30 minutes on 2 cores) are a
+sweep:
 
     python -m pytest -q -n 2 -m sweep tests/test_pareto_megatron.py
 """
@@ -176,7 +177,9 @@ def _train_step(strategy, planner, engine, data_dir):
 
 def _train_param(strategy, planner, xfails):
     key = f"llama_train-{strategy}-{planner}"
-    marks = [pytest.mark.slow] + ([pytest.mark.xfail(strict=True, reason=xfails[key])] if key in xfails else [])
+    marks = [pytest.mark.slow, pytest.mark.sweep] + (
+        [pytest.mark.xfail(strict=True, reason=xfails[key])] if key in xfails else []
+    )
     return pytest.param(strategy, planner, id=f"llama_train-{strategy}-{planner}", marks=marks)
 
 
@@ -234,7 +237,7 @@ def layer_collectives(plan, n_layers) -> list:
 
 def _megatron_param(strategy, planner, check):
     key = f"{strategy}-{planner}-{check}"
-    marks = [pytest.mark.slow] + (
+    marks = [pytest.mark.slow, pytest.mark.sweep] + (
         [pytest.mark.xfail(strict=True, reason=MEGATRON_XFAIL[key])] if key in MEGATRON_XFAIL else []
     )
     return pytest.param(strategy, planner, check, id=f"{strategy}-{planner}-{check}", marks=marks)
