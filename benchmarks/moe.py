@@ -36,28 +36,13 @@ import _checkout  # noqa: F401
 import _results
 
 
-def _variants():
-    """Our kernels' variants, each timed: (the tilings grouped_matmul prefers, the weight
-    gradient's rows of K per CTA), by name."""
-    from shardflow.kernels.grouped_matmul_mgpu import SIMPLE, Tiling
-
-    warp_specialized = Tiling(warp_specialized=True)
-    return {
-        "simple": ((SIMPLE,), 64),
-        "simple/wgrad128": ((SIMPLE,), 128),
-        "ws": ((warp_specialized,), 128),
-        "ws-n": ((Tiling(True, tile_m=128, tile_n=64, split="n"),), 128),
-        "ws-wide": ((Tiling(True, tile_n=256, steps=3), warp_specialized), 128),
-    }
-
-
 @contextlib.contextmanager
 def variant(name):
     """Our kernels run as variant ``name`` inside the block."""
     from shardflow.kernels import grouped_matmul_mgpu as mgpu
 
     saved = mgpu.PREFERRED, mgpu.WEIGHT_GRAD_BLOCK_K
-    mgpu.PREFERRED, mgpu.WEIGHT_GRAD_BLOCK_K = _variants()[name]
+    mgpu.PREFERRED, mgpu.WEIGHT_GRAD_BLOCK_K = mgpu.VARIANTS[name]
     try:
         yield
     finally:
@@ -327,7 +312,9 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help="our kernels against ragged_dot first (GPU)")
     parser.add_argument("--no-kernel", action="store_true", help="leave our grouped GEMM kernels out")
     parser.add_argument(
-        "--variants", default="simple", help="our kernels' variants to time, comma-separated: " + ", ".join(_variants())
+        "--variants",
+        default="simple",
+        help="our kernels' variants to time, comma-separated (kernels/grouped_matmul_mgpu.py VARIANTS)",
     )
     parser.add_argument("--out", help="write the rows as JSON to this file")
     args = parser.parse_args(argv)

@@ -65,6 +65,16 @@ SIMPLE = Tiling()
 PREFERRED: tuple[Tiling, ...] = (SIMPLE,)
 WEIGHT_GRAD_BLOCK_K = BLOCK_K
 
+# The candidates measured against each other (benchmarks/moe.py --variants; each checked on a
+# GPU by tests/test_grouped_matmul.py): name -> (PREFERRED, WEIGHT_GRAD_BLOCK_K).
+VARIANTS = {
+    "simple": ((SIMPLE,), 64),
+    "simple/wgrad128": ((SIMPLE,), 128),
+    "ws": ((Tiling(warp_specialized=True),), 128),
+    "ws-n": ((Tiling(True, tile_m=128, tile_n=64, split="n"),), 128),
+    "ws-wide": ((Tiling(True, tile_n=256, steps=3), Tiling(warp_specialized=True)), 128),
+}
+
 
 def preferred_tiling(n: int) -> Tiling:
     return next((t for t in PREFERRED if n % t.cta_n() == 0), SIMPLE)

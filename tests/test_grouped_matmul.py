@@ -86,17 +86,9 @@ def test_tile_aligned_layout_computes_what_ragged_dot_computes(sizes, extra, rep
             assert np.linalg.norm(np.asarray(a) - b) <= 1e-5 * (1 + np.linalg.norm(b))
 
 
-VARIANTS = {  # what grouped_matmul prefers, and the weight gradient's rows of K per CTA
-    "simple": ((mgpu.SIMPLE,), 64),
-    "warp-specialized": ((mgpu.Tiling(warp_specialized=True),), 128),
-    "warp-specialized split n": ((mgpu.Tiling(True, tile_m=128, tile_n=64, split="n"),), 128),
-    "warp-specialized wide": ((mgpu.Tiling(True, tile_n=256, steps=3), mgpu.Tiling(True)), 128),
-}
-
-
-@pytest.fixture(params=list(VARIANTS))
+@pytest.fixture(params=list(mgpu.VARIANTS))
 def variant(request, monkeypatch):
-    preferred, block_k = VARIANTS[request.param]
+    preferred, block_k = mgpu.VARIANTS[request.param]
     monkeypatch.setattr(mgpu, "PREFERRED", preferred)
     monkeypatch.setattr(mgpu, "WEIGHT_GRAD_BLOCK_K", block_k)
     return request.param
