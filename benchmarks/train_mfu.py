@@ -10,6 +10,8 @@ attention called directly (``jax.nn.dot_product_attention(implementation="cudnn"
 optax: a plain-JAX program of the same training step.
 shardflow-cudnn (optional): the shardflow engine with the reference's cuDNN attention, which
 separates what the compiler costs from what the attention kernel costs.
+shardflow-plain-loss (optional): the shardflow engine with the models' loss written plainly,
+the [tokens, vocab] float32 logits materialised, which prices the fused chunked cross-entropy.
 
 MoE presets (dropless routing): the reference's expert layer is written as MaxText writes its
 GPU path (``sparse_matmul`` without megablox): the token choices sorted by expert with a gather,
@@ -59,6 +61,15 @@ def maxtext_style_experts(x, gates, experts, w_gate, w_up, w_down):
     return jnp.einsum("...k,...kd->...d", gates.astype(x.dtype), out.reshape(*experts.shape, d))
 
 
+def materialised_cross_entropy(hidden, weight, targets):
+    """The models' loss as most programs write it: the whole float32 logits, then optax."""
+    import jax.numpy as jnp
+    import optax
+
+    logits = jnp.einsum("...d,dv->...v", hidden, weight, preferred_element_type=jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
 def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: int, warmup: int, peak: float | None):
     import jax
 
@@ -70,7 +81,7 @@ def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: i
     cfg.model = {
         "preset": preset,
         "remat": remat,
-        "attention_impl": "ops" if engine == "shardflow" else reference_attention,
+        "attention_impl": reference_attention if engine in ("reference", "shardflow-cudnn") else "ops",
     }
     if preset.startswith("moe"):
         cfg.model["routing"] = "dropless"
@@ -80,6 +91,10 @@ def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: i
     with contextlib.ExitStack() as stack:
         if engine == "reference":
             stack.enter_context(unittest.mock.patch("shardflow.models.moe.dropless_experts", maxtext_style_experts))
+        if engine == "shardflow-plain-loss":
+            stack.enter_context(
+                unittest.mock.patch("shardflow.models.pipeline.linear_cross_entropy", materialised_cross_entropy)
+            )
         run, step_s, out, _ = time_steps(cfg, batch, seq, steps, warmup)
     tok_s = batch * seq / step_s
     flops = metrics.flops_per_token(run.model_cfg, run.n_params, seq)
@@ -140,7 +155,7 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, help="override the preset's sequence length")
     parser.add_argument("--peak-flops", type=float, help="per-device peak (default: known GPUs)")
     parser.add_argument(
-        "--engines", default="reference,shardflow", help="comma-separated: reference, shardflow, shardflow-cudnn"
+        "--engines", default="reference,shardflow", help="comma-separated: reference, shardflow, shardflow-cudnn, shardflow-plain-loss"
     )
     parser.add_argument("--out", help="write all rows as JSON to this file")
     args = parser.parse_args(argv)
@@ -162,11 +177,11 @@ def main(argv=None):
         print(f"\n{preset}  batch {batch} x {seq}  remat {remat}")
         for engine, r in results.items():
             if "error" in r:
-                print(f"  {engine:15s} FAILED  {r['error']}")
+                print(f"  {engine:20s} FAILED  {r['error']}")
                 continue
             mfu = f"{100 * r['mfu']:.1f} %" if r["mfu"] is not None else "n/a"
             print(
-                f"  {engine:15s} {r['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>7s}  "
+                f"  {engine:20s} {r['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>7s}  "
                 f"step {1e3 * r['step_s']:8.1f} ms  loss {r['loss']:.3f}  "
                 f"params {r['params'] / 1e6:,.1f} M"
             )
