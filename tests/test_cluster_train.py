@@ -123,3 +123,65 @@ def test_the_inventory_must_be_the_devices(data_dir, tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert err == "config error: cluster: the inventory (4 x H100, 2 x A100-40GB) has 6 devices, but this run has 8\n"
+
+
+# ------------------------------------------------------------------------------ placement by kind
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    id: int
+    device_kind: str
+    process_index: int
+
+
+def test_jax_device_kinds_read_as_the_catalogues():
+    from shardflow.hetero.devices import CATALOGUE
+    from shardflow.train.cluster_plan import catalogue_kind
+
+    seen = {
+        "NVIDIA H100 80GB HBM3": "H100",
+        "NVIDIA H100 PCIe": "H100-PCIe",
+        "NVIDIA H200": "H200",
+        "NVIDIA GH200 480GB": "GH200",
+        "NVIDIA A100-SXM4-40GB": "A100-40GB",
+        "NVIDIA A100 80GB PCIe": "A100-80GB",
+        "NVIDIA A10G": "A10G",
+        "NVIDIA A10": "A10",
+        "Tesla V100-SXM2-32GB": "V100-32GB",
+        "NVIDIA GeForce RTX 2080 Ti": "RTX-2080Ti",
+        "NVIDIA GeForce RTX 3090": "RTX-3090",
+        "NVIDIA TITAN RTX": "Titan-RTX",
+        "cpu": None,
+    }
+    for device_kind, kind in seen.items():
+        assert catalogue_kind(device_kind, CATALOGUE) == kind, device_kind
+
+
+def test_each_stage_is_placed_on_devices_of_its_kind_a_group_on_one_host():
+    from shardflow.hetero.simulate import Pipeline, Plan, Stage
+    from shardflow.train.cluster_plan import catalogue_kind, place_by_kind
+
+    # jax's order interleaves the kinds: host 0 has A100s then H100s, host 1 the reverse
+    a100, h100 = "NVIDIA A100-SXM4-40GB", "NVIDIA H100 80GB HBM3"
+    devices = [FakeDevice(i, a100 if i in (0, 1, 6, 7) else h100, i // 4) for i in range(8)]
+    fast_then_slow = Pipeline((Stage("H100", 2, 3), Stage("A100-40GB", 2, 1)), 3)
+    plan = Plan((fast_then_slow, fast_then_slow), micro_batch=2)
+    grid = np.asarray(place_by_kind(plan, devices)).reshape(2, 2, 2)  # pipe, data, model
+    for stage, kind in enumerate(("H100", "A100-40GB")):
+        for replica in range(2):
+            group = grid[stage, replica]
+            assert {catalogue_kind(d.device_kind, [kind]) for d in group} == {kind}
+            assert len({d.process_index for d in group}) == 1
+    assert sorted(d.id for d in grid.flat) == list(range(8))
+
+
+def test_devices_not_of_the_plans_kinds_are_a_config_error():
+    from shardflow.hetero.simulate import Pipeline, Plan, Stage
+    from shardflow.train.cluster_plan import place_by_kind
+    from shardflow.train.config import ConfigError
+
+    plan = Plan((Pipeline((Stage("H100", 4, 4),), 1), Pipeline((Stage("A100-40GB", 4, 4),), 1)), micro_batch=2)
+    devices = [FakeDevice(i, "NVIDIA H100 80GB HBM3" if i < 6 else "NVIDIA L4", 0) for i in range(8)]
+    with pytest.raises(ConfigError, match=r"4 x H100.*4 x A100-40GB.*6 x H100.*NVIDIA L4"):
+        place_by_kind(plan, devices)

@@ -4,6 +4,7 @@ of mixed device kinds, each with its predicted step time and memory (``shardflow
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 from shardflow.train import config as config_lib
@@ -204,6 +205,11 @@ class ClusterPlan:
             )
         return "\n".join(lines)
 
+    def device_grid(self, devices) -> list:
+        """``devices`` in the mesh's order (pipe, data, model; flat), each stage of each
+        pipeline on devices of its kind: the simulated devices as given."""
+        return list(devices) if self.simulated else place_by_kind(self.candidate.plan, devices)
+
     def metadata(self) -> dict:
         """The plan and its prediction, as the run directory's cluster_plan.json holds them."""
         c = self.candidate
@@ -280,3 +286,57 @@ def _yaml(value) -> str:
     import yaml
 
     return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1_000).strip().removesuffix("\n...")
+
+
+def _tokens(name: str) -> list[str]:
+    return [t for t in re.split(r"[^0-9A-Z]+", name.upper()) if t]
+
+
+def catalogue_kind(device_kind: str, kinds) -> str | None:
+    """Which of ``kinds`` (catalogue names) a device whose jax ``device_kind`` is the given string
+    is ("NVIDIA A100-SXM4-40GB" is an A100-40GB): every token of the kind's name is one of the
+    string's tokens, or consecutive ones run together ("RTX 2080 Ti" for RTX-2080Ti); the kind
+    naming the most tokens, where several match (H100-PCIe over H100); None where none does."""
+    device = _tokens(device_kind)
+    joined = {"".join(device[i:j]) for i in range(len(device)) for j in range(i + 1, len(device) + 1)}
+    matches = [k for k in kinds if all(t in joined for t in _tokens(k))]
+    return max(matches, key=lambda k: len(_tokens(k)), default=None)
+
+
+def place_by_kind(plan, devices) -> list:
+    """``devices`` ordered for the mesh (pipe, data, model) of ``plan``'s settings, stage i of
+    pipeline r on devices of its kind, a stage's tensor-parallel group on one host where its
+    kind has that many there. A ConfigError where the devices are not the plan's kinds."""
+    from shardflow.hetero import device_kind
+
+    wanted = {}
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            name = device_kind(stage.kind).name
+            wanted[name] = wanted.get(name, 0) + stage.tp
+    pools = {k: [] for k in wanted}
+    unknown = []
+    for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        kind = catalogue_kind(d.device_kind, wanted)
+        (pools[kind] if kind is not None else unknown).append(d)
+    have = {k: len(v) for k, v in pools.items()}
+    if unknown or have != wanted:
+        found = sorted({d.device_kind for d in devices})
+        raise config_lib.ConfigError(
+            f"cluster: the plan places {inventory_text(wanted)} but this run's devices are "
+            f"{inventory_text(have)}{f' and {len(unknown)} of no planned kind' if unknown else ''} "
+            f"(jax device kinds: {', '.join(found)})"
+        )
+    depth, replicas = len(plan.pipelines[0].stages), len(plan.pipelines)
+    grid = [[None] * replicas for _ in range(depth)]
+    for r, pipeline in enumerate(plan.pipelines):
+        for i, stage in enumerate(pipeline.stages):
+            pool = pools[device_kind(stage.kind).name]
+            hosts = list(dict.fromkeys(d.process_index for d in pool))
+            host = next((h for h in hosts if sum(d.process_index == h for d in pool) >= stage.tp), hosts[0])
+            group = [d for d in pool if d.process_index == host][: stage.tp]
+            group += [d for d in pool if d not in group][: stage.tp - len(group)]
+            for d in group:
+                pool.remove(d)
+            grid[i][r] = group
+    return [d for row in grid for group in row for d in group]

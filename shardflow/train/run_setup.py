@@ -144,7 +144,8 @@ def setup(cfg) -> Run:
             cfg.pipeline.axis: mesh_shape[cfg.pipeline.axis],
             **{a: n for a, n in mesh_shape.items() if a != cfg.pipeline.axis},
         }
-    mesh = Mesh(np.asarray(jax.devices()).reshape(tuple(mesh_shape.values())), tuple(mesh_shape))
+    devices = jax.devices() if cluster_plan is None else cluster_plan.device_grid(jax.devices())
+    mesh = Mesh(np.asarray(devices).reshape(tuple(mesh_shape.values())), tuple(mesh_shape))
     rules = config_lib.rules_for(cfg)
     if model_cfg.layout is not None:  # a ring of as many blocks as the sequence is split into
         seq_axes = model_sharding.mesh_axes_of(rules.get("seq"))
