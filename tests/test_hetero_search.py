@@ -74,22 +74,27 @@ NARROW = Transformer(n_layers=6, d_model=2048, n_heads=16, head_dim=128, ffn_dim
 
 
 @pytest.mark.parametrize(
-    "model, inventory, per_node, network, batch, mixed",
+    "model, inventory, per_node, network, batch, mixed, spmd",
     [
         # the A100s' pipeline gets fewer micro-batches
-        (WIDE, {"H100": 2, "A100-80GB": 2}, 2, 100, 16, True),
-        (WIDE, {"H100": 1, "A100-80GB": 3}, 4, 100, 12, True),
+        (WIDE, {"H100": 2, "A100-80GB": 2}, 2, 100, 16, True, False),
+        (WIDE, {"H100": 1, "A100-80GB": 3}, 4, 100, 12, True, False),
         # one pipeline through three A100s and an H100, the H100 with more layers
-        (NARROW, {"H100": 1, "A100-80GB": 3}, 4, 25, 12, True),
+        (NARROW, {"H100": 1, "A100-80GB": 3}, 4, 25, 12, True, False),
         # the A100-40GBs do not pay; the H100s' memory bounds the micro-batch
-        (WIDE, {"H100": 2, "A100-40GB": 2}, 2, 100, 12, False),
-        (SMALL, {"H100": 1, "V100-32GB": 2}, 2, 25, 6, False),
+        (WIDE, {"H100": 2, "A100-40GB": 2}, 2, 100, 12, False, False),
+        (SMALL, {"H100": 1, "V100-32GB": 2}, 2, 25, 6, False, False),
+        # shardflow's SPMD pipeline: every pipeline runs the busiest one's count
+        (WIDE, {"H100": 2, "A100-80GB": 2}, 2, 100, 16, True, True),
+        (NARROW, {"H100": 1, "A100-80GB": 3}, 4, 25, 12, True, True),
     ],
 )
-def test_the_best_plan_is_as_fast_as_brute_force_over_the_same_space(model, inventory, per_node, network, batch, mixed):
+def test_the_best_plan_is_as_fast_as_brute_force_over_the_same_space(
+    model, inventory, per_node, network, batch, mixed, spmd
+):
     cluster = Cluster.from_inventory(inventory, per_node=per_node, inter_node_GBps=network)
     precision = "fp16" if "V100-32GB" in inventory else "bf16"
-    fw = Framework(efficiency={"*": 0.5}, half_tokens=512)
+    fw = Framework(efficiency={"*": 0.5}, half_tokens=512, spmd_pipeline=spmd)
     brute, plan = exhaustive(model, cluster, batch, fw, precision)
     assert (len({s.kind for p in plan.pipelines for s in p.stages}) == 2) == mixed  # not a trivial case
     got = search(model, cluster, batch, fw, precision=precision, remat_options=(False,))
@@ -190,3 +195,23 @@ def test_a_mixed_pipeline_may_end_on_a_kind_with_more_memory_than_the_smallest()
     assert got.complete
     assert got.best.seconds <= known.seconds * (1 + 1e-12)
     fits(got)
+
+
+@pytest.mark.parametrize("spmd", [False, True], ids=["own-counts", "spmd-pipeline"])
+def test_the_searchs_price_of_a_batch_distribution_is_the_simulators(spmd):
+    """Two two-stage pipelines of unequal speed: the search's distribution of 12 micro-batches and
+    its price are what simulate predicts for the plan; under shardflow's SPMD pipeline (every
+    pipeline running the busiest one's count) the counts go evenly."""
+    from shardflow.hetero.search import _distribute, _Prices
+
+    cluster = Cluster.from_inventory({"H100": 4, "A100-80GB": 4}, per_node=4, inter_node_GBps=100)
+    fw = Framework(efficiency={"*": 0.5}, half_tokens=512, spmd_pipeline=spmd)
+    layout = ((("H100", 2), ("H100", 2)), (("A100-80GB", 2), ("A100-80GB", 2)))
+    split, micro_batch = (3, 3), 1
+    seconds, counts = _distribute(_Prices(SMALL, cluster, fw, micro_batch, "bf16", False), layout, split, 12)
+    plan = Plan(
+        tuple(Pipeline(tuple(Stage(k, t, n) for (k, t), n in zip(pipe, split)), m) for pipe, m in zip(layout, counts)),
+        micro_batch,
+    )
+    assert seconds == pytest.approx(simulate(SMALL, cluster, plan, fw).seconds, rel=1e-12)
+    assert (counts == (6, 6)) == spmd and sum(counts) == 12

@@ -207,7 +207,7 @@ Layout = tuple[tuple[tuple[str, int], ...], ...]  # per pipeline, per stage: (ki
 def _distribute(prices: _Prices, layout: Layout, split: Sequence[int], total: int):
     """The step's predicted seconds and the micro-batch counts for ``split``, or None where it
     does not fit: each pipeline one micro-batch, the rest one at a time to the pipeline that
-    would finish soonest and still fits."""
+    would finish soonest and still fits; under an SPMD pipeline, as evenly as they go."""
     p, d = len(split), len(layout)
     if total < d:
         return None
@@ -220,19 +220,30 @@ def _distribute(prices: _Prices, layout: Layout, split: Sequence[int], total: in
         first.append(f)
         step.append(b)
         cap.append(c)
-    counts = [1] * d
-    left = total - d
-    if sum(min(c, total) for c in cap) < total:
-        return None
-    heap = [(first[i] + step[i], i) for i in range(d) if cap[i] > 1]
-    heapq.heapify(heap)
-    while left:
-        _, i = heapq.heappop(heap)
-        counts[i] += 1
-        left -= 1
-        if counts[i] < cap[i]:
-            heapq.heappush(heap, (first[i] + counts[i] * step[i], i))
-    slowest = max(first[i] + (counts[i] - 1) * step[i] for i in range(d))
+    if prices.costs.fw.spmd_pipeline and p > 1:
+        # One SPMD program: every pipeline runs the busiest one's count (its own past its count
+        # computed as padding), so the counts go as evenly as they can, the extra ones to the
+        # fastest pipelines.
+        busiest = -(-total // d)
+        if min(cap) < busiest:
+            return None
+        extra = set(sorted(range(d), key=lambda i: step[i])[: total - (busiest - 1) * d])
+        counts = [busiest - (i not in extra) for i in range(d)]
+        slowest = max(first[i] + (busiest - 1) * step[i] for i in range(d))
+    else:
+        counts = [1] * d
+        left = total - d
+        if sum(min(c, total) for c in cap) < total:
+            return None
+        heap = [(first[i] + step[i], i) for i in range(d) if cap[i] > 1]
+        heapq.heapify(heap)
+        while left:
+            _, i = heapq.heappop(heap)
+            counts[i] += 1
+            left -= 1
+            if counts[i] < cap[i]:
+                heapq.heappush(heap, (first[i] + counts[i] * step[i], i))
+        slowest = max(first[i] + (counts[i] - 1) * step[i] for i in range(d))
     sync = max(
         prices.sync(tuple(Stage(k, t, split[s]) for k, t in (pipe[s] for pipe in layout)), s, p) for s in range(p)
     )
