@@ -275,23 +275,28 @@ class Propagation:
             if want is None and met[j] is not None and met[j][i] is not None:
                 want = met[j]
             if want is not None and want[i] != s:
-                total += self.seconds(v.aval, trial, _with(trial, i, want[i]))
+                to_want = self.seconds(v.aval, trial, _with(trial, i, want[i]))
+                total += self.deferred(eqn, i, s, creates_partial, to_want)
             elif want is None and isinstance(s, Partial):
                 # A partial value is reduced sooner or later: charge the cheapest reduction now,
-                # so a P output is not mistaken for a free one. A partial operand flowing through
-                # defers its own reduction to this output: charge what that costs more (an MoE's
-                # dispatched tokens [e, c, d] carried into the experts' [e, c, h]).
-                reduce_out = self.reduction_seconds(v, trial, i)
-                if creates_partial:
-                    total += reduce_out
-                else:
-                    reduce_in = max(
-                        self.reduction_seconds(x, self.of(x), i)
-                        for x in eqn.invars
-                        if not is_literal(x) and isinstance(self.of(x)[i], Partial)
-                    )
-                    total += max(0.0, reduce_out - reduce_in)
+                # so a P output is not mistaken for a free one.
+                total += self.deferred(eqn, i, s, creates_partial, self.reduction_seconds(v, trial, i))
         return total + self.own_collectives(eqn, req, i, sig, chosen)
+
+    def deferred(self, eqn, i, s, creates_partial, reduce_out) -> float:
+        """What reducing an output of SBP ``s`` on axis ``i`` (``reduce_out`` seconds) costs this
+        equation. A partial operand flowing through defers its own reduction to the output:
+        only what that costs more is charged (an MoE's dispatched tokens [e, c, d] carried into
+        the experts' [e, c, h]; a sum of partial terms reduced once, not each term — the
+        global norm of tensor-parallel gradients)."""
+        if creates_partial or not isinstance(s, Partial):
+            return reduce_out
+        reduce_in = max(
+            self.reduction_seconds(x, self.of(x), i)
+            for x in eqn.invars
+            if not is_literal(x) and isinstance(self.of(x)[i], Partial)
+        )
+        return max(0.0, reduce_out - reduce_in)
 
     def reduction_seconds(self, v, sbp, i) -> float:
         """The cheapest reduction of a value partial on axis ``i``: to B or a split it divides."""

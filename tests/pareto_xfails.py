@@ -67,7 +67,6 @@ PARETO_XFAIL = {  # "program-strategy-planner": ours vs GSPMD
     "reductions-tp-solver": "bytes 3,072 > 876 and flops 17,887 > 4,545",
     "reductions-2d-solver": "bytes 3,584 > 1,124 and flops 17,887 > 2,404",
     "llama_train-dp-greedy": "546.05 > 470.90 µs (5 vs 5 coll.; the work: XLA's bytes accessed)",
-    "llama_train-tp_sp-greedy": "1056.06 > 952.23 µs (131 vs 92 coll.)",
 }
 
 # "strategy-planner-check": a layer's collectives over 'model' vs Megatron's (bytes per device,
