@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from jax.extend.core import Jaxpr, new_jaxpr_eqn
 
-from shardflow import conversion
+from shardflow import conversion, registry
 from shardflow.primitives import box_p
 from shardflow.program import Program, is_literal, map_subjaxprs, new_var, source_line
-from shardflow.registry import DECISION, Decision, decision_of
+from shardflow.registry import DECISION, Decision, Loop, decision_of
 from shardflow.specs import B, format_sbp
 
 
@@ -26,15 +26,18 @@ class Boxing:
         self.p = program
         self.sbp = dict(program.sbp)
         self.made_at: dict = {}
+        self.lines: set = set()  # the lines equations were made at (not the arguments' names)
 
     def of(self, atom):
         return (B,) * len(self.p.axis_names) if is_literal(atom) else self.sbp[atom]
 
-    def jaxpr(self, jaxpr: Jaxpr, wanted, arg_names=None, taken_at: str = "<unknown>") -> Jaxpr:
+    def jaxpr(self, jaxpr: Jaxpr, wanted, arg_names=None, taken_at: str = "<unknown>", operands=()) -> Jaxpr:
         """``jaxpr`` with its conversions boxed; its inputs made at ``arg_names`` (the program's
-        arguments), else where the loop or branch taking them is (``taken_at``, its user line)."""
+        arguments), else ``operands`` (per input, where a value the loop or branch passes was
+        made, or None), else where the loop or branch is (``taken_at``, its user line)."""
         for i, v in enumerate(jaxpr.invars):
-            self.made_at.setdefault(v, arg_names[i] if arg_names else taken_at)
+            made = operands[i] if len(operands) == len(jaxpr.invars) else None
+            self.made_at.setdefault(v, arg_names[i] if arg_names else made or taken_at)
         converted, eqns = {}, []  # x -> {NdSbp: Var holding x converted to it}
 
         def convert(x, want, reason, used_at):
@@ -57,11 +60,14 @@ class Boxing:
         for eqn in jaxpr.eqns:
             decision = decision_of(eqn)
             used_at = source_line(eqn)
-            eqn = map_subjaxprs(
-                eqn,
-                lambda name, body: self.jaxpr(body, decision.body_outs(name), taken_at=used_at),
-                names={name for name, _ in decision.bodies},
-            )
+            boxed_bodies = []
+
+            def box_body(name, body, eqn=eqn, decision=decision, used_at=used_at):
+                boxed = self.jaxpr(body, decision.body_outs(name), taken_at=used_at, operands=self.origins(eqn))
+                boxed_bodies.append(boxed)
+                return boxed
+
+            eqn = map_subjaxprs(eqn, box_body, names={name for name, _ in decision.bodies})
             invars = list(eqn.invars)
             for k, (x, want) in enumerate(zip(invars, decision.ins)):
                 have = self.of(x)
@@ -69,14 +75,30 @@ class Boxing:
                     reason = f"{eqn.primitive.name} needs {format_sbp(want)} of operand {k}, has {format_sbp(have)}"
                     invars[k] = convert(x, want, reason, used_at)
             eqns.append(eqn.replace(invars=invars))
+            self.lines.add(used_at)
             for v in eqn.outvars:
                 self.made_at[v] = used_at
+            if len(boxed_bodies) == 1 and len(boxed_bodies[0].outvars) == len(eqn.outvars):
+                for v, w in zip(eqn.outvars, boxed_bodies[0].outvars):  # a loop's results: where its body made them
+                    if not is_literal(w):
+                        self.made_at[v] = self.made_at.get(w, used_at)
         outvars = list(jaxpr.outvars)
         for k, (x, want) in enumerate(zip(outvars, wanted or ())):
             if want is not None and self.of(x) != want:
                 reason = f"output {k} is wanted as {format_sbp(want)}, has {format_sbp(self.of(x))}"
                 outvars[k] = convert(x, want, reason, "output")
         return jaxpr.replace(outvars=outvars, eqns=eqns)
+
+    def origins(self, eqn) -> list:
+        """Per operand of a loop or branch, the line its body's input names as made at: the line
+        of the equation that made the operand (a layer's residual, made in the forward loop and
+        read by the backward's), or None for a carry (made anew each trip) and an argument."""
+        region = registry.region_of(eqn)
+        carries = range(region.consts, region.consts + region.carries) if isinstance(region, Loop) else ()
+        return [
+            None if k in carries or is_literal(x) or self.made_at.get(x) not in self.lines else self.made_at[x]
+            for k, x in enumerate(eqn.invars)
+        ]
 
     def seconds(self, x, src, dst) -> float:
         return conversion.seconds(x.aval.shape, x.aval.dtype, src, dst, self.p.mesh, self.p.links)
