@@ -78,7 +78,7 @@ def main():
     parser.add_argument("--strategies", default="fsdp,tp,2d")
     parser.add_argument("--out", help="write the rows and the reference LP's time as JSON")
     args = parser.parse_args()
-    data_dir = data.prepare(data.stdlib_sources(max_bytes=200_000)[:5], tempfile.mkdtemp())
+    data_dir = str(data.prepare(data.stdlib_sources(max_bytes=200_000)[:5], tempfile.mkdtemp()))
     reference_lp_s = reference_seconds()
     print(
         f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, mesh data=2 x model=4; "
