@@ -55,6 +55,11 @@ class ModelConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
     bias_rate: float = 0.02
+    # FP8 matmuls (models/fp8.py): attention's projections and the dense MLPs in FP8 (e4m3
+    # forward, e5m2 gradients, current per-tensor scaling), each GEMM the size rule admits;
+    # fp8_small_gemms: every one of them, however small (small models: tests, convergence runs).
+    fp8: bool = False
+    fp8_small_gemms: bool = False
 
     @property
     def expert_ffn_dim(self) -> int:
@@ -95,6 +100,29 @@ class ModelConfig:
             raise ValueError("gpt2: n_heads * head_dim must equal d_model")
         if self.n_experts:
             self._check_moe()
+        self._check_fp8()
+
+    def _check_fp8(self):
+        from .fp8 import MAX_SMALL_K, MAX_SMALL_N, gemm_shapes, runs_in_fp8
+
+        for key in ("fp8", "fp8_small_gemms"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"model.{key} must be true or false, got {getattr(self, key)!r}")
+        if self.fp8_small_gemms and not self.fp8:
+            raise ValueError("model.fp8_small_gemms puts small GEMMs in FP8: it needs model.fp8: true")
+        shapes = gemm_shapes(self)
+        # the rule's M: at least one sequence's tokens (the provisional rule does not read it)
+        if (
+            self.fp8
+            and not self.fp8_small_gemms
+            and not any(runs_in_fp8(self.max_seq_len, n, k) for k, n in shapes.values())
+        ):
+            listed = ", ".join(f"{name} (K {k}, N {n})" for name, (k, n) in shapes.items())
+            raise ValueError(
+                f"model.fp8: none of this model's GEMMs is large enough for FP8 (a GEMM with K <= "
+                f"{MAX_SMALL_K} and N <= {MAX_SMALL_N}, or either not a multiple of 16, stays in the compute "
+                f"dtype): {listed}; model.fp8_small_gemms: true runs them in FP8 anyway"
+            )
 
     def _check_moe(self):
         if self.family != "llama":

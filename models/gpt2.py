@@ -13,6 +13,7 @@ from flax import nnx
 
 from .attention import attention
 from .config import ModelConfig
+from .fp8 import Matmuls
 from .llama import stacked
 from .pipeline import RESIDUAL, PipelineConfig, cross_entropy, pipelined_loss, scan_layers
 from .sharding import constrain
@@ -31,11 +32,12 @@ def _init(std: float, axes):
     return nnx.with_partitioning(nnx.initializers.normal(std), axes, eager_sharding=False)
 
 
-def _linear(d_in, d_out, axes, std, rngs):
+def _linear(d_in, d_out, axes, std, rngs, matmuls: Matmuls):
     return nnx.Linear(
         d_in,
         d_out,
         rngs=rngs,
+        dot_general=matmuls.dot_general,
         kernel_init=_init(std, axes),
         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), axes[1:], eager_sharding=False),
     )
@@ -57,15 +59,16 @@ class Block(nnx.Module):
         out_std = std / (2 * cfg.n_layers) ** 0.5
         self.n_heads, self.impl = cfg.n_heads, cfg.attention_impl
         self.context, self.layout = cfg.attention_context, cfg.layout
+        mm = Matmuls.of(cfg)
         self.ln_1 = _layer_norm(d, cfg.norm_eps, rngs)
         # "heads" here is the merged heads*head_dim dimension; splitting it splits whole heads.
-        self.q = _linear(d, d, ("embed", "heads"), std, rngs)
-        self.k = _linear(d, d, ("embed", "heads"), std, rngs)
-        self.v = _linear(d, d, ("embed", "heads"), std, rngs)
-        self.proj = _linear(d, d, ("heads", "embed"), out_std, rngs)
+        self.q = _linear(d, d, ("embed", "heads"), std, rngs, mm)
+        self.k = _linear(d, d, ("embed", "heads"), std, rngs, mm)
+        self.v = _linear(d, d, ("embed", "heads"), std, rngs, mm)
+        self.proj = _linear(d, d, ("heads", "embed"), out_std, rngs, mm)
         self.ln_2 = _layer_norm(d, cfg.norm_eps, rngs)
-        self.fc = _linear(d, cfg.ffn_dim, ("embed", "mlp"), std, rngs)
-        self.fc_proj = _linear(cfg.ffn_dim, d, ("mlp", "embed"), out_std, rngs)
+        self.fc = _linear(d, cfg.ffn_dim, ("embed", "mlp"), std, rngs, mm)
+        self.fc_proj = _linear(cfg.ffn_dim, d, ("mlp", "embed"), out_std, rngs, mm)
 
     def __call__(self, x):
         b, s, d = x.shape

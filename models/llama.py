@@ -14,6 +14,7 @@ from flax import nnx
 
 from .attention import attention
 from .config import ModelConfig
+from .fp8 import Matmuls
 from .moe import MoE
 from .pipeline import (
     RESIDUAL,
@@ -72,14 +73,16 @@ class Attention(nnx.Module):
         self.wv = _normal(rngs, (d, kv, hd), cfg.init_std)
         self.wo = _normal(rngs, (h, hd, d), out_std)
         self.impl, self.context, self.layout = cfg.attention_impl, cfg.attention_context, cfg.layout
+        self.matmuls = Matmuls.of(cfg)
 
     def __call__(self, x, cos, sin):
-        q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...])
-        k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...])
-        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...])
+        einsum = self.matmuls.einsum
+        q = einsum("bsd,dhk->bshk", x, self.wq[...])
+        k = einsum("bsd,dhk->bshk", x, self.wk[...])
+        v = einsum("bsd,dhk->bshk", x, self.wv[...])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(q, k, v, causal=True, impl=self.impl, context=self.context, layout=self.layout)
-        return jnp.einsum("bshk,hkd->bsd", out, self.wo[...])
+        return einsum("bshk,hkd->bsd", out, self.wo[...])
 
 
 @logical_axes(w_gate=("embed", "mlp"), w_up=("embed", "mlp"), w_down=("mlp", "embed"))
@@ -89,10 +92,12 @@ class SwiGLU(nnx.Module):
         self.w_gate = _normal(rngs, (d, f), cfg.init_std)
         self.w_up = _normal(rngs, (d, f), cfg.init_std)
         self.w_down = _normal(rngs, (f, d), cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        self.matmuls = Matmuls.of(cfg)
 
     def __call__(self, x):
-        gate = jax.nn.silu(x @ self.w_gate[...])
-        return (gate * (x @ self.w_up[...])) @ self.w_down[...]
+        einsum = self.matmuls.einsum
+        gate = jax.nn.silu(einsum("...d,df->...f", x, self.w_gate[...]))
+        return einsum("...f,fd->...d", gate * einsum("...d,df->...f", x, self.w_up[...]), self.w_down[...])
 
 
 class Block(nnx.Module):

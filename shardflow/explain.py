@@ -1,10 +1,12 @@
 """``explain``: the report of a boxed program's plan (``Plan``, ``make_plan``): every collective,
-its bytes and the user line behind it, the values' layouts, and the modelled time and memory
-per device, as ``costs`` computes them."""
+its bytes and the user line behind it, the values' layouts, the modelled time and memory per
+device, as ``costs`` computes them, and the matmuls that take FP8 operands."""
 
 from __future__ import annotations
 
 import dataclasses
+
+import jax.numpy as jnp
 
 from shardflow.costs import Totals, gathered_inputs, modelled
 from shardflow.primitives import box_p
@@ -28,6 +30,7 @@ class Plan(Totals):
     gathered: list = dataclasses.field(
         default_factory=list
     )  # (argument, NdSbp, to, where, bytes): ``costs.gathered_inputs``
+    fp8_gemms: list = dataclasses.field(default_factory=list)  # (operands, result, source) of FP8 dot_generals
 
     def __str__(self):
         rows = [("kind", "axes", "value", "bytes", "µs", "×", "source", "reason")]
@@ -71,6 +74,9 @@ class Plan(Totals):
                 f"gathered whole over an axis its spec splits: {name} {src} -> {dst} at {where}, "
                 f"{nbytes:,} bytes sent per device (the {self.planner.split()[0]} planner's choice)"
             )
+        if self.fp8_gemms:
+            lines.append(f"FP8 GEMMs ({len(self.fp8_gemms)}, a loop's body once):")
+            lines += [f"  {operands} -> {result} at {source}" for operands, result, source in self.fp8_gemms]
         lines.append("inputs:  " + "; ".join(f"{n} {format_sbp(s)}" for n, _, s in self.inputs))
         lines.append("outputs: " + "; ".join(f"{i} {format_sbp(s)}" for i, _, s in self.outputs))
         return "\n".join(lines)
@@ -92,6 +98,11 @@ def make_plan(program: Program) -> Plan:
         for v in e.outvars
         if v in program.sbp
     ]
+    fp8_gemms = [
+        (" x ".join(describe(v.aval) for v in e.invars), describe(e.outvars[0].aval), source_line(e))
+        for e in all_eqns(jaxpr)
+        if e.primitive.name == "dot_general" and any(_is_fp8(v.aval.dtype) for v in e.invars)
+    ]
     return Plan(
         costs.collectives,
         inputs,
@@ -105,4 +116,9 @@ def make_plan(program: Program) -> Plan:
         costs.input_bytes,
         costs.loop_bytes,
         gathered_inputs(program),
+        fp8_gemms,
     )
+
+
+def _is_fp8(dtype) -> bool:
+    return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
