@@ -12,6 +12,8 @@ shardflow-cudnn (optional): the shardflow engine with the reference's cuDNN atte
 separates what the compiler costs from what the attention kernel costs.
 shardflow-plain-loss (optional): the shardflow engine with the models' loss written plainly,
 the [tokens, vocab] float32 logits materialised, which prices the fused chunked cross-entropy.
+shardflow-fp8 (optional): the shardflow engine with ``model.fp8: true`` (models/fp8.py: the
+projections and dense MLPs the size rule admits in FP8); its ratio to shardflow is printed.
 
 MoE presets (dropless routing): the reference's expert layer is written as MaxText writes its
 GPU path (``sparse_matmul`` without megablox): the token choices sorted by expert with a gather,
@@ -83,6 +85,8 @@ def measure(preset: str, batch: int, seq: int, remat: str, engine: str, steps: i
         "remat": remat,
         "attention_impl": reference_attention if engine in ("reference", "shardflow-cudnn") else "ops",
     }
+    if engine == "shardflow-fp8":
+        cfg.model["fp8"] = True
     if preset.startswith("moe"):
         cfg.model["routing"] = "dropless"
     cfg.engine = "jit" if engine == "reference" else "shardflow"
@@ -155,7 +159,9 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, help="override the preset's sequence length")
     parser.add_argument("--peak-flops", type=float, help="per-device peak (default: known GPUs)")
     parser.add_argument(
-        "--engines", default="reference,shardflow", help="comma-separated: reference, shardflow, shardflow-cudnn, shardflow-plain-loss"
+        "--engines",
+        default="reference,shardflow",
+        help="comma-separated: reference, shardflow, shardflow-cudnn, shardflow-plain-loss, shardflow-fp8",
     )
     parser.add_argument("--out", help="write all rows as JSON to this file")
     args = parser.parse_args(argv)
@@ -190,6 +196,9 @@ def main(argv=None):
             if engine != "reference" and "error" not in r and "error" not in reference and reference:
                 ratio = r["tokens_per_s"] / reference["tokens_per_s"]
                 print(f"  ratio {engine} / reference: {ratio:.3f}")
+        fp8, bf16 = results.get("shardflow-fp8", {}), results.get("shardflow", {})
+        if fp8 and bf16 and "error" not in fp8 and "error" not in bf16:
+            print(f"  ratio shardflow-fp8 / shardflow: {fp8['tokens_per_s'] / bf16['tokens_per_s']:.3f}")
         rows += [
             {"preset": preset, "batch": batch, "seq": seq, "remat": remat, "engine": engine, **r}
             for engine, r in results.items()
