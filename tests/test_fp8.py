@@ -43,8 +43,8 @@ def dot_dtypes(jaxpr: Jaxpr):
 def test_each_gemm_equals_a_float_reference_of_its_quantised_operands(gemm, magnitude, dtype):
     """Forward: dot(q(x), q(w)) with e4m3 operands; backward: dx and dw from the e5m2 output
     gradient and the forward's quantised operands — each the float32 product of the
-    dequantised operands (the scales are powers of two: exact in float32; within one rounding
-    of bfloat16 in bfloat16)."""
+    dequantised operands: to float32's rounding in float32 (1e-6 of the largest output); in
+    bfloat16 within two of its roundings (the output's, and the scale's product, which is multiplied in bfloat16)."""
     spec, xs, ws = GEMMS[gemm]
     keys = jax.random.split(jax.random.key(hash((gemm, magnitude)) % 2**31), 3)
     x = (magnitude * jax.random.normal(keys[0], xs)).astype(dtype)
@@ -56,10 +56,12 @@ def test_each_gemm_equals_a_float_reference_of_its_quantised_operands(gemm, magn
     exact = lambda a, b: jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
     want_y, ref_vjp = jax.vjp(exact, dequantized(x, fp8.E4M3), dequantized(w, fp8.E4M3))
     want_dx, want_dw = ref_vjp(dequantized(g, fp8.E5M2))
-    rtol = 1e-6 if dtype == jnp.float32 else 2**-8
+    rtol = 1e-6 if dtype == jnp.float32 else 2**-7
     for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
         assert got.dtype == dtype
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=rtol, atol=1e-30)
+        # relative to the largest output: where an output's terms cancel, float32 rounds them
+        # differently in the two orders (the scales applied per product, or once to the sum)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=rtol, atol=rtol * np.abs(want).max())
 
     grad = jax.grad(lambda x, w: jnp.einsum(spec, x, w, _dot_general=fp8.fp8_dot_general).sum(), argnums=(0, 1))
     found = list(dot_dtypes(jax.make_jaxpr(grad)(x, w).jaxpr))
@@ -68,11 +70,11 @@ def test_each_gemm_equals_a_float_reference_of_its_quantised_operands(gemm, magn
     assert all(set(d) <= {"float8_e4m3fn", "float8_e5m2"} for d in found)
 
 
-def test_scales_are_powers_of_two_and_zeros_stay_zero():
+def test_the_amax_lands_on_the_formats_largest_value_and_zeros_stay_zero():
     x = jnp.array([[0.3, -700.0], [2.0, 1e-3]])
     q, s = fp8.quantize(x, fp8.E4M3)
-    assert float(s) == 2.0 ** np.ceil(np.log2(700.0 / 448.0))  # amax 700 lands within e4m3's 448
-    assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) <= 448.0
+    np.testing.assert_allclose(float(s), 700.0 / 448.0, rtol=1e-7)
+    assert float(q[0, 1].astype(jnp.float32)) == -448.0
     q, s = fp8.quantize(jnp.zeros((4, 4)), fp8.E5M2)
     assert float(s) == 1.0 and not jnp.any(q.astype(jnp.float32))
 
