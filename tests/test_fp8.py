@@ -152,8 +152,10 @@ FAST = ("2d",)
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in FAST else pytest.mark.slow) for c in FP8_CASES])
 def test_every_strategys_fp8_step_equals_one_devices(case, data_dir, tmp_path):
     """fp32 master weights and compute, every projection in FP8 (fp8_small_gemms): each scale
-    is the whole tensor's amax on the mesh as on one device, so the losses agree as the
-    unquantised ones do."""
+    is the whole tensor's amax on the mesh as on one device. rtol 1e-4, not the 1e-5 of the
+    unquantised strategy tests: a value whose last float bit differs between the programs (a sum
+    taken in another order) can round to the neighbouring FP8 value, a step of 6 % in one
+    element (seen under tp_sp: 2.5e-5 at the third step)."""
     strategy, mesh, extra = FP8_CASES[case]
     cfg = small_config(data_dir, tmp_path, strategy=strategy, mesh=mesh, **extra)
     cfg.model = {**cfg.model, "fp8": True, "fp8_small_gemms": True}
@@ -161,7 +163,7 @@ def test_every_strategys_fp8_step_equals_one_devices(case, data_dir, tmp_path):
         cfg.pipeline.stages, cfg.pipeline.microbatches = 2, 2
     expected = one_device_losses(cfg)
     got = train.train(cfg, progress=False)["losses"]
-    np.testing.assert_allclose([got[s] for s in (1, 2, 3)], expected, rtol=1e-5)
+    np.testing.assert_allclose([got[s] for s in (1, 2, 3)], expected, rtol=1e-4)
     assert expected[2] < expected[0]
 
 
