@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU, the MoE rows: the grouped-GEMM kernels' GPU tests, every kernel variant checked and
-# timed (gemm and layer rows against dense), then (PART=2) the moe-1b step against the
-# MaxText-style reference and the 1b step with the fused loss against the materialised one.
+# timed (gemm and layer rows against dense); PART=2: the moe-1b step against the MaxText-style
+# reference and the FP8 GEMM table; PART=3: the 1b step in bf16, with the loss materialised,
+# and in FP8.
 # Logs and JSON under $OUT, a short table last.
 #
 #   OUT=/tmp/out SHARDFLOW_COMMIT=$(git rev-parse HEAD) PART=1 bash benchmarks/results/remeasure_moe_1gpu.sh
@@ -20,13 +21,17 @@ sys.exit(pytest.main(['-q', '-x', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/
   echo "moe.py exit $?"
   tail -3 "$OUT/gpu_tests.log"
   tail -40 "$OUT/moe.log"
-else
-  timeout 280 python3 benchmarks/train_mfu.py --preset moe-1b --batch 4 --steps 5 --warmup 2 \
+elif [ "${PART}" = 2 ]; then
+  timeout 300 python3 benchmarks/train_mfu.py --preset moe-1b --batch 4 --steps 5 --warmup 2 \
       --engines reference,shardflow --out "$OUT/train_mfu_moe-1b.json" > "$OUT/train_mfu_moe-1b.log" 2>&1
   echo "train_mfu moe-1b exit $?"
-  timeout 280 python3 benchmarks/train_mfu.py --preset 1b --steps 5 --warmup 2 \
-      --engines shardflow,shardflow-plain-loss --out "$OUT/train_mfu_1b_loss.json" > "$OUT/train_mfu_1b_loss.log" 2>&1
-  echo "train_mfu 1b loss exit $?"
-  tail -8 "$OUT/train_mfu_moe-1b.log" "$OUT/train_mfu_1b_loss.log"
+  timeout 200 python3 benchmarks/fp8.py gemms --out "$OUT/fp8_gemms.json" > "$OUT/fp8_gemms.log" 2>&1
+  echo "fp8 gemms exit $?"
+  tail -8 "$OUT/train_mfu_moe-1b.log"; tail -30 "$OUT/fp8_gemms.log"
+else
+  timeout 560 python3 benchmarks/train_mfu.py --preset 1b --steps 5 --warmup 2 \
+      --engines shardflow,shardflow-plain-loss,shardflow-fp8 --out "$OUT/train_mfu_1b.json" > "$OUT/train_mfu_1b.log" 2>&1
+  echo "train_mfu 1b exit $?"
+  tail -10 "$OUT/train_mfu_1b.log"
 fi
 cat "$OUT/device.txt"
