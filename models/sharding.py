@@ -114,6 +114,20 @@ def get_rules(strategy_or_rules: str | Rules) -> dict:
     return dict(strategy_or_rules)
 
 
+# The weights' dims tensor parallelism splits: the mesh axes they map to, and no batch or FSDP
+# axis, are where the planners move activations rather than weights (Megatron's layout).
+TENSOR_PARALLEL_NAMES = ("heads", "kv_heads", "mlp")
+
+
+def tensor_parallel_axes(rules: Rules) -> tuple[str, ...]:
+    """The mesh axes over which ``rules`` split the weights as tensor parallelism does (heads,
+    MLP hidden), and not the batch or the embedding (data / FSDP axes): ``parallelize``'s
+    ``stationary`` axes for a model trained under ``rules``."""
+    tensor = {a for name in TENSOR_PARALLEL_NAMES for a in mesh_axes_of(rules.get(name))}
+    other = {a for name in ("batch", "embed") for a in mesh_axes_of(rules.get(name))}
+    return tuple(sorted(tensor - other))
+
+
 def mesh_axes_of(rule) -> tuple[str, ...]:
     if rule is None:
         return ()

@@ -27,6 +27,7 @@ from jax import lax
 from jax.extend.core import DropVar, Jaxpr
 
 from shardflow import conversion, registry, rules  # noqa: F401  (rules: registers every rule)
+from shardflow.costs import STATIONARY_PENALTY, moves, stationary_values
 from shardflow.elementwise_primitives import SHAPE_KEEPING
 from shardflow.program import Program, all_eqns, is_literal, nested, open_jaxpr, rebody, source_line
 from shardflow.registry import DECISION, Call, Decision, Loop, Sig
@@ -63,6 +64,7 @@ class Propagation:
         self.held: set = set()  # axes bodies may not split (a pipeline's stages)
         self._prices: dict = {} if prices is None else prices
         self._valid: dict = {}
+        self.stationary = stationary_values(program)  # var -> mesh axes it may not move over
 
     def seeded(self) -> Propagation:
         """Itself, with the program's constants B and its inputs at their in_specs (but those
@@ -99,8 +101,11 @@ class Propagation:
         return self._prices[key]
 
     def use_seconds(self, x, src, dst) -> float:
-        """Converting ``x`` to ``dst``, from ``src`` or from a conversion of it already made."""
-        return min([self.seconds(x.aval, src, dst)] + [self.seconds(x.aval, m, dst) for m in self.made.get(x, ())])
+        """Converting ``x`` to ``dst``, from ``src`` or from a conversion of it already made; a
+        stationary value moved over its axes at ``STATIONARY_PENALTY`` more."""
+        seconds = min([self.seconds(x.aval, src, dst)] + [self.seconds(x.aval, m, dst) for m in self.made.get(x, ())])
+        axes = self.stationary.get(x)
+        return seconds + STATIONARY_PENALTY if axes and moves(src, dst, axes) else seconds
 
     def valid(self, aval, sbp) -> bool:
         key = (aval.shape, sbp)

@@ -118,11 +118,19 @@ class Parallelized:
         donate_argnums=(),
         passes=None,
         memory_budget: int | str | None = None,
+        stationary=(),
     ):
         self.fn = fn
         self.memory_budget = memory_budget_bytes(memory_budget, definition(fn))
+        self.stationary = (stationary,) if isinstance(stationary, str) else tuple(stationary)
         self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self.mesh = check_mesh(mesh, definition(fn))
+        unknown = [a for a in self.stationary if a not in self.mesh.axis_names]
+        if unknown:
+            raise ShardingError(
+                f"stationary={self.stationary!r} of {definition(fn)}: {unknown} not axes of the mesh "
+                f"{dict(self.mesh.shape)}"
+            )
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.links = links or LinkModel()
@@ -180,6 +188,7 @@ class Parallelized:
             in_orders=tuple(in_orders),
             out_orders=out_orders,
             memory_budget=self.memory_budget,
+            stationary=self.stationary,
             donated=tuple(
                 i for i, (path, _) in enumerate(tree_flatten_with_path(args)[0]) if path[0].idx in self.donate_argnums
             ),
@@ -384,6 +393,7 @@ def parallelize(
     donate_argnums=(),
     passes=None,
     memory_budget: int | str | None = None,
+    stationary=(),
 ):
     """Run single-device ``fn`` as one SPMD program on ``mesh``.
 
@@ -399,7 +409,10 @@ def parallelize(
     whole bytes. It bounds the inputs and what the layer loops hold (their stacked outputs and
     their operands, a layer's weights as the loop takes them), explain's ``memory_bytes``;
     partial: other intermediates and temporaries are not counted yet. Usable as a decorator:
-    ``@sf.parallelize(mesh=..., in_specs=...)``.
+    ``@sf.parallelize(mesh=..., in_specs=...)``. ``stationary``: mesh axes over which the
+    planners move no input (nor its casts, nor a loop's slices of it) away from its spec, as
+    tensor parallelism keeps its weights: activations move instead. A move that no plan can
+    avoid is still made, at a price that ranks it after every other plan, and explain lists it.
     """
     kwargs = dict(
         mesh=mesh,
@@ -409,6 +422,7 @@ def parallelize(
         donate_argnums=donate_argnums,
         passes=passes,
         memory_budget=memory_budget,
+        stationary=stationary,
     )
     if fn is None:
         return lambda f: Parallelized(f, **kwargs)

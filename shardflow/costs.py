@@ -242,3 +242,44 @@ def gathered_inputs(program: Program) -> list:
 
     walk(jaxpr, 1)
     return out
+
+
+# What a plan pays, on top of its modelled seconds, for moving a stationary value over one of its
+# stationary axes: more than any plan's modelled step, so every plan that keeps them ranks first.
+STATIONARY_PENALTY = 1e3
+
+
+def stationary_values(program: Program) -> dict:
+    """Var -> the mesh axis indices over which it may not move from its layout: each input split
+    over one of ``program.stationary``'s axes, its casts and a loop's or branch's view of it (a
+    layer's slice of a stacked weight; not a carry, which each trip makes anew)."""
+    if not program.stationary:
+        return {}
+    names = program.axis_names
+    pinned = {names.index(a) for a in program.stationary}
+    jaxpr, out = program.jaxpr.jaxpr, {}
+    for v, sbp in zip(jaxpr.invars, program.in_sbp):
+        axes = frozenset(i for i in pinned if isinstance(sbp[i], Split))
+        if axes:
+            out[v] = axes
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            x = eqn.invars[0] if eqn.invars and not is_literal(eqn.invars[0]) else None
+            if (rule := registry.rule_of(eqn.primitive)) is not None and rule.same_value and x in out:
+                out[eqn.outvars[0]] = out[x]
+            elif isinstance(region := registry.region_of(eqn), (Loop, Call)):
+                body = open_jaxpr(eqn.params[region.body])
+                carries = range(region.consts, region.consts + region.carries) if isinstance(region, Loop) else ()
+                for k, (y, v) in enumerate(zip(eqn.invars, body.invars)):
+                    if k not in carries and not is_literal(y) and y in out:
+                        out[v] = out[y]
+                walk(body)
+
+    walk(jaxpr)
+    return out
+
+
+def moves(src, dst, axes) -> bool:
+    """Whether converting ``src`` to ``dst`` moves a split over one of the mesh axis indices ``axes``."""
+    return any(isinstance(src[i], Split) and dst[i] != src[i] for i in axes)

@@ -41,6 +41,7 @@ class Program:
     in_orders: tuple = ()  # per input: ((dim, axes), ...) split against mesh order (specs.split_orders)
     out_orders: tuple = ()  # per output, the same
     memory_budget: int | None = None  # bytes per device a plan may hold (passes.solve); None: a GPU's memory
+    stationary: tuple = ()  # mesh axes over which no input is moved from its spec (tensor parallelism's weights)
     donated: tuple = ()  # flat input indices whose buffers the outputs may reuse
     lowered: Any = None  # (jitted SPMD callable, PartitionSpec of each input), by passes.lower
 

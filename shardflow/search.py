@@ -227,6 +227,7 @@ def _alternatives(step: Parallelized, args, only: str | None) -> list[Alternativ
                 links=step.links,
                 passes=step.passes,
                 memory_budget=step.memory_budget,
+                stationary=step.stationary,
             )
             try:
                 with _exploring():

@@ -50,7 +50,10 @@ LAYERS = [
         ],
     ),
     ("public namespace", ["shardflow"]),
-    ("model parts", ["models.sharding", "models.config", "models.fp8", "models.moe", "models.attention", "models.pipeline"]),
+    (
+        "model parts",
+        ["models.sharding", "models.config", "models.fp8", "models.moe", "models.attention", "models.pipeline"],
+    ),
     ("models", ["models.llama", "models.gpt2", "models"]),
     ("checkpoints", ["models.hf", "models.hf.*"]),
     ("heterogeneous clusters", ["hetero", "hetero.*"]),

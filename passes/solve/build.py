@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shardflow import conversion, registry
+from shardflow.costs import STATIONARY_PENALTY, moves
 from shardflow.passes.propagate import Propagation, _adoptable, reduced
 from shardflow.passes.solve.coarsen import coarsened_tail, within
 from shardflow.passes.solve.model import Model, Unsolvable
@@ -393,8 +394,12 @@ def _conversions(m: Model, prop, v, z, uses, scale=1, hideable=None):
     if not uses:
         return
     here = list(z)
-    price = prop.pricer(v.aval)
-    seconds = {(a, r): 0.0 if a == r else price(a, r) * scale for r in {r for use in uses for r in use} for a in here}
+    price, pinned = prop.pricer(v.aval), prop.stationary.get(v)
+    seconds = {
+        (a, r): 0.0 if a == r else price(a, r) * scale + (STATIONARY_PENALTY if pinned and moves(a, r, pinned) else 0.0)
+        for r in {r for use in uses for r in use}
+        for a in here
+    }
     shared = {}
     wanters = collections.Counter(r for use in uses for r in use)
     for use in uses:

@@ -120,6 +120,7 @@ def parallelize_step(
             out_specs=out_specs,
             donate_argnums=donate,
             passes=sf.passes.SOLVER if planner == "solver" else None,
+            stationary=[a for a in model_sharding.tensor_parallel_axes(rules) if a in mesh.axis_names],
         )
     to_sharding = lambda tree: jax.tree.map(  # noqa: E731
         lambda s: NamedSharding(mesh, s if s is not None else PartitionSpec()),
