@@ -54,3 +54,28 @@ def test_the_trainers_stationary_axes_are_its_tensor_parallel_ones():
     axes = {name: model_sharding.tensor_parallel_axes(table) for name, table in rules.items()}
     assert axes["tp"] == axes["tp_sp"] == axes["2d"] == axes["ep_tp"] == ("model",)
     assert axes["dp"] == axes["fsdp"] == axes["ep"] == axes["ep_fsdp"] == axes["pp"] == ()
+
+
+def test_the_trainer_keeps_tensor_parallel_weights_where_asked(data_dir):
+    """``stationary_weights: true`` under tp: no weight of the Llama step is gathered over model."""
+    from shardflow import train
+    from shardflow.train import config
+
+    cfg = config.load(
+        None,
+        [
+            "model={preset: tiny, n_layers: 2}",
+            "strategy=tp",
+            "mesh={data: 2, model: 4}",
+            "batch_size=8",
+            f"data.path={data_dir}",
+            "data.seq_len=64",
+            "stationary_weights=true",
+        ],
+    )
+    run = train.setup(cfg)
+    tokens = np.zeros((1, 8, 64), np.int32)
+    plan = run.train_step().explain(*jax.device_get(train.init_state(run)), {"inputs": tokens, "targets": tokens})
+    assert plan.gathered == [], plan.gathered
+    with pytest.raises(config.ConfigError, match="stationary_weights must be true or false, got 'sometimes'"):
+        train.setup(config.load(None, ["model={preset: tiny}", "stationary_weights=sometimes"]))

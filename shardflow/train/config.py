@@ -76,6 +76,9 @@ class Config:
     strategy: Any = "dp"
     engine: str = "shardflow"  # "shardflow" (sf.parallelize) or "jit" (the jax.jit baseline)
     planner: str = "greedy"  # shardflow's: "greedy" (passes.propagate) or "solver" (passes.solve)
+    # Keep the weights where a tensor-parallel strategy splits them (Megatron's layout: only
+    # activations move); false lets the planner gather a weight where it models that cheaper.
+    stationary_weights: bool = False
     batch_size: int = 16  # sequences per optimizer step, all devices together
     grad_accum: int = 1  # micro-batches per optimizer step
     # Micro-batches per data replica, uneven (a slower replica takes fewer): [4, 4, 3, 1]; null:
@@ -397,6 +400,8 @@ def validate(cfg: Config, n_devices: int) -> dict:
         raise ConfigError(f"engine must be 'shardflow' or 'jit', got {cfg.engine!r}")
     if cfg.planner not in ("greedy", "solver"):
         raise ConfigError(f"planner must be 'greedy' or 'solver', got {cfg.planner!r}")
+    if not isinstance(cfg.stationary_weights, bool):
+        raise ConfigError(f"stationary_weights must be true or false, got {cfg.stationary_weights!r}")
     if cfg.compute_dtype not in ("bfloat16", "float32"):
         raise ConfigError(f"compute_dtype must be 'bfloat16' or 'float32', got {cfg.compute_dtype!r}")
     _check_values(cfg)

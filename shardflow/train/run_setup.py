@@ -89,6 +89,7 @@ class Run:
             in_specs=(self.param_specs, self.opt_specs, self.step_batch_specs()),
             out_specs=(self.param_specs, self.opt_specs, None),
             planner=self.cfg.planner,
+            stationary_weights=self.cfg.stationary_weights,
         )
 
     def eval_step(self):
@@ -104,6 +105,7 @@ class Run:
             out_specs=None,
             donate=(),
             planner=self.cfg.planner,
+            stationary_weights=self.cfg.stationary_weights,
         )
 
 

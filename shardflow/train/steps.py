@@ -91,10 +91,18 @@ def make_eval_step(graphdef, compute_dtype, pipeline=None):
 
 
 def parallelize_step(
-    step_fn, engine: str, mesh, rules, in_specs, out_specs, donate: tuple = (0, 1), planner: str = "greedy"
+    step_fn,
+    engine: str,
+    mesh,
+    rules,
+    in_specs,
+    out_specs,
+    donate: tuple = (0, 1),
+    planner: str = "greedy",
+    stationary_weights: bool = False,
 ):
     """Run step_fn as one SPMD program on mesh with the engine (and shardflow's planner) the
-    config names."""
+    config names; ``stationary_weights``: the weights stay on the rules' tensor-parallel axes."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -120,7 +128,9 @@ def parallelize_step(
             out_specs=out_specs,
             donate_argnums=donate,
             passes=sf.passes.SOLVER if planner == "solver" else None,
-            stationary=[a for a in model_sharding.tensor_parallel_axes(rules) if a in mesh.axis_names],
+            stationary=[a for a in model_sharding.tensor_parallel_axes(rules) if a in mesh.axis_names]
+            if stationary_weights
+            else (),
         )
     to_sharding = lambda tree: jax.tree.map(  # noqa: E731
         lambda s: NamedSharding(mesh, s if s is not None else PartitionSpec()),
