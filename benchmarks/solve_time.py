@@ -36,8 +36,9 @@ from shardflow.passes import solve  # noqa: E402
 from shardflow.train import config, data  # noqa: E402
 
 
-def measure(preset, strategy, data_dir, batch=8, seq=2048):
+def measure(preset, strategy, data_dir, batch=8, seq=2048, stationary_weights=False):
     cfg = config.Config()
+    cfg.stationary_weights = stationary_weights
     cfg.model = {"preset": preset}
     cfg.data.path, cfg.data.seq_len = data_dir, seq
     cfg.batch_size, cfg.strategy, cfg.mesh, cfg.eval_every = batch, strategy, {"data": 2, "model": 4}, 0
@@ -76,6 +77,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default="1b,7b")
     parser.add_argument("--strategies", default="fsdp,tp,2d")
+    parser.add_argument("--stationary-weights", action="store_true", help="the trainer's stationary_weights: true")
     parser.add_argument("--out", help="write the rows and the reference LP's time as JSON")
     args = parser.parse_args()
     data_dir = str(data.prepare(data.stdlib_sources(max_bytes=200_000)[:5], tempfile.mkdtemp()))
@@ -89,7 +91,9 @@ def main():
     rows = []
     for preset in args.presets.split(","):
         for strategy in args.strategies.split(","):
-            (tg, mg, _), (ts, ms, planner) = measure(preset, strategy, data_dir)
+            (tg, mg, _), (ts, ms, planner) = measure(
+                preset, strategy, data_dir, stationary_weights=args.stationary_weights
+            )
             print(
                 f"| {preset} | {strategy} | {tg:.1f} | {mg * 1e3:.2f} | {ts:.1f} | {ms * 1e3:.2f} | {planner} |",
                 flush=True,
