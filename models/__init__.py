@@ -14,6 +14,7 @@ __all__ = [
     "check_rules",
     "constrain",
     "count_params",
+    "for_compute",
     "get_rules",
     "logical_axes",
     "param_logical_axes",
@@ -56,3 +57,19 @@ def count_params(model) -> int:
     from flax import nnx
 
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def for_compute(graphdef, params, dtype):
+    """The model of ``graphdef`` holding ``params`` (float32 master weights) cast to ``dtype``
+    for the forward and backward, except variables made with ``keep_dtype=True``: Llama's norm
+    scales, used in float32 by a norm that computes in float32 anyway. A bfloat16 copy of those
+    would round each layer's scale gradient to bfloat16, and a gradient partial over the data
+    axis would have to be reduced inside the layer loop before that rounding, two small
+    all-reduces per layer, where the other gradients are reduced once after it."""
+    from flax import nnx
+
+    model = nnx.merge(graphdef, params)
+    for _, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Variable) and not var.get_metadata().get("keep_dtype"):
+            var.value = var.value.astype(dtype)
+    return model

@@ -29,7 +29,7 @@ from .sharding import constrain, logical_axes
 @logical_axes(scale=("norm",))
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), keep_dtype=True)  # models.for_compute
         self.eps = eps
 
     def __call__(self, x):

@@ -27,12 +27,11 @@ def make_loss_fn(graphdef, compute_dtype, pipeline=None):
     next-token cross-entropy, fp32, or with ``weights`` [batch] the rows' weighted mean, plus an
     MoE model's balance terms; stats: its routing statistics, or {}), its stacked layers run by
     ``sf.pipeline`` where ``pipeline`` (a models.PipelineConfig) is given."""
-    import jax
-    from flax import nnx
+    from shardflow import models
 
     def loss_fn(params, inputs, targets, weights=None):
-        # fp32 master weights; the forward (and backward) run on a compute_dtype copy.
-        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
+        # fp32 master weights; the forward (and backward) run on a compute_dtype copy
+        model = models.for_compute(graphdef, params, compute_dtype)
         return model.losses(inputs, targets, pipeline=pipeline, weights=weights)
 
     return loss_fn

@@ -97,13 +97,13 @@ def _slot_gradients(graphdef, compute_dtype, _):
     its weight: a device whose rows of a slot are all padding skips it."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     import shardflow as sf
+    from shardflow import models
     from shardflow.models.pipeline import row_cross_entropy
 
     def per_row(params, inputs, targets):
-        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute_dtype), params))
+        model = models.for_compute(graphdef, params, compute_dtype)
         return row_cross_entropy(*model.features(inputs), targets)
 
     def slot_loss(params, inputs, targets, weights):
