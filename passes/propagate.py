@@ -269,8 +269,11 @@ class Propagation:
             total += self.use_seconds(x, cur[k], trial)
             want = self.demand.get(x)
             # its other users will pay this (a demand taken from this equation's output is
-            # charged there, below)
-            if want is not None and want[i] != s and cur[k][i] != want[i] and self.demanded_by.get(x) is not eqn:
+            # charged there, below). Where it is not yet as they want it, they convert it
+            # whatever this one does: a split they must undo is charged too (a gradient partial
+            # over data, split over an unused axis for its square in the global norm, saved a
+            # quarter of a small all-reduce and cost a gather for the optimizer)
+            if want is not None and want[i] != s and cur[k] != want and self.demanded_by.get(x) is not eqn:
                 total += self.use_seconds(x, trial, _with(trial, i, want[i]))
         for j, (v, s) in enumerate(zip(eqn.outvars, sig.outs)):
             trial = tuple(outs[j][:i] + [s] + outs[j][i + 1 :])
@@ -474,6 +477,13 @@ class Propagation:
         src = source_line(eqn)
         ys_wanted = [unstacked(self.demand.get(v)) for v in eqn.outvars[nk:]]
         self.spread_demands(body, [None] * nk + ys_wanted)
+        # A carry goes round into the next trip: where the body pins its carry input (a layer's
+        # residual constraint, in the backward its cotangent's), the carry it makes is wanted so
+        # too. Unseen, greedy reduce-scattered a layer's input gradient (cheaper, here, than the
+        # all-reduce) and all-gathered it at the next trip's constraint: a pair per layer.
+        around = [self.demand.get(v) for v in body.invars[nc : nc + nk]]
+        if any(d is not None for d in around):
+            self.spread_demands(body, around + ys_wanted)
         annotated = []
 
         def run(carry):

@@ -25,6 +25,7 @@ sweep:
 
 import dataclasses
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -208,10 +209,11 @@ class Collective:
     kind: str
     axes: tuple
     bytes: int  # per device sent, ring-priced as explain prices it
+    seconds: float = None  # the link model's price of ``bytes`` over ``axes``, unless given
 
-    @property
-    def seconds(self):
-        return LINKS.seconds(self.axes, self.bytes)
+    def __post_init__(self):
+        if self.seconds is None:
+            object.__setattr__(self, "seconds", LINKS.seconds(self.axes, self.bytes))
 
 
 def megatron_layer(activation_bytes: int, tp: int, sequence_parallel: bool, norm_bytes: int) -> list:
@@ -240,8 +242,22 @@ def _train_plan(strategy, planner, data_dir):
 
 def layer_collectives(plan, n_layers) -> list:
     """The collectives of the layer loop over 'model' (tensor-parallel traffic), each as one
-    layer runs it; the data-parallel gradient reductions, which Megatron runs too, left out."""
-    return [Collective(c.kind, c.axes, c.bytes) for c in plan.collectives if c.count == n_layers and "model" in c.axes]
+    layer runs it; the data-parallel gradient reductions, which Megatron runs too, left out.
+    An all-reduce over data and model at once (a norm scale's gradient computed on a share of
+    the tokens, partial over both) counts what it moves and costs beyond the same all-reduce
+    over data alone: that part is the data-parallel reduction Megatron runs for the gradient."""
+    out = []
+    for c in plan.collectives:
+        if c.count != n_layers or "model" not in c.axes:
+            continue
+        if c.kind == "all_reduce" and "data" in c.axes:
+            ring = lambda axes: 2 * (1 - 1 / math.prod(gp.MESH_SHAPE[a] for a in axes))  # noqa: E731
+            data_bytes = round(c.bytes * ring(("data",)) / ring(c.axes))
+            seconds = LINKS.seconds(c.axes, c.bytes) - LINKS.seconds(("data",), data_bytes)
+            out.append(Collective(c.kind, c.axes, c.bytes - data_bytes, seconds))
+        else:
+            out.append(Collective(c.kind, c.axes, c.bytes))
+    return out
 
 
 def _megatron_param(strategy, planner, check):
