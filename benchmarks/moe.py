@@ -191,16 +191,16 @@ def gemm_rows(name, tokens, iters, repeats, kernel: bool, variants=()):
             "dense_tflops": passes * flops / t_dense / 1e12,
             "ragged_dot_tflops": passes * flops / t_grouped / 1e12,
         }
-        for name in variants if kernel else ():
+        for v in variants if kernel else ():
             matmul, layout = _kernel_matmul(sizes, rows)
             tiled, _ = _tiled(lhs, layout)
-            with variant(name):
+            with variant(v):
                 try:
                     t_kernel = timed(wrap(matmul), tiled, experts_w, iters=iters, repeats=repeats)
                 except Exception as e:  # a variant that does not build is reported, not fatal
-                    row[f"kernel_error[{name}]"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    row[f"kernel_error[{v}]"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     continue
-            row[f"kernel_tflops[{name}]"] = passes * flops / t_kernel / 1e12
+            row[f"kernel_tflops[{v}]"] = passes * flops / t_kernel / 1e12
         kernels = [v for key, v in row.items() if key.startswith("kernel_tflops")]
         if kernels:
             row["kernel_tflops"] = max(kernels)
