@@ -136,8 +136,7 @@ class FakeDevice:
 
 
 def test_jax_device_kinds_read_as_the_catalogues():
-    from shardflow.hetero.devices import CATALOGUE
-    from shardflow.train.cluster_plan import catalogue_kind
+    from shardflow.hetero.devices import CATALOGUE, catalogue_kind
 
     seen = {
         "NVIDIA H100 80GB HBM3": "H100",
@@ -159,8 +158,9 @@ def test_jax_device_kinds_read_as_the_catalogues():
 
 
 def test_each_stage_is_placed_on_devices_of_its_kind_a_group_on_one_host():
+    from shardflow.hetero.devices import catalogue_kind
     from shardflow.hetero.simulate import Pipeline, Plan, Stage
-    from shardflow.train.cluster_plan import catalogue_kind, place_by_kind
+    from shardflow.train.cluster_plan import place_by_kind
 
     # jax's order interleaves the kinds: host 0 has A100s then H100s, host 1 the reverse
     a100, h100 = "NVIDIA A100-SXM4-40GB", "NVIDIA H100 80GB HBM3"
@@ -185,3 +185,52 @@ def test_devices_not_of_the_plans_kinds_are_a_config_error():
     devices = [FakeDevice(i, "NVIDIA H100 80GB HBM3" if i < 6 else "NVIDIA L4", 0) for i in range(8)]
     with pytest.raises(ConfigError, match=r"4 x H100.*4 x A100-40GB.*6 x H100.*NVIDIA L4"):
         place_by_kind(plan, devices)
+
+
+@dataclasses.dataclass
+class Gpu:
+    id: int
+    device_kind: str
+    process_index: int
+    bytes_limit: int | None = None  # what memory_stats() reports; None for a device of another host
+    platform: str = "gpu"
+
+    def memory_stats(self):
+        assert self.process_index == 0, "a device of another host cannot be read"
+        return {"bytes_limit": self.bytes_limit}
+
+
+H100_KIND, A100_KIND = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"
+
+
+def test_the_solvers_budget_is_the_smallest_device_of_the_mesh():
+    """Every device holds blocks of the same shapes, so the smallest bounds the plan: read where
+    the device is this process's, by kind elsewhere (a local device of the kind, else the
+    catalogue's memory at the share XLA takes here)."""
+    from shardflow.hetero.devices import memory_limit
+
+    h100s = [Gpu(i, H100_KIND, 0, 60 * 10**9) for i in range(4)]
+    assert memory_limit(h100s + [Gpu(4, A100_KIND, 0, 30 * 10**9)]) == 30 * 10**9
+    # an A100 of another host, as this host's A100: its limit
+    assert memory_limit(h100s + [Gpu(4, A100_KIND, 0, 31 * 10**9), Gpu(5, A100_KIND, 1)]) == 31 * 10**9
+    # an A100 of another host, none here: 40 GB at the 60/80 XLA takes of this host's H100s
+    assert memory_limit(h100s + [Gpu(5, A100_KIND, 1)]) == 30 * 10**9
+    # H100s of another host, read as this host's
+    assert memory_limit(h100s + [Gpu(5, H100_KIND, 1)]) == 60 * 10**9
+    # an L4 of another host: 24 GB at the same share
+    assert memory_limit(h100s + [Gpu(5, "NVIDIA L4", 1)]) == 18 * 10**9
+    with pytest.raises(ValueError, match="NVIDIA B200 devices of other hosts.*not a catalogue kind"):
+        memory_limit(h100s + [Gpu(5, "NVIDIA B200", 1)])
+    assert memory_limit([Gpu(0, "cpu", 0, platform="cpu")]) is None
+
+
+def test_a_budget_of_unknown_memory_is_a_sharding_error():
+    import types
+
+    import shardflow as sf
+    from shardflow.passes.solve.build import budget
+
+    mesh = types.SimpleNamespace(devices=np.array([Gpu(0, H100_KIND, 0, 6e10), Gpu(1, "NVIDIA B200", 1)]))
+    with pytest.raises(sf.ShardingError, match="NVIDIA B200.*give the plan a memory_budget"):
+        budget(types.SimpleNamespace(memory_budget=None, mesh=mesh))
+    assert budget(types.SimpleNamespace(memory_budget=123, mesh=mesh)) == 123

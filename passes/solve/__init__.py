@@ -10,7 +10,7 @@ bound's seconds) hands the loops (pipelines among them) to greedy, then the whol
 greedy's are then priced as boxed, and the cheaper kept (the model prices a value's conversions each from where it
 is made; boxing chains them).
 The Program records which ran (``program.planner``), and explain prints it. ``sf.AUTO`` inputs
-are one more choice each. A memory budget (``memory_budget``, else a GPU's memory) bounds
+are one more choice each. A memory budget (``memory_budget``, else the mesh's smallest GPU memory) bounds
 explain's ``memory_bytes`` per device: the inputs and what the loops not in a loop hold (their
 stacked outputs: a layer loop's residuals and gradients; their operands: a layer's weights as
 the loop takes them, cast or gathered whole); partial, and said so: other intermediates and

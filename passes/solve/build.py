@@ -13,12 +13,13 @@ import numpy as np
 
 from shardflow import conversion, registry
 from shardflow.costs import STATIONARY_PENALTY, moves
+from shardflow.hetero.devices import memory_limit
 from shardflow.passes.propagate import Propagation, _adoptable, reduced
 from shardflow.passes.solve.coarsen import coarsened_tail, within
 from shardflow.passes.solve.model import Model, Unsolvable
 from shardflow.program import Program, is_literal, open_jaxpr, source_line
 from shardflow.registry import Call, Decision, Loop, Sig
-from shardflow.specs import B, P, Split, stacked, unstacked
+from shardflow.specs import B, P, ShardingError, Split, stacked, unstacked
 
 
 def strategies(prop: Propagation, eqn, given: dict | None = None) -> list:
@@ -103,13 +104,14 @@ def fixed_input_bytes(prop: Propagation) -> int:
 
 def budget(program: Program) -> int | None:
     """Bytes per device the plan may hold (explain's ``memory_bytes``): ``memory_budget``, else
-    a GPU's memory, else no bound."""
+    the smallest memory of the mesh's GPUs (``hetero.devices.memory_limit``: on mixed kinds and
+    over hosts), else no bound."""
     if program.memory_budget is not None:
         return program.memory_budget
-    device = program.mesh.devices.flat[0]
-    if device.platform != "gpu":
-        return None
-    return (device.memory_stats() or {}).get("bytes_limit")
+    try:
+        return memory_limit(program.mesh.devices.flat)
+    except ValueError as e:
+        raise ShardingError(f"{e}: give the plan a memory_budget (bytes per device)") from None
 
 
 class LoopEntry(NamedTuple):

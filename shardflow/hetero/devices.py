@@ -11,6 +11,7 @@ TF32 is allowed (PyTorch's default for cuDNN, NGC's for cuBLAS)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 
 TB, GB = 1e12, 1e9
@@ -91,3 +92,50 @@ def device_kind(name: str) -> DeviceKind:
     if found is None:
         raise ValueError(f"unknown device kind {name!r}; the catalogue has {', '.join(CATALOGUE)}")
     return found
+
+
+def _tokens(name: str) -> list[str]:
+    return [t for t in re.split(r"[^0-9A-Z]+", name.upper()) if t]
+
+
+def catalogue_kind(device_kind: str, kinds=CATALOGUE) -> str | None:
+    """Which of ``kinds`` (catalogue names) a device whose jax ``device_kind`` is the given string
+    is ("NVIDIA A100-SXM4-40GB" is an A100-40GB): every token of the kind's name is one of the
+    string's tokens, or consecutive ones run together ("RTX 2080 Ti" for RTX-2080Ti); the kind
+    naming the most tokens, where several match (H100-PCIe over H100); None where none does."""
+    device = _tokens(device_kind)
+    joined = {"".join(device[i:j]) for i in range(len(device)) for j in range(i + 1, len(device) + 1)}
+    matches = [k for k in kinds if all(t in joined for t in _tokens(k))]
+    return max(matches, key=lambda k: len(_tokens(k)), default=None)
+
+
+def memory_limit(devices) -> int | None:
+    """The fewest bytes XLA may allocate on any of ``devices`` (None unless they are GPUs). In
+    one SPMD program every device holds blocks of the same shapes, so the smallest device bounds
+    the plan. A device of this process counts at its own limit (``memory_stats``); one of another
+    host, whose memory this process cannot read, at the limit of a device here of its kind, else
+    at its kind's catalogue memory times the share of the catalogue's memory XLA may take here.
+    A ValueError where a device's memory cannot be known that way."""
+    import jax
+
+    devices = list(devices)
+    if not devices or devices[0].platform != "gpu":
+        return None
+    here = [d for d in devices if d.process_index == jax.process_index()]
+    by_kind: dict[str, int] = {}
+    for d in here:
+        limit = (d.memory_stats() or {}).get("bytes_limit")
+        if limit is None:
+            raise ValueError(f"{d} reports no memory limit (memory_stats()['bytes_limit'])")
+        by_kind[d.device_kind] = min(limit, by_kind.get(d.device_kind, limit))
+    shares = [by_kind[k] / CATALOGUE[c].memory for k in by_kind if (c := catalogue_kind(k)) is not None]
+    limits = []
+    for kind in {d.device_kind for d in devices} - set(by_kind):
+        name = catalogue_kind(kind)
+        if name is None or not shares:
+            raise ValueError(
+                f"the memory of the {kind} devices of other hosts is unknown here "
+                f"({'not a catalogue kind' if name is None else 'no device here of a catalogue kind to scale it by'})"
+            )
+        limits.append(int(CATALOGUE[name].memory * min(shares)))
+    return min(list(by_kind.values()) + limits)

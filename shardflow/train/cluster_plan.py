@@ -4,7 +4,6 @@ of mixed device kinds, each with its predicted step time and memory (``shardflow
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 from shardflow.train import config as config_lib
@@ -288,26 +287,12 @@ def _yaml(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1_000).strip().removesuffix("\n...")
 
 
-def _tokens(name: str) -> list[str]:
-    return [t for t in re.split(r"[^0-9A-Z]+", name.upper()) if t]
-
-
-def catalogue_kind(device_kind: str, kinds) -> str | None:
-    """Which of ``kinds`` (catalogue names) a device whose jax ``device_kind`` is the given string
-    is ("NVIDIA A100-SXM4-40GB" is an A100-40GB): every token of the kind's name is one of the
-    string's tokens, or consecutive ones run together ("RTX 2080 Ti" for RTX-2080Ti); the kind
-    naming the most tokens, where several match (H100-PCIe over H100); None where none does."""
-    device = _tokens(device_kind)
-    joined = {"".join(device[i:j]) for i in range(len(device)) for j in range(i + 1, len(device) + 1)}
-    matches = [k for k in kinds if all(t in joined for t in _tokens(k))]
-    return max(matches, key=lambda k: len(_tokens(k)), default=None)
-
-
 def place_by_kind(plan, devices) -> list:
     """``devices`` ordered for the mesh (pipe, data, model) of ``plan``'s settings, stage i of
     pipeline r on devices of its kind, a stage's tensor-parallel group on one host where its
     kind has that many there. A ConfigError where the devices are not the plan's kinds."""
     from shardflow.hetero import device_kind
+    from shardflow.hetero.devices import catalogue_kind
 
     wanted = {}
     for pipeline in plan.pipelines:
