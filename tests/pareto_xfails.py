@@ -1,4 +1,5 @@
-"""The rows where tests/test_pareto_megatron.py's criteria do not hold today, with the numbers
+"""The rows where tests/test_pareto_megatron.py's Pareto criterion does not hold today (the
+Megatron rows all hold, under both planners), with the numbers
 (2-core CPU, 8 simulated devices, jax 0.10.2): "bytes" per device and modelled µs are both plans'
 compiled HLO priced by sf.LinkModel() (benchmarks/hlo_pricing.py), "flops" XLA's cost analysis;
 ours first, GSPMD's second. mlp_muon under tp may take GSPMD's strategy where that is cheaper
@@ -67,14 +68,4 @@ PARETO_XFAIL = {  # "program-strategy-planner": ours vs GSPMD
     "reductions-tp-solver": "bytes 3,072 > 876 and flops 17,887 > 4,545",
     "reductions-2d-solver": "bytes 3,584 > 1,124 and flops 17,887 > 2,404",
     "llama_train-dp-greedy": "546.05 > 470.90 µs (5 vs 5 coll.; the work: XLA's bytes accessed)",
-}
-
-# "strategy-planner-check": a layer's collectives over 'model' vs Megatron's (bytes per device,
-# modelled µs), or the layer weights gathered whole
-MEGATRON_XFAIL = {
-    # greedy's backward reduce-scatters each layer input's gradient (cheaper than the
-    # all-reduce where it is made) and all-gathers it again at the next matmul: the norm's
-    # backward runs on a share of the tokens, so its scale gradients are partial over model too
-    "tp-greedy-bytes": "3,147,264 > 3,145,728 B: two norm-scale gradients reduced over model as well (768 B each)",
-    "tp-greedy-seconds": "61.00 > 40.97 µs: backward reduce-scatter + all-gather pairs, not all-reduces",
 }
