@@ -109,6 +109,22 @@ def test_constrain_is_identity_without_active_rules():
     assert pinned == [P("data", "model", None)]
 
 
+def test_the_compute_copy_keeps_the_llama_norm_scales_in_float32():
+    """models.for_compute casts every parameter to the compute dtype but those made with
+    keep_dtype (the norms' scales, used in float32), so their gradients are not rounded to
+    bfloat16 in each layer."""
+    model = models.build(models.preset("tiny"))
+    graphdef, state = nnx.split(model)
+    copy = models.for_compute(graphdef, nnx.to_pure_dict(state), jnp.bfloat16)
+    dtypes = {
+        "/".join(map(str, path)): var.value.dtype for path, var in nnx.iter_graph(copy) if isinstance(var, nnx.Variable)
+    }
+    norms = {path for path in dtypes if path.endswith("norm/scale")}
+    assert norms == {"layers/attn_norm/scale", "layers/mlp_norm/scale", "final_norm/scale"}, norms
+    assert {dtypes[p] for p in norms} == {np.dtype(jnp.float32)}
+    assert {dtypes[p] for p in dtypes if p not in norms} == {np.dtype(jnp.bfloat16)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny", "gpt2-tiny"])
 @pytest.mark.parametrize("compute_dtype", ["bfloat16", "float32"])
