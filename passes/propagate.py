@@ -477,13 +477,6 @@ class Propagation:
         src = source_line(eqn)
         ys_wanted = [unstacked(self.demand.get(v)) for v in eqn.outvars[nk:]]
         self.spread_demands(body, [None] * nk + ys_wanted)
-        # A carry goes round into the next trip: where the body pins its carry input (a layer's
-        # residual constraint, in the backward its cotangent's), the carry it makes is wanted so
-        # too. Unseen, greedy reduce-scattered a layer's input gradient (cheaper, here, than the
-        # all-reduce) and all-gathered it at the next trip's constraint: a pair per layer.
-        around = [self.demand.get(v) for v in body.invars[nc : nc + nk]]
-        if any(d is not None for d in around):
-            self.spread_demands(body, around + ys_wanted)
         annotated = []
 
         def run(carry):
