@@ -17,7 +17,20 @@ FOLDERS = {
 # namespace, shardflow/__init__.py); "pkg.*" is a package and every module in it.
 LAYERS = [
     ("kernels", ["kernels", "kernels.*"]),
-    ("foundations", ["_compat", "specs", "links", "primitives", "elementwise_primitives", "ring_attention", "hlo"]),
+    # hetero.devices: the device catalogue (datasheet rows), which the solver's memory budget reads
+    (
+        "foundations",
+        [
+            "_compat",
+            "specs",
+            "links",
+            "primitives",
+            "elementwise_primitives",
+            "ring_attention",
+            "hlo",
+            "hetero.devices",
+        ],
+    ),
     ("schedules", ["schedules", "schedules.*"]),
     ("program", ["mesh", "registry", "program", "slots"]),
     ("conversion", ["conversion", "costs"]),

@@ -13,7 +13,6 @@ import numpy as np
 
 from shardflow import conversion, registry
 from shardflow.costs import STATIONARY_PENALTY, moves
-from shardflow.hetero.devices import memory_limit
 from shardflow.passes.propagate import Propagation, _adoptable, reduced
 from shardflow.passes.solve.coarsen import coarsened_tail, within
 from shardflow.passes.solve.model import Model, Unsolvable
@@ -106,6 +105,8 @@ def budget(program: Program) -> int | None:
     """Bytes per device the plan may hold (explain's ``memory_bytes``): ``memory_budget``, else
     the smallest memory of the mesh's GPUs (``hetero.devices.memory_limit``: on mixed kinds and
     over hosts), else no bound."""
+    from shardflow.hetero.devices import memory_limit
+
     if program.memory_budget is not None:
         return program.memory_budget
     try:
