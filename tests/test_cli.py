@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -305,3 +306,23 @@ def test_the_plans_the_trainer_runs_become_its_settings():
     config.validate(config.load(None, ["model={preset: tiny, n_layers: 8}", *trainer_settings(uneven_pipelines)]), 4)
     mixed = Pipeline((Stage("H100", 1, 5), Stage("A100-40GB", 2, 3)), 4)
     assert trainer_settings(Plan((mixed,), 1)) is None  # one mesh: one tensor-parallel width
+
+
+def test_a_plan_whose_stages_do_not_divide_the_layers_is_not_run():
+    """The stacked layers are stored split over the pipe axis: 3 stages of a 4-layer model (1, 1,
+    2 layers) have settings but no run; the next runnable plan is the one named instead."""
+    from shardflow.hetero import Pipeline, Plan, Stage
+    from shardflow.train.cluster_plan import expressible, trainer_settings, unrunnable
+
+    three = Plan((Pipeline((Stage("H100", 1, 1), Stage("H100", 1, 1), Stage("A100-40GB", 1, 2)), 4),), 1)
+    two = Plan((Pipeline((Stage("H100", 1, 3), Stage("A100-40GB", 1, 1)), 4),), 1)
+    settings = trainer_settings(three)
+    assert "pipeline.layers_per_stage=[1, 1, 2]" in settings
+    with pytest.raises(config.ConfigError, match="must divide by 3"):
+        config.validate(config.load(None, ["model={preset: tiny, n_layers: 4}", *settings]), 3)
+    assert unrunnable(three, 4) == (
+        "has 3 pipeline stages, which model.n_layers 4 does not divide (the layers are stored split over them)"
+    )
+    assert unrunnable(three, 6) is None and unrunnable(two, 4) is None
+    candidates = [types.SimpleNamespace(plan=three), types.SimpleNamespace(plan=two)]
+    assert expressible(candidates, 4) == (candidates[1], trainer_settings(two))

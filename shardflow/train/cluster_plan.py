@@ -133,9 +133,26 @@ def precision_of(cfg) -> str:
     return {"bfloat16": "bf16", "float32": "fp32"}[cfg.compute_dtype]
 
 
-def expressible(candidates):
+def unrunnable(plan, n_layers: int) -> str | None:
+    """Why `shardflow train` cannot run ``plan`` on a model of ``n_layers``, or None where it can:
+    one mesh has one tensor-parallel width, and the stacked layers are stored split over the
+    pipeline's stages, so their number must divide ``n_layers`` (uneven counts per stage or not)."""
+    if trainer_settings(plan) is None:
+        return f"gives the kinds different tensor-parallel widths ({widths_text(plan)})"
+    depth = len(plan.pipelines[0].stages)
+    if n_layers % depth:
+        return (
+            f"has {depth} pipeline stages, which model.n_layers {n_layers} does not divide "
+            "(the layers are stored split over them)"
+        )
+    return None
+
+
+def expressible(candidates, n_layers: int):
     """The first of ``candidates`` `shardflow train` runs, with its settings, or (None, None)."""
-    return next(((c, keys) for c in candidates if (keys := trainer_settings(c.plan))), (None, None))
+    return next(
+        ((c, trainer_settings(c.plan)) for c in candidates if unrunnable(c.plan, n_layers) is None), (None, None)
+    )
 
 
 def run_line(keys: list[str]) -> str:
@@ -149,13 +166,14 @@ def plan_text(cfg, block: dict, shown: int = 5) -> str:
         f"model {dict(cfg.model)} | batch {batch} | cluster {inventory_text(cluster.inventory())}\n"
         "predicted with shardflow's constants fitted on H100 / H200 (other kinds: the same fraction of peak)\n"
     )
-    best = result.best
-    keys = trainer_settings(best.plan)
-    if keys:
+    best, n_layers = result.best, config_lib.model_config(cfg).n_layers
+    why = unrunnable(best.plan, n_layers)
+    if why is None:
+        keys = trainer_settings(best.plan)
         run = f"run the best plan on the {devices_used(best.plan)} devices it uses: {run_line(keys)}"
     else:
-        alternative, alt_keys = expressible(result.candidates)
-        run = f"the best plan mixes tensor-parallel widths ({widths_text(best.plan)}): shardflow train does not run it"
+        alternative, alt_keys = expressible(result.candidates, n_layers)
+        run = f"the best plan {why}: shardflow train does not run it"
         if alternative:
             run += (
                 f"; the best it runs ({alternative.seconds:.4g} s/step, on {devices_used(alternative.plan)} devices): "
@@ -245,20 +263,21 @@ def planned(cfg, devices):
             f"{cluster.size} devices; the best uses {devices_used(result.best.plan)} "
             f"(`shardflow plan --cluster` lists them): give an inventory of those"
         )
-    chosen, keys = on_every_device[0], trainer_settings(on_every_device[0].plan)
-    if keys is None:
-        alternative, alt_keys = expressible(on_every_device)
+    chosen, n_layers = on_every_device[0], config_lib.model_config(cfg).n_layers
+    why = unrunnable(chosen.plan, n_layers)
+    if why is not None:
+        alternative, alt_keys = expressible(on_every_device, n_layers)
         nearest = (
             f"the best plan it runs on all {cluster.size} is predicted {alternative.seconds:.4g} s/step against "
             f"{chosen.seconds:.4g}: {run_line(alt_keys)} (without the cluster block)"
             if alternative
             else f"none of the {len(on_every_device)} plans on all {cluster.size} devices among the search's "
-            f"{len(result.candidates)} best has one width"
+            f"{len(result.candidates)} best can run"
         )
         raise config_lib.ConfigError(
-            f"cluster: the best plan for {kinds} gives the kinds different tensor-parallel widths "
-            f"({widths_text(chosen.plan)}), which shardflow train cannot express (one mesh, one width); {nearest}"
+            f"cluster: the best plan for {kinds} {why}, which shardflow train cannot express; {nearest}"
         )
+    keys = trainer_settings(chosen.plan)
     values = PLAN_DEFAULTS | dict(map(config_lib.parse_override, keys))
     _check_given(cfg, values)
     simulated = devices[0].platform == "cpu"
