@@ -308,21 +308,22 @@ def test_the_plans_the_trainer_runs_become_its_settings():
     assert trainer_settings(Plan((mixed,), 1)) is None  # one mesh: one tensor-parallel width
 
 
-def test_a_plan_whose_stages_do_not_divide_the_layers_is_not_run():
+def test_a_plan_the_trainers_checks_refuse_is_not_run():
     """The stacked layers are stored split over the pipe axis: 3 stages of a 4-layer model (1, 1,
-    2 layers) have settings but no run; the next runnable plan is the one named instead."""
+    2 layers) have settings but no run, nor 3 stages of a 6-layer one whose 256-entry
+    vocabulary they would split; the next runnable plan is the one named instead."""
     from shardflow.hetero import Pipeline, Plan, Stage
     from shardflow.train.cluster_plan import expressible, trainer_settings, unrunnable
 
+    def tiny(n_layers):
+        return config.load(None, [f"model={{preset: tiny, n_layers: {n_layers}}}", "compute_dtype=float32"])
+
     three = Plan((Pipeline((Stage("H100", 1, 1), Stage("H100", 1, 1), Stage("A100-40GB", 1, 2)), 4),), 1)
     two = Plan((Pipeline((Stage("H100", 1, 3), Stage("A100-40GB", 1, 1)), 4),), 1)
-    settings = trainer_settings(three)
-    assert "pipeline.layers_per_stage=[1, 1, 2]" in settings
-    with pytest.raises(config.ConfigError, match="must divide by 3"):
-        config.validate(config.load(None, ["model={preset: tiny, n_layers: 4}", *settings]), 3)
-    assert unrunnable(three, 4) == (
-        "has 3 pipeline stages, which model.n_layers 4 does not divide (the layers are stored split over them)"
-    )
-    assert unrunnable(three, 6) is None and unrunnable(two, 4) is None
+    assert "pipeline.layers_per_stage=[1, 1, 2]" in trainer_settings(three)
+    assert "must divide by 3" in unrunnable(three, tiny(4))
+    six = Plan((Pipeline((Stage("H100", 1, 2), Stage("H100", 1, 2), Stage("A100-40GB", 1, 2)), 4),), 1)
+    assert "parameter embedding: dimension 0 (size 256)" in unrunnable(six, tiny(6))
+    assert unrunnable(two, tiny(4)) is None
     candidates = [types.SimpleNamespace(plan=three), types.SimpleNamespace(plan=two)]
-    assert expressible(candidates, 4) == (candidates[1], trainer_settings(two))
+    assert expressible(candidates, tiny(4)) == (candidates[1], trainer_settings(two))

@@ -133,26 +133,34 @@ def precision_of(cfg) -> str:
     return {"bfloat16": "bf16", "float32": "fp32"}[cfg.compute_dtype]
 
 
-def unrunnable(plan, n_layers: int) -> str | None:
-    """Why `shardflow train` cannot run ``plan`` on a model of ``n_layers``, or None where it can:
-    one mesh has one tensor-parallel width, and the stacked layers are stored split over the
-    pipeline's stages, so their number must divide ``n_layers`` (uneven counts per stage or not)."""
-    if trainer_settings(plan) is None:
+def unrunnable(plan, cfg) -> str | None:
+    """Why `shardflow train` cannot run ``plan`` for ``cfg``, or None where it can. One mesh has
+    one tensor-parallel width; the plan's settings must pass the config's checks (the stacked
+    layers are stored split over the pipeline's stages, so their number must divide the layers)
+    and split every parameter evenly (a 256-entry vocabulary over 3 stages does not)."""
+    import jax
+    from flax import nnx
+
+    from shardflow import models
+
+    keys = trainer_settings(plan)
+    if keys is None:
         return f"gives the kinds different tensor-parallel widths ({widths_text(plan)})"
-    depth = len(plan.pipelines[0].stages)
-    if n_layers % depth:
-        return (
-            f"has {depth} pipeline stages, which model.n_layers {n_layers} does not divide "
-            "(the layers are stored split over them)"
-        )
+    run_cfg = config_lib.with_values(cfg, PLAN_DEFAULTS | dict(map(config_lib.parse_override, keys)))
+    try:
+        shape = config_lib.validate(run_cfg, devices_used(plan))
+        model = nnx.eval_shape(lambda: models.build(config_lib.model_config(run_cfg), run_cfg.seed))
+        mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
+        models.param_specs(model, config_lib.rules_for(run_cfg), mesh)
+    except ValueError as e:  # a ConfigError, or a parameter split unevenly
+        return f"is refused by the trainer ({e})"
     return None
 
 
-def expressible(candidates, n_layers: int):
-    """The first of ``candidates`` `shardflow train` runs, with its settings, or (None, None)."""
-    return next(
-        ((c, trainer_settings(c.plan)) for c in candidates if unrunnable(c.plan, n_layers) is None), (None, None)
-    )
+def expressible(candidates, cfg):
+    """The first of ``candidates`` `shardflow train` runs for ``cfg``, with its settings, or
+    (None, None)."""
+    return next(((c, trainer_settings(c.plan)) for c in candidates if unrunnable(c.plan, cfg) is None), (None, None))
 
 
 def run_line(keys: list[str]) -> str:
@@ -166,13 +174,13 @@ def plan_text(cfg, block: dict, shown: int = 5) -> str:
         f"model {dict(cfg.model)} | batch {batch} | cluster {inventory_text(cluster.inventory())}\n"
         "predicted with shardflow's constants fitted on H100 / H200 (other kinds: the same fraction of peak)\n"
     )
-    best, n_layers = result.best, config_lib.model_config(cfg).n_layers
-    why = unrunnable(best.plan, n_layers)
+    best = result.best
+    why = unrunnable(best.plan, cfg)
     if why is None:
         keys = trainer_settings(best.plan)
         run = f"run the best plan on the {devices_used(best.plan)} devices it uses: {run_line(keys)}"
     else:
-        alternative, alt_keys = expressible(result.candidates, n_layers)
+        alternative, alt_keys = expressible(result.candidates, cfg)
         run = f"the best plan {why}: shardflow train does not run it"
         if alternative:
             run += (
@@ -263,10 +271,10 @@ def planned(cfg, devices):
             f"{cluster.size} devices; the best uses {devices_used(result.best.plan)} "
             f"(`shardflow plan --cluster` lists them): give an inventory of those"
         )
-    chosen, n_layers = on_every_device[0], config_lib.model_config(cfg).n_layers
-    why = unrunnable(chosen.plan, n_layers)
+    chosen = on_every_device[0]
+    why = unrunnable(chosen.plan, cfg)
     if why is not None:
-        alternative, alt_keys = expressible(on_every_device, n_layers)
+        alternative, alt_keys = expressible(on_every_device, cfg)
         nearest = (
             f"the best plan it runs on all {cluster.size} is predicted {alternative.seconds:.4g} s/step against "
             f"{chosen.seconds:.4g}: {run_line(alt_keys)} (without the cluster block)"
@@ -275,7 +283,7 @@ def planned(cfg, devices):
             f"{len(result.candidates)} best can run"
         )
         raise config_lib.ConfigError(
-            f"cluster: the best plan for {kinds} {why}, which shardflow train cannot express; {nearest}"
+            f"cluster: the best plan for {kinds} {why}: shardflow train cannot run it; {nearest}"
         )
     keys = trainer_settings(chosen.plan)
     values = PLAN_DEFAULTS | dict(map(config_lib.parse_override, keys))
