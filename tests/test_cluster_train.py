@@ -222,6 +222,7 @@ def test_the_solvers_budget_is_the_smallest_device_of_the_mesh():
     with pytest.raises(ValueError, match="NVIDIA B200 devices of other hosts.*not a catalogue kind"):
         memory_limit(h100s + [Gpu(5, "NVIDIA B200", 1)])
     assert memory_limit([Gpu(0, "cpu", 0, platform="cpu")]) is None
+    assert memory_limit(h100s + [Gpu(4, A100_KIND, 0)]) is None  # a device here that reports no limit: no bound
 
 
 def test_a_budget_of_unknown_memory_is_a_sharding_error():

@@ -115,7 +115,8 @@ def memory_limit(devices) -> int | None:
     the plan. A device of this process counts at its own limit (``memory_stats``); one of another
     host, whose memory this process cannot read, at the limit of a device here of its kind, else
     at its kind's catalogue memory times the share of the catalogue's memory XLA may take here.
-    A ValueError where a device's memory cannot be known that way."""
+    None, as for other platforms, where a device here reports no limit; a ValueError where
+    another host's device's memory cannot be known that way."""
     import jax
 
     devices = list(devices)
@@ -126,7 +127,7 @@ def memory_limit(devices) -> int | None:
     for d in here:
         limit = (d.memory_stats() or {}).get("bytes_limit")
         if limit is None:
-            raise ValueError(f"{d} reports no memory limit (memory_stats()['bytes_limit'])")
+            return None
         by_kind[d.device_kind] = min(limit, by_kind.get(d.device_kind, limit))
     shares = [by_kind[k] / CATALOGUE[c].memory for k in by_kind if (c := catalogue_kind(k)) is not None]
     limits = []

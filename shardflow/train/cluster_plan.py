@@ -4,6 +4,7 @@ of mixed device kinds, each with its predicted step time and memory (``shardflow
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 from shardflow.train import config as config_lib
@@ -139,22 +140,35 @@ def unrunnable(plan, cfg) -> str | None:
     layers are stored split over the pipeline's stages, so their number must divide the layers)
     and split every parameter evenly (a 256-entry vocabulary over 3 stages does not)."""
     import jax
-    from flax import nnx
 
     from shardflow import models
 
     keys = trainer_settings(plan)
     if keys is None:
         return f"gives the kinds different tensor-parallel widths ({widths_text(plan)})"
-    run_cfg = config_lib.with_values(cfg, PLAN_DEFAULTS | dict(map(config_lib.parse_override, keys)))
+    run_cfg = config_lib.with_values(cfg, plan_values(keys))
     try:
         shape = config_lib.validate(run_cfg, devices_used(plan))
-        model = nnx.eval_shape(lambda: models.build(config_lib.model_config(run_cfg), run_cfg.seed))
         mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
-        models.param_specs(model, config_lib.rules_for(run_cfg), mesh)
+        models.param_specs(_abstract_model(config_lib.model_config(run_cfg)), config_lib.rules_for(run_cfg), mesh)
     except ValueError as e:  # a ConfigError, or a parameter split unevenly
         return f"is refused by the trainer ({e})"
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def _abstract_model(model_cfg):
+    """The model's parameters as shapes (the same for every plan of one model: built once)."""
+    from flax import nnx
+
+    from shardflow import models
+
+    return nnx.eval_shape(lambda: models.build(model_cfg))
+
+
+def plan_values(keys: list[str]) -> dict:
+    """The config values a plan's settings ``keys`` give, with those they leave at their default."""
+    return PLAN_DEFAULTS | dict(map(config_lib.parse_override, keys))
 
 
 def expressible(candidates, cfg):
@@ -286,7 +300,7 @@ def planned(cfg, devices):
             f"cluster: the best plan for {kinds} {why}: shardflow train cannot run it; {nearest}"
         )
     keys = trainer_settings(chosen.plan)
-    values = PLAN_DEFAULTS | dict(map(config_lib.parse_override, keys))
+    values = plan_values(keys)
     _check_given(cfg, values)
     simulated = devices[0].platform == "cpu"
     return config_lib.with_values(cfg, values), ClusterPlan(result, chosen, keys, inventory, simulated)
