@@ -201,6 +201,10 @@ def gemm_rows(name, tokens, iters, repeats, kernel: bool, variants=()):
                     row[f"kernel_error[{v}]"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     continue
             row[f"kernel_tflops[{v}]"] = passes * flops / t_kernel / 1e12
+            print(
+                f"gemm {name} {mode} {v}: {row[f'kernel_tflops[{v}]']:.1f} TF/s, dense {row['dense_tflops']:.1f}",
+                flush=True,
+            )
         kernels = [v for key, v in row.items() if key.startswith("kernel_tflops")]
         if kernels:
             row["kernel_tflops"] = max(kernels)
@@ -247,6 +251,7 @@ def layer_row(name, tokens, iters, repeats, variant_name=None):
     with variant(variant_name) if variant_name else contextlib.nullcontext():
         t_moe = timed(jax.jit(moe_grads), x, router, experts_w, iters=iters, repeats=repeats)
     t_dense = timed(jax.jit(dense_grads), x, dense_w, iters=iters, repeats=repeats)
+    print(f"layer {name} {variant_name}: {1e3 * t_moe:.2f} ms, dense {1e3 * t_dense:.2f} ms", flush=True)
     return {
         "bench": "layer",
         "shape": name,
