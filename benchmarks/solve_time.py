@@ -1,11 +1,12 @@
 """Planning time of the presets' train steps: the greedy planner against the whole-program solver.
 
-    python benchmarks/solve_time.py [--presets 1b,7b] [--strategies fsdp,tp,2d]
+    python benchmarks/solve_time.py [--presets 1b,7b] [--strategies fsdp,tp,2d] [--repeats 3]
 
 8 simulated CPU devices, mesh {data: 2, model: 4}, the `shardflow train` step (AdamW, 8 x 2048
 tokens per step), explain only (trace, plan, boxing; no XLA compile). Per row: each planner's
-wall time and its plan's modelled seconds (collectives and local work, explain's
-`modelled_seconds`), and the solver's own line (what it solved, how long HiGHS took).
+wall time (the median of --repeats plans, each from a fresh trace: one plan's time moves by
+0.4 s from run to run here) and its plan's modelled seconds (collectives and local work,
+explain's `modelled_seconds`), and the solver's own line (what it solved, how long HiGHS took).
 
 The same 2-core machine runs HiGHS up to twice as slowly in some hours (solve_time.md), so the
 script first times a fixed LP that depends on nothing in shardflow — a seeded 600 x 600
@@ -15,6 +16,7 @@ machine's speed in this run, to compare runs by.
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -77,6 +79,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default="1b,7b")
     parser.add_argument("--strategies", default="fsdp,tp,2d")
+    parser.add_argument("--repeats", type=int, default=3, help="plans per row; the median time is reported")
     parser.add_argument("--stationary-weights", action="store_true", help="the trainer's stationary_weights: true")
     parser.add_argument("--out", help="write the rows and the reference LP's time as JSON")
     args = parser.parse_args()
@@ -91,9 +94,12 @@ def main():
     rows = []
     for preset in args.presets.split(","):
         for strategy in args.strategies.split(","):
-            (tg, mg, _), (ts, ms, planner) = measure(
-                preset, strategy, data_dir, stationary_weights=args.stationary_weights
-            )
+            runs = [
+                measure(preset, strategy, data_dir, stationary_weights=args.stationary_weights)
+                for _ in range(args.repeats)
+            ]
+            (_, mg, _), (_, ms, planner) = runs[-1]
+            tg, ts = (statistics.median(run[i][0] for run in runs) for i in (0, 1))
             print(
                 f"| {preset} | {strategy} | {tg:.1f} | {mg * 1e3:.2f} | {ts:.1f} | {ms * 1e3:.2f} | {planner} |",
                 flush=True,
@@ -102,6 +108,8 @@ def main():
                 {
                     "preset": preset,
                     "strategy": strategy,
+                    "greedy_s_each": [run[0][0] for run in runs],
+                    "solver_s_each": [run[1][0] for run in runs],
                     "greedy_s": tg,
                     "greedy_modelled_ms": mg * 1e3,
                     "solver_s": ts,
