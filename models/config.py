@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.extend.core.primitives import custom_vjp_call_p
 
 from shardflow.attention import CONTEXTS, Layout
+from shardflow.experts_primitives import sf_experts_fwd_p
 from shardflow.ring_attention import LAYOUTS
 
 ROUTINGS = ("capacity", "dropless")  # a mixture of experts' (models.moe) token routing
@@ -149,12 +151,25 @@ class ModelConfig:
             )
 
 
+def _and_routed_experts(policy):
+    """``policy``, keeping the routed experts' outputs too: they are grouped GEMMs, kept by a
+    policy that keeps products, else replayed in the backward (three more GEMMs a layer). A
+    policy sees them as the custom_vjp call around ``sf_experts_fwd``."""
+
+    def keep(prim, *avals, **params):
+        if prim is custom_vjp_call_p:
+            return any(eqn.primitive is sf_experts_fwd_p for eqn in params["call_jaxpr"].eqns)
+        return policy(prim, *avals, **params)
+
+    return keep
+
+
 # What a rematerialised layer keeps from its forward pass; "none" = no remat.
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": _and_routed_experts(jax.checkpoint_policies.dots_saveable),
+    "dots_no_batch": _and_routed_experts(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
 }
 
 PRESETS: dict[str, dict] = {

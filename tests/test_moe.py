@@ -87,6 +87,26 @@ def test_dropless_routing_computes_every_choice(seed, seq, n_experts, k):
     np.testing.assert_allclose(np.asarray(moe.dropless_experts(x, gates, experts, *weights)), expected, atol=1e-5)
 
 
+def _count(jaxpr, prim) -> int:
+    return sum(
+        (eqn.primitive is prim) + sum(_count(sub, prim) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
+
+
+@pytest.mark.parametrize("remat, runs", [("dots", 1), ("dots_no_batch", 1), ("full", 2), ("none", 1)])
+def test_a_policy_keeping_products_keeps_the_routed_experts_outputs(remat, runs):
+    """Under remat "dots" the routed experts' forward (three grouped GEMMs) runs once per layer
+    in a train step's gradient, as the dense MLP's products do; under "full" the backward runs
+    it again."""
+    cfg = models.preset("moe-tiny", routing="dropless", remat=remat, **SMALL_MOE)
+    graphdef, params = nnx.split(models.build(cfg))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    jaxpr = jax.make_jaxpr(_losses_and_grads(cfg, graphdef, None))(nnx.to_pure_dict(params), tokens)
+    assert _count(jaxpr.jaxpr, sf_experts_fwd_p) == runs
+    assert _count(jaxpr.jaxpr, sf_experts_bwd_p) == 1
+
+
 @settings(max_examples=examples(8), deadline=None)
 @given(
     seed=st.integers(0, 2**16),

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU, the MoE rows: every kernel variant timed in its own process (gemm and layer rows
-# against dense; GPU_TESTS=1: the grouped-GEMM kernels' GPU tests first); PART=2: the moe-1b
-# step against the MaxText-style reference and the FP8 GEMM table; PART=3: the 1b step in bf16, with the loss materialised,
-# and in FP8.
+# against dense; GPU_TESTS=1: the grouped-GEMM kernels' GPU tests first; MOE_STEP=1: then the
+# moe-1b train step alone); PART=2: the moe-1b step against the MaxText-style reference and
+# the FP8 GEMM table; PART=3: the 1b step in bf16, with the loss materialised, and in FP8.
 # Logs and JSON under $OUT, a short table last.
 #
 #   OUT=/tmp/out SHARDFLOW_COMMIT=$(git rev-parse HEAD) PART=1 bash benchmarks/results/remeasure_moe_1gpu.sh
@@ -25,6 +25,12 @@ sys.exit(pytest.main(['-q', '-x', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/
         --variants "$v" --out "$OUT/moe_$f.json" >> "$OUT/moe.log" 2>&1
     echo "moe.py $v exit $?" | tee -a "$OUT/moe.log"
   done
+  if [ -n "${MOE_STEP:-}" ]; then
+    timeout 170 python3 benchmarks/train_mfu.py --preset moe-1b --batch 4 --steps 5 --warmup 2 \
+        --engines shardflow --out "$OUT/train_mfu_moe-1b.json" > "$OUT/train_mfu_moe-1b.log" 2>&1
+    echo "train_mfu moe-1b exit $?"
+    tail -4 "$OUT/train_mfu_moe-1b.log"
+  fi
   grep -E "^(gemm|layer|moe.py)" "$OUT/moe.log"
 elif [ "${PART}" = 2 ]; then
   timeout 300 python3 benchmarks/train_mfu.py --preset moe-1b --batch 4 --steps 5 --warmup 2 \
