@@ -19,7 +19,8 @@ Per expert shape (the moe-1b and moe-8x1b presets' layers, bf16):
   in the gemm and layer rows.
 * layer: the dropless MoE layer (router, top-k, ``shardflow.experts.routed_experts``, gated
   combine) forward+backward against a dense SwiGLU layer of the same active flops (hidden dim
-  k * expert ffn): milliseconds of each and their ratio.
+  k * expert ffn): milliseconds of each and their ratio; twice, the backward recomputing the
+  experts' gate and up projections and taking them from the forward (``keep_activations``).
 
 Each timing is the median of --repeats runs of --iters calls after two untimed calls
 (compilation), on random inputs resident on the device.
@@ -212,13 +213,16 @@ def gemm_rows(name, tokens, iters, repeats, kernel: bool, variants=()):
     return out
 
 
-def _layers(name, rows: int, seq: int, seed: int):
+def _layers(name, rows: int, seq: int, seed: int, keep_activations: bool = False):
     """bf16 tokens [rows, seq, embed] and the weights of shape ``name``'s MoE layer and of its
     dense equivalent (hidden k x ffn), with the two layers' gradient functions:
-    ``moe_grads(x, router, experts_w)`` and ``dense_grads(x, dense_w)``."""
+    ``moe_grads(x, router, experts_w)`` and ``dense_grads(x, dense_w)``. ``keep_activations``:
+    the MoE layer's backward takes its forward's gate and up projections (the trainer's choice
+    where no mesh axis splits the experts) rather than recomputing them."""
     import jax
     import jax.numpy as jnp
 
+    from shardflow.experts import routed_experts
     from shardflow.models import moe
 
     d, n_experts, k, f = SHAPES[name]
@@ -234,7 +238,8 @@ def _layers(name, rows: int, seq: int, seed: int):
 
     def moe_loss(x, router, w):
         gates, experts, _ = moe.route(jnp.einsum("bsd,de->bse", x.astype(jnp.float32), router), k)
-        return jnp.sum(moe.dropless_experts(x, gates, experts, *w).astype(jnp.float32) ** 2)
+        h = routed_experts(x, experts, *w, keep_activations=keep_activations)
+        return jnp.sum(jnp.einsum("...k,...kd->...d", gates.astype(x.dtype), h).astype(jnp.float32) ** 2)
 
     def dense_loss(x, w):
         return jnp.sum(((jax.nn.silu(x @ w[0]) * (x @ w[1])) @ w[2]).astype(jnp.float32) ** 2)
@@ -243,25 +248,33 @@ def _layers(name, rows: int, seq: int, seed: int):
     return (x, router, experts_w, dense_w), moe_grads, dense_grads
 
 
-def layer_row(name, tokens, iters, repeats, variant_name=None):
+def layer_rows(name, tokens, iters, repeats, variant_name=None):
+    """The layer's rows, its backward recomputing the forward's activations and taking them."""
     import jax
 
     seq = min(tokens, 1024)
-    (x, router, experts_w, dense_w), moe_grads, dense_grads = _layers(name, max(1, tokens // seq), seq, seed=1)
-    with variant(variant_name) if variant_name else contextlib.nullcontext():
-        t_moe = timed(jax.jit(moe_grads), x, router, experts_w, iters=iters, repeats=repeats)
-    t_dense = timed(jax.jit(dense_grads), x, dense_w, iters=iters, repeats=repeats)
-    print(f"layer {name} {variant_name}: {1e3 * t_moe:.2f} ms, dense {1e3 * t_dense:.2f} ms", flush=True)
-    return {
-        "bench": "layer",
-        "shape": name,
-        "mode": "fwd+bwd",
-        "variant": variant_name or "-",
-        "tokens": x.shape[0] * x.shape[1],
-        "moe_ms": 1e3 * t_moe,
-        "dense_ms": 1e3 * t_dense,
-        "ratio": t_moe / t_dense,
-    }
+    out = []
+    for keep in (False, True):
+        (x, router, experts_w, dense_w), moe_grads, dense_grads = _layers(name, max(1, tokens // seq), seq, 1, keep)
+        with variant(variant_name) if variant_name else contextlib.nullcontext():
+            t_moe = timed(jax.jit(moe_grads), x, router, experts_w, iters=iters, repeats=repeats)
+        t_dense = timed(jax.jit(dense_grads), x, dense_w, iters=iters, repeats=repeats)
+        activations = "kept" if keep else "recomputed"
+        print(f"layer {name} {variant_name} {activations}: {1e3 * t_moe:.2f} ms, dense {1e3 * t_dense:.2f} ms")
+        out.append(
+            {
+                "bench": "layer",
+                "shape": name,
+                "mode": "fwd+bwd",
+                "variant": variant_name or "-",
+                "activations": activations,
+                "tokens": x.shape[0] * x.shape[1],
+                "moe_ms": 1e3 * t_moe,
+                "dense_ms": 1e3 * t_dense,
+                "ratio": t_moe / t_dense,
+            }
+        )
+    return out
 
 
 def ep_row(name, tokens, iters, repeats):
@@ -339,7 +352,7 @@ def main(argv=None):
         rows += gemm_rows(name, args.tokens, args.iters, args.repeats, kernel, variants)
         for variant_name in variants if kernel else [None]:
             try:
-                rows.append(layer_row(name, args.tokens, args.iters, args.repeats, variant_name))
+                rows += layer_rows(name, args.tokens, args.iters, args.repeats, variant_name)
             except Exception as e:  # a variant that does not build is reported, not fatal
                 print(f"layer {name} {variant_name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         if jax.device_count() > 1:
@@ -364,7 +377,7 @@ def main(argv=None):
             ratios = f"{r['ratio']:.3f} (jit/ours {r['vs_jit']:.3f})"
             print(f"ep={r['devices']:<3d} {r['shape']:9s} {r['mode']:8s} {times}  {ratios}")
         else:
-            times = f"{r['dense_ms']:7.3f} ms {r['moe_ms']:8.3f} ms {r['variant']:>11s}"
+            times = f"{r['dense_ms']:7.3f} ms {r['moe_ms']:8.3f} ms {r['variant']:>11s} {r['activations']}"
             print(f"layer  {r['shape']:9s} {r['mode']:8s} {times}  {r['ratio']:.3f}")
     if args.out:
         _results.write_json(args.out, rows, tokens=args.tokens, iters=args.iters, repeats=args.repeats)

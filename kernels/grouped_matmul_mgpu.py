@@ -350,11 +350,15 @@ def _gmm_fwd(lhs, rhs, tile_groups, group_tiles):
     return gmm(lhs, rhs, tile_groups, group_tiles), (lhs, rhs, tile_groups, group_tiles)
 
 
+def gmm_grads(lhs, rhs, dout, tile_groups, group_tiles):
+    """(d lhs, d rhs) of ``gmm`` at output gradient ``dout``."""
+    dout = dout.astype(lhs.dtype)
+    return grouped_matmul(dout, rhs, tile_groups, transpose_rhs=True), grouped_weight_grad(lhs, dout, group_tiles)
+
+
 def _gmm_bwd(residuals, dout):
     lhs, rhs, tile_groups, group_tiles = residuals
-    dout = dout.astype(lhs.dtype)
-    d_lhs = grouped_matmul(dout, rhs, tile_groups, transpose_rhs=True)
-    return d_lhs, grouped_weight_grad(lhs, dout, group_tiles), None, None
+    return *gmm_grads(lhs, rhs, dout, tile_groups, group_tiles), None, None
 
 
 gmm.defvjp(_gmm_fwd, _gmm_bwd)

@@ -154,12 +154,13 @@ class ModelConfig:
 def _and_routed_experts(policy):
     """``policy``, keeping the routed experts' outputs too: they are grouped GEMMs, kept by a
     policy that keeps products, else replayed in the backward (three more GEMMs a layer). A
-    policy sees them as the custom_vjp call around ``sf_experts_fwd``."""
+    policy sees them as ``sf_experts_fwd`` or as the custom_vjp call around it (as JAX has
+    differentiated it before the policy is asked)."""
 
     def keep(prim, *avals, **params):
         if prim is custom_vjp_call_p:
             return any(eqn.primitive is sf_experts_fwd_p for eqn in params["call_jaxpr"].eqns)
-        return policy(prim, *avals, **params)
+        return prim is sf_experts_fwd_p or policy(prim, *avals, **params)
 
     return keep
 

@@ -38,6 +38,7 @@ from flax import nnx
 
 from shardflow.experts import routed_experts
 
+from . import sharding as model_sharding
 from .config import ModelConfig
 from .sharding import logical_axes
 
@@ -128,8 +129,12 @@ def capacity_experts(x, gates, experts, w_gate, w_up, w_down, capacity_factor: f
 def dropless_experts(x, gates, experts, w_gate, w_up, w_down):
     """Dropless MoE of x [..., embed]: every token choice through its expert
     (`shardflow.experts.routed_experts`: grouped GEMMs over the choices sorted by expert, and
-    expert parallelism where the planner splits the experts), weighted by its gate."""
-    h = routed_experts(x, experts, w_gate, w_up, w_down)
+    expert parallelism where the planner splits the experts), weighted by its gate. Where the
+    trainer's rules split no mesh axis by expert, the backward takes the forward's activations
+    (six grouped GEMMs, not eight); where they do, or no rules are set, it recomputes them and
+    the experts may be exchanged."""
+    keep = model_sharding.active_mesh_axes("expert") == ()
+    h = routed_experts(x, experts, w_gate, w_up, w_down, keep_activations=keep)
     return jnp.einsum("...k,...kd->...d", gates.astype(x.dtype), h)
 
 

@@ -296,6 +296,13 @@ def jit_pin(mesh: jax.sharding.Mesh):
     return pin
 
 
+def active_mesh_axes(logical: str) -> tuple[str, ...] | None:
+    """The mesh axes that the rules set by :func:`activation_sharding` put logical axis
+    ``logical`` on (() where none); None where no rules are set."""
+    active = _ACTIVATIONS.get()
+    return None if active is None else mesh_axes_of(active[0].get(logical))
+
+
 def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
     active = _ACTIVATIONS.get()
     if active is None:

@@ -22,20 +22,20 @@ def _routed(config, x, experts, w_gate, w_up, w_down):
     return sf_experts_fwd_p.bind(x, experts, w_gate, w_up, w_down, config=config)[0]
 
 
-def _routed_fwd(config, x, experts, w_gate, w_up, w_down):
-    return _routed(config, x, experts, w_gate, w_up, w_down), (x, experts, w_gate, w_up, w_down)
+def _routed_fwd(config, x, experts, *weights):
+    h, *activations = sf_experts_fwd_p.bind(x, experts, *weights, config=config)
+    return h, (x, experts, *weights, *activations)
 
 
 def _routed_bwd(config, residuals, dh):
-    x, experts, *weights = residuals
-    dx, *d_weights = sf_experts_bwd_p.bind(x, experts, *weights, dh.astype(x.dtype), config=config)
+    dx, *d_weights = sf_experts_bwd_p.bind(*residuals, dh.astype(residuals[0].dtype), config=config)
     return (dx, None, *d_weights)
 
 
 _routed.defvjp(_routed_fwd, _routed_bwd)
 
 
-def routed_experts(x, experts, w_gate, w_up, w_down, *, exchange: str = "auto"):
+def routed_experts(x, experts, w_gate, w_up, w_down, *, exchange: str = "auto", keep_activations: bool = False):
     """Each token's chosen experts' SwiGLU outputs, every choice computed (dropless).
 
     x [..., embed]; experts [..., k] int32, the experts each token chose; w_gate and w_up
@@ -43,7 +43,10 @@ def routed_experts(x, experts, w_gate, w_up, w_down, *, exchange: str = "auto"):
     j of token i through expert ``experts[i, j]``, not yet weighted by its gate. ``exchange``:
     how choices reach experts on other devices under expert parallelism — "ragged" (a ragged
     all-to-all; GPU and TPU), "padded" (an all-to-all of worst-case buffers; any backend) or
-    "auto" (ragged where it lowers)."""
+    "auto" (ragged where it lowers). ``keep_activations``: the forward keeps each choice's gate
+    and up projections ([..., k, 2, ffn], with the tokens) for the backward, which then runs six
+    grouped GEMMs instead of eight; the experts can then not be split over an axis that splits
+    the tokens (expert parallelism), so keep them where they are not."""
     if experts.shape[:-1] != x.shape[:-1]:
         raise ValueError(f"routed_experts: experts {experts.shape} must be x's {x.shape[:-1]} plus k")
     n_experts, d, f = w_gate.shape
@@ -52,4 +55,5 @@ def routed_experts(x, experts, w_gate, w_up, w_down, *, exchange: str = "auto"):
             f"routed_experts: x {x.shape}, w_gate {w_gate.shape}, w_up {w_up.shape}, w_down {w_down.shape}: "
             "want w_gate and w_up [n_experts, embed, ffn] and w_down [n_experts, ffn, embed]"
         )
-    return _routed(ExpertsConfig(exchange_of(exchange)), x, experts.astype("int32"), w_gate, w_up, w_down)
+    config = ExpertsConfig(exchange_of(exchange), keep_activations)
+    return _routed(config, x, experts.astype("int32"), w_gate, w_up, w_down)

@@ -24,7 +24,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from shardflow.conversion import Step
-from shardflow.experts_primitives import routed_ffn, sf_experts_bwd_p, sf_experts_fwd_p, sorted_ffn
+from shardflow.experts_primitives import (
+    routed_ffn,
+    routed_ffn_grads,
+    sf_experts_bwd_p,
+    sf_experts_fwd_p,
+    sorted_ffn,
+    sorted_ffn_grads,
+)
 from shardflow.program import source_line
 from shardflow.registry import Sig, decision_of, defrule
 from shardflow.specs import B, P, S, ShardingError, local_shape
@@ -38,12 +45,17 @@ _FFN = {"w_gate": S(2), "w_up": S(2), "w_down": S(1), "dw_gate": S(2), "dw_up": 
 ragged_all_to_all = lax.ragged_all_to_all
 
 
+def _kept(eqn) -> tuple:
+    return ("activations",) if eqn.params["config"].keep_activations else ()
+
+
 def operand_names(eqn) -> tuple:
-    return ("x", "experts", *_WEIGHTS) + (("dh",) if eqn.primitive is sf_experts_bwd_p else ())
+    backward = eqn.primitive is sf_experts_bwd_p
+    return ("x", "experts", *_WEIGHTS) + ((*_kept(eqn), "dh") if backward else ())
 
 
 def _result_names(eqn) -> tuple:
-    return ("dx", *("d" + w for w in _WEIGHTS)) if eqn.primitive is sf_experts_bwd_p else ("h",)
+    return ("dx", *("d" + w for w in _WEIGHTS)) if eqn.primitive is sf_experts_bwd_p else ("h", *_kept(eqn))
 
 
 def _sig(eqn, ins: dict, outs: dict, name: str) -> Sig:
@@ -53,13 +65,19 @@ def _sig(eqn, ins: dict, outs: dict, name: str) -> Sig:
 
 
 def _experts_signatures(eqn):
+    """Kept activations stay with their tokens ([..., k, 2, ffn]: split as the tokens, or by
+    ffn column): no "ep" or "expert_partial" then, where the experts' devices hold them."""
+    keep, ndim = eqn.params["config"].keep_activations, eqn.invars[0].aval.ndim
     sigs = []
-    for dim in range(eqn.invars[0].aval.ndim - 1):  # the tokens' leading dims
-        tokens = {"x": S(dim), "experts": S(dim), "dh": S(dim), "h": S(dim), "dx": S(dim)}
+    for dim in range(ndim - 1):  # the tokens' leading dims
+        tokens = {"x": S(dim), "experts": S(dim), "dh": S(dim), "h": S(dim), "dx": S(dim), "activations": S(dim)}
         sigs.append(_sig(eqn, tokens, tokens, "tokens"))
-        sigs.append(_sig(eqn, {**tokens, **_EXPERT}, {**tokens, **_EXPERT}, "ep"))
-    sigs.append(_sig(eqn, _EXPERT, _EXPERT, "expert_partial"))
-    sigs.append(_sig(eqn, _FFN, _FFN, "ffn"))
+        if not keep:
+            sigs.append(_sig(eqn, {**tokens, **_EXPERT}, {**tokens, **_EXPERT}, "ep"))
+    if not keep:
+        sigs.append(_sig(eqn, _EXPERT, _EXPERT, "expert_partial"))
+    ffn = {**_FFN, "activations": S(ndim + 1)}
+    sigs.append(_sig(eqn, ffn, ffn, "ffn"))
     return sigs
 
 
@@ -140,8 +158,7 @@ def _expert_parallel(eqn, ins, axes, n_devices):
         return [jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(*experts.shape, d)]
     dh = ins[5].reshape(-1, d)[order].astype(x.dtype)
     received, ids, home = exchange(jnp.concatenate([rows, dh], -1), *routing)
-    _, vjp = jax.vjp(lambda r, *w: sorted_ffn(r, ids, *w), received[:, :d], *weights)
-    d_rows, *d_weights = vjp(received[:, d:])
+    d_rows, *d_weights = sorted_ffn_grads(received[:, :d], ids, *weights, received[:, d:])
     d_choices = jnp.zeros((flat.size, d), d_rows.dtype).at[order].set(home(d_rows), unique_indices=True)
     return [d_choices.reshape(*experts.shape, d).sum(-2).reshape(x.shape), *d_weights]
 
@@ -156,10 +173,12 @@ def _local_experts(local, eqn, ins):
         shard, _ = local.shard_index(eqn.invars[2], 0)
         first = shard * ins[2].shape[0]
     x, experts, *weights = ins[:5]
+    keep = eqn.params["config"].keep_activations
     if eqn.primitive is sf_experts_fwd_p:
-        return [routed_ffn(x, experts, *weights, first_expert=first)]
-    _, vjp = jax.vjp(lambda x, *w: routed_ffn(x, experts, *w, first_expert=first), x, *weights)
-    return list(vjp(ins[5].astype(x.dtype)))
+        out = routed_ffn(x, experts, *weights, first_expert=first, keep_activations=keep)
+        return list(out) if keep else [out]
+    *activations, dh = ins[5:]
+    return list(routed_ffn_grads(x, experts, *weights, dh.astype(x.dtype), *activations, first_expert=first))
 
 
 def _experts_comm(eqn, ins, sigs, mesh):
@@ -188,11 +207,14 @@ def _experts_comm(eqn, ins, sigs, mesh):
 
 
 def _experts_flops(eqn, in_shapes, out_shapes):
-    """Three GEMMs of every local choice forward; backward the two recomputed and six more.
-    Under "expert_partial" a device computes its experts' share of the choices."""
+    """Three GEMMs of every local choice forward; backward six, and the two of the forward's
+    activations again where they were not kept. Under "expert_partial" a device computes its
+    experts' share of the choices."""
     x, experts, w_gate = in_shapes[0], in_shapes[1], in_shapes[2]
     share = w_gate[0] / eqn.invars[2].aval.shape[0] if x[:-1] == eqn.invars[0].aval.shape[:-1] else 1.0
-    gemms = 8 if eqn.primitive is sf_experts_bwd_p else 3
+    gemms = 3
+    if eqn.primitive is sf_experts_bwd_p:
+        gemms = 6 if eqn.params["config"].keep_activations else 8
     return gemms * 2.0 * math.prod(experts) * share * x[-1] * w_gate[2]
 
 

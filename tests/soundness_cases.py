@@ -5,6 +5,8 @@ suit an operand, its values' generator; known-unsound signatures marked with a r
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -417,6 +419,25 @@ case(
     values=((1, ints(0, 4)),),
 )
 case(sf.experts_primitives.sf_experts_bwd_p, "experts-bwd", _experts_bwd, *_EXPERTS, values=((1, ints(0, 4)),))
+# the forward's activations kept for the backward ([4, 4, 2, 2, 6]: with the tokens)
+case(
+    sf.experts_primitives.sf_experts_fwd_p,
+    "experts-fwd-kept",
+    functools.partial(sf.experts.routed_experts, keep_activations=True),
+    *_EXPERTS,
+    values=((1, ints(0, 4)),),
+)
+case(
+    sf.experts_primitives.sf_experts_bwd_p,
+    "experts-bwd-kept",
+    lambda *operands: sf.experts_primitives.sf_experts_bwd_p.bind(
+        *operands, config=sf.experts_primitives.ExpertsConfig("padded", keep_activations=True)
+    ),
+    *_EXPERTS,
+    f32(4, 4, 2, 2, 6),
+    f32(4, 4, 2, 8),
+    values=((1, ints(0, 4)),),
+)
 
 
 # --- fused linear cross-entropy: tokens [4, 4], d 8, vocab 12 in tiles of 5 (the last shifted)

@@ -4,6 +4,7 @@ through the routed experts' SwiGLU and its gradients; the kernels lower for CUDA
 GPU (-m gpu) they equal ragged_dot."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from shardflow import experts_primitives
+from shardflow.experts import routed_experts
 from shardflow.kernels import grouped_matmul_mgpu as mgpu
 
 
@@ -23,17 +25,28 @@ def per_tile_matmul(lhs, rhs, tile_groups, group_tiles):
     return jnp.einsum("tmk,tkn->tmn", tiles, rhs[tile_groups]).reshape(lhs.shape[0], -1)
 
 
-def routed(rows, ids, repeats, weights, kernels: bool):
-    """sorted_ffn by our kernels' path (its GEMMs the per-tile reference on CPU) or by ragged_dot."""
+def per_tile_grads(lhs, rhs, dout, tile_groups, group_tiles):
+    return jax.vjp(lambda lhs, rhs: per_tile_matmul(lhs, rhs, tile_groups, group_tiles), lhs, rhs)[1](dout)
+
+
+def routed(rows, ids, repeats, weights, kernels: bool, keep: bool = False):
+    """sorted_ffn, and its gradients by sorted_ffn_grads (the primitives' backward: from the
+    forward's activations where ``keep``, else recomputing them), by our kernels' path (its
+    GEMMs the per-tile reference on CPU) or by ragged_dot: the loss sum(out ** 2) / 2 and its
+    gradients."""
     with pytest.MonkeyPatch.context() as patch:
         if not mgpu.on_hopper():
             patch.setattr(mgpu, "gmm", per_tile_matmul)
+            patch.setattr(mgpu, "gmm_grads", per_tile_grads)
         patch.setattr(mgpu, "supports", lambda *_: kernels)
 
-        def loss(rows, *weights):
-            return jnp.sum(experts_primitives.sorted_ffn(rows, ids, *weights, repeats=repeats) ** 2) / 2
+        def loss_and_grads(rows, *weights):
+            out = experts_primitives.sorted_ffn(rows, ids, *weights, repeats=repeats, keep_activations=keep)
+            out, activations = out if keep else (out, None)
+            grads = experts_primitives.sorted_ffn_grads(rows, ids, *weights, out, activations, repeats)
+            return jnp.sum(out.astype(jnp.float32) ** 2) / 2, grads
 
-        return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(rows, *weights)
+        return jax.jit(loss_and_grads)(rows, *weights)
 
 
 def per_choice(rows, ids, repeats, weights):
@@ -72,16 +85,16 @@ def choices(seed, sizes, extra, repeats):
 def test_tile_aligned_layout_computes_what_ragged_dot_computes(sizes, extra, repeats, seed):
     """Groups of any size (empty ones, one row, several tiles), choices of no local expert, each
     row read by ``repeats`` choices: the layout puts each group from a tile boundary and brings
-    every choice's result home, forward and backward, as ragged_dot does and as computing each
-    choice on its own does."""
+    every choice's result home, forward and backward (from the forward's activations or
+    recomputing them), as ragged_dot does and as computing each choice on its own does."""
     r = np.random.default_rng(seed)
     ids = choices(seed, sizes, extra, repeats)
     rows = jnp.asarray(r.normal(size=(max(1, ids.shape[0] // repeats), 8)), jnp.float32)
     ids = ids if ids.shape[0] else jnp.full(repeats, len(sizes), jnp.int32)
     weights = [jnp.asarray(r.normal(size=s), jnp.float32) for s in ((len(sizes), 8, 4),) * 2 + ((len(sizes), 4, 8),)]
     want = per_choice(rows, ids, repeats, weights)
-    for kernels in (True, False):
-        got = routed(rows, ids, repeats, weights, kernels)
+    for kernels, keep in itertools.product((True, False), (True, False)):
+        got = routed(rows, ids, repeats, weights, kernels, keep)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # float32 sums in another order
             assert np.linalg.norm(np.asarray(a) - b) <= 1e-5 * (1 + np.linalg.norm(b))
 
@@ -122,15 +135,16 @@ def test_kernels_equal_ragged_dot_on_hopper(sizes, variant):
     shapes = ((4, 256, 512), (4, 256, 512), (4, 512, 256))
     weights = [jnp.asarray(r.normal(size=s) * 0.05, jnp.bfloat16) for s in shapes]
     assert all(mgpu.supports(rows, w) for w in weights)
-    got, want = (routed(rows, ids, 2, weights, kernels) for kernels in (True, False))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
+    for keep in (True, False):
+        got, want = (routed(rows, ids, 2, weights, kernels, keep) for kernels in (True, False))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
 
 
 @pytest.mark.gpu
 def test_the_compiled_kernels_hold_no_dense_experts_by_rows_buffer():
-    """Forward and backward of the experts' SwiGLU by our kernels on Hopper: no buffer of
+    """Forward and backward of the routed experts by our kernels on Hopper: no buffer of
     n_experts x rows x ffn elements (what a grouped GEMM expanded into masked dense GEMMs holds)."""
     if not mgpu.on_hopper():
         pytest.skip("the Mosaic GPU grouped GEMMs need a Hopper GPU")
@@ -142,7 +156,8 @@ def test_the_compiled_kernels_hold_no_dense_experts_by_rows_buffer():
     args += [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((n_experts, d, f),) * 2 + ((n_experts, f, d),)]
 
     def loss(rows, *weights):
-        return jnp.sum(experts_primitives.sorted_ffn(rows, ids, *weights).astype(jnp.float32) ** 2)
+        h = routed_experts(rows, ids[:, None], *weights, keep_activations=True)
+        return jnp.sum(h.astype(jnp.float32) ** 2)
 
     text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).lower(*args).compile().as_text()
     sizes = [np.prod([int(n) for n in dims.split(",")]) for dims in re.findall(r"\[([0-9,]+)\]", text) if dims]

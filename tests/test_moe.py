@@ -87,11 +87,14 @@ def test_dropless_routing_computes_every_choice(seed, seq, n_experts, k):
     np.testing.assert_allclose(np.asarray(moe.dropless_experts(x, gates, experts, *weights)), expected, atol=1e-5)
 
 
-def _count(jaxpr, prim) -> int:
-    return sum(
-        (eqn.primitive is prim) + sum(_count(sub, prim) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
-        for eqn in jaxpr.eqns
-    )
+def _eqns(jaxpr, prim) -> list:
+    """Every equation of ``prim`` in ``jaxpr`` and the jaxprs nested in it."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out += [eqn] if eqn.primitive is prim else []
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _eqns(sub, prim)
+    return out
 
 
 @pytest.mark.parametrize("remat, runs", [("dots", 1), ("dots_no_batch", 1), ("full", 2), ("none", 1)])
@@ -103,8 +106,8 @@ def test_a_policy_keeping_products_keeps_the_routed_experts_outputs(remat, runs)
     graphdef, params = nnx.split(models.build(cfg))
     tokens = jnp.zeros((2, 8), jnp.int32)
     jaxpr = jax.make_jaxpr(_losses_and_grads(cfg, graphdef, None))(nnx.to_pure_dict(params), tokens)
-    assert _count(jaxpr.jaxpr, sf_experts_fwd_p) == runs
-    assert _count(jaxpr.jaxpr, sf_experts_bwd_p) == 1
+    assert len(_eqns(jaxpr.jaxpr, sf_experts_fwd_p)) == runs
+    assert len(_eqns(jaxpr.jaxpr, sf_experts_bwd_p)) == 1
 
 
 @settings(max_examples=examples(8), deadline=None)
@@ -211,6 +214,34 @@ def test_expert_parallel_loss_and_grads_equal_one_device(mesh_name, routing, bal
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 16)), jnp.int32)
     (loss, grads), _ = _loss_and_grads(cfg, tokens)
     (sharded_loss, sharded_grads), plan = _loss_and_grads(cfg, tokens, mesh, rules)
+    np.testing.assert_allclose(sharded_loss, loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), sharded_grads, grads)
+
+
+KEPT = {  # rules that put no mesh axis on "expert": the experts' activations kept for the backward
+    "tp": (
+        {"data": 4, "expert": 1, "model": 2},
+        {"batch": "data", "heads": "model", "kv_heads": "model", "mlp": "model"},
+    ),
+    "fsdp": ({"data": 8, "expert": 1}, {"batch": "data", "embed": "data"}),
+}
+
+
+@pytest.mark.parametrize("mesh_name", KEPT)
+def test_kept_activations_equal_one_device(mesh_name):
+    """Under rules that split no mesh axis by expert, the dropless layer's backward takes the
+    forward's gate and up projections (split with the tokens, or by ffn column under tp); the
+    loss and every gradient equal one device's. Rules that do split the experts keep none."""
+    axes, rules = KEPT[mesh_name]
+    cfg = models.preset("moe-tiny", routing="dropless", balance="bias", **SMALL_MOE)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (8, 16)), jnp.int32)
+    model = models.build(cfg)
+    for layout, kept in ((rules, True), (EP, False)):
+        with model_sharding.activation_sharding(layout, sf.constrain):
+            jaxpr = jax.make_jaxpr(lambda t: jax.grad(lambda m: m.loss(t, t))(model))(tokens)
+        assert [e.params["config"].keep_activations for e in _eqns(jaxpr.jaxpr, sf_experts_bwd_p)] == [kept]
+    (loss, grads), _ = _loss_and_grads(cfg, tokens)
+    (sharded_loss, sharded_grads), _ = _loss_and_grads(cfg, tokens, sf.make_mesh(axes), rules)
     np.testing.assert_allclose(sharded_loss, loss, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), sharded_grads, grads)
 
