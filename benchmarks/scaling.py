@@ -8,7 +8,9 @@ For each preset, on N = jax.device_count() devices, the `shardflow train` step (
 weights, bf16 compute, AdamW + clipping) runs under each strategy of docs/reference/config.md with two
 engines: "shardflow" (sf.parallelize) and "jit" (jax.jit with the same specs as
 NamedShardings); `--engines shardflow-solver` adds shardflow with the whole-program solver
-(`sf.passes.SOLVER`, no one-device row of its own). Meshes: dp, fsdp {data: N}; tp, tp_sp {data: 1, model: N}; 2d
+(`sf.passes.SOLVER`, no one-device row of its own), `shardflow-unrolled` shardflow with its layer
+loops unrolled where their bodies communicate too (`passes.unroll.UNROLL_COLLECTIVES`: the A/B
+that decides it). Meshes: dp, fsdp {data: N}; tp, tp_sp {data: 1, model: N}; 2d
 {data: N/M, model: M} (M = --model-2d, default 2). When the model's dimensions do not divide by
 the model axis (tiny's 4 kv heads on 8 devices), the model axis shrinks to the largest divisor
 of N that fits and the rest goes to data; the printed mesh says so.
@@ -45,6 +47,7 @@ import math
 import os
 import time
 import traceback
+import unittest.mock
 
 import _checkout  # noqa: F401
 import _results
@@ -63,8 +66,10 @@ CASES = {  # preset -> (batch per data-parallel replica, seq, remat)
 }
 STRATEGIES = ("dp", "fsdp", "tp", "tp_sp", "2d")
 ENGINES = ("shardflow", "jit")
-# An engine name beside the defaults: shardflow with the whole-program solver (passes.solve).
-PLANNED = {"shardflow-solver": ("shardflow", "solver")}
+# Engine names beside the defaults: shardflow with the whole-program solver (passes.solve), and
+# shardflow with its layer loops unrolled even where their bodies communicate
+# (passes.unroll.UNROLL_COLLECTIVES, off until this A/B is measured on several GPUs).
+PLANNED = {"shardflow-solver": ("shardflow", "solver"), "shardflow-unrolled": ("shardflow", "greedy")}
 
 
 def candidate_meshes(strategy: str, n: int, model_2d: int) -> list[dict]:
@@ -138,7 +143,14 @@ def measure(preset, strategy, meshes, engine, batch, seq, remat, args, one_devic
         return {**row, "status": f"skip: {error}"}
     if one_device:  # dp specs hold on a 1-device mesh: one replica's batch on one device
         run = dataclasses.replace(run, mesh=Mesh(np.asarray(jax.devices()[:1]), ("data",)))
-    return time_steps(run, row, batch * run.mesh.shape["data"], seq, args, traced=kernel_time if args.profile else None)
+    from shardflow.passes import unroll
+
+    with unittest.mock.patch.object(
+        unroll, "UNROLL_COLLECTIVES", engine == "shardflow-unrolled" or unroll.UNROLL_COLLECTIVES
+    ):
+        return time_steps(
+            run, row, batch * run.mesh.shape["data"], seq, args, traced=kernel_time if args.profile else None
+        )
 
 
 KINDS = (

@@ -111,14 +111,27 @@ class Local:
         order = lambda i: n - 1 - i if loop.reverse else i  # noqa: E731
         if registry.decision_of(eqn).unrolled:
             carry, ys = list(init), [{} for _ in eqn.outvars[nk:]]
+
+            def trip_after(k, after):
+                """Trip k's slices, through an optimization barrier with ``after``: the carries
+                the trip before it starts from. A collective of them is then this loop's own —
+                the same gather of a layer's weight in a forward and in its backward are two,
+                which XLA would merge and hold from one to the other — and may still run a trip
+                ahead, beside the trip before's compute."""
+                trip = [x[k] if isinstance(x, Slices) else lax.index_in_dim(x, k, keepdims=False) for x in xs]
+                return lax.optimization_barrier((trip, after))[0] if apart and trip and after else trip
+
+            apart = registry.decision_of(eqn).apart
             with self.looping("unrolled"):
+                trip = trip_after(order(0), carry)
                 for i in range(n):
                     k = order(i)
-                    trip = [x[k] if isinstance(x, Slices) else lax.index_in_dim(x, k, keepdims=False) for x in xs]
+                    ahead = trip_after(order(i + 1), carry) if i + 1 < n else None
                     out = body(*consts, *carry, *trip)
                     carry = list(out[:nk])
                     for y, o in zip(ys, out[nk:]):
                         y[k] = o
+                    trip = ahead
             return carry + [Slices(y[k] for k in range(n)) for y in ys]
         xs = [x.stacked() if isinstance(x, Slices) else x for x in xs]
         ys = [None if isinstance(v, DropVar) else lax.empty(self.shape(v), v.aval.dtype) for v in eqn.outvars[nk:]]

@@ -87,6 +87,7 @@ class Decision:
     bodies: tuple = ()  # control flow: (param name, NdSbp each output of that body must have)
     fallback: bool = False  # no rule: operands gathered, run whole
     unrolled: bool | None = None  # a loop: lowered unrolled, or rolled (``passes.unroll``)
+    apart: bool = False  # an unrolled loop that communicates: each trip's slices held apart (``passes.unroll``)
 
     def body_outs(self, name: str):
         return dict(self.bodies).get(name)

@@ -196,6 +196,27 @@ def test_a_layer_loop_is_lowered_unrolled_unless_its_body_communicates(mesh, spe
     np.testing.assert_allclose(np.asarray(f(*args)), np.asarray(jax.jit(fn)(*args)), rtol=1e-5, atol=1e-6)
 
 
+def test_a_communicating_layer_loop_unrolled_apart_holds_each_trip_apart_behind_the_trip_before(mesh, monkeypatch):
+    """With ``unroll.UNROLL_COLLECTIVES`` (off until measured on GPUs) a tensor-parallel layer
+    loop is lowered unrolled too: each trip's slices (its layer's weight, and in the backward the
+    forward's residuals) go through an optimization barrier with the carries of the trip before
+    it — so the backward's all-reduces and gathers cannot be merged with the forward's, yet may
+    run a trip ahead — three a loop, forward and backward. Equal to one device."""
+    from shardflow.passes import unroll
+
+    monkeypatch.setattr(unroll, "UNROLL_COLLECTIVES", True)
+    fn, args, in_specs = _layers_step(PS(None, None, "y"))
+    f = sf.parallelize(fn, mesh=mesh, in_specs=in_specs)
+    text = f.lower(*args).as_text()
+    assert "while" not in text
+    barriers = [line for line in text.splitlines() if "stablehlo.optimization_barrier" in line]
+    assert len(barriers) == 6, barriers
+    np.testing.assert_allclose(np.asarray(f(*args)), np.asarray(jax.jit(fn)(*args)), rtol=1e-5, atol=1e-6)
+    fn, args, in_specs = _layers_step(PS())
+    data_parallel = sf.parallelize(fn, mesh=mesh, in_specs=in_specs)  # no collective in the loop: no barrier
+    assert "optimization_barrier" not in data_parallel.lower(*args).as_text()
+
+
 def test_a_layer_loop_that_recomputes_is_unrolled_each_recomputation_barred_behind_its_cotangent():
     """One device, no collectives: a loop whose layers are rematerialised (prevent_cse=False,
     as a remat in a scan is written) is lowered unrolled, and each backward trip takes its

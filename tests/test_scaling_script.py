@@ -52,6 +52,31 @@ def test_scaling_tiny_tp_both_engines(tmp_path):
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
 
 
+@pytest.mark.slow
+def test_the_unrolled_engine_runs_the_same_step(monkeypatch):
+    """shardflow-unrolled: the fsdp step's layer loops, whose bodies gather, lowered unrolled;
+    its first step's loss is the rolled engine's."""
+    from shardflow import registry
+    from shardflow.passes import lower
+
+    apart = []  # per loop lowered: unrolled apart (its body communicates), or not
+    loop_region = lower.Local.loop_region
+    monkeypatch.setattr(
+        lower.Local,
+        "loop_region",
+        lambda self, eqn, *a: apart.append(registry.decision_of(eqn).apart) or loop_region(self, eqn, *a),
+    )
+    args = ["--preset", "tiny", "--strategies", "fsdp", "--engines", "shardflow,shardflow-unrolled"]
+    rows = load_script().main(args + ["--steps", "1", "--warmup", "1", "--batch", "1", "--seq", "64"])
+    assert [(r["strategy"], r["engine"], r["status"]) for r in rows] == [
+        ("1-device", "shardflow", "ok"),
+        ("fsdp", "shardflow", "ok"),
+        ("fsdp", "shardflow-unrolled", "ok"),
+    ]
+    assert math.isclose(rows[1]["first_loss"], rows[2]["first_loss"], rel_tol=1e-5)
+    assert True in apart and False in apart
+
+
 def test_meshes():
     scaling = load_script()
     assert scaling.candidate_meshes("fsdp", 8, 2) == [{"data": 8}]
