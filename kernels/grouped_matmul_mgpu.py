@@ -60,10 +60,13 @@ class Tiling(NamedTuple):
 
 
 SIMPLE = Tiling()
-# Set from measurement (benchmarks/moe.py): the tilings grouped_matmul takes, the first whose
-# CTA width divides the output's columns, and the weight gradient's rows of K per CTA.
-PREFERRED: tuple[Tiling, ...] = (SIMPLE,)
-WEIGHT_GRAD_BLOCK_K = BLOCK_K
+WIDE = Tiling(True, tile_n=256, steps=3)
+# Set from measurement (benchmarks/moe.py, one H100, moe-1b's shapes, benchmarks/results/moe.md):
+# the tilings grouped_matmul takes, the first whose CTA width divides the output's columns, and
+# the weight gradient's rows of K per CTA. Persistent and warp-specialized, 256 columns a CTA where
+# they divide: forward + backward 0.84 of a dense GEMM's TFLOP/s, where one CTA per tile made 0.67.
+PREFERRED: tuple[Tiling, ...] = (WIDE, Tiling(warp_specialized=True))
+WEIGHT_GRAD_BLOCK_K = 128
 
 # The candidates measured against each other (benchmarks/moe.py --variants; each checked on a
 # GPU by tests/test_grouped_matmul.py): name -> (PREFERRED, WEIGHT_GRAD_BLOCK_K).
@@ -72,7 +75,7 @@ VARIANTS = {
     "simple/wgrad128": ((SIMPLE,), 128),
     "ws": ((Tiling(warp_specialized=True),), 128),
     "ws-n": ((Tiling(True, tile_m=128, tile_n=64, split="n"),), 128),
-    "ws-wide": ((Tiling(True, tile_n=256, steps=3), Tiling(warp_specialized=True)), 128),
+    "ws-wide": ((WIDE, Tiling(warp_specialized=True)), 128),
 }
 
 

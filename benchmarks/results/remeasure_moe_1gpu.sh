@@ -2,7 +2,8 @@
 # One GPU, the MoE rows: every kernel variant timed in its own process (gemm and layer rows
 # against dense; GPU_TESTS=1: the grouped-GEMM kernels' GPU tests first; MOE_STEP=1: then the
 # moe-1b train step alone); PART=2: the moe-1b step against the MaxText-style reference and
-# the FP8 GEMM table; PART=3: the 1b step in bf16, with the loss materialised, and in FP8.
+# the FP8 GEMM table; PART=3: the 1b step in bf16, with the loss materialised, and in FP8;
+# PART=4: the moe-1b step at batch 2 against the reference, then the 3b step in bf16 and FP8.
 # Logs and JSON under $OUT, a short table last.
 #
 #   OUT=/tmp/out SHARDFLOW_COMMIT=$(git rev-parse HEAD) PART=1 bash benchmarks/results/remeasure_moe_1gpu.sh
@@ -39,6 +40,14 @@ elif [ "${PART}" = 2 ]; then
   timeout 200 python3 benchmarks/fp8.py gemms --out "$OUT/fp8_gemms.json" > "$OUT/fp8_gemms.log" 2>&1
   echo "fp8 gemms exit $?"
   tail -8 "$OUT/train_mfu_moe-1b.log"; tail -30 "$OUT/fp8_gemms.log"
+elif [ "${PART}" = 4 ]; then
+  timeout 330 python3 benchmarks/train_mfu.py --preset moe-1b --batch 2 --steps 3 --warmup 1 \
+      --engines shardflow,reference --out "$OUT/train_mfu_moe-1b_b2.json" > "$OUT/train_mfu_moe-1b_b2.log" 2>&1
+  echo "train_mfu moe-1b batch 2 exit $?"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout 250 python3 benchmarks/train_mfu.py --preset 3b --batch 4 --steps 3 --warmup 1 \
+      --engines shardflow,shardflow-fp8 --out "$OUT/train_mfu_3b_fp8.json" > "$OUT/train_mfu_3b_fp8.log" 2>&1
+  echo "train_mfu 3b fp8 exit $?"
+  grep -E "^ +(shardflow|reference)|ratio|FAILED|^(moe-1b|3b) " "$OUT/train_mfu_moe-1b_b2.log" "$OUT/train_mfu_3b_fp8.log"
 else
   timeout 560 python3 benchmarks/train_mfu.py --preset 1b --steps 5 --warmup 2 \
       --engines shardflow,shardflow-plain-loss,shardflow-fp8 --out "$OUT/train_mfu_1b.json" > "$OUT/train_mfu_1b.log" 2>&1
