@@ -29,11 +29,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import time
 import unittest.mock
 
 import _checkout  # noqa: F401
 import _results
+import train_mfu
 
 from shardflow.train import configure_host_platform
 
@@ -108,25 +108,16 @@ def batch_of(run, seed=0):
 def timed_step(run, slow: set, extra: float, steps: int, warmup: int):
     """(seconds per step, the last step's loss, its gradient norm) of ``run``'s train step with
     the replicas ``slow`` loaded."""
-    import jax
 
     from shardflow import train
 
     counts = run.cfg.replica_microbatches
     rows = run.cfg.batch_size // sum(counts)
-    state = train.init_state(run)
-    batch = batch_of(run)
     with loaded(slow_rows(len(counts), rows, slow), extra):
-        step = run.train_step()
-        params, opt_state = state
-        for _ in range(warmup):
-            params, opt_state, _ = step(params, opt_state, batch)
-        jax.block_until_ready(params)
-        start = time.perf_counter()
-        for _ in range(steps):
-            params, opt_state, out = step(params, opt_state, batch)
-        jax.block_until_ready(out)
-    return (time.perf_counter() - start) / max(steps, 1), float(out["loss"]), float(out["grad_norm"])
+        seconds, (_, _, out) = train_mfu.run_steps(
+            run.train_step(), *train.init_state(run), batch_of(run), steps, warmup
+        )
+    return seconds, float(out["loss"]), float(out["grad_norm"])
 
 
 def plans(run_cfg, kind, slowdown, replicas, slow, global_batch, micro_batch):

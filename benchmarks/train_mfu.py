@@ -137,15 +137,23 @@ def time_steps(cfg, batch: int, seq: int, steps: int, warmup: int):
         "inputs": jax.device_put(tokens[..., :-1].astype(np.int32), sharding),
         "targets": jax.device_put(tokens[..., 1:].astype(np.int32), sharding),
     }
+    seconds, (params, opt_state, out) = run_steps(step_fn, params, opt_state, data, steps, warmup)
+    return run, seconds, out, compiled_bytes(step_fn, params, opt_state, data)
+
+
+def run_steps(step_fn, params, opt_state, data, steps: int, warmup: int):
+    """(seconds per step of ``steps`` timed steps after ``warmup`` untimed ones, the last step's
+    (params, opt_state, metrics))."""
+    import jax
+
     for _ in range(warmup):
-        params, opt_state, out = step_fn(params, opt_state, data)
-    jax.block_until_ready(out)
+        params, opt_state, _ = step_fn(params, opt_state, data)
+    jax.block_until_ready(params)
     start = time.perf_counter()
     for _ in range(steps):
         params, opt_state, out = step_fn(params, opt_state, data)
     jax.block_until_ready(out)
-    seconds = (time.perf_counter() - start) / steps
-    return run, seconds, out, compiled_bytes(step_fn, params, opt_state, data)
+    return (time.perf_counter() - start) / steps, (params, opt_state, out)
 
 
 def main(argv=None):
