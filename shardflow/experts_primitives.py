@@ -89,6 +89,16 @@ def to_sorted(s: Sorted, choices):
     return tiled.at[s.at].set(choices, mode="drop", unique_indices=True)
 
 
+def rows_sorted(s: Sorted, rows, repeats: int):
+    """``to_sorted`` of the choices ``jnp.repeat(rows, repeats, axis=0)``, each choice's row read
+    from ``rows`` [n, ...] in one gather: the [n * repeats, ...] copies are never written."""
+    if s.layout is None:
+        return rows.at[s.order // repeats].get(unique_indices=repeats == 1)
+    source = jnp.full(s.layout.rows, rows.shape[0], jnp.int32)  # a gap reads past the rows: zeros
+    source = source.at[s.at].set(jnp.arange(s.at.shape[0], dtype=jnp.int32) // repeats, mode="drop")
+    return rows.at[source].get(mode="fill", fill_value=0)
+
+
 def from_sorted(s: Sorted, rows):
     """The inverse: each choice's row, zero for a choice of no expert. Also the transpose of
     ``to_sorted`` (both are permutations): a gradient goes back through it."""
@@ -124,12 +134,13 @@ def sorted_ffn(rows, ids, w_gate, w_up, w_down, repeats: int = 1, keep_activatio
     The choices run sorted by expert as grouped GEMMs: on Hopper, where our kernels take the
     shapes, by them (6-13x ``jax.lax.ragged_dot``'s TFLOP/s on one H100 at the MoE presets'
     shapes, benchmarks/results/moe.md), each choice's row moved once into its place in the
-    tile-aligned layout and its result read once from there; elsewhere by ragged_dot. Every
-    move is a permutation (unique indices) and a row's copies are a repeat, so the backward
-    (``sorted_ffn_grads``) moves them back by gathers, scatters without atomics and a sum over
-    the copies."""
+    tile-aligned layout and its result read once from there; elsewhere by ragged_dot. A row is
+    read into each of its choices' places by one gather; every other move is a permutation
+    (unique indices), and the backward (``sorted_ffn_grads``, not JAX's transpose of the
+    forward) moves the gradients back by gathers and a sum over each row's choices: no
+    scatter-add."""
     s = sort_choices(ids, rows, w_gate, w_down)
-    x = to_sorted(s, jnp.repeat(rows, repeats, axis=0) if repeats > 1 else rows)
+    x = rows_sorted(s, rows, repeats)
     gate, up = grouped(s, x, w_gate), grouped(s, x, w_up)
     out = from_sorted(s, grouped(s, _gated(gate, up), w_down))
     return (out, from_sorted(s, jnp.stack([gate, up], 1))) if keep_activations else out
@@ -139,7 +150,7 @@ def sorted_ffn_grads(rows, ids, w_gate, w_up, w_down, d_out, activations=None, r
     """(d rows, d w_gate, d w_up, d w_down) of ``sorted_ffn`` at output gradient ``d_out``:
     six grouped GEMMs where its ``activations`` are given, eight where they are recomputed."""
     s = sort_choices(ids, rows, w_gate, w_down)
-    x = to_sorted(s, jnp.repeat(rows, repeats, axis=0) if repeats > 1 else rows)
+    x = rows_sorted(s, rows, repeats)
     if activations is None:
         gate, up = grouped(s, x, w_gate), grouped(s, x, w_up)
     else:
