@@ -562,6 +562,40 @@ def test_tpu_kernels_lower_for_tpu(monkeypatch, causal, segments, head_dim, grou
         assert "tpu_custom_call" in text
 
 
+@pytest.mark.parametrize("head_dim, wide", [(80, 128), (96, 128), (48, 64)])
+def test_a_head_dim_between_the_mosaic_kernels_runs_them_zero_padded(head_dim, wide, monkeypatch):
+    """On Hopper a head of 80, 96 or 48 goes to the Mosaic kernels padded to 128 or 64 with zeros
+    (what the Triton kernels pad it to), the padding sliced off: forward and gradients equal the
+    unpadded reference. On CPU the reference stands in for the kernels, which see the padding."""
+    from shardflow.kernels import attention_xla, flash_attention_gpu
+    from shardflow.kernels import flash_attention_mgpu as mgpu
+
+    seen = []
+
+    def forward(q, k, v, *, causal, scale):
+        seen.append(q.shape[-1])
+        return attention_xla.forward(q, k, v, None, 0, causal=causal, scale=scale)
+
+    def backward(q, k, v, out, lse, dout, *, causal, scale, dlse=None):
+        seen.append(q.shape[-1])
+        return attention_xla.backward(q, k, v, None, 0, out, lse, dout, causal=causal, scale=scale, dlse=dlse)
+
+    monkeypatch.setattr(mgpu, "on_hopper", lambda: True)
+    monkeypatch.setattr(mgpu, "forward", forward)
+    monkeypatch.setattr(mgpu, "backward", backward)
+    r = np.random.default_rng(head_dim)
+    q, k, v, dout = (jnp.asarray(r.standard_normal((1, 256, 2, head_dim)), jnp.bfloat16) for _ in range(4))
+    kw = dict(causal=True, scale=head_dim**-0.5)
+    out, lse = flash_attention_gpu.forward(q, k, v, None, 0, **kw)
+    grads = flash_attention_gpu.backward(q, k, v, None, 0, out, lse, dout, **kw)
+    want_out, want_lse = attention_xla.forward(q, k, v, None, 0, **kw)
+    want = attention_xla.backward(q, k, v, None, 0, want_out, want_lse, dout, **kw)
+    assert seen == [wide, wide]
+    for a, b in zip((out, lse, *grads), (want_out, want_lse, *want)):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)
+
+
 def test_mosaic_gpu_dispatch_takes_only_what_the_kernels_handle(monkeypatch):
     """Everything the Mosaic kernels were not built for must go to the Triton kernels: a wrong
     predicate would give wrong masks, not an error."""
