@@ -409,6 +409,24 @@ def test_gpu_kernels(causal, seq):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("head_dim", [48, 80, 96])
+def test_gpu_kernels_at_head_dims_between_the_mosaic_kernels(head_dim):
+    """On Hopper these run the Mosaic kernels zero-padded to 64 or 128; elsewhere Triton's."""
+    check_against_reference(
+        "pallas",
+        dtype=jnp.bfloat16,
+        causal=True,
+        batch=2,
+        q_len=512,
+        kv_len=512,
+        heads_kv=2,
+        group=4,
+        head_dim=head_dim,
+    )
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("per_q_head", [False, True])
 def test_gpu_kernels_on_slices_of_stacked_layers(per_q_head, monkeypatch):
     """q, k, v sliced from stacked arrays inside one jit, as a model's layers are: XLA fuses the
