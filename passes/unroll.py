@@ -20,7 +20,7 @@ unrolled ``apart`` (``Decision.apart``): lowering takes each trip's slices throu
 optimization barrier with the carries of the trip before it, so the backward's collectives are
 its own (they wait on its cotangent), while a trip's gathers may still start one trip ahead,
 beside the compute of the trip before — the overlap XLA's scheduler gives unrolled code. Off
-until measured on several GPUs (``benchmarks/scaling.py --unroll-collectives``): XLA:CPU drops
+until measured on several GPUs (``benchmarks/scaling.py``'s ``shardflow-unrolled`` engine): XLA:CPU drops
 optimization barriers, so on CPU only the lowered program shows them (tests/test_core.py). (A
 remat's recomputation would be merged so too — jax puts no optimization barrier on a remat
 inside a scan, ``prevent_cse=False`` there — but in an unrolled body every recomputation's
