@@ -81,17 +81,10 @@ def sort_choices(ids, rows, w_gate, w_down) -> Sorted:
     return Sorted(order, sizes, layout, jnp.zeros(m, jnp.int32).at[order].set(layout.placed, unique_indices=True))
 
 
-def to_sorted(s: Sorted, choices):
-    """Per-choice rows [m, ...] in their sorted places (the layout's gaps zero)."""
-    if s.layout is None:
-        return choices.at[s.order].get(unique_indices=True)
-    tiled = jnp.zeros((s.layout.rows, *choices.shape[1:]), choices.dtype)
-    return tiled.at[s.at].set(choices, mode="drop", unique_indices=True)
-
-
-def rows_sorted(s: Sorted, rows, repeats: int):
-    """``to_sorted`` of the choices ``jnp.repeat(rows, repeats, axis=0)``, each choice's row read
-    from ``rows`` [n, ...] in one gather: the [n * repeats, ...] copies are never written."""
+def to_sorted(s: Sorted, rows, repeats: int = 1):
+    """The choices ``jnp.repeat(rows, repeats, axis=0)`` in their sorted places (the layout's gaps
+    zero), each choice's row read from ``rows`` [n, ...] by one gather: the copies are never
+    written."""
     if s.layout is None:
         return rows.at[s.order // repeats].get(unique_indices=repeats == 1)
     source = jnp.full(s.layout.rows, rows.shape[0], jnp.int32)  # a gap reads past the rows: zeros
@@ -100,8 +93,9 @@ def rows_sorted(s: Sorted, rows, repeats: int):
 
 
 def from_sorted(s: Sorted, rows):
-    """The inverse: each choice's row, zero for a choice of no expert. Also the transpose of
-    ``to_sorted`` (both are permutations): a gradient goes back through it."""
+    """The inverse of ``to_sorted`` of the choices themselves: each choice's row, zero for a
+    choice of no expert. Also its transpose (both are permutations): a gradient goes back
+    through it."""
     if s.layout is None:
         return jnp.zeros_like(rows).at[s.order].set(rows, unique_indices=True)
     return rows.at[s.at].get(mode="fill", fill_value=0, unique_indices=True)
@@ -140,7 +134,7 @@ def sorted_ffn(rows, ids, w_gate, w_up, w_down, repeats: int = 1, keep_activatio
     forward) moves the gradients back by gathers and a sum over each row's choices: no
     scatter-add."""
     s = sort_choices(ids, rows, w_gate, w_down)
-    x = rows_sorted(s, rows, repeats)
+    x = to_sorted(s, rows, repeats)
     gate, up = grouped(s, x, w_gate), grouped(s, x, w_up)
     out = from_sorted(s, grouped(s, _gated(gate, up), w_down))
     return (out, from_sorted(s, jnp.stack([gate, up], 1))) if keep_activations else out
@@ -150,7 +144,7 @@ def sorted_ffn_grads(rows, ids, w_gate, w_up, w_down, d_out, activations=None, r
     """(d rows, d w_gate, d w_up, d w_down) of ``sorted_ffn`` at output gradient ``d_out``:
     six grouped GEMMs where its ``activations`` are given, eight where they are recomputed."""
     s = sort_choices(ids, rows, w_gate, w_down)
-    x = rows_sorted(s, rows, repeats)
+    x = to_sorted(s, rows, repeats)
     if activations is None:
         gate, up = grouped(s, x, w_gate), grouped(s, x, w_up)
     else:

@@ -401,24 +401,15 @@ requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs 
 @requires_gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seq", [300, 512])  # 300: the Triton kernels; 512: Mosaic on Hopper
-def test_gpu_kernels(causal, seq):
-    check_against_reference(
-        "pallas", dtype=jnp.bfloat16, causal=causal, batch=2, q_len=seq, kv_len=seq, heads_kv=2, group=4, head_dim=128
-    )
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("head_dim", [48, 80, 96])
-def test_gpu_kernels_at_head_dims_between_the_mosaic_kernels(head_dim):
-    """On Hopper these run the Mosaic kernels zero-padded to 64 or 128; elsewhere Triton's."""
+@pytest.mark.parametrize("head_dim", [128, 48, 80, 96])  # 48, 80, 96: Mosaic zero-padded on Hopper
+def test_gpu_kernels(causal, seq, head_dim):
     check_against_reference(
         "pallas",
         dtype=jnp.bfloat16,
-        causal=True,
+        causal=causal,
         batch=2,
-        q_len=512,
-        kv_len=512,
+        q_len=seq,
+        kv_len=seq,
         heads_kv=2,
         group=4,
         head_dim=head_dim,

@@ -18,15 +18,8 @@ import hetero_emulated as emulated  # noqa: E402
 
 from shardflow import train  # noqa: E402
 from shardflow.predication import predicated_p  # noqa: E402
+from shardflow.program import all_eqns  # noqa: E402
 from shardflow.train import uneven  # noqa: E402
-
-
-def _predicated(jaxpr) -> int:
-    """Predicated regions in ``jaxpr`` and the jaxprs nested in it."""
-    return sum(
-        (eqn.primitive is predicated_p) + sum(_predicated(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
-        for eqn in jaxpr.eqns
-    )
 
 
 def test_the_extra_load_changes_nothing_the_step_computes():
@@ -40,7 +33,8 @@ def test_the_extra_load_changes_nothing_the_step_computes():
     for load in (contextlib.nullcontext(), emulated.loaded(emulated.slow_rows(2, 2, {1}), 0.5)):
         with load:  # a step made afresh: JAX caches a scan body's trace by its function
             step = uneven.make_train_step(run.graphdef, run.optimizer, run.cfg.compute_dtype)
-            regions.append(_predicated(jax.make_jaxpr(step)(*state, batch).jaxpr))
+            jaxpr = jax.make_jaxpr(step)(*state, batch).jaxpr
+            regions.append(sum(eqn.primitive is predicated_p for eqn in all_eqns(jaxpr)))
     assert regions[1] == 2 * regions[0] > 0
     plain = emulated.timed_step(run, set(), 0.5, steps=1, warmup=0)
     loaded = emulated.timed_step(run, {1}, 0.5, steps=1, warmup=0)

@@ -21,6 +21,7 @@ from shardflow.experts import routed_experts
 from shardflow.experts_primitives import ExpertsConfig, sf_experts_bwd_p, sf_experts_fwd_p
 from shardflow.models import PipelineConfig, moe
 from shardflow.models import sharding as model_sharding
+from shardflow.program import all_eqns
 from shardflow.specs import S
 
 SMALL_MOE = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, moe_ffn_dim=32)
@@ -88,13 +89,7 @@ def test_dropless_routing_computes_every_choice(seed, seq, n_experts, k):
 
 
 def _eqns(jaxpr, prim) -> list:
-    """Every equation of ``prim`` in ``jaxpr`` and the jaxprs nested in it."""
-    out = []
-    for eqn in jaxpr.eqns:
-        out += [eqn] if eqn.primitive is prim else []
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            out += _eqns(sub, prim)
-    return out
+    return [eqn for eqn in all_eqns(jaxpr) if eqn.primitive is prim]
 
 
 @pytest.mark.parametrize("remat, runs", [("dots", 1), ("dots_no_batch", 1), ("full", 2), ("none", 1)])
