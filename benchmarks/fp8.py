@@ -3,6 +3,8 @@
     python benchmarks/fp8.py gemms --out gemms.json          # GPU: bf16 vs FP8 per (M, N, K)
     python benchmarks/fp8.py gemms --quick                   # the same on a few small shapes (CPU check)
     python benchmarks/fp8.py convergence --out loss.json     # tiny preset, 300 steps, bf16 vs FP8
+    python benchmarks/fp8.py convergence --steps 1000 --set model.preset=1b --set batch_size=8 \
+        --set data.seq_len=1024 --set model.fp8_small_gemms=false --out loss_1b.json  # GPU: 1b
 
 gemms: one linear layer's forward and backward (``y = x @ w``, then dx and dw from a fixed
 output gradient), jitted, in bf16 and in FP8 (models.fp8.fp8_dot_general: the amax, scaling and
@@ -16,6 +18,8 @@ convergence: `shardflow train`'s default run (the tiny preset on the embedded st
 corpus, batch 16 x 128, AdamW, 8-way data parallel; on a CPU-only machine 8 simulated devices)
 for 300 steps in bf16, then with ``model.fp8: true`` (and ``fp8_small_gemms``: every tiny
 GEMM is below the size rule); the final loss is the mean of the last 20 steps' losses.
+``--set key=value`` overrides the trainer's config as `shardflow train --set` does, in both
+runs (``--set model.fp8_small_gemms=false`` leaves the small GEMMs to the size rule).
 """
 
 from __future__ import annotations
@@ -97,16 +101,15 @@ def gemms(quick: bool, iters: int) -> list[dict]:
     return rows
 
 
-def convergence(steps: int, tail: int) -> list[dict]:
+def convergence(steps: int, tail: int, overrides: list[str]) -> list[dict]:
     from shardflow import train
     from shardflow.train import config
 
     rows = []
-    for name, flags in (("bf16", {}), ("fp8", {"fp8": True, "fp8_small_gemms": True})):
+    for name, flags in (("bf16", []), ("fp8", ["model.fp8=true", "model.fp8_small_gemms=true"])):
         with tempfile.TemporaryDirectory() as out:
-            cfg = config.load(None, ["checkpoint.every=0", "eval_every=0", "log_every=1"], out=out)
+            cfg = config.load(None, ["checkpoint.every=0", "eval_every=0", "log_every=1", *flags, *overrides], out=out)
             cfg.steps = steps
-            cfg.model = {**cfg.model, **flags}
             losses = train.train(cfg, progress=False)["losses"]
         final = sum(losses[s] for s in sorted(losses)[-tail:]) / tail
         rows.append({"run": name, "final_loss": final, "first_loss": losses[min(losses)], "losses": losses})
@@ -125,13 +128,14 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=50, help="gemms: timed calls per contender and round")
     parser.add_argument("--steps", type=int, default=300, help="convergence: training steps")
     parser.add_argument("--tail", type=int, default=20, help="convergence: the final loss's last steps")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="convergence: a config override")
     parser.add_argument("--out", help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
     configure_host_platform()
     import jax
 
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}")
-    rows = gemms(args.quick, args.iters) if args.what == "gemms" else convergence(args.steps, args.tail)
+    rows = gemms(args.quick, args.iters) if args.what == "gemms" else convergence(args.steps, args.tail, args.set)
     if args.out:
         _results.write_json(args.out, rows, what=args.what)
     return rows

@@ -182,7 +182,7 @@ def test_explain_lists_the_fp8_gemms(data_dir, tmp_path):
 @pytest.mark.slow
 def test_fp8_training_follows_bf16s_loss(data_dir, tmp_path):
     """30 steps of the small Llama in bf16 and with every projection in FP8: the last 10
-    steps' mean losses within 2 % (benchmarks/fp8_convergence.py runs the issue's 300 steps
+    steps' mean losses within 2 % (`benchmarks/fp8.py convergence` runs the 300 steps
     of the tiny preset to 1 %; over 30 steps the loss still falls fast, so a step's FP8 noise
     moves it more than near the end of a longer run)."""
 

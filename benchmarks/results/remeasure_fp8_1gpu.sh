@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One GPU, the FP8 / loss / attention rows. PART=1: the attention kernels' GPU tests, the 1b
+# step with the chunked loss against the materialised loss, and the FP8 GEMM table; PART=2:
+# 1,000 steps of the 1b preset on the embedded corpus in bf16 and in FP8. Logs and JSON under
+# $OUT, a short table last.
+#
+#   OUT=/tmp/out PART=1 bash benchmarks/results/remeasure_fp8_1gpu.sh
+set -u
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to the folder for logs and JSON}"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+nvidia-smi -L > "$OUT/device.txt"
+if [ "${PART:-1}" = 1 ]; then
+  timeout 150 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
+sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'test_gpu_kernels']))" \
+      > "$OUT/gpu_tests.log" 2>&1
+  echo "attention gpu tests exit $?"
+  timeout 230 python3 benchmarks/train_mfu.py --preset 1b --steps 5 --warmup 2 \
+      --engines shardflow,shardflow-plain-loss --out "$OUT/train_mfu_1b_loss.json" > "$OUT/train_mfu_1b_loss.log" 2>&1
+  echo "train_mfu 1b chunked vs plain loss exit $?"
+  timeout 190 python3 benchmarks/fp8.py gemms --iters 20 --out "$OUT/fp8_gemms.json" > "$OUT/fp8_gemms.log" 2>&1
+  echo "fp8 gemms exit $?"
+  tail -3 "$OUT/gpu_tests.log"; grep -A4 "^1b " "$OUT/train_mfu_1b_loss.log"; tail -50 "$OUT/fp8_gemms.log"
+else
+  timeout 560 python3 benchmarks/fp8.py convergence --steps 1000 --tail 50 --set model.preset=1b \
+      --set batch_size=8 --set data.seq_len=1024 --set model.fp8_small_gemms=false \
+      --out "$OUT/fp8_convergence_1b.json" > "$OUT/fp8_convergence_1b.log" 2>&1
+  echo "fp8 convergence 1b exit $?"
+  grep -E "^(bf16|fp8)" "$OUT/fp8_convergence_1b.log"
+fi
+cat "$OUT/device.txt"
