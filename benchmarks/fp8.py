@@ -128,7 +128,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=50, help="gemms: timed calls per contender and round")
     parser.add_argument("--steps", type=int, default=300, help="convergence: training steps")
     parser.add_argument("--tail", type=int, default=20, help="convergence: the final loss's last steps")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="convergence: a config override")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="convergence: config override")
     parser.add_argument("--out", help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
     configure_host_platform()
