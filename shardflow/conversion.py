@@ -83,12 +83,9 @@ def route(shape, dtype, src: NdSbp, dst: NdSbp, mesh, links=None) -> tuple:
     if src == dst:
         return ()
     shape, dtype, mesh = _normalized(shape, dtype, mesh)
-    direct = _plan(shape, dtype, src, dst, mesh)
-    routed = None if links is None else Pricer(shape, dtype, mesh, links).route(src, dst, steps_seconds(direct, links))
-    if routed is None:
-        return direct
-    states = routed[0]
-    return tuple(step for u, v in zip(states, states[1:]) for step in _plan(shape, dtype, u, v, mesh))
+    if links is None:
+        return _plan(shape, dtype, src, dst, mesh)
+    return Pricer(shape, dtype, mesh, links).steps(src, dst)
 
 
 def _normalized(shape, dtype, mesh) -> tuple:
@@ -264,6 +261,18 @@ class Pricer:
         if got is None:
             got = self.memo[src, dst] = self._seconds(src, dst)
         return got
+
+    def steps(self, src, dst) -> tuple:
+        """The plan this pricer prices from ``src`` to ``dst``: ``route``'s steps."""
+        if src == dst:
+            return ()
+        direct = _plan(self.shape, self.dtype, src, dst, self.mesh)
+        routed = self.route(src, dst, steps_seconds(direct, self.links))
+        if routed is None:
+            return direct
+        states = routed[0]
+        plans = (_plan(self.shape, self.dtype, u, v, self.mesh) for u, v in zip(states, states[1:]))
+        return tuple(step for plan in plans for step in plan)
 
     def _seconds(self, src, dst) -> float:
         if src == dst:

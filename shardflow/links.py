@@ -30,6 +30,9 @@ class LinkModel:
             return 0.0
         if not self.per_axis_alpha and not self.per_axis_beta:
             return self.alpha + nbytes / self.beta
-        alpha = max((self.per_axis_alpha.get(a, self.alpha) for a in axes), default=self.alpha)
         beta = min((self.per_axis_beta.get(a, self.beta) for a in axes), default=self.beta)
-        return alpha + nbytes / beta
+        return self.latency(axes) + nbytes / beta
+
+    def latency(self, axes) -> float:
+        """The α of ``seconds(axes, ...)``: what a collective over ``axes`` costs beyond its bytes."""
+        return max((self.per_axis_alpha.get(a, self.alpha) for a in axes), default=self.alpha)
