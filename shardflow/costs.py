@@ -29,7 +29,10 @@ class Collective:
     reason: str
     src: str  # NdSbp before / after the whole conversion
     dst: str
-    seconds: float = 0.0  # modelled time per execution (the link model's α + bytes/β)
+    seconds: float = 0.0  # modelled time per execution (the link model's α + bytes/β; β alone if ``combined``)
+    # run as one with an earlier collective (``combined_levels``): XLA's combiners merge
+    # independent collectives of one kind over the same devices, one latency for them all
+    combined: bool = False
 
 
 class Totals:
@@ -72,7 +75,7 @@ class Modelled(Totals):
 def modelled(program: Program) -> Modelled:
     """The modelled costs of ``program``, a boxed program."""
     jaxpr, found = program.jaxpr.jaxpr, []
-    work, hidden, flops = _collectives(program, jaxpr, 1, found)
+    work, hidden, flops = _collectives(program, jaxpr, 1, found, combined_levels(jaxpr))
     input_bytes = sum(conversion.local_bytes(v.aval, program.sbp[v], program.mesh) for v in jaxpr.invars)
     return Modelled(found, work, hidden, flops, input_bytes, held_bytes(program, jaxpr))
 
@@ -128,11 +131,48 @@ def collectives(program: Program, jaxpr) -> list:
     return out
 
 
-def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float, float, float]:
+COMBINED = ("all_reduce", "all_gather", "reduce_scatter")  # the collectives XLA's combiners merge
+
+
+def combined_key(steps, aval) -> tuple | None:
+    """(kind, axes, op, dim, dtype) of a conversion that is one all-reduce, all-gather or
+    reduce-scatter, else None: XLA's combiners run independent collectives of one key as one
+    (on GPU; XLA:CPU combines all-reduces only)."""
+    if len(steps) != 1 or steps[0].kind not in COMBINED:
+        return None
+    st = steps[0]
+    return st.kind, st.axes, st.op, st.dim, as_dtype(aval.dtype).name
+
+
+def combined_levels(jaxpr) -> dict:
+    """{box: (its ``combined_key``, level)} of the boxes of ``jaxpr`` (not of its bodies) that
+    are one combinable collective: level 1 + the highest level of the same key among the
+    collectives it depends on. Collectives of one key and level are independent, and the
+    levels are as few as a dependence chain allows (Mirsky): the model runs each (key, level)
+    as one collective, as XLA's combiners can (a training step's gradient all-reduces: one)."""
+    below, out = {}, {}  # var -> {key: the highest level of that key it depends on}
+    for eqn in jaxpr.eqns:
+        seen = {}
+        for x in eqn.invars:
+            for key, level in below.get(x, {}).items() if not is_literal(x) else ():
+                seen[key] = max(seen.get(key, 0), level)
+        key = combined_key(eqn.params["steps"], eqn.invars[0].aval) if eqn.primitive is box_p else None
+        if key is not None:
+            out[eqn] = key, seen.get(key, 0) + 1
+            seen = {**seen, key: out[eqn][1]}
+        for v in eqn.outvars:
+            below[v] = seen
+    return out
+
+
+def _collectives(program: Program, jaxpr, count: int, out: list, levels=None) -> tuple[float, float, float]:
     """The collectives of ``jaxpr`` (into ``out``): each box's plan, and those a rule's own
     lowering runs. Returns the modelled local work of its equations, the seconds its loops
-    hide (``overlap``) and its flops per device (those its rules count: matmuls, convolutions)."""
+    hide (``overlap``) and its flops per device (those its rules count: matmuls, convolutions).
+    With ``levels`` (``combined_levels(jaxpr)``), the collectives of one key and level pay one
+    latency."""
     work = hidden = flops = 0.0
+    groups = set()
     for eqn in jaxpr.eqns:
         x, d = eqn.invars[0] if eqn.invars else None, registry.decision_of(eqn)
         rule = registry.rule_of(eqn.primitive)
@@ -148,9 +188,13 @@ def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float,
         for st in steps:
             if st.is_collective:
                 repeats[st] = repeats.get(st, 0) + 1
+        group = None if levels is None else levels.get(eqn)
+        combined = group is not None and group in groups
+        groups.add(group)
         for st, times in repeats.items():
             source, used_at, reason, src, dst = why
             moved = st.value or x.aval
+            seconds = program.links.seconds(st.axes, st.bytes)
             out.append(
                 Collective(
                     st.kind,
@@ -164,7 +208,8 @@ def _collectives(program: Program, jaxpr, count: int, out: list) -> tuple[float,
                     reason,
                     format_sbp(src),
                     format_sbp(dst),
-                    program.links.seconds(st.axes, st.bytes),
+                    seconds - program.links.latency(st.axes) if combined else seconds,
+                    combined,
                 )
             )
         bodies = list(named_bodies(eqn))

@@ -37,7 +37,7 @@ class Plan(Totals):
         for c in self.collectives:
             rows.append(
                 (
-                    c.kind,
+                    c.kind + "+" * c.combined,
                     ",".join(c.axes),
                     f"{c.dtype}{list(c.shape)}",
                     f"{c.bytes:,}",
@@ -52,10 +52,17 @@ class Plan(Totals):
         lines.insert(1, "  ".join("-" * w for w in widths))
         runs = sum(c.count for c in self.collectives)  # a row runs × times a call (a loop's trips)
         distinct = f" ({len(self.collectives)} distinct)" if runs != len(self.collectives) else ""
+        combined = sum(c.count for c in self.collectives if c.combined)
+        merged = f", {combined:,} of them run with others" if combined else ""
         lines.append(
-            f"total: {self.total_bytes:,} bytes sent per device in {runs:,} collectives{distinct}, "
+            f"total: {self.total_bytes:,} bytes sent per device in {runs:,} collectives{distinct}{merged}, "
             f"{self.total_seconds * 1e6:.1f} µs modelled; planner: {self.planner}"
         )
+        if combined:
+            lines.append(
+                "+: runs with a collective of its kind above over the same axes, independent of it, as one "
+                "(XLA's combiners): no latency of its own"
+            )
         if self.fallbacks:
             lines.append(
                 "run whole for want of a rule (operands gathered to B): "

@@ -302,3 +302,59 @@ def test_gradient_accumulation_reduces_once_after_the_loop():
     expected = jax.jit(accumulate)(params, toks, tgts)
     for a, e in zip(jax.tree.leaves(f(params, toks, tgts)), jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ combined all-reduces
+
+
+def _all_reduces(f, *args) -> int:
+    return sum(c.kind == "all_reduce" for c in hlo.collectives(f.lower(*args).compile().as_text()))
+
+
+def test_independent_all_reduces_are_priced_as_the_one_collective_xla_runs():
+    """A data-parallel step's gradient all-reduces depend on none of each other: XLA's
+    all-reduce combiner runs them as one collective, and explain prices them so, one latency
+    for them all (the rest marked ``combined``), each still with its own bytes."""
+    links = sf.LinkModel()
+
+    def step(params, x):
+        def loss(params):
+            h = x
+            for w in params:
+                h = jnp.tanh(h @ w)
+            return jnp.sum(h**2)
+
+        return jax.grad(loss)(params)
+
+    r = np.random.default_rng(0)
+    params = [r.standard_normal((16, 16)).astype(np.float32) / 4 for _ in range(4)]
+    x = r.standard_normal((32, 16)).astype(np.float32)
+    specs = [PS()] * 4
+    f = sf.parallelize(step, mesh=sf.make_mesh({"data": 8}), in_specs=(specs, PS("data")), out_specs=specs)
+    plan = check(f, params, x)
+    assert [c.kind for c in plan.collectives] == ["all_reduce"] * 4
+    assert [c.combined for c in plan.collectives] == [False, True, True, True]
+    assert plan.total_seconds == pytest.approx(links.alpha + plan.total_bytes / links.beta)
+    assert _all_reduces(f, params, x) == 1
+    assert "3 of them run with others" in str(plan)
+    for a, e in zip(f(params, x), jax.jit(step)(params, x)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
+def test_an_all_reduce_of_a_value_made_from_another_pays_its_own_latency():
+    """Two row-parallel matmuls in a row, the first's result pinned whole: the second
+    all-reduce's operand is made from the first's result, so no combiner can merge them; each
+    pays its latency."""
+
+    def fn(x, w1, w2):
+        return jnp.tanh(sf.constrain(x @ w1, PS())) @ w2
+
+    r = np.random.default_rng(0)
+    args = [r.standard_normal(s).astype(np.float32) / 4 for s in ((4, 16), (16, 16), (16, 64))]
+    f = sf.parallelize(
+        fn, mesh=sf.make_mesh({"model": 8}), in_specs=(PS(None, "model"), PS("model"), PS("model")), out_specs=PS()
+    )
+    plan = check(f, *args)
+    reduced = [c for c in plan.collectives if c.kind == "all_reduce"]
+    assert len(reduced) == 2 and not any(c.combined for c in reduced), str(plan)
+    assert _all_reduces(f, *args) == 2
