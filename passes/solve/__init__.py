@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from shardflow.costs import modelled
+from shardflow.costs import combined_levels, modelled
 from shardflow.passes.boxing import boxing
 from shardflow.passes.propagate import Propagation, propagate
 from shardflow.passes.solve import assemble, build, highs
@@ -85,11 +85,14 @@ def _solve(program: Program, time_limit: float | None) -> Program:
     greedy = None if program.auto_inputs else propagate(program.replace(memory_budget=None))
     boxed = None if greedy is None else boxing(greedy)
     shares = None if boxed is None else assemble.loop_shares(boxed, program.jaxpr.jaxpr)
+    combined = {}  # var -> {key: level} of greedy's combinable conversions of it
+    for e, (key, level) in combined_levels(boxed.jaxpr.jaxpr).items() if boxed is not None else ():
+        combined.setdefault(e.invars[0], {})[key] = level
     prices = highs.shared_prices((program.mesh, repr(program.links)))
     warm, built = {}, {}
     start, solves = time.perf_counter(), 1
     try:
-        solution = assemble.solved(program, greedy, shares, limit, prices, warm, built)
+        solution = assemble.solved(program, greedy, shares, limit, prices, warm, built, combined)
     except Unsolvable as e:
         if program.auto_inputs:
             raise ShardingError(
@@ -111,7 +114,7 @@ def _solve(program: Program, time_limit: float | None) -> Program:
             solves = 2
             try:
                 second = assemble.solved(
-                    program, greedy, {k: max(shares[k], again[k]) for k in shares}, limit, prices, warm, built
+                    program, greedy, {k: max(shares[k], again[k]) for k in shares}, limit, prices, warm, built, combined
                 )
                 if second.plan.modelled_seconds <= solution.plan.modelled_seconds * (1 + 1e-9):
                     solution = second

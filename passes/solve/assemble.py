@@ -28,19 +28,21 @@ def choose(
     exposed: dict | None = None,
     warm: dict | None = None,
     built: dict | None = None,
+    combined: dict | None = None,
 ):
     """(the equations of ``jaxpr`` with their Decisions — bodies of solved scans and remats
     annotated too, every value's NdSbp set on ``prop`` —, {sf.AUTO input: its NdSbp}, the
     modelled seconds, a lower bound on the optimum's) of the plan ``Model.solve`` found;
     raises Unsolvable. ``exposed``: the loops' overlap shares; ``warm``: see ``highs.relaxation``;
     ``built``: a dict keeping the model built for ``given``'s equations, for the next solve of
-    the same program (only the shares differ)."""
+    the same program (only the shares differ); ``combined``: greedy's combinable collectives
+    (``build.CombinedGroups``)."""
     key = frozenset(given or ())
     if built is not None and key in built:
         model, entries, auto, fallbacks = built[key]
         prop.fallbacks[:] = fallbacks
     else:
-        model, entries, auto = build(prop, jaxpr, out_sbp, given)
+        model, entries, auto = build(prop, jaxpr, out_sbp, given, combined)
         if built is not None:
             built[key] = model, entries, auto, list(prop.fallbacks)
     result = process_0s(
@@ -167,6 +169,7 @@ def solved(
     prices: dict,
     warm: dict,
     built: dict,
+    combined: dict | None = None,
 ) -> _Solution:
     """``choose``'s optimum, or raise Unsolvable. ``exposed``: the overlap shares the loops'
     hideable conversions are priced at; ``prices``: the conversions priced so far
@@ -181,7 +184,7 @@ def solved(
         prop = Propagation(program, prices).seeded()  # conversions priced once for every solve
         try:
             eqns, auto, seconds, bound = choose(
-                prop, program.jaxpr.jaxpr, program.out_sbp, time_limit, given, exposed, warm, built
+                prop, program.jaxpr.jaxpr, program.out_sbp, time_limit, given, exposed, warm, built, combined
             )
             break
         except Unsolvable as e:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shardflow import conversion, registry
-from shardflow.costs import STATIONARY_PENALTY, moves
+from shardflow.costs import STATIONARY_PENALTY, combined_key, moves
 from shardflow.passes.propagate import Propagation, _adoptable, reduced
 from shardflow.passes.solve.coarsen import coarsened_tail, within
 from shardflow.passes.solve.model import Model, Unsolvable
@@ -322,12 +322,13 @@ def _walk(prop: Propagation, jaxpr, given, tail, known) -> tuple:
     return b, b.jaxpr(jaxpr, 1), auto
 
 
-def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
+def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None, combined: dict | None = None):
     """(model, per equation of ``jaxpr`` its entry — (eqn, its strategies, their x columns), or
     a ``Region`` — and per sf.AUTO input (var, its layouts, their columns)), or raise
-    Unsolvable. ``given``: control flow equations -> the equation as greedy laid it out. A
-    loop's hideable conversions are priced at the share of them it leaves exposed when the
-    model is solved (``Model.costs``), so one model serves solves at other shares."""
+    Unsolvable. ``given``: control flow equations -> the equation as greedy laid it out;
+    ``combined``: greedy's combinable collectives (``CombinedGroups``). A loop's hideable conversions
+    are priced at the share of them it leaves exposed when the model is solved
+    (``Model.costs``), so one model serves solves at other shares."""
     known = {}
     b, entries, auto = _walk(prop, jaxpr, given, None, known)
     edges = sum(len(at) * len(use) for v, at in b.produced.items() for use in b.uses.get(v, ()))
@@ -357,13 +358,41 @@ def build(prop: Propagation, jaxpr, out_sbp, given: dict | None = None):
             unspecified.add(v)
         else:
             b.uses.setdefault(v, []).append({want: None})
+    groups = CombinedGroups(prop, combined or {})
     for v, at in b.produced.items():
         if v in unspecified:  # no out_spec: a partial output is reduced (inputs never are partial)
             for a, cols in at.items():
                 for c in cols or ():
                     m.cost[c] += prop.seconds(v.aval, a, reduced(a))
-        _conversions(m, prop, v, at, b.uses.get(v, ()), b.scale.get(v, 1), b.hideable)
+        _conversions(m, prop, v, at, b.uses.get(v, ()), b.scale.get(v, 1), b.hideable, groups)
     return m, entries, auto
+
+
+class CombinedGroups:
+    """The collectives the solver may count as run together, as XLA's combiners run them and
+    explain prices them (``costs.combined_levels``): greedy's plan's, by key and level
+    (``greedy``: var -> {key: level}, the value each converts). A top-level conversion of such a
+    value that is one collective of such a key is charged 1/n of its latency, n the group's
+    size in greedy's plan: the whole latency once where the solver converts as greedy does.
+    Fewer of the group are charged less than they cost, the error that keeps the integer
+    program as it was (a fixed charge per group made branch and bound 10x slower); explain
+    prices the plan exactly, and the solver keeps greedy's plan where that is cheaper. The
+    groups are greedy's because which collectives depend on which is a plan's own; values
+    greedy converts independently stay independent in any plan."""
+
+    def __init__(self, prop: Propagation, greedy: dict):
+        self.prop, self.greedy = prop, greedy
+        self.sizes = collections.Counter((key, level) for levels in greedy.values() for key, level in levels.items())
+
+    def discount(self, v, a, r) -> float:
+        """Seconds of the latency of converting ``v`` from ``a`` to ``r`` its group bears."""
+        levels = self.greedy.get(v)
+        if not levels:
+            return 0.0
+        key = combined_key(self.prop.pricer(v.aval).steps(a, r), v.aval)
+        if key not in levels:
+            return 0.0
+        return self.prop.program.links.latency(key[1]) * (1 - 1 / self.sizes[key, levels[key]])
 
 
 def _taken(b: Builder, jaxpr) -> list:
@@ -385,14 +414,16 @@ def _taken(b: Builder, jaxpr) -> list:
     return out
 
 
-def _conversions(m: Model, prop, v, z, uses, scale=1, hideable=None):
+def _conversions(m: Model, prop, v, z, uses, scale=1, hideable=None, groups: CombinedGroups | None = None):
     """Columns and rows pricing ``v``'s conversions: per use, a transportation edge e[a, r]
     (sum_r e = z[a], the columns producing ``v`` at a — None: fixed there, the constant 1 —,
     sum_a e = the use's choice of r: tight for one edge); per conversion
     a -> r to a layout several uses may want, q >= every use's e[a, r], paid once (boxing
     converts once for all users; 6k of the 7b step's 92k rows are of layouts one use wants). A
     conversion a loop may overlap with its compute (``hideable``: by var, or by id of a use)
-    is priced at the share of it the loop leaves exposed, given when the model is solved."""
+    is priced at the share of it the loop leaves exposed, given when the model is solved. A
+    conversion of a value run once a step, in no loop's overlap, that greedy's plan runs with
+    others is charged its share of their latency (``groups``)."""
     uses = [use for use in uses if not all(a == r for a in z for r in use)]
     if not uses:
         return
@@ -403,6 +434,10 @@ def _conversions(m: Model, prop, v, z, uses, scale=1, hideable=None):
         for r in {r for use in uses for r in use}
         for a in here
     }
+    if groups is not None and scale == 1 and (hideable is None or v not in hideable):
+        for a, r in seconds:
+            if a != r:
+                seconds[a, r] -= groups.discount(v, a, r)
     shared = {}
     wanters = collections.Counter(r for use in uses for r in use)
     for use in uses:
