@@ -22,6 +22,9 @@ Per expert shape (the moe-1b and moe-8x1b presets' layers, bf16):
   k * expert ffn): milliseconds of each and their ratio; twice, the backward recomputing the
   experts' gate and up projections and taking them from the forward (``keep_activations``).
 
+* ``--profile`` (GPU): instead of the rows, the layer's kernels (activations kept) and the dense
+  layer's, each kernel's device milliseconds per call from a profiler trace, longest first.
+
 Each timing is the median of --repeats runs of --iters calls after two untimed calls
 (compilation), on random inputs resident on the device.
 """
@@ -277,6 +280,41 @@ def layer_rows(name, tokens, iters, repeats, variant_name=None):
     return out
 
 
+def profile_rows(name, tokens, iters, variant_name=None, top=25):
+    """Device ms per call of each kernel of the layer (activations kept) and of its dense
+    equivalent, from a profiler trace of ``iters`` calls."""
+    import jax
+    from attention_timing import kernel_times
+
+    seq = min(tokens, 1024)
+    (x, router, experts_w, dense_w), moe_grads, dense_grads = _layers(name, max(1, tokens // seq), seq, 1, True)
+    out = []
+    with variant(variant_name) if variant_name else contextlib.nullcontext():
+        for layer, fn, args in (
+            ("moe", jax.jit(moe_grads), (x, router, experts_w)),
+            ("dense", jax.jit(dense_grads), (x, dense_w)),
+        ):
+            jax.block_until_ready(fn(*args))
+            kernels = kernel_times(fn, args, iters=iters)
+            total = sum(ms for _, ms in kernels)
+            print(
+                f"\nprofile {name} {layer} {variant_name or '-'}: {total:.3f} device ms a call, {len(kernels)} kernels"
+            )
+            for kernel, ms in kernels[:top]:
+                print(f"  {ms:7.3f} ms  {100 * ms / total:5.1f} %  {kernel[:110]}")
+            out.append(
+                {
+                    "bench": "profile",
+                    "shape": name,
+                    "layer": layer,
+                    "variant": variant_name or "-",
+                    "device_ms": total,
+                    "kernels": kernels,
+                }
+            )
+    return out
+
+
 def ep_row(name, tokens, iters, repeats):
     """Expert parallelism over every device (mesh {expert: n}): the dropless layer's
     forward+backward with the tokens and the experts split over the axis, by shardflow and by
@@ -334,9 +372,21 @@ def main(argv=None):
         default="simple",
         help="our kernels' variants to time, comma-separated (kernels/grouped_matmul_mgpu.py VARIANTS)",
     )
+    parser.add_argument("--profile", action="store_true", help="per-kernel device time of the layers (GPU)")
     parser.add_argument("--out", help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
     import jax
+
+    if args.profile:
+        rows = [
+            r
+            for name in args.shapes.split(",")
+            for v in args.variants.split(",")
+            for r in profile_rows(name, args.tokens, args.iters, v if jax.default_backend() == "gpu" else None)
+        ]
+        if args.out:
+            _results.write_json(args.out, rows, tokens=args.tokens, iters=args.iters)
+        return rows
 
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}")
     kernel = not args.no_kernel and jax.default_backend() == "gpu"
