@@ -37,8 +37,8 @@ GRID = (1024, 2048, 4096, 8192)
 QUICK = [(256, 256, 256), (256, 1024, 1024)]  # (M, N, K)
 
 
-def shapes(quick: bool) -> list[tuple[int, int, int]]:
-    """(M, N, K) of every preset projection 125m..7b and of the K x N grid, each at TOKENS."""
+def shapes(quick: bool, tokens=TOKENS) -> list[tuple[int, int, int]]:
+    """(M, N, K) of every preset projection 125m..7b and of the K x N grid, each at ``tokens``."""
     from shardflow import models
     from shardflow.models import fp8
 
@@ -46,7 +46,7 @@ def shapes(quick: bool) -> list[tuple[int, int, int]]:
         return QUICK
     kn = {kn for name in ("125m", "350m", "1b", "3b", "7b") for kn in fp8.gemm_shapes(models.preset(name)).values()}
     kn |= {(k, n) for k in GRID for n in GRID}
-    return [(m, n, k) for m in TOKENS for k, n in sorted(kn)]
+    return [(m, n, k) for m in tokens for k, n in sorted(kn)]
 
 
 def linear_step(dot):
@@ -61,7 +61,7 @@ def linear_step(dot):
     return jax.jit(step)
 
 
-def gemms(quick: bool, iters: int) -> list[dict]:
+def gemms(quick: bool, iters: int, tokens=TOKENS) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from attention_timing import interleaved_medians, time_samples
@@ -71,7 +71,7 @@ def gemms(quick: bool, iters: int) -> list[dict]:
     steps = {"bf16": linear_step(jax.lax.dot_general), "fp8": linear_step(fp8.fp8_dot_general)}
     rows = []
     print(f"{'M':>6} {'N':>6} {'K':>6}  {'bf16 ms':>9} {'fp8 ms':>9} {'bf16/fp8':>9}  rule")
-    for m, n, k in shapes(quick):
+    for m, n, k in shapes(quick, tokens):
         keys = jax.random.split(jax.random.key(0), 3)
         args = tuple(
             jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
@@ -126,6 +126,9 @@ def main(argv=None):
     parser.add_argument("what", choices=("gemms", "convergence"))
     parser.add_argument("--quick", action="store_true", help="gemms: a few small shapes only")
     parser.add_argument("--iters", type=int, default=50, help="gemms: timed calls per contender and round")
+    parser.add_argument(
+        "--tokens", default=",".join(map(str, TOKENS)), help="gemms: the M of each shape, comma-separated"
+    )
     parser.add_argument("--steps", type=int, default=300, help="convergence: training steps")
     parser.add_argument("--tail", type=int, default=20, help="convergence: the final loss's last steps")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="convergence: config override")
@@ -135,7 +138,10 @@ def main(argv=None):
     import jax
 
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}")
-    rows = gemms(args.quick, args.iters) if args.what == "gemms" else convergence(args.steps, args.tail, args.set)
+    tokens = tuple(int(m) for m in args.tokens.split(","))
+    rows = (
+        gemms(args.quick, args.iters, tokens) if args.what == "gemms" else convergence(args.steps, args.tail, args.set)
+    )
     if args.out:
         _results.write_json(args.out, rows, what=args.what)
     return rows
