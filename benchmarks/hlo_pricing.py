@@ -5,7 +5,10 @@ both are priced from their HLO by the same function and the same ``sf.LinkModel`
 
   collectives  each collective of the HLO (``shardflow.hlo``: kind, ring-priced bytes per device,
                executions per call) at ``links.seconds(axes, bytes)``, its mesh axes read from
-               its replica groups (or source-target pairs)
+               its replica groups (or source-target pairs); independent all-reduces,
+               all-gathers or reduce-scatters of one kind over the same devices pay one
+               latency (``hlo.combined``), as XLA's combiners on GPU run them and as explain
+               prices shardflow's plans (XLA:CPU combines the all-reduces only)
   work         XLA's cost analysis of the module (flops, bytes accessed) at
                ``links.compute_seconds`` — a while loop's body counted once, in both engines
 
@@ -131,7 +134,10 @@ def price(compiled, mesh_shape: dict, links) -> Priced:
     """``compiled`` (a jax Compiled, of jax.jit or of sf.parallelize) priced by ``links``. Where
     XLA cannot cost the module (a TopK custom call on CPU: flops -1) its work is priced at 0."""
     collectives = [c for c in hlo.collectives(compiled.as_text()) if c.bytes]
-    comm = sum(c.count * links.seconds(collective_axes(c, mesh_shape), c.bytes) for c in collectives)
+    comm = 0.0
+    for c, joined in zip(collectives, hlo.combined(collectives)):
+        axes = collective_axes(c, mesh_shape)
+        comm += c.count * (links.seconds(axes, c.bytes) - (links.latency(axes) if joined else 0.0))
     cost = cost_analysis(compiled)
     flops, accessed = cost.get("flops", -1.0), cost.get("bytes accessed", -1.0)
     known = flops >= 0 and accessed >= 0

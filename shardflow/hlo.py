@@ -79,6 +79,13 @@ _MESH = re.compile(
 _MESH_AXIS = re.compile(r"(?P<name>'[^']*'|\"[^\"]*\"|[^,=\s]+)\s*=\s*(?P<size>\d+)")
 _GROUP_AXIS = re.compile(r"(?P<name>'[^']*'|\"[^\"]*\"|[^,:\s]+)(?::\((?P<pre>\d+)\)(?P<size>\d+))?")
 _NUM_DEVICES = re.compile(r"\bnum_partitions=(\d+)")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
+_NAME = re.compile(r"%([\w.\-]+)")
+_GROUPS = re.compile(  # the devices of a collective, as printed
+    r"(?:replica_groups|source_target_pairs)="
+    r"(?:mesh\[[^\]]*\][^{}]*\{[^}]*\}|\{(?:[^{}]|\{[^{}]*\})*\}|\[[^\]]*\]<=\[[^\]]*\](?:T\([^)]*\))?)"
+)
+_COMBINED = ("all_reduce", "all_gather", "reduce_scatter")
 _NUM_REPLICAS = re.compile(r"\breplica_count=(\d+)")
 
 
@@ -93,6 +100,31 @@ class HloCollective:
     computation: str = ""  # the HLO computation it sits in
     trip_count_known: bool = True  # False: an enclosing loop had no known_trip_count (count 1)
     attrs: str = ""  # the instruction's text after its operands: replica groups, source-target pairs
+    dtype: str = ""  # of its result
+    # 1 + the highest level of the collectives of its kind, dtype and devices that it depends on
+    # in its computation: those of one level are independent, and XLA's combiners may run them
+    # as one (``combined``), as explain's model assumes of shardflow's plans
+    level: int = 1
+
+    def combine_key(self) -> tuple:
+        return self.computation, self.kind, self.dtype, _groups_text(self.attrs)
+
+
+def _groups_text(attrs: str) -> str:
+    m = _GROUPS.search(attrs)
+    return m.group(0) if m else ""
+
+
+def combined(collectives: list) -> list:
+    """Per collective, whether it runs with an earlier one of its ``combine_key`` and level as one
+    collective (XLA's combiners: independent all-reduces, all-gathers or reduce-scatters of one
+    kind over the same devices): the latency it does not pay in explain's model."""
+    seen, out = set(), []
+    for c in collectives:
+        key = (c.combine_key(), c.level)
+        out.append(c.kind in _COMBINED and key in seen)
+        seen.add(key)
+    return out
 
 
 def _bytes(text: str) -> int:
@@ -230,7 +262,15 @@ def collectives(hlo_text: str) -> list:
     mult, known = _multipliers(comps, entry)
     out = []
     for comp, body in comps.items():
+        below = {}  # instruction -> {combine key: the highest level it depends on}
         for line in body:
+            instruction = _INSTRUCTION.match(line)
+            seen = {}
+            if instruction:
+                for name in _NAME.findall(instruction.group("rest")):
+                    for key, level in below.get(name, {}).items():
+                        seen[key] = max(seen.get(key, 0), level)
+                below[instruction.group("name")] = seen
             m = _OP.match(line)
             if not m:
                 continue
@@ -241,6 +281,8 @@ def collectives(hlo_text: str) -> list:
                 parts = _top_level(result_text)  # async start: (operands, results[, contexts])
                 result_text = parts[1] if len(parts) > 1 else parts[0]
             result = _bytes(result_text)  # operand shapes are not always printed: derive them
+            first = _SHAPE.search(result_text)
+            dtype = first.group("dtype") if first else ""
             operand = result * n if kind == "reduce_scatter" else result // n if kind == "all_gather" else result
             if kind == "all_reduce":
                 sent = 2 * (n - 1) / n * result
@@ -261,8 +303,13 @@ def collectives(hlo_text: str) -> list:
                     comp,
                     known.get(comp, True),
                     m.group("attrs"),
+                    dtype,
                 )
             )
+            key = out[-1].combine_key()
+            out[-1] = dataclasses.replace(out[-1], level=seen.get(key, 0) + 1)
+            if instruction:
+                below[instruction.group("name")] = {**seen, key: out[-1].level}
     return out
 
 

@@ -226,3 +226,34 @@ def test_compiled_module_end_to_end():
     assert cs and all(c.group_size == 4 for c in cs)
     assert max(c.count for c in cs) == 5
     assert hlo.total_bytes(text, weighted=True) > hlo.total_bytes(text)
+
+
+def test_collectives_of_one_kind_and_devices_that_depend_on_none_of_each_other_share_a_level():
+    """Levels: an all-gather that reads an earlier one's result (through other instructions)
+    is one level up; independent ones of one kind and devices share a level, and all but the
+    first of a level run combined; other devices or another kind start their own."""
+    groups = "replica_groups={{0,1,2,3},{4,5,6,7}}"
+    module = f"""HloModule m, num_partitions=8
+
+ENTRY %main (p: f32[8], q: f32[8]) -> f32[32] {{
+  %p = f32[8]{{0}} parameter(0)
+  %q = f32[8]{{0}} parameter(1)
+  %ag.0 = f32[32]{{0}} all-gather(%p), channel_id=1, {groups}, dimensions={{0}}
+  %ag.1 = f32[32]{{0}} all-gather(%q), channel_id=2, {groups}, dimensions={{0}}
+  %ag.2 = f32[32]{{0}} all-gather(%q), channel_id=3, replica_groups={{{{0,4}},{{1,5}},{{2,6}},{{3,7}}}}, dimensions={{0}}
+  %sum = f32[8]{{0}} add(%p, %q)
+  %ar = f32[8]{{0}} all-reduce(%sum), channel_id=4, {groups}, to_apply=%add
+  %x = f32[32]{{0}} add(%ag.0, %ag.1)
+  %s = f32[8]{{0}} slice(%x), slice={{[0:8]}}
+  ROOT %ag.3 = f32[32]{{0}} all-gather(%s), channel_id=5, {groups}, dimensions={{0}}
+}}
+"""
+    cs = hlo.collectives(module)
+    assert [(c.kind, c.level) for c in cs] == [
+        ("all_gather", 1),
+        ("all_gather", 1),
+        ("all_gather", 1),
+        ("all_reduce", 1),
+        ("all_gather", 2),
+    ]
+    assert hlo.combined(cs) == [False, True, False, False, False]

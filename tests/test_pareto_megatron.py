@@ -5,7 +5,8 @@ both planners, GSPMD's plan never has both fewer collective bytes and fewer flop
 shardflow's, and shardflow's plan is modelled no slower than GSPMD's. Both plans are priced
 from their compiled HLO by the same function and the same ``sf.LinkModel``
 (benchmarks/hlo_pricing.py): every collective at ``links.seconds(its mesh axes, its bytes)``,
-the work from XLA's cost analysis at ``links.compute_seconds``.
+those XLA's combiners run as one (independent, of one kind over the same devices) at one
+latency, as explain prices a plan; the work from XLA's cost analysis at ``links.compute_seconds``.
 
 Megatron: under tp and tp_sp with ``stationary_weights`` (Megatron's layout asked for; by
 default the planner may gather a weight where it models that cheaper), each layer of the
