@@ -18,7 +18,7 @@ priced by the same link model.
 
 Rows where a criterion does not hold today are strict expected failures naming the numbers:
 a planner that fixes one flags it. The suite runs a few program rows and the pricing's own
-tests; every program row, the train step's and Megatron's (about 30 minutes on 2 cores) are a
+tests; every program row, the train step's and Megatron's (about 4 minutes on 2 cores) are a
 sweep:
 
     python -m pytest -q -n 2 -m sweep tests/test_pareto_megatron.py
