@@ -149,3 +149,15 @@ def tiny_tp_plan():
     """The solver's explain plan of ``train_step_shapes`` (one solve per test process)."""
     _, run, state, batch = train_step_shapes()
     return run.train_step().explain(*state, batch)
+
+
+def assert_optimum_prices_the_boxed_plan(optimum: float, plan, rel: float = 1e-3):
+    """The solver's model ``optimum`` (seconds) against its ``plan`` priced as boxed: the model
+    charges a combinable collective 1/n of its latency only in groups greedy's plan runs
+    together, so it may miss combinations explain finds (an upper bound), by at most the
+    latencies the combined collectives do not pay."""
+    links = sf.LinkModel()
+    saved = sum(links.latency(c.axes) * c.count for c in plan.collectives if c.combined)
+    boxed = plan.modelled_seconds
+    assert boxed <= optimum * (1 + rel), (optimum, boxed)
+    assert optimum - boxed <= saved + rel * optimum, (optimum, boxed, saved)
