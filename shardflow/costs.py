@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardflow import conversion, registry
+from shardflow.hlo import COMBINED
 from shardflow.primitives import box_p
 from shardflow.program import Program, is_literal, named_bodies, open_jaxpr, source_line
 from shardflow.registry import Call, Loop
@@ -129,9 +130,6 @@ def collectives(program: Program, jaxpr) -> list:
     out = []
     _collectives(program, jaxpr, 1, out)
     return out
-
-
-COMBINED = ("all_reduce", "all_gather", "reduce_scatter")  # the collectives XLA's combiners merge
 
 
 def combined_key(steps, aval) -> tuple | None:

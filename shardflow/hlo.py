@@ -85,7 +85,7 @@ _GROUPS = re.compile(  # the devices of a collective, as printed
     r"(?:replica_groups|source_target_pairs)="
     r"(?:mesh\[[^\]]*\][^{}]*\{[^}]*\}|\{(?:[^{}]|\{[^{}]*\})*\}|\[[^\]]*\]<=\[[^\]]*\](?:T\([^)]*\))?)"
 )
-_COMBINED = ("all_reduce", "all_gather", "reduce_scatter")
+COMBINED = ("all_reduce", "all_gather", "reduce_scatter")  # the collectives XLA's combiners merge
 _NUM_REPLICAS = re.compile(r"\breplica_count=(\d+)")
 
 
@@ -122,7 +122,7 @@ def combined(collectives: list) -> list:
     seen, out = set(), []
     for c in collectives:
         key = (c.combine_key(), c.level)
-        out.append(c.kind in _COMBINED and key in seen)
+        out.append(c.kind in COMBINED and key in seen)
         seen.add(key)
     return out
 
