@@ -2,10 +2,11 @@
 # One GPU, the FP8 / loss / attention rows. PART=1: the attention kernels' GPU tests, the 1b
 # step with the chunked loss against the materialised loss, and the FP8 GEMM table; PART=2:
 # 1,000 steps of the 1b preset on the embedded corpus in bf16 and in FP8 (8 x 512 tokens a
-# step), the MoE layer's kernel profile, the attention kernels' GPU tests; PART=3: the FP8 GEMM
+# step), the attention kernels' GPU tests; PART=3: the FP8 GEMM
 # table at 32k tokens; PART=4: the 3b step against the plain-JAX reference at 4 x 4096 (what
 # fits an H100), then the 32k GEMM table in less time; PART=5: the MoE layer's kernel profile
-# and the 32k GEMM table, in three minutes. Logs and JSON under $OUT, a short table last.
+# and the 32k GEMM table, in three minutes; PART=6: the MoE profile, the 3b step against the
+# reference, the 32k GEMM table, in seven minutes. Logs and JSON under $OUT, a short table last.
 #
 #   OUT=/tmp/out PART=1 bash benchmarks/results/remeasure_fp8_1gpu.sh
 set -u
@@ -29,14 +30,11 @@ elif [ "${PART}" = 2 ]; then
       --set batch_size=8 --set data.seq_len=512 --set model.fp8_small_gemms=false \
       --out "$OUT/fp8_convergence_1b.json" > "$OUT/fp8_convergence_1b.log" 2>&1
   echo "fp8 convergence 1b exit $?"
-  timeout 80 python3 benchmarks/moe.py --profile --shapes moe-1b --iters 5 --variants ws-wide \
-      --out "$OUT/moe_profile.json" > "$OUT/moe_profile.log" 2>&1
-  echo "moe profile exit $?"
-  timeout 200 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
+  timeout 260 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
 sys.exit(pytest.main(['-q', '-rA', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'test_gpu_kernels']))" \
       > "$OUT/gpu_tests.log" 2>&1
   echo "attention gpu tests exit $?"
-  grep -E "^(bf16|fp8)" "$OUT/fp8_convergence_1b.log"; grep -A12 "^profile" "$OUT/moe_profile.log"
+  grep -E "^(bf16|fp8)" "$OUT/fp8_convergence_1b.log"
   grep -E "PASSED|FAILED|passed|failed" "$OUT/gpu_tests.log" | tail -20
 elif [ "${PART}" = 5 ]; then
   timeout 70 python3 benchmarks/moe.py --profile --shapes moe-1b --iters 5 --variants ws-wide \
@@ -46,6 +44,17 @@ elif [ "${PART}" = 5 ]; then
       > "$OUT/fp8_gemms_32k.log" 2>&1
   echo "fp8 gemms 32k exit $?"
   grep -A14 "^profile" "$OUT/moe_profile.log"; tail -26 "$OUT/fp8_gemms_32k.log"
+elif [ "${PART}" = 6 ]; then
+  timeout 70 python3 benchmarks/moe.py --profile --shapes moe-1b --iters 5 --variants ws-wide \
+      --out "$OUT/moe_profile.json" > "$OUT/moe_profile.log" 2>&1
+  echo "moe profile exit $?"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout 200 python3 benchmarks/train_mfu.py --preset 3b --batch 4 --steps 3 \
+      --warmup 1 --engines reference,shardflow --out "$OUT/train_mfu_3b.json" > "$OUT/train_mfu_3b.log" 2>&1
+  echo "train_mfu 3b vs reference exit $?"
+  timeout 110 python3 benchmarks/fp8.py gemms --iters 10 --tokens 32768 --out "$OUT/fp8_gemms_32k.json" \
+      > "$OUT/fp8_gemms_32k.log" 2>&1
+  echo "fp8 gemms 32k exit $?"
+  grep -A14 "^profile" "$OUT/moe_profile.log"; grep -A5 "^3b " "$OUT/train_mfu_3b.log"; tail -26 "$OUT/fp8_gemms_32k.log"
 elif [ "${PART}" = 4 ]; then
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout 200 python3 benchmarks/train_mfu.py --preset 3b --batch 4 --steps 3 \
       --warmup 1 --engines reference,shardflow --out "$OUT/train_mfu_3b.json" > "$OUT/train_mfu_3b.log" 2>&1
