@@ -42,6 +42,7 @@ from shardflow.train import configure_host_platform
 CASES = {  # preset -> (batch, seq, remat)
     "1b": (8, 4096, "none"),
     "3b": (8, 4096, "dots"),
+    "7b": (4, 4096, "full"),  # fits one H200 (141 GB) with float32 Adam state, not an 80 GB GPU
     "moe-1b": (2, 4096, "dots"),  # at 4 neither engine fits one 80 GB GPU (train_mfu.md, 2026-12-07)
     "tiny": (16, 256, "none"),
     "moe-tiny": (16, 256, "none"),

@@ -6,7 +6,8 @@
 # table at 32k tokens; PART=4: the 3b step against the plain-JAX reference at 4 x 4096 (what
 # fits an H100), then the 32k GEMM table in less time; PART=5: the MoE layer's kernel profile
 # and the 32k GEMM table, in three minutes; PART=6: the MoE profile, the 3b step against the
-# reference, the 32k GEMM table, in seven minutes. Logs and JSON under $OUT, a short table last.
+# reference, the 32k GEMM table, in seven minutes; PART=7 (one H200): the 7b step in FP8, in
+# bf16 and by the plain-JAX reference, each in its own process. Logs and JSON under $OUT, a short table last.
 #
 #   OUT=/tmp/out PART=1 bash benchmarks/results/remeasure_fp8_1gpu.sh
 set -u
@@ -55,6 +56,13 @@ elif [ "${PART}" = 6 ]; then
       > "$OUT/fp8_gemms_32k.log" 2>&1
   echo "fp8 gemms 32k exit $?"
   grep -A14 "^profile" "$OUT/moe_profile.log"; grep -A5 "^3b " "$OUT/train_mfu_3b.log"; tail -26 "$OUT/fp8_gemms_32k.log"
+elif [ "${PART}" = 7 ]; then  # one H200: the 7b does not fit 80 GB
+  for engine in shardflow-fp8 shardflow reference; do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 180 python3 benchmarks/train_mfu.py --preset 7b --steps 3 --warmup 1 \
+        --engines $engine --out "$OUT/train_mfu_7b_$engine.json" > "$OUT/train_mfu_7b_$engine.log" 2>&1
+    echo "train_mfu 7b $engine exit $?"
+    grep -A3 "^7b " "$OUT/train_mfu_7b_$engine.log"
+  done
 elif [ "${PART}" = 4 ]; then
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout 200 python3 benchmarks/train_mfu.py --preset 3b --batch 4 --steps 3 \
       --warmup 1 --engines reference,shardflow --out "$OUT/train_mfu_3b.json" > "$OUT/train_mfu_3b.log" 2>&1
