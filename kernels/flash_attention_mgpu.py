@@ -15,8 +15,10 @@ bfloat16 failed), lse in natural log, and a `supports` predicate.
 fast path of `flash_attention_gpu.backward`, one kernel, see its docstring.
 
 Both take only what they were built for: bfloat16/float16, head_dim 64 or 128, no segment ids,
-non-causal or causal with q_offset == kv_offset and seq_q == seq_kv, sequences that are
-multiples of 128. Everything else goes to the Triton kernels. Mosaic GPU has no interpret mode:
+non-causal, or causal with seq_q == seq_kv and a static q_offset - kv_offset of 0 or -1
+(`CAUSAL_OFFSETS`: a query sees the keys up to its own position, or strictly before it, as a
+striped ring's later blocks do), sequences that are multiples of 128. Everything else goes to
+the Triton kernels. Mosaic GPU has no interpret mode:
 benchmarks/attention.py --check tests these kernels on the GPU; on CPU the tests lower them
 for CUDA.
 """
@@ -39,6 +41,10 @@ from .attention_common import LN_2, LOG2_E
 BLOCK_Q = 64  # rows per compute warpgroup; a CTA covers 2 * BLOCK_Q rows
 BLOCK_KV = 128
 MAX_CONCURRENT_STEPS = 2
+# The causal diagonals (q_offset - kv_offset) the kernels take: those that leave every K/V block
+# but a query tile's diagonal one fully visible to it or fully hidden (a shift of -1 hides the
+# diagonal itself, so the first query of the sequence sees no key: its output is 0, its lse -inf).
+CAUSAL_OFFSETS = (0, -1)
 
 
 def supports(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> bool:
@@ -50,7 +56,8 @@ def supports(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> 
         return False
     if q_len % (2 * BLOCK_Q) or kv_len % BLOCK_KV or kv_len < MAX_CONCURRENT_STEPS * BLOCK_KV:
         return False
-    if causal and not (isinstance(offset_delta, int) and offset_delta == 0 and q_len == kv_len):
+    static = isinstance(offset_delta, int) and not isinstance(offset_delta, bool)
+    if causal and not (static and offset_delta in CAUSAL_OFFSETS and q_len == kv_len):
         return False
     return on_hopper()
 
@@ -113,8 +120,9 @@ def _div(x, n):
     return lax.div(x, jnp.array(n, x.dtype))
 
 
-def forward(q, k, v, *, causal: bool, scale: float):
+def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0):
     """Returns (out [B, S, Hq, D] in q's dtype, lse [B, Hq, S] float32, natural log).
+    Causal: query i sees key j where i + offset_delta >= j (``CAUSAL_OFFSETS``).
 
     Each CTA attends the tiles `ForwardWork` gives it, one after the other: the K/V stream runs
     on across its tiles, the next tile's q loads during this one and the output store is not
@@ -194,14 +202,17 @@ def forward(q, k, v, *, causal: bool, scale: float):
                     if masked:
                         q_ids = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
                         kv_ids = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                        mask = (q_ids + q_seq_base) >= (kv_ids + kv_step * block_kv)
+                        mask = (q_ids + (q_seq_base + offset_delta)) >= (kv_ids + kv_step * block_kv)
                         qk = jnp.where(mask, qk, -jnp.inf)
 
                     # m is kept scaled by logit_scale so that p is one FMA and an exp2.
                     m_ij = jnp.maximum(m_i, qk.max(axis=1) * logit_scale)
-                    alpha = jnp.exp2(m_i - m_ij)
+                    # A row that has seen no key yet (only under a shifted diagonal, only in the
+                    # masked step) keeps m = -inf; its p and alpha are taken against 0, not NaN.
+                    m_shift = jnp.where(m_ij == -jnp.inf, 0.0, m_ij) if masked and offset_delta else m_ij
+                    alpha = jnp.exp2(m_i - m_shift)
                     m_i = m_ij
-                    p = jnp.exp2(qk * logit_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+                    p = jnp.exp2(qk * logit_scale - lax.broadcast_in_dim(m_shift, qk.shape, [0]))
                     acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
                     l_i *= alpha
                     p16 = p.astype(dtype)
@@ -241,9 +252,11 @@ def forward(q, k, v, *, causal: bool, scale: float):
                 else:
                     acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_loop, carry)
 
-                acc /= lax.broadcast_in_dim(l_i, (block_q, head_dim), [0])
+                # Every row sees at least its own key (causal) or all keys, so l_i > 0; under a
+                # shifted diagonal a row may see none: its output is 0 and its lse -inf.
+                divisor = jnp.where(l_i == 0.0, 1.0, l_i) if offset_delta else l_i
+                acc /= lax.broadcast_in_dim(divisor, (block_q, head_dim), [0])
                 qo_smem[...] = acc.astype(dtype)  # q's slot: this tile's last q k^T has read it
-                # Every row sees at least its own key (causal) or all keys, so l_i > 0.
                 lse_smem[...] = m_i * LN_2 + jnp.log(l_i)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_seq_base, block_q), q_head])
@@ -374,7 +387,7 @@ def backward_grid(batch, kv_len, heads_q, heads_kv, head_dim, *, causal: bool, s
     return per_q_head, dict(grid=(heads, kv_blocks, batch), grid_names=("heads", "kv_seq", "batch"))
 
 
-def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
+def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, offset_delta: int = 0):
     """FlashAttention-2/3-style fused backward: returns (dq, dk, dv) in q's dtype.
 
     One CTA per (head, 128 kv rows, batch), a head being a kv head or a q head (`backward_grid`):
@@ -388,7 +401,8 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
     not the split backward's seven — and added to an fp32 dq in global memory with a TMA
     reduce-add (per-q-head CTAs add their dk, dv so at the end). Causal: a CTA starts at the
     first q block that can see its keys; only the q blocks over its own rows carry the element
-    mask.
+    mask (``offset_delta`` -1 shifts it by one: those blocks stay the only masked ones, and a row
+    that sees no key has lse -inf, so its p is 0).
     """
     import jax.experimental.pallas.mosaic_gpu as plgpu  # needs a CUDA build of jaxlib
 
@@ -484,7 +498,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None):
                     if masked:
                         kv_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
                         q_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
-                        visible = q_ids + q_block * bq >= kv_ids + kv_rows
+                        visible = q_ids + (q_block * bq + offset_delta) >= kv_ids + kv_rows
                         logits = jnp.where(visible, logits, -jnp.inf)
                     return jnp.exp2(logits), dpt_ref[...]
 

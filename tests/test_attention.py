@@ -418,6 +418,28 @@ def test_gpu_kernels(causal, seq, head_dim):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_kernels_under_a_shifted_causal_diagonal(head_dim):
+    """q_offset - kv_offset = -1, as a striped ring's later blocks attend: every query sees the
+    keys strictly before it, so the first sees none (output 0, lse -inf). On Hopper the Mosaic
+    kernels run it."""
+    check_against_reference(
+        "pallas",
+        dtype=jnp.bfloat16,
+        causal=True,
+        batch=2,
+        q_len=512,
+        kv_len=512,
+        heads_kv=2,
+        group=2,
+        head_dim=head_dim,
+        q_offset=0,
+        kv_offset=1,
+    )
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("per_q_head", [False, True])
 def test_gpu_kernels_on_slices_of_stacked_layers(per_q_head, monkeypatch):
     """q, k, v sliced from stacked arrays inside one jit, as a model's layers are: XLA fuses the
@@ -459,17 +481,17 @@ def test_gpu_kernels_on_slices_of_stacked_layers(per_q_head, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal,offset_delta", [(False, 0), (True, 0), (True, -1)])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("batch,seq", [(2, 512), (2, 4352), (8, 4352)])  # GQA per q / kv head
-def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, group, batch, seq):
+def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, offset_delta, group, batch, seq):
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     from shardflow.kernels import flash_attention_mgpu
 
     q = jax.ShapeDtypeStruct((batch, seq, 4 * group, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((batch, seq, 4, head_dim), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((batch, 4 * group, seq), jnp.float32)
-    kw = dict(causal=causal, scale=head_dim**-0.5)
+    kw = dict(causal=causal, scale=head_dim**-0.5, offset_delta=offset_delta)
     for fn, args in (
         (functools.partial(flash_attention_mgpu.forward, **kw), (q, kv, kv)),
         (functools.partial(flash_attention_mgpu.backward, **kw), (q, kv, kv, q, lse, q)),
@@ -581,13 +603,15 @@ def test_a_head_dim_between_the_mosaic_kernels_runs_them_zero_padded(head_dim, w
 
     seen = []
 
-    def forward(q, k, v, *, causal, scale):
+    def forward(q, k, v, *, causal, scale, offset_delta=0):
         seen.append(q.shape[-1])
-        return attention_xla.forward(q, k, v, None, 0, causal=causal, scale=scale)
+        return attention_xla.forward(q, k, v, None, offset_delta, causal=causal, scale=scale)
 
-    def backward(q, k, v, out, lse, dout, *, causal, scale, dlse=None):
+    def backward(q, k, v, out, lse, dout, *, causal, scale, dlse=None, offset_delta=0):
         seen.append(q.shape[-1])
-        return attention_xla.backward(q, k, v, None, 0, out, lse, dout, causal=causal, scale=scale, dlse=dlse)
+        return attention_xla.backward(
+            q, k, v, None, offset_delta, out, lse, dout, causal=causal, scale=scale, dlse=dlse
+        )
 
     monkeypatch.setattr(mgpu, "on_hopper", lambda: True)
     monkeypatch.setattr(mgpu, "forward", forward)
@@ -625,11 +649,14 @@ def test_mosaic_gpu_dispatch_takes_only_what_the_kernels_handle(monkeypatch):
     assert takes(q, k) == (True, True)
     assert takes(bf16(1, 1024, 4, 64, jnp.float16), bf16(1, 1024, 4, 64, jnp.float16), causal=False) == (True, True)
     assert takes(q, bf16(2, 1024, 2, 128), causal=False) == (True, True)  # cross attention
+    assert takes(q, k, offset_delta=-1) == (True, True)  # the diagonal hidden: a striped ring's later blocks
     rejected = [
         dict(q=bf16(2, 512, 8, 128, jnp.float32), k=bf16(2, 512, 2, 128, jnp.float32)),
         dict(q=bf16(2, 512, 8, 96), k=bf16(2, 512, 2, 96)),  # head_dim
         dict(segment_ids=jnp.zeros((2, 512), jnp.int32)),
         dict(offset_delta=7),  # shifted mask
+        dict(offset_delta=-2),
+        dict(offset_delta=True),
         dict(offset_delta=jnp.int32(0)),  # traced offset
         dict(k=bf16(2, 1024, 2, 128)),  # causal, Sq != Skv
         dict(q=bf16(2, 300, 8, 128), k=bf16(2, 300, 2, 128)),  # not x128
