@@ -7,7 +7,8 @@
 # fits an H100), then the 32k GEMM table in less time; PART=5: the MoE layer's kernel profile
 # and the 32k GEMM table, in three minutes; PART=6: the MoE profile, the 3b step against the
 # reference, the 32k GEMM table, in seven minutes; PART=7 (one H200): the 7b step in FP8, in
-# bf16 and by the plain-JAX reference, each in its own process. Logs and JSON under $OUT, a short table last.
+# bf16 and by the plain-JAX reference, each in its own process; PART=8: the Mosaic attention
+# kernels' GPU test under a shifted causal diagonal, then PART=6. Logs and JSON under $OUT, a short table last.
 #
 #   OUT=/tmp/out PART=1 bash benchmarks/results/remeasure_fp8_1gpu.sh
 set -u
@@ -45,6 +46,14 @@ elif [ "${PART}" = 5 ]; then
       > "$OUT/fp8_gemms_32k.log" 2>&1
   echo "fp8 gemms 32k exit $?"
   grep -A14 "^profile" "$OUT/moe_profile.log"; tail -26 "$OUT/fp8_gemms_32k.log"
+elif [ "${PART}" = 8 ]; then
+  timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
+sys.exit(pytest.main(['-q', '-rA', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', \
+'shifted or 128-512-True or 96-512-True']))" > "$OUT/gpu_tests.log" 2>&1
+  echo "attention gpu tests (shifted diagonal) exit $?"
+  grep -E "PASSED|FAILED|passed|failed" "$OUT/gpu_tests.log" | tail -8
+  PART=6 bash "$0"
+  exit
 elif [ "${PART}" = 6 ]; then
   timeout 70 python3 benchmarks/moe.py --profile --shapes moe-1b --iters 5 --variants ws-wide \
       --out "$OUT/moe_profile.json" > "$OUT/moe_profile.log" 2>&1
