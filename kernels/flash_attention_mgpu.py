@@ -15,10 +15,10 @@ bfloat16 failed), lse in natural log, and a `supports` predicate.
 fast path of `flash_attention_gpu.backward`, one kernel, see its docstring.
 
 Both take only what they were built for: bfloat16/float16, head_dim 64 or 128, segment ids or
-none (with them, every step is masked), non-causal, or causal with seq_q == seq_kv and a static q_offset - kv_offset of 0 or -1
-(`CAUSAL_OFFSETS`: a query sees the keys up to its own position, or strictly before it, as a
-striped ring's later blocks do), sequences that are multiples of 128. Everything else goes to
-the Triton kernels. Mosaic GPU has no interpret mode:
+none (with them, every step is masked), non-causal, or causal with seq_q == seq_kv and a static
+q_offset - kv_offset of 0 or -1 (`CAUSAL_OFFSETS`: a query sees the keys up to its own
+position, or strictly before it, as a striped ring's later blocks do), sequences that are
+multiples of 128. Everything else goes to the Triton kernels. Mosaic GPU has no interpret mode:
 benchmarks/attention.py --check tests these kernels on the GPU; on CPU the tests lower them
 for CUDA.
 """
