@@ -54,7 +54,7 @@ elif [ "${PART}" = 9 ]; then  # .wheels carried: the trainer's tensorboardX, abs
       --out "$OUT/fp8_convergence_1b.json" > "$OUT/fp8_convergence_1b.log" 2>&1
   echo "fp8 convergence 1b exit $?"
   grep -E "^(bf16|fp8)" "$OUT/fp8_convergence_1b.log"
-  timeout 200 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
+  timeout 140 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
 sys.exit(pytest.main(['-q', '-rA', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', \
 'segment_ids and (True or 128-False) or shifted_causal_diagonal and 128']))" > "$OUT/gpu_tests.log" 2>&1
   echo "attention gpu tests (segment ids, shifted diagonal) exit $?"
