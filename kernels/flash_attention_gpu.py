@@ -277,7 +277,9 @@ def forward(
     if allow_mosaic and not interpret and block_sizes is None:
         wide = _mosaic_padded(q, k, v)
         if flash_attention_mgpu.supports(*wide[:2], segment_ids, offset_delta, causal=causal, scale=scale):
-            out, lse = flash_attention_mgpu.forward(*wide, causal=causal, scale=scale, offset_delta=offset_delta)
+            out, lse = flash_attention_mgpu.forward(
+                *wide, causal=causal, scale=scale, offset_delta=offset_delta, segment_ids=segment_ids
+            )
             return out[..., : q.shape[-1]], lse
     _check_head_dim(q)
     batch, q_len, heads_q, head_dim = q.shape
@@ -508,7 +510,17 @@ def backward(
         if flash_attention_mgpu.supports_backward(*wide[:2], segment_ids, offset_delta, causal=causal, scale=scale):
             qw, kw, vw, ow, dw = wide
             grads = flash_attention_mgpu.backward(
-                qw, kw, vw, ow, lse, dw, causal=causal, scale=scale, dlse=dlse, offset_delta=offset_delta
+                qw,
+                kw,
+                vw,
+                ow,
+                lse,
+                dw,
+                causal=causal,
+                scale=scale,
+                dlse=dlse,
+                offset_delta=offset_delta,
+                segment_ids=segment_ids,
             )
             return tuple(g[..., : q.shape[-1]] for g in grads)
     _check_head_dim(q)

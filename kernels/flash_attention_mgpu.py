@@ -14,11 +14,11 @@ bfloat16 failed), lse in natural log, and a `supports` predicate.
 `backward` is ours (JAX's Mosaic backward is two kernels, non-causal and float16 only): the
 fast path of `flash_attention_gpu.backward`, one kernel, see its docstring.
 
-Both take only what they were built for: bfloat16/float16, head_dim 64 or 128, no segment ids,
-non-causal, or causal with seq_q == seq_kv and a static q_offset - kv_offset of 0 or -1
-(`CAUSAL_OFFSETS`: a query sees the keys up to its own position, or strictly before it, as a
-striped ring's later blocks do), sequences that are multiples of 128. Everything else goes to
-the Triton kernels. Mosaic GPU has no interpret mode:
+Both take only what they were built for: bfloat16/float16, head_dim 64 or 128, segment ids or
+none (with them, every step is masked), non-causal, or causal with seq_q == seq_kv and a static
+q_offset - kv_offset of 0 or -1 (`CAUSAL_OFFSETS`: a query sees the keys up to its own
+position, or strictly before it, as a striped ring's later blocks do), sequences that are
+multiples of 128. Everything else goes to the Triton kernels. Mosaic GPU has no interpret mode:
 benchmarks/attention.py --check tests these kernels on the GPU; on CPU the tests lower them
 for CUDA.
 """
@@ -52,7 +52,9 @@ def supports(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> 
     kv_len = k.shape[1]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return False
-    if head_dim not in (64, 128) or segment_ids is not None or scale <= 0:
+    if head_dim not in (64, 128) or scale <= 0:
+        return False
+    if segment_ids is not None and (segment_ids.shape != (batch, q_len) or q_len != kv_len):
         return False
     if q_len % (2 * BLOCK_Q) or kv_len % BLOCK_KV or kv_len < MAX_CONCURRENT_STEPS * BLOCK_KV:
         return False
@@ -120,9 +122,10 @@ def _div(x, n):
     return lax.div(x, jnp.array(n, x.dtype))
 
 
-def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0):
+def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0, segment_ids=None):
     """Returns (out [B, S, Hq, D] in q's dtype, lse [B, Hq, S] float32, natural log).
-    Causal: query i sees key j where i + offset_delta >= j (``CAUSAL_OFFSETS``).
+    Causal: query i sees key j where i + offset_delta >= j (``CAUSAL_OFFSETS``); with
+    ``segment_ids`` [B, S] int32, only keys of its own segment.
 
     Each CTA attends the tiles `ForwardWork` gives it, one after the other: the K/V stream runs
     on across its tiles, the next tile's q loads during this one and the output store is not
@@ -143,10 +146,16 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0):
         batch_size, num_q_heads, q_seq_len // (2 * block_q), kv_seq_len // block_kv, causal, multiprocessor_count()
     )
 
-    def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
+    segments = segment_ids is not None
+    # A row may see no key in a step (another segment's keys) or at all (the shifted diagonal):
+    # its running max stays -inf, and p and alpha are taken against 0 there.
+    empty_rows = segments or offset_delta != 0
+
+    def kernel(q_ref, k_ref, v_ref, seg_ref, out_ref, lse_ref, scoped):
         smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
         wg_idx = lax.axis_index("wg")
-        q_smem, k_smem, v_smem, lse_smem2 = smem_buffers
+        q_smem, k_smem, v_smem, lse_smem2, *seg_smem = smem_buffers
+        q_seg_smem, kv_seg_smem = seg_smem if segments else (None, None)
         kv_barriers, q_barriers = buffer_barriers
         k_consumed_barriers, v_consumed_barriers = consumed_barriers
         cta = lax.axis_index("cta")
@@ -167,9 +176,10 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0):
                 batch, q_head, q_tile, _ = work.tile(cta, i)
                 rows = pl.ds(q_tile * (2 * block_q) + wg_idx * block_q, block_q)
                 q_slot = _mod(i, 2)
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[batch, rows, q_head], q_smem.at[q_slot, wg_idx], q_barriers.at[q_slot * 2 + wg_idx]
-                )
+                barrier = q_barriers.at[q_slot * 2 + wg_idx]
+                plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem.at[q_slot, wg_idx], barrier)
+                if segments:
+                    plgpu.copy_gmem_to_smem(seg_ref.at[batch, rows], q_seg_smem.at[q_slot, wg_idx], barrier)
 
             load_q(zero)
             plgpu.barrier_wait(kv_barriers.at[0])
@@ -181,6 +191,8 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0):
                 q_slot = _mod(i, 2)
                 qo_smem = q_smem.at[q_slot, wg_idx]
                 plgpu.barrier_wait(q_barriers.at[q_slot * 2 + wg_idx])
+                if segments:  # this warpgroup's rows' segments, for every step of the tile
+                    q_seg = _load_whole(plgpu, q_seg_smem.at[q_slot, wg_idx], plgpu.Layout.WGMMA.reduce(1))
 
                 m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, dtype=jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 l_i = plgpu.layout_cast(jnp.full((block_q,), 0, dtype=jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -197,19 +209,26 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0):
                         return acc_ref[...]
 
                     qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                    if segments:  # read before the slot is released: its K/V and segments reload
+                        kv_seg = _load_whole(plgpu, kv_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                     plgpu.barrier_arrive(k_consumed_barriers.at[slot])
 
+                    mask = None
                     if masked:
                         q_ids = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
                         kv_ids = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
                         mask = (q_ids + (q_seq_base + offset_delta)) >= (kv_ids + kv_step * block_kv)
+                    if segments:
+                        same = lax.broadcast_in_dim(q_seg, qk.shape, [0]) == lax.broadcast_in_dim(kv_seg, qk.shape, [1])
+                        mask = same if mask is None else mask & same
+                    if mask is not None:
                         qk = jnp.where(mask, qk, -jnp.inf)
 
                     # m is kept scaled by logit_scale so that p is one FMA and an exp2.
                     m_ij = jnp.maximum(m_i, qk.max(axis=1) * logit_scale)
                     # A row that has seen no key yet (only under a shifted diagonal, only in the
                     # masked step) keeps m = -inf; its p and alpha are taken against 0, not NaN.
-                    m_shift = jnp.where(m_ij == -jnp.inf, 0.0, m_ij) if masked and offset_delta else m_ij
+                    m_shift = jnp.where(m_ij == -jnp.inf, 0.0, m_ij) if mask is not None and empty_rows else m_ij
                     alpha = jnp.exp2(m_i - m_shift)
                     m_i = m_ij
                     p = jnp.exp2(qk * logit_scale - lax.broadcast_in_dim(m_shift, qk.shape, [0]))
@@ -253,8 +272,9 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0):
                     acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_loop, carry)
 
                 # Every row sees at least its own key (causal) or all keys, so l_i > 0; under a
-                # shifted diagonal a row may see none: its output is 0 and its lse -inf.
-                divisor = jnp.where(l_i == 0.0, 1.0, l_i) if offset_delta else l_i
+                # shifted diagonal (or a segment whose keys are all hidden) a row may see none:
+                # its output is 0 and its lse -inf.
+                divisor = jnp.where(l_i == 0.0, 1.0, l_i) if empty_rows else l_i
                 acc /= lax.broadcast_in_dim(divisor, (block_q, head_dim), [0])
                 qo_smem[...] = acc.astype(dtype)  # q's slot: this tile's last q k^T has read it
                 lse_smem[...] = m_i * LN_2 + jnp.log(l_i)
@@ -282,6 +302,8 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0):
                     s = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
                     pl.when(step >= stages)(lambda: plgpu.barrier_wait(k_consumed_barriers.at[slot]))
                     plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[slot], kv_barriers.at[slot])
+                    if segments:
+                        plgpu.copy_gmem_to_smem(seg_ref.at[s[:2]], kv_seg_smem.at[slot], kv_barriers.at[slot])
                     pl.when(step >= stages)(lambda: plgpu.barrier_wait(v_consumed_barriers.at[slot]))
                     plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[slot], kv_barriers.at[slot])
 
@@ -289,7 +311,8 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0):
 
             lax.fori_loop(0, my_tiles, load_tile, zero)
 
-    def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
+    def entry(q_ref, k_ref, v_ref, *refs):
+        seg_ref, out_ref, lse_ref = refs if segments else (None, *refs)
         compute_wgs = 2
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = [
@@ -298,12 +321,18 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0):
             plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((compute_wgs, block_q), jnp.float32),
         ]
+        if segments:
+            scratch += [
+                plgpu.SMEM((2, compute_wgs, block_q), jnp.int32),  # q's segments, by q slot
+                plgpu.SMEM((stages, block_kv), jnp.int32),  # the keys' segments, by K/V slot
+            ]
+        copies = 1 + segments  # TMA copies a q load and a K load arrive on
         pl.run_scoped(
-            lambda *args: kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, args),
+            lambda *args: kernel(q_ref, k_ref, v_ref, seg_ref, out_ref, lse_ref, args),
             scratch,
             (
-                plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # K and V
-                plgpu.Barrier(num_barriers=2 * compute_wgs),
+                plgpu.Barrier(num_arrivals=1 + copies, num_barriers=stages),  # K (and segments) and V
+                plgpu.Barrier(num_arrivals=copies, num_barriers=2 * compute_wgs),
             ),
             (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=compute_wgs),
@@ -316,7 +345,7 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0):
         mesh=plgpu.Mesh(grid=(work.num_ctas,), grid_names=("cta",), num_threads=3, thread_name="wg"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         name="sf_flash_attention_fwd_mgpu",
-    )(q, k, v)
+    )(q, k, v, *([segment_ids.astype(jnp.int32)] if segments else []))
     return out, lse
 
 
@@ -387,7 +416,9 @@ def backward_grid(batch, kv_len, heads_q, heads_kv, head_dim, *, causal: bool, s
     return per_q_head, dict(grid=(heads, kv_blocks, batch), grid_names=("heads", "kv_seq", "batch"))
 
 
-def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, offset_delta: int = 0):
+def backward(
+    q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, offset_delta: int = 0, segment_ids=None
+):
     """FlashAttention-2/3-style fused backward: returns (dq, dk, dv) in q's dtype.
 
     One CTA per (head, 128 kv rows, batch), a head being a kv head or a q head (`backward_grid`):
@@ -402,7 +433,8 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, 
     reduce-add (per-q-head CTAs add their dk, dv so at the end). Causal: a CTA starts at the
     first q block that can see its keys; only the q blocks over its own rows carry the element
     mask (``offset_delta`` -1 shifts it by one: those blocks stay the only masked ones, and a row
-    that sees no key has lse -inf, so its p is 0).
+    that sees no key has lse -inf, so its p is 0). With ``segment_ids`` every step is masked by
+    them too.
     """
     import jax.experimental.pallas.mosaic_gpu as plgpu  # needs a CUDA build of jaxlib
 
@@ -410,7 +442,10 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, 
     kv_len, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     dtype = q.dtype
-    bq, bkv, stages = BWD_BLOCK_Q[head_dim], BWD_BLOCK_KV, BWD_STAGES
+    segments = segment_ids is not None
+    # With segment ids the head-64 kernel's 128-row q blocks leave no shared memory for the
+    # segments' buffers: 64 rows there, as at head 128.
+    bq, bkv, stages = 64 if segments else BWD_BLOCK_Q[head_dim], BWD_BLOCK_KV, BWD_STAGES
     column_tiles = head_dim // DQ_COLUMNS
     num_q_blocks = q_len // bq
     logit_scale = scale * LOG2_E
@@ -431,8 +466,9 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, 
     def acc_zeros(shape):
         return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dkv_refs, smem, barriers):
-        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, dq_ref, dkv_refs, smem, barriers):
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, *seg_smem = smem
+        q_seg_smem, kv_seg_smem = seg_smem if segments else (None, None)
         (k_bar, v_bar, in_bar, consumed, ds_ready, cta_sync) = barriers
         b = lax.axis_index("batch")
         cta_head = lax.axis_index("heads")
@@ -471,6 +507,8 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, 
             k_w, v_w = k_smem.at[wg], v_smem.at[wg]
             kv_slice = (b, pl.ds(kv_rows, bkv), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[kv_slice], k_w, k_bar.at[wg])
+            if segments:
+                plgpu.copy_gmem_to_smem(seg_ref.at[kv_slice[:2]], kv_seg_smem.at[wg], k_bar.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[kv_slice], v_w, v_bar.at[wg])
             plgpu.barrier_wait(k_bar.at[wg])
             plgpu.barrier_wait(v_bar.at[wg])
@@ -495,10 +533,19 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, 
                     st = plgpu.wgmma_accumulator_load(st_ref, wait_n=1)
                     lse = _load_whole(plgpu, lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
                     logits = st * logit_scale - lax.broadcast_in_dim(lse, (bkv, bq), [1])
+                    visible = None
                     if masked:
                         kv_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
                         q_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
                         visible = q_ids + (q_block * bq + offset_delta) >= kv_ids + kv_rows
+                    if segments:  # loaded each step: held across the loop they cost registers
+                        kv_seg = _load_whole(plgpu, kv_seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+                        q_seg = _load_whole(plgpu, q_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                        same = lax.broadcast_in_dim(kv_seg, (bkv, bq), [0]) == lax.broadcast_in_dim(
+                            q_seg, (bkv, bq), [1]
+                        )
+                        visible = same if visible is None else visible & same
+                    if visible is not None:
                         logits = jnp.where(visible, logits, -jnp.inf)
                     return jnp.exp2(logits), dpt_ref[...]
 
@@ -600,11 +647,14 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, 
                 plgpu.copy_gmem_to_smem(do_ref.at[b, rows, q_head], do_smem.at[slot], in_bar.at[slot])
                 plgpu.copy_gmem_to_smem(lse_ref.at[b, q_head, rows], lse_smem.at[slot], in_bar.at[slot])
                 plgpu.copy_gmem_to_smem(delta_ref.at[b, q_head, rows], delta_smem.at[slot], in_bar.at[slot])
+                if segments:
+                    plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], q_seg_smem.at[slot], in_bar.at[slot])
                 return carry
 
             for_each_step(load, ())
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *dkv_refs):
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
+        seg_ref, dq_ref, *dkv_refs = refs if segments else (None, *refs)
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         tiled_f32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
         smem = [
@@ -617,10 +667,12 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, 
             plgpu.SMEM((2, 2, bkv, bq), dtype, transforms=tiled),  # ds^T [slot, wg]
             plgpu.SMEM((2, bq, DQ_COLUMNS), jnp.float32, transforms=tiled_f32),  # dq tile [wg]
         ]
+        if segments:
+            smem += [plgpu.SMEM((stages, bq), jnp.int32), plgpu.SMEM((2, bkv), jnp.int32)]  # q's, the keys' [wg]
         barriers = (
+            plgpu.Barrier(num_arrivals=1 + segments, num_barriers=2),  # K (and its segments)
             plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # q, dout, lse, delta
+            plgpu.Barrier(num_arrivals=4 + segments, num_barriers=stages),  # q, dout, lse, delta (, segments)
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # q slot consumed
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # ds^T slot written by both
             plgpu.Barrier(num_arrivals=2),  # both compute warpgroups done
@@ -633,6 +685,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, 
                 do_ref,
                 lse_ref,
                 delta_ref,
+                seg_ref,
                 dq_ref,
                 dkv_refs,
                 scoped[: len(smem)],
@@ -650,7 +703,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, 
         mesh=plgpu.Mesh(**grid, num_threads=3, thread_name="wg"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         name="sf_flash_attention_bwd_mgpu",
-    )(q, k, v, dout, lse2, delta, dq_accumulator, *dkv_sum)
+    )(q, k, v, dout, lse2, delta, *([segment_ids.astype(jnp.int32)] if segments else []), dq_accumulator, *dkv_sum)
     dk, dv = dkv_sum[0][...].astype(dtype) if per_q_head else dkv
     dq = (dq_accumulator[...] * scale).astype(dtype)
     return dq, dk, dv

@@ -440,6 +440,27 @@ def test_gpu_kernels_under_a_shifted_causal_diagonal(head_dim):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_kernels_with_segment_ids(head_dim, causal):
+    """Packed documents: every query sees only its own segment's keys. On Hopper the Mosaic
+    kernels run it, every step masked."""
+    check_against_reference(
+        "pallas",
+        dtype=jnp.bfloat16,
+        causal=causal,
+        batch=2,
+        q_len=512,
+        kv_len=512,
+        heads_kv=2,
+        group=2,
+        head_dim=head_dim,
+        num_segments=5,
+    )
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("per_q_head", [False, True])
 def test_gpu_kernels_on_slices_of_stacked_layers(per_q_head, monkeypatch):
     """q, k, v sliced from stacked arrays inside one jit, as a model's layers are: XLA fuses the
@@ -484,7 +505,8 @@ def test_gpu_kernels_on_slices_of_stacked_layers(per_q_head, monkeypatch):
 @pytest.mark.parametrize("causal,offset_delta", [(False, 0), (True, 0), (True, -1)])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("batch,seq", [(2, 512), (2, 4352), (8, 4352)])  # GQA per q / kv head
-def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, offset_delta, group, batch, seq):
+@pytest.mark.parametrize("segments", [False, True])
+def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, offset_delta, group, batch, seq, segments):
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     from shardflow.kernels import flash_attention_mgpu
 
@@ -492,10 +514,15 @@ def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, offset_delta, group
     kv = jax.ShapeDtypeStruct((batch, seq, 4, head_dim), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((batch, 4 * group, seq), jnp.float32)
     kw = dict(causal=causal, scale=head_dim**-0.5, offset_delta=offset_delta)
-    for fn, args in (
-        (functools.partial(flash_attention_mgpu.forward, **kw), (q, kv, kv)),
-        (functools.partial(flash_attention_mgpu.backward, **kw), (q, kv, kv, q, lse, q)),
-    ):
+    segment_ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32) if segments else None
+
+    def forward(q, k, v, segment_ids):
+        return flash_attention_mgpu.forward(q, k, v, segment_ids=segment_ids, **kw)
+
+    def backward(q, k, v, out, lse, dout, segment_ids):
+        return flash_attention_mgpu.backward(q, k, v, out, lse, dout, segment_ids=segment_ids, **kw)
+
+    for fn, args in ((forward, (q, kv, kv, segment_ids)), (backward, (q, kv, kv, q, lse, q, segment_ids))):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
 
@@ -603,14 +630,14 @@ def test_a_head_dim_between_the_mosaic_kernels_runs_them_zero_padded(head_dim, w
 
     seen = []
 
-    def forward(q, k, v, *, causal, scale, offset_delta=0):
+    def forward(q, k, v, *, causal, scale, offset_delta=0, segment_ids=None):
         seen.append(q.shape[-1])
-        return attention_xla.forward(q, k, v, None, offset_delta, causal=causal, scale=scale)
+        return attention_xla.forward(q, k, v, segment_ids, offset_delta, causal=causal, scale=scale)
 
-    def backward(q, k, v, out, lse, dout, *, causal, scale, dlse=None, offset_delta=0):
+    def backward(q, k, v, out, lse, dout, *, causal, scale, dlse=None, offset_delta=0, segment_ids=None):
         seen.append(q.shape[-1])
         return attention_xla.backward(
-            q, k, v, None, offset_delta, out, lse, dout, causal=causal, scale=scale, dlse=dlse
+            q, k, v, segment_ids, offset_delta, out, lse, dout, causal=causal, scale=scale, dlse=dlse
         )
 
     monkeypatch.setattr(mgpu, "on_hopper", lambda: True)
@@ -650,10 +677,11 @@ def test_mosaic_gpu_dispatch_takes_only_what_the_kernels_handle(monkeypatch):
     assert takes(bf16(1, 1024, 4, 64, jnp.float16), bf16(1, 1024, 4, 64, jnp.float16), causal=False) == (True, True)
     assert takes(q, bf16(2, 1024, 2, 128), causal=False) == (True, True)  # cross attention
     assert takes(q, k, offset_delta=-1) == (True, True)  # the diagonal hidden: a striped ring's later blocks
+    assert takes(q, k, segment_ids=jnp.zeros((2, 512), jnp.int32)) == (True, True)  # packed documents
     rejected = [
         dict(q=bf16(2, 512, 8, 128, jnp.float32), k=bf16(2, 512, 2, 128, jnp.float32)),
         dict(q=bf16(2, 512, 8, 96), k=bf16(2, 512, 2, 96)),  # head_dim
-        dict(segment_ids=jnp.zeros((2, 512), jnp.int32)),
+        dict(k=bf16(2, 1024, 2, 128), causal=False, segment_ids=jnp.zeros((2, 512), jnp.int32)),  # Sq != Skv
         dict(offset_delta=7),  # shifted mask
         dict(offset_delta=-2),
         dict(offset_delta=True),

@@ -8,7 +8,9 @@
 # and the 32k GEMM table, in three minutes; PART=6: the MoE profile, the 3b step against the
 # reference, the 32k GEMM table, in seven minutes; PART=7 (one H200): the 7b step in FP8, in
 # bf16 and by the plain-JAX reference, each in its own process; PART=8: the Mosaic attention
-# kernels' GPU test under a shifted causal diagonal, then PART=6. Logs and JSON under $OUT, a short table last.
+# kernels' GPU test under a shifted causal diagonal, then PART=6; PART=9: the 1b FP8 convergence,
+# then the Mosaic attention kernels' GPU tests with segment ids and the shifted diagonal;
+# PART=10: those tests alone. Logs and JSON under $OUT, a short table last.
 #
 #   OUT=/tmp/out PART=1 bash benchmarks/results/remeasure_fp8_1gpu.sh
 set -u
@@ -46,6 +48,24 @@ elif [ "${PART}" = 5 ]; then
       > "$OUT/fp8_gemms_32k.log" 2>&1
   echo "fp8 gemms 32k exit $?"
   grep -A14 "^profile" "$OUT/moe_profile.log"; tail -26 "$OUT/fp8_gemms_32k.log"
+elif [ "${PART}" = 9 ]; then  # .wheels carried: the trainer's tensorboardX, absent on the device
+  python3 -m pip install -q --no-deps .wheels/*.whl > "$OUT/pip.log" 2>&1
+  timeout 250 python3 benchmarks/fp8.py convergence --steps 1000 --tail 50 --set model.preset=1b \
+      --set batch_size=8 --set data.seq_len=512 --set model.fp8_small_gemms=false \
+      --out "$OUT/fp8_convergence_1b.json" > "$OUT/fp8_convergence_1b.log" 2>&1
+  echo "fp8 convergence 1b exit $?"
+  grep -E "^(bf16|fp8)" "$OUT/fp8_convergence_1b.log"
+  timeout 140 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
+sys.exit(pytest.main(['-q', '-rA', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', \
+'segment_ids and (True or 128-False) or shifted_causal_diagonal and 128']))" > "$OUT/gpu_tests.log" 2>&1
+  echo "attention gpu tests (segment ids, shifted diagonal) exit $?"
+  grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
+elif [ "${PART}" = 10 ]; then
+  timeout 190 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
+sys.exit(pytest.main(['-q', '-rA', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', \
+'segment_ids and True or shifted_causal_diagonal and 128']))" > "$OUT/gpu_tests.log" 2>&1
+  echo "attention gpu tests (segment ids, shifted diagonal) exit $?"
+  grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
 elif [ "${PART}" = 8 ]; then
   timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
 sys.exit(pytest.main(['-q', '-rA', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', \
