@@ -416,46 +416,31 @@ def test_gpu_kernels(causal, seq, head_dim):
     )
 
 
+# The Mosaic kernels' masks beyond the plain causal one: a striped ring's later blocks attend with
+# q_offset - kv_offset = -1 (every query sees the keys strictly before it, so the first sees none:
+# output 0, lse -inf); packed documents give segment ids (every step masked).
+MOSAIC_MASKS = {
+    "shifted_diagonal": dict(causal=True, q_offset=0, kv_offset=1),
+    "segment_ids": dict(causal=False, num_segments=5),
+    "causal_segment_ids": dict(causal=True, num_segments=5),
+}
+
+
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("mask", list(MOSAIC_MASKS))
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_kernels_under_a_shifted_causal_diagonal(head_dim):
-    """q_offset - kv_offset = -1, as a striped ring's later blocks attend: every query sees the
-    keys strictly before it, so the first sees none (output 0, lse -inf). On Hopper the Mosaic
-    kernels run it."""
+def test_gpu_kernels_mosaic_masks(head_dim, mask):
     check_against_reference(
         "pallas",
         dtype=jnp.bfloat16,
-        causal=True,
         batch=2,
         q_len=512,
         kv_len=512,
         heads_kv=2,
         group=2,
         head_dim=head_dim,
-        q_offset=0,
-        kv_offset=1,
-    )
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_kernels_with_segment_ids(head_dim, causal):
-    """Packed documents: every query sees only its own segment's keys. On Hopper the Mosaic
-    kernels run it, every step masked."""
-    check_against_reference(
-        "pallas",
-        dtype=jnp.bfloat16,
-        causal=causal,
-        batch=2,
-        q_len=512,
-        kv_len=512,
-        heads_kv=2,
-        group=2,
-        head_dim=head_dim,
-        num_segments=5,
+        **MOSAIC_MASKS[mask],
     )
 
 

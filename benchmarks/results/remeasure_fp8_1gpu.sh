@@ -2,15 +2,16 @@
 # One GPU, the FP8 / loss / attention rows. PART=1: the attention kernels' GPU tests, the 1b
 # step with the chunked loss against the materialised loss, and the FP8 GEMM table; PART=2:
 # 1,000 steps of the 1b preset on the embedded corpus in bf16 and in FP8 (8 x 512 tokens a
-# step), the attention kernels' GPU tests; PART=3: the FP8 GEMM
+# step; carry .wheels holding a tensorboardX wheel, which the device lacks), the attention
+# kernels' GPU tests; PART=3: the FP8 GEMM
 # table at 32k tokens; PART=4: the 3b step against the plain-JAX reference at 4 x 4096 (what
 # fits an H100), then the 32k GEMM table in less time; PART=5: the MoE layer's kernel profile
 # and the 32k GEMM table, in three minutes; PART=6: the MoE profile, the 3b step against the
 # reference, the 32k GEMM table, in seven minutes; PART=7 (one H200): the 7b step in FP8, in
 # bf16 and by the plain-JAX reference, each in its own process; PART=8: the Mosaic attention
-# kernels' GPU test under a shifted causal diagonal, then PART=6; PART=9: the 1b FP8 convergence,
-# then the Mosaic attention kernels' GPU tests with segment ids and the shifted diagonal;
-# PART=10: those tests alone. Logs and JSON under $OUT, a short table last.
+# kernels' GPU test under a shifted causal diagonal, then PART=6; PART=10: the Mosaic kernels'
+# GPU tests of their masks (segment ids, the shifted diagonal). Logs and JSON under $OUT, a
+# short table last.
 #
 #   OUT=/tmp/out PART=1 bash benchmarks/results/remeasure_fp8_1gpu.sh
 set -u
@@ -18,11 +19,16 @@ cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the folder for logs and JSON}"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi -L > "$OUT/device.txt"
+
+attention_tests() {  # seconds, pytest -k expression: the attention kernels' GPU tests
+  timeout "$1" python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
+sys.exit(pytest.main(['-q', '-rA', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', sys.argv[1]]))" \
+      "$2" > "$OUT/gpu_tests.log" 2>&1
+  echo "attention gpu tests ($2) exit $?"
+}
+
 if [ "${PART:-1}" = 1 ]; then
-  timeout 150 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
-sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'test_gpu_kernels']))" \
-      > "$OUT/gpu_tests.log" 2>&1
-  echo "attention gpu tests exit $?"
+  attention_tests 150 test_gpu_kernels
   timeout 230 python3 benchmarks/train_mfu.py --preset 1b --steps 5 --warmup 2 \
       --engines shardflow,shardflow-plain-loss --out "$OUT/train_mfu_1b_loss.json" > "$OUT/train_mfu_1b_loss.log" 2>&1
   echo "train_mfu 1b chunked vs plain loss exit $?"
@@ -30,14 +36,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_a
   echo "fp8 gemms exit $?"
   tail -3 "$OUT/gpu_tests.log"; grep -A4 "^1b " "$OUT/train_mfu_1b_loss.log"; tail -50 "$OUT/fp8_gemms.log"
 elif [ "${PART}" = 2 ]; then
+  [ -d .wheels ] && python3 -m pip install -q --no-deps .wheels/*.whl > "$OUT/pip.log" 2>&1
   timeout 280 python3 benchmarks/fp8.py convergence --steps 1000 --tail 50 --set model.preset=1b \
       --set batch_size=8 --set data.seq_len=512 --set model.fp8_small_gemms=false \
       --out "$OUT/fp8_convergence_1b.json" > "$OUT/fp8_convergence_1b.log" 2>&1
   echo "fp8 convergence 1b exit $?"
-  timeout 260 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
-sys.exit(pytest.main(['-q', '-rA', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', 'test_gpu_kernels']))" \
-      > "$OUT/gpu_tests.log" 2>&1
-  echo "attention gpu tests exit $?"
+  attention_tests 260 test_gpu_kernels
   grep -E "^(bf16|fp8)" "$OUT/fp8_convergence_1b.log"
   grep -E "PASSED|FAILED|passed|failed" "$OUT/gpu_tests.log" | tail -20
 elif [ "${PART}" = 5 ]; then
@@ -48,29 +52,11 @@ elif [ "${PART}" = 5 ]; then
       > "$OUT/fp8_gemms_32k.log" 2>&1
   echo "fp8 gemms 32k exit $?"
   grep -A14 "^profile" "$OUT/moe_profile.log"; tail -26 "$OUT/fp8_gemms_32k.log"
-elif [ "${PART}" = 9 ]; then  # .wheels carried: the trainer's tensorboardX, absent on the device
-  python3 -m pip install -q --no-deps .wheels/*.whl > "$OUT/pip.log" 2>&1
-  timeout 250 python3 benchmarks/fp8.py convergence --steps 1000 --tail 50 --set model.preset=1b \
-      --set batch_size=8 --set data.seq_len=512 --set model.fp8_small_gemms=false \
-      --out "$OUT/fp8_convergence_1b.json" > "$OUT/fp8_convergence_1b.log" 2>&1
-  echo "fp8 convergence 1b exit $?"
-  grep -E "^(bf16|fp8)" "$OUT/fp8_convergence_1b.log"
-  timeout 140 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
-sys.exit(pytest.main(['-q', '-rA', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', \
-'segment_ids and (True or 128-False) or shifted_causal_diagonal and 128']))" > "$OUT/gpu_tests.log" 2>&1
-  echo "attention gpu tests (segment ids, shifted diagonal) exit $?"
-  grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
 elif [ "${PART}" = 10 ]; then
-  timeout 190 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
-sys.exit(pytest.main(['-q', '-rA', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', \
-'segment_ids and True or shifted_causal_diagonal and 128']))" > "$OUT/gpu_tests.log" 2>&1
-  echo "attention gpu tests (segment ids, shifted diagonal) exit $?"
+  attention_tests 280 mosaic_masks
   grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
 elif [ "${PART}" = 8 ]; then
-  timeout 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import _checkout, pytest; \
-sys.exit(pytest.main(['-q', '-rA', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_attention.py', '-k', \
-'shifted or 128-512-True or 96-512-True']))" > "$OUT/gpu_tests.log" 2>&1
-  echo "attention gpu tests (shifted diagonal) exit $?"
+  attention_tests 120 "shifted_diagonal or 128-512-True or 96-512-True"
   grep -E "PASSED|FAILED|passed|failed" "$OUT/gpu_tests.log" | tail -8
   PART=6 bash "$0"
   exit
@@ -78,13 +64,9 @@ elif [ "${PART}" = 6 ]; then
   timeout 70 python3 benchmarks/moe.py --profile --shapes moe-1b --iters 5 --variants ws-wide \
       --out "$OUT/moe_profile.json" > "$OUT/moe_profile.log" 2>&1
   echo "moe profile exit $?"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout 200 python3 benchmarks/train_mfu.py --preset 3b --batch 4 --steps 3 \
-      --warmup 1 --engines reference,shardflow --out "$OUT/train_mfu_3b.json" > "$OUT/train_mfu_3b.log" 2>&1
-  echo "train_mfu 3b vs reference exit $?"
-  timeout 110 python3 benchmarks/fp8.py gemms --iters 10 --tokens 32768 --out "$OUT/fp8_gemms_32k.json" \
-      > "$OUT/fp8_gemms_32k.log" 2>&1
-  echo "fp8 gemms 32k exit $?"
-  grep -A14 "^profile" "$OUT/moe_profile.log"; grep -A5 "^3b " "$OUT/train_mfu_3b.log"; tail -26 "$OUT/fp8_gemms_32k.log"
+  grep -A14 "^profile" "$OUT/moe_profile.log"
+  PART=4 bash "$0"
+  exit
 elif [ "${PART}" = 7 ]; then  # one H200: the 7b does not fit 80 GB
   for engine in shardflow-fp8 shardflow reference; do
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 180 python3 benchmarks/train_mfu.py --preset 7b --steps 3 --warmup 1 \
