@@ -123,9 +123,11 @@ def attention(
       q_offset, kv_offset: global positions of the first query / key (Python ints or traced int
         scalars), e.g. for one step of ring attention.
       return_lse: also return lse [batch, heads_q, seq_q], float32, natural log.
-      backend: "auto" (Pallas on GPU/TPU; XLA elsewhere, or on GPU for heads too wide for the
-        kernel), "pallas", "interpret" (the GPU Pallas kernels in interpret mode),
-        "interpret_tpu" (the TPU Pallas kernels in interpret mode), "pallas_tpu", "xla"
+      backend: "auto" (Pallas on Hopper GPUs and TPUs; XLA elsewhere — on other GPUs with a
+        warning, once —, or on GPU for heads too wide for the kernel), "pallas" (on GPU the
+        Mosaic GPU kernels where they apply, else the Triton ones, which jax deprecates),
+        "interpret" (the GPU Pallas kernels in interpret mode), "interpret_tpu" (the TPU Pallas
+        kernels in interpret mode), "pallas_tpu", "xla"
         (blockwise, never materialises seq_q x seq_kv), "cudnn" (comparison pass-through to
         jax.nn.dot_product_attention; no lse, segment ids or offsets).
       context: where sf.parallelize splits the sequence of q, k and v over a mesh axis, how the

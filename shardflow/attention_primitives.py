@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 
 from shardflow import ring_attention
-from shardflow.kernels import attention_xla, flash_attention_gpu
+from shardflow.kernels import attention_xla, flash_attention_gpu, on_hopper
 from shardflow.primitives import kernel_primitive
 
 BACKENDS = ("auto", "pallas", "interpret", "xla", "cudnn", "pallas_tpu", "interpret_tpu")
@@ -55,6 +56,9 @@ def implementation_of(backend: str) -> str:
         raise ValueError(f"attention: backend must be one of {BACKENDS}, got {backend!r}")
     platform = jax.default_backend()
     if backend == "auto":
+        if platform in ("gpu", "cuda") and not on_hopper():
+            _warn_off_hopper(str(getattr(jax.devices()[0], "device_kind", "this GPU")))
+            return "xla"
         return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
     if backend == "pallas":
         if platform in ("gpu", "cuda"):
@@ -74,6 +78,17 @@ def implementation_of(backend: str) -> str:
         "pallas_tpu": "pallas_tpu",
         "interpret_tpu": "interpret_tpu",
     }[backend]
+
+
+@functools.cache
+def _warn_off_hopper(device_kind: str):
+    warnings.warn(
+        f"attention: shardflow's GPU kernels are built for Hopper (compute capability 9.0), and {device_kind} "
+        "is not one: backend='auto' runs the XLA blockwise attention there (kernels/attention_xla.py). "
+        "backend='pallas' selects the Pallas Triton kernels, which jax deprecates; backend='cudnn' "
+        "jax.nn.dot_product_attention (no lse, segment ids or offsets)",
+        stacklevel=4,
+    )
 
 
 def _kernels(implementation: str):

@@ -641,6 +641,62 @@ def test_a_head_dim_between_the_mosaic_kernels_runs_them_zero_padded(head_dim, w
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)
 
 
+def test_a_gpu_other_than_hopper_runs_the_xla_attention_and_says_so(monkeypatch):
+    """backend='auto' on a GPU without the Mosaic kernels (pre-Hopper, or newer) runs the XLA
+    blockwise attention, never the deprecated Triton kernels, and warns once per device kind;
+    backend='pallas' still asks for the Pallas GPU kernels."""
+    import warnings
+
+    from shardflow import attention_primitives as ap
+
+    class Ampere:
+        device_kind = "NVIDIA A100-SXM4-80GB"
+
+    monkeypatch.setattr(ap.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(ap.jax, "devices", lambda *a: [Ampere()])
+    monkeypatch.setattr(ap, "on_hopper", lambda: False)
+    ap._warn_off_hopper.cache_clear()
+    with pytest.warns(UserWarning, match="A100-SXM4-80GB is not one: backend='auto' runs the XLA"):
+        assert ap.implementation_of("auto") == "xla"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ap.implementation_of("auto") == "xla"  # once
+    assert ap.implementation_of("pallas") == "pallas_gpu"
+    monkeypatch.setattr(ap, "on_hopper", lambda: True)
+    assert ap.implementation_of("auto") == "pallas_gpu"
+    ap._warn_off_hopper.cache_clear()
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_no_attention_call_of_the_models_reaches_triton_on_hopper():
+    """The models' attention (bf16, causal, head dims 64, 80 and 128, GQA), a striped ring's
+    shifted diagonal and packed documents run the Mosaic kernels on Hopper: jax's deprecation of
+    the Pallas Triton lowering never fires, forward or backward."""
+    import warnings
+
+    from shardflow.kernels import on_hopper
+
+    if not on_hopper():
+        pytest.skip("not a Hopper GPU")
+    r = np.random.default_rng(0)
+    for head_dim, extra in ((64, {}), (80, {}), (128, {}), (128, dict(q_offset=0, kv_offset=1))):
+        q = jnp.asarray(r.standard_normal((1, 512, 4, head_dim)), jnp.bfloat16)
+        k = jnp.asarray(r.standard_normal((1, 512, 2, head_dim)), jnp.bfloat16)
+        segments = [None, jnp.asarray(np.repeat(np.arange(4), 128)[None], jnp.int32)]
+        for segment_ids in segments if not extra else segments[:1]:
+
+            def loss(q, k, v):
+                out = attention(q, k, v, causal=True, segment_ids=segment_ids, **extra)
+                return jnp.sum(out.astype(jnp.float32))
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, k))
+            triton = [str(w.message) for w in caught if "triton" in str(w.message).lower()]
+            assert not triton, (head_dim, extra, segment_ids is not None, triton)
+
+
 def test_mosaic_gpu_dispatch_takes_only_what_the_kernels_handle(monkeypatch):
     """Everything the Mosaic kernels were not built for must go to the Triton kernels: a wrong
     predicate would give wrong masks, not an error."""
