@@ -373,7 +373,10 @@ class CombinedGroups:
     explain prices them (``costs.combined_levels``): greedy's plan's, by key and level
     (``greedy``: var -> {key: level}, the value each converts). A top-level conversion of such a
     value that is one collective of such a key is charged 1/n of its latency, n the group's
-    size in greedy's plan: the whole latency once where the solver converts as greedy does.
+    size in greedy's plan: the whole latency once where the solver converts as greedy does. A
+    value greedy converts by a collective of the same kind and operation over other axes keeps
+    its level under the solver's axes, one more in that group (a gradient greedy reduces over
+    data and model, reduced over data alone with the others GSPMD-style).
     Fewer of the group are charged less than they cost, the error that keeps the integer
     program as it was (a fixed charge per group made branch and bound 10x slower); explain
     prices the plan exactly, and the solver keeps greedy's plan where that is cheaper. The
@@ -390,9 +393,16 @@ class CombinedGroups:
         if not levels:
             return 0.0
         key = combined_key(self.prop.pricer(v.aval).steps(a, r), v.aval)
-        if key not in levels:
+        if key is None:
             return 0.0
-        return self.prop.program.links.latency(key[1]) * (1 - 1 / self.sizes[key, levels[key]])
+        if key in levels:
+            n = self.sizes[key, levels[key]]
+        else:  # greedy runs a collective of this kind on v over other axes: v keeps its level
+            level = max((lv for k, lv in levels.items() if k[0] == key[0] and k[2:] == key[2:]), default=None)
+            if level is None or (key, level) not in self.sizes:
+                return 0.0
+            n = self.sizes[key, level] + 1
+        return self.prop.program.links.latency(key[1]) * (1 - 1 / n)
 
 
 def _taken(b: Builder, jaxpr) -> list:
