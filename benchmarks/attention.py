@@ -9,6 +9,7 @@ Pallas Triton `mha`, all in one process.
   python benchmarks/attention.py --bwd --variants base=kernels/flash_attention_mgpu.py \
       new=/tmp/edited.py                    # source variants of a kernel, against each other
   python benchmarks/attention.py --profile  # device time per kernel of ours' and cuDNN's fwd+bwd
+  python benchmarks/attention.py --paths    # backend="auto" against the Triton kernels, per path
 
 FLOPs: 4*B*S^2*H*D forward (H = q heads), half when causal, x3.5 for forward+backward.
 Times: device time, the sum of a call's kernel durations in a profiler trace of --iters calls,
@@ -272,6 +273,120 @@ def run_check(args):
 
 
 # ------------------------------------------------------------------------------------------
+# The attention paths that ran on the deprecated Pallas Triton kernels before the Mosaic GPU
+# kernels took them: backend="auto" (Mosaic GPU, or the XLA blockwise attention where those do
+# not apply) against the Triton kernels, forward + backward, by device time, with errors.
+
+PATH_CASES = {
+    # name: batch, q_len, kv_len, heads_q, heads_kv, head_dim, dtype, causal, segments, (q_offset, kv_offset)
+    "shift+100 d64": (2, 2048, 2048, 16, 8, 64, jnp.bfloat16, True, False, (100, 0)),
+    "shift+100 d128": (2, 2048, 2048, 16, 8, 128, jnp.bfloat16, True, False, (100, 0)),
+    "unequal d64": (2, 1024, 2048, 16, 8, 64, jnp.bfloat16, True, False, (1024, 0)),
+    "unequal d128": (2, 1024, 2048, 16, 8, 128, jnp.bfloat16, True, False, (1024, 0)),
+    "segments d64": (2, 2048, 2048, 16, 8, 64, jnp.bfloat16, True, True, (0, 0)),
+    "segments d128": (2, 2048, 2048, 16, 8, 128, jnp.bfloat16, True, True, (0, 0)),
+    "causal d32": (2, 2048, 2048, 16, 8, 32, jnp.bfloat16, True, False, (0, 0)),
+    "causal d256": (2, 2048, 2048, 16, 8, 256, jnp.bfloat16, True, False, (0, 0)),
+    "causal fp32 d64": (2, 2048, 2048, 16, 8, 64, jnp.float32, True, False, (0, 0)),
+    "causal fp32 d128": (2, 2048, 2048, 16, 8, 128, jnp.float32, True, False, (0, 0)),
+    "causal d80": (2, 2048, 2048, 16, 8, 80, jnp.bfloat16, True, False, (0, 0)),
+    "causal d96": (2, 2048, 2048, 16, 8, 96, jnp.bfloat16, True, False, (0, 0)),
+    "shift-1 d128": (2, 2048, 2048, 16, 8, 128, jnp.bfloat16, True, False, (0, 1)),
+    "causal d64": (2, 2048, 2048, 16, 8, 64, jnp.bfloat16, True, False, (0, 0)),
+    "causal d128": (2, 2048, 2048, 16, 8, 128, jnp.bfloat16, True, False, (0, 0)),
+}
+
+
+def triton_attention(causal, scale, segment_ids, offset_delta):
+    """attention(q, k, v) by the Pallas Triton kernels alone, forward and backward."""
+
+    @jax.custom_vjp
+    def f(q, k, v):
+        return fwd(q, k, v)[0]
+
+    def fwd(q, k, v):
+        out, lse = flash_attention_gpu.forward(
+            q, k, v, segment_ids, offset_delta, causal=causal, scale=scale, allow_mosaic=False
+        )
+        return out, (q, k, v, out, lse)
+
+    def bwd(res, dout):
+        q, k, v, out, lse = res
+        return flash_attention_gpu.backward(
+            q, k, v, segment_ids, offset_delta, out, lse, dout, causal=causal, scale=scale, allow_mosaic=False
+        )
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def kernel_kind(fn, *args) -> str:
+    """Which kernels a jitted call runs: mosaic, triton, both or xla (neither)."""
+    text = fn.lower(*args).as_text()
+    kinds = [k for k in ("mosaic_gpu", "triton") if k in text]
+    return "+".join(k.split("_")[0] for k in kinds) or "xla"
+
+
+def run_paths(args):
+    names = [n for n in PATH_CASES if not args.cases or n in args.cases]
+    print(
+        "forward + backward, device ms (median of interleaved rounds); errors against dense fp32\n"
+        "| case | auto runs | auto ms | triton ms | triton / auto | auto err out, dq, dk, dv | triton err |\n"
+        "|---|---|--:|--:|--:|---|---|",
+        flush=True,
+    )
+    rows = []
+    for seed, name in enumerate(names):
+        batch, q_len, kv_len, hq, hkv, dim, dtype, causal, segments, (q_off, kv_off) = PATH_CASES[name]
+        keys = jax.random.split(jax.random.key(200 + seed), 5)
+        q = jax.random.normal(keys[0], (batch, q_len, hq, dim), dtype)
+        k = jax.random.normal(keys[1], (batch, kv_len, hkv, dim), dtype)
+        v = jax.random.normal(keys[2], (batch, kv_len, hkv, dim), dtype)
+        dout = jax.random.normal(keys[3], q.shape, dtype)
+        segment_ids = jnp.sort(jax.random.randint(keys[4], (batch, q_len), 0, 4), -1) if segments else None
+        scale = dim**-0.5
+        kw = dict(causal=causal, scale=scale, segment_ids=segment_ids, q_offset=q_off, kv_offset=kv_off)
+        contenders = {
+            "auto": lambda q, k, v: attention(q, k, v, backend="auto", **kw),
+            "triton": triton_attention(causal, scale, segment_ids, q_off - kv_off),
+        }
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        out_ref, vjp_ref = jax.vjp(lambda q, k, v: reference(q, k, v, **kw)[0], *f32)
+        wanted = (out_ref, *vjp_ref(dout.astype(jnp.float32)))
+        calls, errors, ran = {}, {}, "?"
+        for contender, fn in contenders.items():
+            _, fwd_bwd = fwd_and_fwd_bwd(fn)
+            try:
+                out, grads = fwd_bwd(q, k, v, dout)
+                errors[contender] = [rel_err(a, b) for a, b in zip((out, *grads), wanted)]
+                calls[contender] = (fwd_bwd, (q, k, v, dout))
+                if contender == "auto":
+                    ran = kernel_kind(fwd_bwd, q, k, v, dout)
+            except Exception as e:  # the Triton kernels take no fp32 head of 256, say
+                print(f"{name}: {contender} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        for fn, a in calls.values():
+            for _ in range(args.warmup):
+                jax.block_until_ready(fn(*a))
+        ms = interleaved_medians(calls, partial(device_ms_samples, iters=args.iters), rounds=args.rounds)
+        auto_ms, triton_ms = ms.get("auto", float("nan")), ms.get("triton", float("nan"))
+        err = {c: ", ".join(f"{e:.1e}" for e in errors[c]) if c in errors else "-" for c in contenders}
+        print(
+            f"| {name} | {ran} | {auto_ms:.3f} | {triton_ms:.3f} | {triton_ms / auto_ms:.2f} | {err['auto']} | "
+            f"{err['triton']} |",
+            flush=True,
+        )
+        rows.append(
+            dict(
+                case=name,
+                shape=PATH_CASES[name][:6],
+                dtype=jnp.dtype(dtype).name,
+                auto_runs=ran,
+                auto_ms=auto_ms,
+                triton_ms=triton_ms,
+                errors=errors,
+            )
+        )
+    return rows
 
 
 SWEEP = {
@@ -520,6 +635,8 @@ def main():
     )
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="with --bwd or --fwd: interleaved timing rounds")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--paths", action="store_true", help="backend='auto' against the Triton kernels on PATH_CASES")
+    parser.add_argument("--cases", nargs="*", default=[], help="with --paths: these PATH_CASES only")
     parser.add_argument(
         "--variants",
         nargs="*",
@@ -549,7 +666,13 @@ def main():
         run_kernel_variants(args)
     if args.profile:
         run_profile(args)
-    if args.table or not (args.check or args.sweep or args.probe_mgpu or args.bwd or args.fwd or args.profile):
+    if args.paths:
+        rows = run_paths(args)
+        if args.out:
+            _results.write_json(args.out, rows)
+    if args.table or not (
+        args.check or args.sweep or args.probe_mgpu or args.bwd or args.fwd or args.profile or args.paths
+    ):
         run_table(args)
     sys.exit(1 if failures else 0)
 

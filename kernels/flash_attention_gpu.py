@@ -14,10 +14,10 @@ transpose. Each kernel runs the kv (or q) blocks that are visible in full withou
 only the boundary blocks with the element mask; fully masked blocks are skipped
 (attention_common gives the ranges). Sequences are padded to the block sizes and head_dim to a
 power of two (zeros change neither q.k nor the output's real columns); the padding is sliced off.
-On Hopper, `forward` hands the shapes that flash_attention_mgpu supports to that Mosaic GPU
-(FlashAttention-3-style) kernel, and `backward` hands it the shapes its fused backward takes;
-a head_dim between 32 and 128 goes there zero-padded to 64 or 128, the size the Triton kernels
-would pad it to.
+On Hopper, `forward` and `backward` hand what flash_attention_mgpu takes to its Mosaic GPU
+(FlashAttention-3-style) kernels, a head_dim below 128 zero-padded to 64 or 128. jax deprecates
+the Triton lowering: backend="auto" runs these kernels nowhere (`shardflow.attention_primitives`),
+backend="pallas" still does.
 Conventions: see attention_common.
 """
 
@@ -111,18 +111,6 @@ def default_block_sizes(head_dim: int, causal: bool, dtype=jnp.bfloat16) -> GpuB
 
 def supports_head_dim(head_dim: int, dtype) -> bool:
     return _pow2_at_least(head_dim) * jnp.dtype(dtype).itemsize <= _MAX_ROW_BYTES
-
-
-def _mosaic_padded(*xs):
-    """``xs`` [..., head_dim] with head_dim zero-padded to the Mosaic kernels' next head dim (64,
-    128) where it lies between 32 and 128: the power of two the Triton kernels pad it to as well,
-    so a head of 80 or 96 runs the Hopper kernel at 128 rather than Triton's at 128. Zeros change
-    neither q.k nor the output's real columns, and their gradients are sliced off."""
-    head_dim = xs[0].shape[-1]
-    wide = _pow2_at_least(head_dim)
-    if head_dim == wide or not 32 < head_dim < 128:
-        return xs
-    return tuple(jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, wide - head_dim)]) for x in xs)
 
 
 def _check_head_dim(q):
@@ -275,12 +263,9 @@ def forward(
     allow_mosaic is False or a block_sizes override is given.
     """
     if allow_mosaic and not interpret and block_sizes is None:
-        wide = _mosaic_padded(q, k, v)
-        if flash_attention_mgpu.supports(*wide[:2], segment_ids, offset_delta, causal=causal, scale=scale):
-            out, lse = flash_attention_mgpu.forward(
-                *wide, causal=causal, scale=scale, offset_delta=offset_delta, segment_ids=segment_ids
-            )
-            return out[..., : q.shape[-1]], lse
+        mosaic = flash_attention_mgpu.attend(q, k, v, segment_ids, offset_delta, causal=causal, scale=scale)
+        if mosaic is not None:
+            return mosaic
     _check_head_dim(q)
     batch, q_len, heads_q, head_dim = q.shape
     bs = block_sizes or default_block_sizes(head_dim, causal, q.dtype)
@@ -506,23 +491,11 @@ def backward(
     backward unless allow_mosaic is False or a block_sizes override is given.
     """
     if allow_mosaic and not interpret and block_sizes is None:
-        wide = _mosaic_padded(q, k, v, out, dout)
-        if flash_attention_mgpu.supports_backward(*wide[:2], segment_ids, offset_delta, causal=causal, scale=scale):
-            qw, kw, vw, ow, dw = wide
-            grads = flash_attention_mgpu.backward(
-                qw,
-                kw,
-                vw,
-                ow,
-                lse,
-                dw,
-                causal=causal,
-                scale=scale,
-                dlse=dlse,
-                offset_delta=offset_delta,
-                segment_ids=segment_ids,
-            )
-            return tuple(g[..., : q.shape[-1]] for g in grads)
+        mosaic = flash_attention_mgpu.attend_backward(
+            q, k, v, segment_ids, offset_delta, out, lse, dout, causal=causal, scale=scale, dlse=dlse
+        )
+        if mosaic is not None:
+            return mosaic
     _check_head_dim(q)
     batch, q_len, heads_q, head_dim = q.shape
     heads_kv = k.shape[2]

@@ -15,10 +15,12 @@ bfloat16 failed), lse in natural log, and a `supports` predicate.
 fast path of `flash_attention_gpu.backward`, one kernel, see its docstring.
 
 Both take only what they were built for: bfloat16/float16, head_dim 64 or 128, segment ids or
-none (with them, every step is masked), non-causal, or causal with seq_q == seq_kv and a static
-q_offset - kv_offset of 0 or -1 (`CAUSAL_OFFSETS`: a query sees the keys up to its own
-position, or strictly before it, as a striped ring's later blocks do), sequences that are
-multiples of 128. Everything else goes to the Triton kernels. Mosaic GPU has no interpret mode:
+none (one array, or a pair for queries and keys of different lengths; with them, every step is
+masked), non-causal, or causal with any static q_offset - kv_offset (query i sees key j where j
+<= i + offset_delta: 0 is the plain diagonal, -1 a striped ring's later blocks, kv_len - q_len
+queries aligned to the end of the keys), query lengths that are multiples of 128 and key lengths
+that are multiples of 128, at least 256. A query that sees no key gets output 0 and lse -inf.
+Everything else goes elsewhere (`flash_attention_gpu`). Mosaic GPU has no interpret mode:
 benchmarks/attention.py --check tests these kernels on the GPU; on CPU the tests lower them
 for CUDA.
 """
@@ -41,27 +43,97 @@ from .attention_common import LN_2, LOG2_E
 BLOCK_Q = 64  # rows per compute warpgroup; a CTA covers 2 * BLOCK_Q rows
 BLOCK_KV = 128
 MAX_CONCURRENT_STEPS = 2
-# The causal diagonals (q_offset - kv_offset) the kernels take: those that leave every K/V block
-# but a query tile's diagonal one fully visible to it or fully hidden (a shift of -1 hides the
-# diagonal itself, so the first query of the sequence sees no key: its output is 0, its lse -inf).
-CAUSAL_OFFSETS = (0, -1)
+
+
+def why_unsupported(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> str | None:
+    """None where the kernels take these operands (head_dim exactly 64 or 128: `attend` pads
+    others), else what they do not take."""
+    batch, q_len, _, head_dim = q.shape
+    kv_len = k.shape[1]
+    if not on_hopper():
+        return "the Mosaic GPU kernels need a Hopper GPU"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"{q.dtype} (the Mosaic GPU kernels take bfloat16 and float16)"
+    if head_dim not in (64, 128):
+        return f"head_dim {head_dim} (the Mosaic GPU kernels take up to 128)"
+    if scale <= 0:
+        return f"scale {scale} (the Mosaic GPU kernels take a positive one)"
+    if segment_ids is not None:
+        q_ids, kv_ids = common.segment_pair(segment_ids)
+        if q_ids.shape != (batch, q_len) or kv_ids.shape != (batch, kv_len):
+            return f"segment ids {q_ids.shape}, {kv_ids.shape} for q {q.shape}, k {k.shape}"
+    if q_len % (2 * BLOCK_Q) or kv_len % BLOCK_KV or kv_len < MAX_CONCURRENT_STEPS * BLOCK_KV:
+        return (
+            f"q_len {q_len}, kv_len {kv_len} (the Mosaic GPU kernels take multiples of {2 * BLOCK_Q}, "
+            f"kv_len at least {MAX_CONCURRENT_STEPS * BLOCK_KV})"
+        )
+    if causal and (not isinstance(offset_delta, int) or isinstance(offset_delta, bool)):
+        return "a traced causal offset (the Mosaic GPU kernels take a static one)"
+    return None
 
 
 def supports(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> bool:
-    batch, q_len, _, head_dim = q.shape
-    kv_len = k.shape[1]
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        return False
-    if head_dim not in (64, 128) or scale <= 0:
-        return False
-    if segment_ids is not None and (segment_ids.shape != (batch, q_len) or q_len != kv_len):
-        return False
-    if q_len % (2 * BLOCK_Q) or kv_len % BLOCK_KV or kv_len < MAX_CONCURRENT_STEPS * BLOCK_KV:
-        return False
-    static = isinstance(offset_delta, int) and not isinstance(offset_delta, bool)
-    if causal and not (static and offset_delta in CAUSAL_OFFSETS and q_len == kv_len):
-        return False
-    return on_hopper()
+    return why_unsupported(q, k, segment_ids, offset_delta, causal=causal, scale=scale) is None
+
+
+def supports_backward(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> bool:
+    """The forward's conditions, plus the backward's own tiles: q blocks of BWD_BLOCK_Q rows,
+    kv blocks of 2 * BWD_BLOCK_KV (both implied by the forward's today)."""
+    return (
+        supports(q, k, segment_ids, offset_delta, causal=causal, scale=scale)
+        and q.shape[1] % BWD_BLOCK_Q[q.shape[-1]] == 0
+        and k.shape[1] % (2 * BWD_BLOCK_KV) == 0
+    )
+
+
+def pad_head_dim(*xs):
+    """``xs`` [..., head_dim] with a head_dim below 128 zero-padded to the kernels' next one (64,
+    128): zeros change neither q.k nor the output's real columns, and their gradients are sliced
+    off. A head of 80 or 96 runs at 128, as the Triton kernels pad it too; one of 16 or 32 at 64."""
+    head_dim = xs[0].shape[-1]
+    wide = 64 if head_dim <= 64 else 128
+    if head_dim == wide or head_dim > 128:
+        return xs
+    return tuple(jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, wide - head_dim)]) for x in xs)
+
+
+def attend(q, k, v, segment_ids, offset_delta, *, causal: bool, scale: float):
+    """`forward` with attention_common's conventions, the head zero-padded to 64 or 128; None
+    where the kernels do not take these operands."""
+    wide = pad_head_dim(q, k, v)
+    if not supports(*wide[:2], segment_ids, offset_delta, causal=causal, scale=scale):
+        return None
+    out, lse = forward(*wide, causal=causal, scale=scale, offset_delta=offset_delta, segment_ids=segment_ids)
+    return out[..., : q.shape[-1]], lse
+
+
+def attend_backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal: bool, scale: float, dlse=None):
+    """`backward` with attention_common's conventions, the head zero-padded; None where the
+    kernel does not take these operands."""
+    wide = pad_head_dim(q, k, v, out, dout)
+    if not supports_backward(*wide[:2], segment_ids, offset_delta, causal=causal, scale=scale):
+        return None
+    qw, kw, vw, ow, dw = wide
+    grads = backward(
+        qw,
+        kw,
+        vw,
+        ow,
+        lse,
+        dw,
+        causal=causal,
+        scale=scale,
+        dlse=dlse,
+        offset_delta=offset_delta,
+        segment_ids=segment_ids,
+    )
+    return tuple(g[..., : q.shape[-1]] for g in grads)
+
+
+def _floor_div(x, n: int, low: int):
+    """floor(x / n) of an int32 array x >= low (static): lax.div rounds towards zero."""
+    lift = n * max(0, -(low // n))
+    return _div(x + lift, n) - lift // n
 
 
 class ForwardWork(NamedTuple):
@@ -80,15 +152,22 @@ class ForwardWork(NamedTuple):
     q_tiles: int
     kv_blocks: int
     causal: bool
+    offset_delta: int  # causal: query i sees key j where j <= i + offset_delta
     tiles_per_unit: int
     num_ctas: int
 
     @classmethod
-    def plan(cls, batch_size, heads, q_tiles, kv_blocks, causal, sm_count) -> ForwardWork:
+    def plan(cls, batch_size, heads, q_tiles, kv_blocks, causal, sm_count, offset_delta=0) -> ForwardWork:
         num_tiles = batch_size * heads * q_tiles
         tiles_per_unit = 2 if causal and num_tiles % 2 == 0 else 1
         num_ctas = min(num_tiles // tiles_per_unit, sm_count)
-        return cls(batch_size, heads, q_tiles, kv_blocks, causal, tiles_per_unit, num_ctas)
+        return cls(batch_size, heads, q_tiles, kv_blocks, causal, offset_delta, tiles_per_unit, num_ctas)
+
+    @property
+    def one_masked_step(self) -> bool:
+        """Causal: whether a tile's diagonal crosses at most one K/V block, its last (offsets 0
+        and -1 modulo the block: the plain diagonal and a striped ring's)."""
+        return (self.offset_delta + 1) % BLOCK_KV <= 1
 
     def tiles_of(self, cta):
         """How many tiles CTA `cta` (an int32 array) attends."""
@@ -96,8 +175,11 @@ class ForwardWork(NamedTuple):
         return (_div(num_units - 1 - cta, self.num_ctas) + 1) * self.tiles_per_unit
 
     def tile(self, cta, i):
-        """(batch, head, q tile, K/V blocks) of CTA `cta`'s i-th tile (int32 arrays; the block
-        count a Python int when not causal)."""
+        """(batch, head, q tile, unmasked K/V blocks, K/V blocks) of CTA `cta`'s i-th tile (int32
+        arrays; the block counts Python ints when not causal). Causal, the unmasked blocks are
+        those every query of the tile sees whole, the rest (one or two) carry the diagonal; a
+        tile that sees no key still attends one block, masked whole, so that every tile takes a
+        step of the K/V stream (its rows get output 0 and lse -inf)."""
         if self.tiles_per_unit == 2:
             work = 2 * (cta + _div(i, 2) * self.num_ctas) + _mod(i, 2)
         else:
@@ -105,13 +187,18 @@ class ForwardWork(NamedTuple):
         group, rank = _div(work, self.q_tiles), _mod(work, self.q_tiles)
         batch, head = _mod(group, self.batch_size), _div(group, self.batch_size)
         if not self.causal:
-            return batch, head, rank, self.kv_blocks
+            return batch, head, rank, self.kv_blocks, self.kv_blocks
         if self.tiles_per_unit == 2:
             half, odd = _div(rank, 2), _mod(rank, 2)
             q_tile = self.q_tiles - 1 - half - odd * (self.q_tiles - 1 - 2 * half)
         else:
             q_tile = self.q_tiles - 1 - rank
-        return batch, head, q_tile, q_tile + 1
+        # The tile's first query sees the keys up to `last_key`, its last query 2 * BLOCK_Q - 1 more.
+        last_key = q_tile * (2 * BLOCK_Q) + self.offset_delta
+        unmasked = _floor_div(last_key + 1, BLOCK_KV, low=self.offset_delta + 1)
+        blocks = _floor_div(last_key + 2 * BLOCK_Q - 1, BLOCK_KV, low=self.offset_delta + 2 * BLOCK_Q - 1) + 1
+        blocks = jnp.clip(blocks, 1, self.kv_blocks)
+        return batch, head, q_tile, jnp.clip(unmasked, 0, blocks), blocks
 
 
 def _mod(x, n):
@@ -124,8 +211,8 @@ def _div(x, n):
 
 def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0, segment_ids=None):
     """Returns (out [B, S, Hq, D] in q's dtype, lse [B, Hq, S] float32, natural log).
-    Causal: query i sees key j where i + offset_delta >= j (``CAUSAL_OFFSETS``); with
-    ``segment_ids`` [B, S] int32, only keys of its own segment.
+    Causal: query i sees key j where i + offset_delta >= j (a static int); with
+    ``segment_ids`` ([B, S] int32, or a pair [B, Sq], [B, Skv]), only keys of its own segment.
 
     Each CTA attends the tiles `ForwardWork` gives it, one after the other: the K/V stream runs
     on across its tiles, the next tile's q loads during this one and the output store is not
@@ -143,15 +230,21 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0, segme
     logit_scale = scale * LOG2_E  # m_i is kept in this scaled base-2 domain
 
     work = ForwardWork.plan(
-        batch_size, num_q_heads, q_seq_len // (2 * block_q), kv_seq_len // block_kv, causal, multiprocessor_count()
+        batch_size,
+        num_q_heads,
+        q_seq_len // (2 * block_q),
+        kv_seq_len // block_kv,
+        causal,
+        multiprocessor_count(),
+        offset_delta=offset_delta if causal else 0,
     )
 
     segments = segment_ids is not None
-    # A row may see no key in a step (another segment's keys) or at all (the shifted diagonal):
-    # its running max stays -inf, and p and alpha are taken against 0 there.
-    empty_rows = segments or offset_delta != 0
+    # A row may see no key in a step (another segment's keys) or at all (a diagonal shifted
+    # below the first key): its running max stays -inf, and p and alpha are taken against 0 there.
+    empty_rows = segments or (causal and offset_delta < 0)
 
-    def kernel(q_ref, k_ref, v_ref, seg_ref, out_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, out_ref, lse_ref, scoped):
         smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
         wg_idx = lax.axis_index("wg")
         q_smem, k_smem, v_smem, lse_smem2, *seg_smem = smem_buffers
@@ -173,20 +266,20 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0, segme
 
             def load_q(i):
                 """Starts the copy of this warpgroup's q rows of the CTA's i-th tile."""
-                batch, q_head, q_tile, _ = work.tile(cta, i)
+                batch, q_head, q_tile, _, _ = work.tile(cta, i)
                 rows = pl.ds(q_tile * (2 * block_q) + wg_idx * block_q, block_q)
                 q_slot = _mod(i, 2)
                 barrier = q_barriers.at[q_slot * 2 + wg_idx]
                 plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem.at[q_slot, wg_idx], barrier)
                 if segments:
-                    plgpu.copy_gmem_to_smem(seg_ref.at[batch, rows], q_seg_smem.at[q_slot, wg_idx], barrier)
+                    plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, rows], q_seg_smem.at[q_slot, wg_idx], barrier)
 
             load_q(zero)
             plgpu.barrier_wait(kv_barriers.at[0])
             pl.when(wg_idx == 1)(perform_schedule_barrier)
 
             def tile(i, first_step):
-                batch, q_head, q_tile, kv_steps = work.tile(cta, i)
+                batch, q_head, q_tile, unmasked_steps, kv_steps = work.tile(cta, i)
                 q_seq_base = q_tile * (2 * block_q) + wg_idx * block_q
                 q_slot = _mod(i, 2)
                 qo_smem = q_smem.at[q_slot, wg_idx]
@@ -265,15 +358,19 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0, segme
                     return acc, m_i, l_i
 
                 carry = (acc, m_i, l_i)
-                if causal:  # the last block is the diagonal one, the only one masked
+                if causal and work.one_masked_step:  # the last block is the diagonal one
                     carry = lax.fori_loop(0, kv_steps - 1, kv_loop, carry)
                     acc, m_i, l_i = kv_loop(kv_steps - 1, carry, masked=True)
+                elif causal:  # the diagonal crosses the last one or two blocks
+                    carry = lax.fori_loop(0, unmasked_steps, kv_loop, carry)
+                    masked_loop = functools.partial(kv_loop, masked=True)
+                    acc, m_i, l_i = lax.fori_loop(unmasked_steps, kv_steps, masked_loop, carry)
                 else:
                     acc, m_i, l_i = lax.fori_loop(0, kv_steps, kv_loop, carry)
 
-                # Every row sees at least its own key (causal) or all keys, so l_i > 0; under a
-                # shifted diagonal (or a segment whose keys are all hidden) a row may see none:
-                # its output is 0 and its lse -inf.
+                # Every row sees at least the first key (causal) or all keys, so l_i > 0; under a
+                # diagonal shifted below the first key (or a segment whose keys are all hidden) a
+                # row may see none: its output is 0 and its lse -inf.
                 divisor = jnp.where(l_i == 0.0, 1.0, l_i) if empty_rows else l_i
                 acc /= lax.broadcast_in_dim(divisor, (block_q, head_dim), [0])
                 qo_smem[...] = acc.astype(dtype)  # q's slot: this tile's last q k^T has read it
@@ -292,7 +389,7 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0, segme
             plgpu.set_max_registers(40, action="decrease")
 
             def load_tile(i, first_step):
-                batch, q_head, _, kv_steps = work.tile(cta, i)
+                batch, q_head, _, _, kv_steps = work.tile(cta, i)
                 kv_head = _div(q_head, q_heads_per_kv_head)
 
                 @pl.loop(0, kv_steps)
@@ -303,7 +400,7 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0, segme
                     pl.when(step >= stages)(lambda: plgpu.barrier_wait(k_consumed_barriers.at[slot]))
                     plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[slot], kv_barriers.at[slot])
                     if segments:
-                        plgpu.copy_gmem_to_smem(seg_ref.at[s[:2]], kv_seg_smem.at[slot], kv_barriers.at[slot])
+                        plgpu.copy_gmem_to_smem(kv_seg_ref.at[s[:2]], kv_seg_smem.at[slot], kv_barriers.at[slot])
                     pl.when(step >= stages)(lambda: plgpu.barrier_wait(v_consumed_barriers.at[slot]))
                     plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[slot], kv_barriers.at[slot])
 
@@ -312,7 +409,7 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0, segme
             lax.fori_loop(0, my_tiles, load_tile, zero)
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        seg_ref, out_ref, lse_ref = refs if segments else (None, *refs)
+        q_seg_ref, kv_seg_ref, out_ref, lse_ref = refs if segments else (None, None, *refs)
         compute_wgs = 2
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = [
@@ -328,7 +425,7 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0, segme
             ]
         copies = 1 + segments  # TMA copies a q load and a K load arrive on
         pl.run_scoped(
-            lambda *args: kernel(q_ref, k_ref, v_ref, seg_ref, out_ref, lse_ref, args),
+            lambda *args: kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, out_ref, lse_ref, args),
             scratch,
             (
                 plgpu.Barrier(num_arrivals=1 + copies, num_barriers=stages),  # K (and segments) and V
@@ -345,8 +442,15 @@ def forward(q, k, v, *, causal: bool, scale: float, offset_delta: int = 0, segme
         mesh=plgpu.Mesh(grid=(work.num_ctas,), grid_names=("cta",), num_threads=3, thread_name="wg"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         name="sf_flash_attention_fwd_mgpu",
-    )(q, k, v, *([segment_ids.astype(jnp.int32)] if segments else []))
+    )(q, k, v, *_segment_operands(segment_ids))
     return out, lse
+
+
+def _segment_operands(segment_ids):
+    """() or (the queries' ids, the keys' ids), int32, of ids given as one array or a pair."""
+    if segment_ids is None:
+        return ()
+    return tuple(ids.astype(jnp.int32) for ids in common.segment_pair(segment_ids))
 
 
 def multiprocessor_count() -> int:
@@ -366,16 +470,6 @@ BWD_BLOCK_Q = {64: 128, 128: 64}
 BWD_BLOCK_KV = 64  # kv rows per compute warpgroup; a CTA covers 2 * BWD_BLOCK_KV
 BWD_STAGES = 2  # q/dout pipeline depth
 DQ_COLUMNS = 64  # dq columns per wgmma: one 128-byte swizzle atom of k
-
-
-def supports_backward(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> bool:
-    """The forward's conditions, plus the backward's own tiles: q blocks of BWD_BLOCK_Q rows,
-    kv blocks of 2 * BWD_BLOCK_KV (both implied by the forward's today)."""
-    return (
-        supports(q, k, segment_ids, offset_delta, causal=causal, scale=scale)
-        and q.shape[1] % BWD_BLOCK_Q[q.shape[-1]] == 0
-        and k.shape[1] % (2 * BWD_BLOCK_KV) == 0
-    )
 
 
 def _load_whole(plgpu, ref, layout):
@@ -414,6 +508,19 @@ def backward_grid(batch, kv_len, heads_q, heads_kv, head_dim, *, causal: bool, s
     if causal and group > 2 and not per_q_head:  # longest first
         return per_q_head, dict(grid=(kv_blocks, heads, batch), grid_names=("kv_seq", "heads", "batch"))
     return per_q_head, dict(grid=(heads, kv_blocks, batch), grid_names=("heads", "kv_seq", "batch"))
+
+
+def causal_q_blocks(kv_start, offset_delta: int, bq: int, num_q_blocks: int):
+    """(first q block, first unmasked q block) of the causal backward's CTA over the keys from
+    ``kv_start`` (an int32 array) on, 2 * BWD_BLOCK_KV of them: query i sees key j where j <= i +
+    offset_delta, so the CTA's first key from query kv_start - offset_delta on and its last key
+    from 2 * BWD_BLOCK_KV - 1 later. Its steps start at the q block holding the first such query
+    and are unmasked from the first block whose queries all see every key of the CTA."""
+    first_row = kv_start - offset_delta
+    first = jnp.clip(_floor_div(first_row, bq, low=-offset_delta), 0, num_q_blocks)
+    span = 2 * BWD_BLOCK_KV - 1 + bq - 1  # to the block past the last key's first query, rounded up
+    unmasked_from = _floor_div(first_row + span, bq, low=span - offset_delta)
+    return first, jnp.clip(unmasked_from, first, num_q_blocks)
 
 
 def backward(
@@ -466,7 +573,8 @@ def backward(
     def acc_zeros(shape):
         return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, dq_ref, dkv_refs, smem, barriers):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, dq_ref, dkv_refs, smem, barriers):
+        q_seg_ref, kv_seg_ref = seg_refs
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, *seg_smem = smem
         q_seg_smem, kv_seg_smem = seg_smem if segments else (None, None)
         (k_bar, v_bar, in_bar, consumed, ds_ready, cta_sync) = barriers
@@ -476,14 +584,14 @@ def backward(
         first_q_head = cta_head if per_q_head else kv_head * group
         wg = lax.axis_index("wg")
         kv_start = lax.axis_index("kv_seq") * (2 * bkv)
-        first_q_block = lax.div(kv_start, jnp.int32(bq)) if causal else jnp.int32(0)
-        steps_per_head = num_q_blocks - first_q_block
+        if causal:
+            first_q_block, unmasked_from = causal_q_blocks(kv_start, offset_delta, bq, num_q_blocks)
 
         def for_each_step(body, carry):
             """Runs body(step, q_block, q_head, carry, masked) over the CTA's (q head, q block)s in
             flat loops: a loop nest over heads costs the step registers (spills, measured).
-            Causal: first every head's masked blocks — those over the CTA's own 2 * bkv rows, the
-            only ones with keys above the diagonal — then every head's unmasked ones."""
+            Causal: first every head's masked blocks — those the diagonal crosses, the only ones
+            that see some of the CTA's keys and not others — then every head's unmasked ones."""
 
             def run(start, blocks, first_block, masked, carry):
                 def one(i, carry):
@@ -494,11 +602,9 @@ def backward(
 
             if not causal:
                 return run(0, num_q_blocks, 0, False, carry)
-            masked_blocks = 2 * bkv // bq
+            masked_blocks = unmasked_from - first_q_block
             carry = run(0, masked_blocks, first_q_block, True, carry)
-            return run(
-                members * masked_blocks, steps_per_head - masked_blocks, first_q_block + masked_blocks, False, carry
-            )
+            return run(members * masked_blocks, num_q_blocks - unmasked_from, unmasked_from, False, carry)
 
         @pl.when(wg < 2)
         def _compute_wg():
@@ -508,7 +614,7 @@ def backward(
             kv_slice = (b, pl.ds(kv_rows, bkv), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[kv_slice], k_w, k_bar.at[wg])
             if segments:
-                plgpu.copy_gmem_to_smem(seg_ref.at[kv_slice[:2]], kv_seg_smem.at[wg], k_bar.at[wg])
+                plgpu.copy_gmem_to_smem(kv_seg_ref.at[kv_slice[:2]], kv_seg_smem.at[wg], k_bar.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[kv_slice], v_w, v_bar.at[wg])
             plgpu.barrier_wait(k_bar.at[wg])
             plgpu.barrier_wait(v_bar.at[wg])
@@ -648,13 +754,15 @@ def backward(
                 plgpu.copy_gmem_to_smem(lse_ref.at[b, q_head, rows], lse_smem.at[slot], in_bar.at[slot])
                 plgpu.copy_gmem_to_smem(delta_ref.at[b, q_head, rows], delta_smem.at[slot], in_bar.at[slot])
                 if segments:
-                    plgpu.copy_gmem_to_smem(seg_ref.at[b, rows], q_seg_smem.at[slot], in_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], q_seg_smem.at[slot], in_bar.at[slot])
                 return carry
 
             for_each_step(load, ())
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
-        seg_ref, dq_ref, *dkv_refs = refs if segments else (None, *refs)
+        *seg_refs, dq_ref = refs[: 3 if segments else 1]
+        dkv_refs = refs[len(seg_refs) + 1 :]
+        seg_refs = seg_refs or (None, None)
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         tiled_f32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
         smem = [
@@ -685,7 +793,7 @@ def backward(
                 do_ref,
                 lse_ref,
                 delta_ref,
-                seg_ref,
+                seg_refs,
                 dq_ref,
                 dkv_refs,
                 scoped[: len(smem)],
@@ -703,7 +811,7 @@ def backward(
         mesh=plgpu.Mesh(**grid, num_threads=3, thread_name="wg"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         name="sf_flash_attention_bwd_mgpu",
-    )(q, k, v, dout, lse2, delta, *([segment_ids.astype(jnp.int32)] if segments else []), dq_accumulator, *dkv_sum)
+    )(q, k, v, dout, lse2, delta, *_segment_operands(segment_ids), dq_accumulator, *dkv_sum)
     dk, dv = dkv_sum[0][...].astype(dtype) if per_q_head else dkv
     dq = (dq_accumulator[...] * scale).astype(dtype)
     return dq, dk, dv

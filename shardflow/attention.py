@@ -20,7 +20,6 @@ from shardflow.attention_primitives import (
     sf_attention_bwd_p,
     sf_attention_fwd_p,
 )
-from shardflow.kernels import flash_attention_gpu
 from shardflow.ring_attention import Layout
 
 
@@ -170,12 +169,6 @@ def attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     implementation = implementation_of(backend)
-    if (
-        backend == "auto"
-        and implementation == "pallas_gpu"
-        and not flash_attention_gpu.supports_head_dim(q.shape[-1], q.dtype)
-    ):
-        implementation = "xla"  # heads too wide for the kernel's shared-memory tiles
     if implementation == "cudnn":
         return _cudnn_attention(
             q,

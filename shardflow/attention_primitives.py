@@ -31,7 +31,7 @@ import warnings
 import jax
 
 from shardflow import ring_attention
-from shardflow.kernels import attention_xla, flash_attention_gpu, on_hopper
+from shardflow.kernels import attention_xla, flash_attention_gpu, flash_attention_mgpu, on_hopper
 from shardflow.primitives import kernel_primitive
 
 BACKENDS = ("auto", "pallas", "interpret", "xla", "cudnn", "pallas_tpu", "interpret_tpu")
@@ -40,7 +40,7 @@ CONTEXTS = ("auto", "ring", "all_gather", "ulysses", "hybrid")
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    implementation: str  # "xla", "pallas_gpu", "pallas_tpu", "interpret_gpu", "interpret_tpu"
+    implementation: str  # "xla", "mosaic_gpu", "pallas_gpu", "pallas_tpu", "interpret_gpu", "interpret_tpu"
     causal: bool
     scale: float
     static_offset_delta: int | None  # None when the offsets are operands
@@ -59,7 +59,7 @@ def implementation_of(backend: str) -> str:
         if platform in ("gpu", "cuda") and not on_hopper():
             _warn_off_hopper(str(getattr(jax.devices()[0], "device_kind", "this GPU")))
             return "xla"
-        return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
+        return {"gpu": "mosaic_gpu", "cuda": "mosaic_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
     if backend == "pallas":
         if platform in ("gpu", "cuda"):
             return "pallas_gpu"
@@ -91,10 +91,49 @@ def _warn_off_hopper(device_kind: str):
     )
 
 
+@functools.cache
+def _warn_off_mosaic(reason: str):
+    warnings.warn(
+        f"attention: {reason}: on this Hopper GPU backend='auto' runs the XLA blockwise attention "
+        "(kernels/attention_xla.py), which is slower; backend='pallas' runs the deprecated Pallas "
+        "Triton kernels",
+        stacklevel=2,
+    )
+
+
+def _mosaic_or_xla_forward(q, k, v, segment_ids, offset_delta, *, causal, scale):
+    """The Mosaic GPU kernel where it takes the operands, else (saying why, once) XLA's."""
+    out = flash_attention_mgpu.attend(q, k, v, segment_ids, offset_delta, causal=causal, scale=scale)
+    if out is None:
+        _warn_off_mosaic(_why_not_mosaic(q, k, segment_ids, offset_delta, causal=causal, scale=scale))
+        out = attention_xla.forward(q, k, v, segment_ids, offset_delta, causal=causal, scale=scale)
+    return out
+
+
+def _mosaic_or_xla_backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal, scale, dlse=None):
+    grads = flash_attention_mgpu.attend_backward(
+        q, k, v, segment_ids, offset_delta, out, lse, dout, causal=causal, scale=scale, dlse=dlse
+    )
+    if grads is None:
+        _warn_off_mosaic(_why_not_mosaic(q, k, segment_ids, offset_delta, causal=causal, scale=scale))
+        grads = attention_xla.backward(
+            q, k, v, segment_ids, offset_delta, out, lse, dout, causal=causal, scale=scale, dlse=dlse
+        )
+    return grads
+
+
+def _why_not_mosaic(q, k, segment_ids, offset_delta, *, causal, scale):
+    wide = flash_attention_mgpu.pad_head_dim(q, k)
+    reason = flash_attention_mgpu.why_unsupported(*wide, segment_ids, offset_delta, causal=causal, scale=scale)
+    return reason or "the Mosaic GPU backward's tiles do not divide the sequences"
+
+
 def _kernels(implementation: str):
     """(forward, backward) callables with the attention_common conventions."""
     if implementation == "xla":
         return attention_xla.forward, attention_xla.backward
+    if implementation == "mosaic_gpu":
+        return _mosaic_or_xla_forward, _mosaic_or_xla_backward
     if implementation in ("pallas_gpu", "interpret_gpu"):
         interpret = implementation == "interpret_gpu"
         return (

@@ -419,10 +419,15 @@ def test_gpu_kernels(causal, seq, head_dim):
 # The Mosaic kernels' masks beyond the plain causal one: a striped ring's later blocks attend with
 # q_offset - kv_offset = -1 (every query sees the keys strictly before it, so the first sees none:
 # output 0, lse -inf); packed documents give segment ids (every step masked).
+# Any other static shift: one whose diagonal crosses two K/V blocks per tile, queries aligned to
+# the end of a longer key sequence, and keys past the queries (the first 300 see none).
 MOSAIC_MASKS = {
     "shifted_diagonal": dict(causal=True, q_offset=0, kv_offset=1),
     "segment_ids": dict(causal=False, num_segments=5),
     "causal_segment_ids": dict(causal=True, num_segments=5),
+    "diagonal_across_two_blocks": dict(causal=True, q_offset=70, kv_offset=0),
+    "queries_at_the_keys_end": dict(causal=True, q_len=512, kv_len=1024, q_offset=512, kv_offset=0),
+    "keys_past_the_queries": dict(causal=True, q_len=1024, kv_len=512, q_offset=0, kv_offset=300),
 }
 
 
@@ -435,13 +440,37 @@ def test_gpu_kernels_mosaic_masks(head_dim, mask):
         "pallas",
         dtype=jnp.bfloat16,
         batch=2,
-        q_len=512,
-        kv_len=512,
         heads_kv=2,
         group=2,
         head_dim=head_dim,
-        **MOSAIC_MASKS[mask],
+        **{"q_len": 512, "kv_len": 512, **MOSAIC_MASKS[mask]},
     )
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_mosaic_kernels_with_segment_ids_of_queries_and_keys(head_dim):
+    """A ring's block: queries against another device's keys, each with their own segment ids
+    (and lengths), causal at the blocks' offset: the Mosaic kernels equal the XLA attention."""
+    from shardflow.kernels import attention_xla
+    from shardflow.kernels import flash_attention_mgpu as mgpu
+
+    r = np.random.default_rng(head_dim)
+    q, dout = (jnp.asarray(r.standard_normal((2, 512, 4, head_dim)), jnp.bfloat16) for _ in range(2))
+    k, v = (jnp.asarray(r.standard_normal((2, 1024, 2, head_dim)), jnp.bfloat16) for _ in range(2))
+    ids = tuple(jnp.asarray(np.sort(r.integers(0, 3, (2, n)), axis=1), jnp.int32) for n in (512, 1024))
+    kw = dict(causal=True, scale=head_dim**-0.5)
+    out, lse = mgpu.attend(q, k, v, ids, 384, **kw)
+    grads = mgpu.attend_backward(q, k, v, ids, 384, out, lse, dout, **kw)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
+    want_out, want_lse = attention_xla.forward(*f32[:3], ids, 384, **kw)
+    want = attention_xla.backward(*f32[:3], ids, 384, want_out, want_lse, f32[3], **kw)
+    assert rel_err(out, want_out) < 1e-2
+    finite = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        assert rel_err(g, w) < 1e-2, name
 
 
 @pytest.mark.gpu
@@ -512,6 +541,38 @@ def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, offset_delta, group
         assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(
+    "q_len,kv_len,offset_delta,segments",
+    [(512, 1024, 512, False), (512, 1024, 500, True), (1024, 512, -300, False), (512, 768, 7, True)],
+)
+def test_mosaic_gpu_kernels_lower_for_unequal_lengths_and_any_causal_shift(
+    head_dim, q_len, kv_len, offset_delta, segments
+):
+    """Causal with q_len != kv_len and a shift whose diagonal crosses two K/V blocks per tile
+    (the forward's masked steps in a loop, the backward's masked q blocks counted per CTA), with
+    a pair of segment ids of different lengths."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from shardflow.kernels import flash_attention_mgpu
+
+    q = jax.ShapeDtypeStruct((2, q_len, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, kv_len, 2, head_dim), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((2, 4, q_len), jnp.float32)
+    ids = (jax.ShapeDtypeStruct((2, q_len), jnp.int32), jax.ShapeDtypeStruct((2, kv_len), jnp.int32))
+    ids = ids if segments else None
+    kw = dict(causal=True, scale=head_dim**-0.5, offset_delta=offset_delta)
+
+    def forward(q, k, v, segment_ids):
+        return flash_attention_mgpu.forward(q, k, v, segment_ids=segment_ids, **kw)
+
+    def backward(q, k, v, out, lse, dout, segment_ids):
+        return flash_attention_mgpu.backward(q, k, v, out, lse, dout, segment_ids=segment_ids, **kw)
+
+    for fn, args in ((forward, (q, kv, kv, ids)), (backward, (q, kv, kv, q, lse, q, ids))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
 # (batch, seq, heads_q, heads_kv) -> per q head for (non-causal, causal) x (head_dim 64, 128).
 BACKWARD_PER_Q_HEAD = {
     (4, 4096, 16, 16): {(False, 64): False, (False, 128): False, (True, 64): False, (True, 128): False},  # MHA: never
@@ -566,16 +627,60 @@ def test_forward_work_covers_every_tile_once(batch, heads, q_tiles, kv_blocks, c
     ctas = jnp.arange(work.num_ctas, dtype=jnp.int32)
     counts = np.asarray(work.tiles_of(ctas))
     cta, i = np.nonzero(np.arange(counts.max())[None, :] < counts[:, None])
-    b, h, t, steps = (
+    b, h, t, unmasked, steps = (
         np.broadcast_to(np.asarray(x), cta.shape)
         for x in work.tile(jnp.asarray(cta, jnp.int32), jnp.asarray(i, jnp.int32))
     )
     assert sorted(zip(b, h, t)) == [(x, y, z) for x in range(batch) for y in range(heads) for z in range(q_tiles)]
-    np.testing.assert_array_equal(steps, t + 1 if causal else kv_blocks)
+    np.testing.assert_array_equal(steps, np.minimum(t + 1, kv_blocks) if causal else kv_blocks)
+    np.testing.assert_array_equal(unmasked, np.minimum(t, kv_blocks) if causal else kv_blocks)
     assert work.num_ctas == min(132, len(t) // work.tiles_per_unit)
     if causal and len(t) % 2 == 0:  # pairs of q_tiles + 1 steps
         load = np.bincount(cta, weights=steps)
         assert load.max() - load.min() <= q_tiles + 1
+
+
+def visibility(q_len, kv_len, offset_delta):
+    """[q_len, kv_len] causal visibility: query i sees key j where j <= i + offset_delta."""
+    return np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None] + offset_delta
+
+
+@pytest.mark.parametrize("offset_delta", [0, -1, 1, 7, 64, 127, 128, 200, -64, -127, -128, -129, -300, 1000, -1000])
+@pytest.mark.parametrize("q_tiles,kv_blocks", [(4, 4), (2, 6), (6, 2)])
+def test_causal_forward_tiles_attend_the_keys_they_see(offset_delta, q_tiles, kv_blocks):
+    """A causal forward tile attends K/V blocks [0, blocks): every block it sees a key of, the
+    first `unmasked` of them seen whole by every query (those run without the mask), the others
+    seen in part; one block at least, masked whole where the tile sees no key."""
+    from shardflow.kernels.flash_attention_mgpu import BLOCK_KV, BLOCK_Q, ForwardWork
+
+    rows = 2 * BLOCK_Q
+    work = ForwardWork.plan(1, 1, q_tiles, kv_blocks, True, sm_count=1, offset_delta=offset_delta)
+    seen = visibility(q_tiles * rows, kv_blocks * BLOCK_KV, offset_delta)
+    seen = seen.reshape(q_tiles, rows, kv_blocks, BLOCK_KV)
+    for i in range(q_tiles):
+        _, _, t, unmasked, blocks = (int(x) for x in work.tile(jnp.int32(0), jnp.int32(i)))
+        any_key, every_key = seen[t].any(axis=(0, 2)), seen[t].all(axis=(0, 2))
+        assert blocks == max(1, np.flatnonzero(any_key).max(initial=-1) + 1), (t, blocks)
+        assert unmasked == np.flatnonzero(~every_key).min(initial=kv_blocks), (t, unmasked)
+
+
+@pytest.mark.parametrize("offset_delta", [0, -1, 1, 63, 64, 65, 127, 128, 129, -64, -65, -128, -129, 700, -700])
+@pytest.mark.parametrize("bq", [64, 128])
+@pytest.mark.parametrize("q_len,kv_len", [(512, 512), (256, 768), (768, 256)])
+def test_causal_backward_ctas_step_over_the_queries_that_see_their_keys(offset_delta, bq, q_len, kv_len):
+    """A causal backward CTA (2 * BWD_BLOCK_KV keys) steps over q blocks [first, num_q_blocks):
+    every block with a query that sees one of its keys, masked up to the first block whose
+    queries all see all of them."""
+    from shardflow.kernels.flash_attention_mgpu import BWD_BLOCK_KV, causal_q_blocks
+
+    keys = 2 * BWD_BLOCK_KV
+    seen = visibility(q_len, kv_len, offset_delta).reshape(q_len // bq, bq, kv_len // keys, keys)
+    for c in range(kv_len // keys):
+        first, unmasked_from = (int(x) for x in causal_q_blocks(jnp.int32(c * keys), offset_delta, bq, q_len // bq))
+        any_query, every_query = seen[:, :, c].any(axis=(1, 2)), seen[:, :, c].all(axis=(1, 2))
+        assert first == np.flatnonzero(any_query).min(initial=q_len // bq), (c, first)
+        assert not any_query[:first].any() and every_query[unmasked_from:].all()
+        assert unmasked_from == first + np.flatnonzero(~every_query[first:]).max(initial=-1) + 1, (c, unmasked_from)
 
 
 @pytest.mark.parametrize("causal,segments", [(False, False), (True, False), (True, True)])
@@ -605,11 +710,11 @@ def test_tpu_kernels_lower_for_tpu(monkeypatch, causal, segments, head_dim, grou
         assert "tpu_custom_call" in text
 
 
-@pytest.mark.parametrize("head_dim, wide", [(80, 128), (96, 128), (48, 64)])
-def test_a_head_dim_between_the_mosaic_kernels_runs_them_zero_padded(head_dim, wide, monkeypatch):
-    """On Hopper a head of 80, 96 or 48 goes to the Mosaic kernels padded to 128 or 64 with zeros
-    (what the Triton kernels pad it to), the padding sliced off: forward and gradients equal the
-    unpadded reference. On CPU the reference stands in for the kernels, which see the padding."""
+@pytest.mark.parametrize("head_dim, wide", [(80, 128), (96, 128), (48, 64), (32, 64), (16, 64)])
+def test_a_head_dim_below_128_runs_the_mosaic_kernels_zero_padded(head_dim, wide, monkeypatch):
+    """On Hopper a head of 80, 96, 48, 32 or 16 goes to the Mosaic kernels padded to 128 or 64
+    with zeros, the padding sliced off: forward and gradients equal the unpadded reference. On
+    CPU the reference stands in for the kernels, which see the padding."""
     from shardflow.kernels import attention_xla, flash_attention_gpu
     from shardflow.kernels import flash_attention_mgpu as mgpu
 
@@ -663,8 +768,59 @@ def test_a_gpu_other_than_hopper_runs_the_xla_attention_and_says_so(monkeypatch)
         assert ap.implementation_of("auto") == "xla"  # once
     assert ap.implementation_of("pallas") == "pallas_gpu"
     monkeypatch.setattr(ap, "on_hopper", lambda: True)
-    assert ap.implementation_of("auto") == "pallas_gpu"
+    assert ap.implementation_of("auto") == "mosaic_gpu"
     ap._warn_off_hopper.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(dtype=jnp.float32, reason="float32"),
+        dict(head_dim=256, reason="head_dim 256"),
+        dict(q_len=300, kv_len=300, reason="q_len 300"),
+        dict(q_offset=jnp.int32(3), reason="a traced causal offset"),
+    ],
+    ids=["fp32", "head256", "seq300", "traced_offset"],
+)
+def test_hopper_runs_what_the_mosaic_kernels_do_not_take_in_xla_and_says_why(case, monkeypatch):
+    """backend='auto' on Hopper: the Mosaic kernels where they apply, else the XLA blockwise
+    attention (never the deprecated Triton kernels), with one warning naming what they do not
+    take; forward and gradients equal the reference. On CPU the XLA path is what runs."""
+    import importlib
+
+    from shardflow import attention_primitives as ap
+    from shardflow.kernels import attention_xla
+    from shardflow.kernels import flash_attention_mgpu as mgpu
+
+    attention_module = importlib.import_module("shardflow.attention")
+    case = dict(case)
+    reason = case.pop("reason")
+    monkeypatch.setattr(mgpu, "on_hopper", lambda: True)
+
+    def no_mosaic(*args, **kwargs):
+        raise AssertionError("the Mosaic kernel ran")
+
+    monkeypatch.setattr(mgpu, "forward", no_mosaic)
+    monkeypatch.setattr(mgpu, "backward", no_mosaic)
+    ran_xla, xla_forward = [], attention_xla.forward
+    monkeypatch.setattr(attention_xla, "forward", lambda *a, **kw: ran_xla.append(1) or xla_forward(*a, **kw))
+    monkeypatch.setattr(attention_module, "implementation_of", lambda backend: "mosaic_gpu")
+    ap._warn_off_mosaic.cache_clear()
+    dtype, head_dim = case.pop("dtype", jnp.bfloat16), case.pop("head_dim", 64)
+    q_len, kv_len = case.pop("q_len", 256), case.pop("kv_len", 256)
+    q, k, v, dout, _ = make_inputs(0, 1, q_len, kv_len, 2, 2, head_dim, dtype, 0)
+    config = dict(causal=True, scale=head_dim**-0.5, **case)
+    with pytest.warns(UserWarning, match=f"attention: {reason}.*backend='auto' runs the XLA blockwise"):
+        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, **config), q, k, v)
+        grads = vjp(dout)
+    reference = functools.partial(reference_attention, segment_ids=None, kv_offset=0, **{"q_offset": 0, **config})
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
+    want, want_vjp = jax.vjp(lambda q, k, v: reference(q, k, v)[0], *f32[:3])
+    tol = TOLERANCE[dtype]
+    assert ran_xla and rel_err(out, want) < tol
+    for g, w in zip(grads, want_vjp(f32[3])):
+        assert rel_err(g, w) < tol
+    ap._warn_off_mosaic.cache_clear()
 
 
 @pytest.mark.gpu
@@ -698,8 +854,8 @@ def test_no_attention_call_of_the_models_reaches_triton_on_hopper():
 
 
 def test_mosaic_gpu_dispatch_takes_only_what_the_kernels_handle(monkeypatch):
-    """Everything the Mosaic kernels were not built for must go to the Triton kernels: a wrong
-    predicate would give wrong masks, not an error."""
+    """Everything the Mosaic kernels were not built for must go elsewhere: a wrong predicate
+    would give wrong masks, not an error."""
     from shardflow.kernels import flash_attention_mgpu as mgpu
 
     bf16 = lambda b, s, h, d, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((b, s, h, d), dtype)
@@ -718,16 +874,19 @@ def test_mosaic_gpu_dispatch_takes_only_what_the_kernels_handle(monkeypatch):
     assert takes(bf16(1, 1024, 4, 64, jnp.float16), bf16(1, 1024, 4, 64, jnp.float16), causal=False) == (True, True)
     assert takes(q, bf16(2, 1024, 2, 128), causal=False) == (True, True)  # cross attention
     assert takes(q, k, offset_delta=-1) == (True, True)  # the diagonal hidden: a striped ring's later blocks
+    assert takes(q, k, offset_delta=7) == (True, True)  # any static shift
+    assert takes(q, k, offset_delta=-300) == (True, True)
+    assert takes(q, bf16(2, 1024, 2, 128), offset_delta=512) == (True, True)  # queries at the keys' end
     assert takes(q, k, segment_ids=jnp.zeros((2, 512), jnp.int32)) == (True, True)  # packed documents
+    ids = (jnp.zeros((2, 512), jnp.int32), jnp.zeros((2, 1024), jnp.int32))
+    assert takes(q, bf16(2, 1024, 2, 128), segment_ids=ids) == (True, True)  # a ring's block of keys
     rejected = [
         dict(q=bf16(2, 512, 8, 128, jnp.float32), k=bf16(2, 512, 2, 128, jnp.float32)),
         dict(q=bf16(2, 512, 8, 96), k=bf16(2, 512, 2, 96)),  # head_dim
-        dict(k=bf16(2, 1024, 2, 128), causal=False, segment_ids=jnp.zeros((2, 512), jnp.int32)),  # Sq != Skv
-        dict(offset_delta=7),  # shifted mask
-        dict(offset_delta=-2),
+        dict(k=bf16(2, 1024, 2, 128), causal=False, segment_ids=jnp.zeros((2, 512), jnp.int32)),  # ids [B, Sq] only
+        dict(segment_ids=(jnp.zeros((2, 512), jnp.int32), jnp.zeros((2, 256), jnp.int32))),
         dict(offset_delta=True),
         dict(offset_delta=jnp.int32(0)),  # traced offset
-        dict(k=bf16(2, 1024, 2, 128)),  # causal, Sq != Skv
         dict(q=bf16(2, 300, 8, 128), k=bf16(2, 300, 2, 128)),  # not x128
         dict(q=bf16(2, 128, 8, 128), k=bf16(2, 128, 2, 128)),  # < 2 kv blocks
         dict(scale=-1.0),

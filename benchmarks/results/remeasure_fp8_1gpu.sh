@@ -10,8 +10,10 @@
 # reference, the 32k GEMM table, in seven minutes; PART=7 (one H200): the 7b step in FP8, in
 # bf16 and by the plain-JAX reference, each in its own process; PART=8: the Mosaic attention
 # kernels' GPU test under a shifted causal diagonal, then PART=6; PART=10: the Mosaic kernels'
-# GPU tests of their masks (segment ids, the shifted diagonal). Logs and JSON under $OUT, a
-# short table last.
+# GPU tests of their masks (segment ids, the shifted diagonal); PART=11: the GPU tests of the
+# Mosaic kernels' general causal shifts, unequal lengths and pairs of segment ids, then the
+# attention paths (backend="auto" against the Triton kernels); PART=12: the paths alone. Logs and
+# JSON under $OUT, a short table last.
 #
 #   OUT=/tmp/out PART=1 bash benchmarks/results/remeasure_fp8_1gpu.sh
 set -u
@@ -52,6 +54,18 @@ elif [ "${PART}" = 5 ]; then
       > "$OUT/fp8_gemms_32k.log" 2>&1
   echo "fp8 gemms 32k exit $?"
   grep -A14 "^profile" "$OUT/moe_profile.log"; tail -26 "$OUT/fp8_gemms_32k.log"
+elif [ "${PART}" = 11 ]; then
+  attention_tests 330 "mosaic_masks and (two_blocks or keys_end or past_the) or queries_and_keys"
+  grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
+  timeout 240 python3 benchmarks/attention.py --paths --iters 5 --rounds 3 --warmup 1 --out "$OUT/attention_paths.json" \
+      > "$OUT/attention_paths.log" 2>&1
+  echo "attention paths exit $?"
+  grep -E "^\|" "$OUT/attention_paths.log"
+elif [ "${PART}" = 12 ]; then
+  timeout 560 python3 benchmarks/attention.py --paths --iters 5 --rounds 3 --warmup 1 --out "$OUT/attention_paths.json" \
+      > "$OUT/attention_paths.log" 2>&1
+  echo "attention paths exit $?"
+  grep -E "^\||failed" "$OUT/attention_paths.log"
 elif [ "${PART}" = 10 ]; then
   attention_tests 280 mosaic_masks
   grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
