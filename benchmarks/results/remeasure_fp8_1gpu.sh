@@ -12,7 +12,8 @@
 # kernels' GPU test under a shifted causal diagonal, then PART=6; PART=10: the Mosaic kernels'
 # GPU tests of their masks (segment ids, the shifted diagonal); PART=11: the GPU tests of the
 # Mosaic kernels' general causal shifts, unequal lengths and pairs of segment ids, then the
-# attention paths (backend="auto" against the Triton kernels); PART=12: the paths alone. Logs and
+# attention paths (backend="auto" against the Triton kernels); PART=12: the GPU test that no
+# attention call reaches Triton, then the paths. Logs and
 # JSON under $OUT, a short table last.
 #
 #   OUT=/tmp/out PART=1 bash benchmarks/results/remeasure_fp8_1gpu.sh
@@ -57,12 +58,20 @@ elif [ "${PART}" = 5 ]; then
 elif [ "${PART}" = 11 ]; then
   attention_tests 330 "mosaic_masks and (two_blocks or keys_end or past_the) or queries_and_keys"
   grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
-  timeout 240 python3 benchmarks/attention.py --paths --iters 5 --rounds 3 --warmup 1 --out "$OUT/attention_paths.json" \
+  if [ -f .variants/old_mgpu.py ]; then  # the Mosaic backward before against now (carry .variants)
+    timeout 90 python3 benchmarks/attention.py --bwd --causal yes --iters 10 \
+        --variants old=.variants/old_mgpu.py new=kernels/flash_attention_mgpu.py > "$OUT/bwd_variants.log" 2>&1
+    echo "backward variants exit $?"
+    grep -E "^\|" "$OUT/bwd_variants.log"
+  fi
+  timeout 160 python3 benchmarks/attention.py --paths --iters 5 --rounds 3 --warmup 1 --out "$OUT/attention_paths.json" \
       > "$OUT/attention_paths.log" 2>&1
   echo "attention paths exit $?"
-  grep -E "^\|" "$OUT/attention_paths.log"
+  grep -E "^\||failed" "$OUT/attention_paths.log"
 elif [ "${PART}" = 12 ]; then
-  timeout 560 python3 benchmarks/attention.py --paths --iters 5 --rounds 3 --warmup 1 --out "$OUT/attention_paths.json" \
+  attention_tests 200 "reaches_triton"
+  grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -6
+  timeout 360 python3 benchmarks/attention.py --paths --iters 5 --rounds 3 --warmup 1 --out "$OUT/attention_paths.json" \
       > "$OUT/attention_paths.log" 2>&1
   echo "attention paths exit $?"
   grep -E "^\||failed" "$OUT/attention_paths.log"
