@@ -193,12 +193,18 @@ class ForwardWork(NamedTuple):
             q_tile = self.q_tiles - 1 - half - odd * (self.q_tiles - 1 - 2 * half)
         else:
             q_tile = self.q_tiles - 1 - rank
-        # The tile's first query sees the keys up to `last_key`, its last query 2 * BLOCK_Q - 1 more.
-        last_key = q_tile * (2 * BLOCK_Q) + self.offset_delta
-        unmasked = _floor_div(last_key + 1, BLOCK_KV, low=self.offset_delta + 1)
-        blocks = _floor_div(last_key + 2 * BLOCK_Q - 1, BLOCK_KV, low=self.offset_delta + 2 * BLOCK_Q - 1) + 1
-        blocks = jnp.clip(blocks, 1, self.kv_blocks)
-        return batch, head, q_tile, jnp.clip(unmasked, 0, blocks), blocks
+        unmasked, blocks = common.kv_block_range(
+            q_tile * (2 * BLOCK_Q),
+            block_q=2 * BLOCK_Q,
+            block_k=BLOCK_KV,
+            num_kv_blocks=self.kv_blocks,
+            kv_len=self.kv_blocks * BLOCK_KV,
+            causal=True,
+            has_segment_ids=False,  # segments mask every step, apart from this
+            offset_delta=self.offset_delta,
+        )
+        blocks = jnp.maximum(blocks, 1)
+        return batch, head, q_tile, jnp.minimum(unmasked, blocks), blocks
 
 
 def _mod(x, n):
@@ -510,19 +516,6 @@ def backward_grid(batch, kv_len, heads_q, heads_kv, head_dim, *, causal: bool, s
     return per_q_head, dict(grid=(heads, kv_blocks, batch), grid_names=("heads", "kv_seq", "batch"))
 
 
-def causal_q_blocks(kv_start, offset_delta: int, bq: int, num_q_blocks: int):
-    """(first q block, first unmasked q block) of the causal backward's CTA over the keys from
-    ``kv_start`` (an int32 array) on, 2 * BWD_BLOCK_KV of them: query i sees key j where j <= i +
-    offset_delta, so the CTA's first key from query kv_start - offset_delta on and its last key
-    from 2 * BWD_BLOCK_KV - 1 later. Its steps start at the q block holding the first such query
-    and are unmasked from the first block whose queries all see every key of the CTA."""
-    first_row = kv_start - offset_delta
-    first = jnp.clip(_floor_div(first_row, bq, low=-offset_delta), 0, num_q_blocks)
-    span = 2 * BWD_BLOCK_KV - 1 + bq - 1  # to the block past the last key's first query, rounded up
-    unmasked_from = _floor_div(first_row + span, bq, low=span - offset_delta)
-    return first, jnp.clip(unmasked_from, first, num_q_blocks)
-
-
 def backward(
     q, k, v, out, lse, dout, *, causal: bool, scale: float, dlse=None, offset_delta: int = 0, segment_ids=None
 ):
@@ -585,7 +578,15 @@ def backward(
         wg = lax.axis_index("wg")
         kv_start = lax.axis_index("kv_seq") * (2 * bkv)
         if causal:
-            first_q_block, unmasked_from = causal_q_blocks(kv_start, offset_delta, bq, num_q_blocks)
+            first_q_block, unmasked_from = common.q_block_range(
+                kv_start,
+                block_q=bq,
+                block_k=2 * bkv,
+                num_q_blocks=num_q_blocks,
+                causal=True,
+                has_segment_ids=False,  # segments mask every step, apart from this
+                offset_delta=offset_delta,
+            )
 
         def for_each_step(body, carry):
             """Runs body(step, q_block, q_head, carry, masked) over the CTA's (q head, q block)s in

@@ -671,12 +671,14 @@ def test_causal_backward_ctas_step_over_the_queries_that_see_their_keys(offset_d
     """A causal backward CTA (2 * BWD_BLOCK_KV keys) steps over q blocks [first, num_q_blocks):
     every block with a query that sees one of its keys, masked up to the first block whose
     queries all see all of them."""
-    from shardflow.kernels.flash_attention_mgpu import BWD_BLOCK_KV, causal_q_blocks
+    from shardflow.kernels.attention_common import q_block_range
+    from shardflow.kernels.flash_attention_mgpu import BWD_BLOCK_KV
 
     keys = 2 * BWD_BLOCK_KV
     seen = visibility(q_len, kv_len, offset_delta).reshape(q_len // bq, bq, kv_len // keys, keys)
+    kw = dict(block_q=bq, block_k=keys, num_q_blocks=q_len // bq, causal=True, has_segment_ids=False)
     for c in range(kv_len // keys):
-        first, unmasked_from = (int(x) for x in causal_q_blocks(jnp.int32(c * keys), offset_delta, bq, q_len // bq))
+        first, unmasked_from = (int(x) for x in q_block_range(jnp.int32(c * keys), offset_delta=offset_delta, **kw))
         any_query, every_query = seen[:, :, c].any(axis=(1, 2)), seen[:, :, c].all(axis=(1, 2))
         assert first == np.flatnonzero(any_query).min(initial=q_len // bq), (c, first)
         assert not any_query[:first].any() and every_query[unmasked_from:].all()
