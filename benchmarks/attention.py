@@ -200,6 +200,19 @@ def rel_err(x, ref):
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def case_inputs(case, *, seed):
+    """(q, k, v, dout, attention keywords) of a CHECK_CASES / PATH_CASES row."""
+    batch, q_len, kv_len, hq, hkv, dim, dtype, causal, segments, (q_off, kv_off) = case
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (batch, q_len, hq, dim), dtype)
+    k = jax.random.normal(keys[1], (batch, kv_len, hkv, dim), dtype)
+    v = jax.random.normal(keys[2], (batch, kv_len, hkv, dim), dtype)
+    dout = jax.random.normal(keys[3], q.shape, dtype)
+    segment_ids = jnp.sort(jax.random.randint(keys[4], (batch, q_len), 0, 4), -1) if segments else None
+    kw = dict(causal=causal, scale=dim**-0.5, segment_ids=segment_ids, q_offset=q_off, kv_offset=kv_off)
+    return q, k, v, dout, kw
+
+
 CHECK_CASES = [
     # batch, q_len, kv_len, heads_q, heads_kv, head_dim, dtype, causal, segments, offsets
     (2, 1024, 1024, 8, 8, 128, jnp.bfloat16, False, False, (0, 0)),
@@ -230,13 +243,8 @@ def run_check(args):
     print("| case | fwd/bwd kernel | out | lse | dq | dk | dv | bound | ok |\n|---|---|---|---|---|---|---|---|---|")
     for seed, case in enumerate(CHECK_CASES):
         batch, q_len, kv_len, hq, hkv, dim, dtype, causal, segments, (q_off, kv_off) = case
-        keys = jax.random.split(jax.random.key(100 + seed), 5)
-        q = jax.random.normal(keys[0], (batch, q_len, hq, dim), dtype)
-        k = jax.random.normal(keys[1], (batch, kv_len, hkv, dim), dtype)
-        v = jax.random.normal(keys[2], (batch, kv_len, hkv, dim), dtype)
-        dout = jax.random.normal(keys[3], q.shape, dtype)
-        segment_ids = jnp.sort(jax.random.randint(keys[4], (batch, q_len), 0, 4), -1) if segments else None
-        kw = dict(causal=causal, scale=dim**-0.5, segment_ids=segment_ids, q_offset=q_off, kv_offset=kv_off)
+        q, k, v, dout, kw = case_inputs(case, seed=100 + seed)
+        segment_ids = kw["segment_ids"]
         ours = jax.jit(
             lambda q, k, v: jax.vjp(
                 lambda q, k, v: attention(q, k, v, return_lse=True, backend="pallas", **kw), q, k, v
@@ -337,15 +345,9 @@ def run_paths(args):
     )
     rows = []
     for seed, name in enumerate(names):
-        batch, q_len, kv_len, hq, hkv, dim, dtype, causal, segments, (q_off, kv_off) = PATH_CASES[name]
-        keys = jax.random.split(jax.random.key(200 + seed), 5)
-        q = jax.random.normal(keys[0], (batch, q_len, hq, dim), dtype)
-        k = jax.random.normal(keys[1], (batch, kv_len, hkv, dim), dtype)
-        v = jax.random.normal(keys[2], (batch, kv_len, hkv, dim), dtype)
-        dout = jax.random.normal(keys[3], q.shape, dtype)
-        segment_ids = jnp.sort(jax.random.randint(keys[4], (batch, q_len), 0, 4), -1) if segments else None
-        scale = dim**-0.5
-        kw = dict(causal=causal, scale=scale, segment_ids=segment_ids, q_offset=q_off, kv_offset=kv_off)
+        *_, dim, dtype, causal, _, (q_off, kv_off) = PATH_CASES[name]
+        q, k, v, dout, kw = case_inputs(PATH_CASES[name], seed=200 + seed)
+        segment_ids, scale = kw["segment_ids"], kw["scale"]
         contenders = {
             "auto": lambda q, k, v: attention(q, k, v, backend="auto", **kw),
             "triton": triton_attention(causal, scale, segment_ids, q_off - kv_off),

@@ -522,13 +522,18 @@ def test_gpu_kernels_on_slices_of_stacked_layers(per_q_head, monkeypatch):
 @pytest.mark.parametrize("segments", [False, True])
 def test_mosaic_gpu_kernels_lower_for_cuda(head_dim, causal, offset_delta, group, batch, seq, segments):
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    from shardflow.kernels import flash_attention_mgpu
-
     q = jax.ShapeDtypeStruct((batch, seq, 4 * group, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((batch, seq, 4, head_dim), jnp.bfloat16)
-    lse = jax.ShapeDtypeStruct((batch, 4 * group, seq), jnp.float32)
-    kw = dict(causal=causal, scale=head_dim**-0.5, offset_delta=offset_delta)
     segment_ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32) if segments else None
+    assert_mosaic_kernels_lower(q, kv, segment_ids, causal=causal, offset_delta=offset_delta)
+
+
+def assert_mosaic_kernels_lower(q, kv, segment_ids, **kw):
+    """The Mosaic forward and backward at these shapes lower for CUDA."""
+    from shardflow.kernels import flash_attention_mgpu
+
+    kw = dict(scale=q.shape[-1] ** -0.5, **kw)
+    lse = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
 
     def forward(q, k, v, segment_ids):
         return flash_attention_mgpu.forward(q, k, v, segment_ids=segment_ids, **kw)
@@ -553,24 +558,10 @@ def test_mosaic_gpu_kernels_lower_for_unequal_lengths_and_any_causal_shift(
     (the forward's masked steps in a loop, the backward's masked q blocks counted per CTA), with
     a pair of segment ids of different lengths."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    from shardflow.kernels import flash_attention_mgpu
-
     q = jax.ShapeDtypeStruct((2, q_len, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, kv_len, 2, head_dim), jnp.bfloat16)
-    lse = jax.ShapeDtypeStruct((2, 4, q_len), jnp.float32)
     ids = (jax.ShapeDtypeStruct((2, q_len), jnp.int32), jax.ShapeDtypeStruct((2, kv_len), jnp.int32))
-    ids = ids if segments else None
-    kw = dict(causal=True, scale=head_dim**-0.5, offset_delta=offset_delta)
-
-    def forward(q, k, v, segment_ids):
-        return flash_attention_mgpu.forward(q, k, v, segment_ids=segment_ids, **kw)
-
-    def backward(q, k, v, out, lse, dout, segment_ids):
-        return flash_attention_mgpu.backward(q, k, v, out, lse, dout, segment_ids=segment_ids, **kw)
-
-    for fn, args in ((forward, (q, kv, kv, ids)), (backward, (q, kv, kv, q, lse, q, ids))):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
+    assert_mosaic_kernels_lower(q, kv, ids if segments else None, causal=True, offset_delta=offset_delta)
 
 
 # (batch, seq, heads_q, heads_kv) -> per q head for (non-causal, causal) x (head_dim 64, 128).
