@@ -14,7 +14,8 @@
 # Mosaic kernels' general causal shifts, unequal lengths and pairs of segment ids, then the
 # attention paths (backend="auto" against the Triton kernels); PART=12: the GPU test that no
 # attention call reaches Triton, then the paths. Logs and
-# JSON under $OUT, a short table last.
+# JSON under $OUT, a short table last. PART=13: the MoE layer's profile in this tree and in the
+# one .variants/moe_old.py patches in, then PART=11's GPU tests.
 #
 #   OUT=/tmp/out PART=1 bash benchmarks/results/remeasure_fp8_1gpu.sh
 set -u
@@ -75,6 +76,16 @@ elif [ "${PART}" = 12 ]; then
       > "$OUT/attention_paths.log" 2>&1
   echo "attention paths exit $?"
   grep -E "^\||failed" "$OUT/attention_paths.log"
+elif [ "${PART}" = 13 ]; then  # the MoE layer's profile, this tree against .variants' (carry .variants)
+  for tree in new old; do
+    script=benchmarks/moe.py; [ "$tree" = old ] && script=.variants/moe_old.py
+    timeout 100 python3 "$script" --profile --shapes moe-1b --iters 5 --variants ws-wide \
+        --out "$OUT/moe_profile_$tree.json" > "$OUT/moe_profile_$tree.log" 2>&1
+    echo "moe profile ($tree) exit $?"
+    grep -A14 "^profile" "$OUT/moe_profile_$tree.log"
+  done
+  attention_tests 300 "mosaic_masks and (two_blocks or keys_end or past_the) or queries_and_keys"
+  grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
 elif [ "${PART}" = 10 ]; then
   attention_tests 280 mosaic_masks
   grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
