@@ -119,13 +119,6 @@ def _gated(gate, up):
     return jax.nn.silu(gate) * up
 
 
-def _gate_up(w_gate, w_up):
-    """The gate and up projections side by side, [n_experts, embed, 2 * ffn]: one grouped GEMM
-    for both forward, and backward one for the rows' gradient (K = 2 * ffn), whose two halves
-    would otherwise take a pass to add."""
-    return jnp.concatenate([w_gate, w_up], axis=2)
-
-
 def sorted_ffn(rows, ids, w_gate, w_up, w_down, repeats: int = 1, keep_activations: bool = False):
     """Choice i, row ``i // repeats`` of ``rows`` [n, embed], through expert ``ids[i]`` of the
     weights: [n * repeats, embed], and with ``keep_activations`` each choice's gate and up
@@ -142,11 +135,9 @@ def sorted_ffn(rows, ids, w_gate, w_up, w_down, repeats: int = 1, keep_activatio
     scatter-add."""
     s = sort_choices(ids, rows, w_gate, w_down)
     x = to_sorted(s, rows, repeats)
-    gate_up = grouped(s, x, _gate_up(w_gate, w_up))
-    out = from_sorted(s, grouped(s, _gated(*jnp.split(gate_up, 2, axis=1)), w_down))
-    if not keep_activations:
-        return out
-    return out, from_sorted(s, gate_up).reshape(-1, 2, w_gate.shape[2])
+    gate, up = grouped(s, x, w_gate), grouped(s, x, w_up)
+    out = from_sorted(s, grouped(s, _gated(gate, up), w_down))
+    return (out, from_sorted(s, jnp.stack([gate, up], 1))) if keep_activations else out
 
 
 def sorted_ffn_grads(rows, ids, w_gate, w_up, w_down, d_out, activations=None, repeats: int = 1):
@@ -154,17 +145,18 @@ def sorted_ffn_grads(rows, ids, w_gate, w_up, w_down, d_out, activations=None, r
     six grouped GEMMs where its ``activations`` are given, eight where they are recomputed."""
     s = sort_choices(ids, rows, w_gate, w_down)
     x = to_sorted(s, rows, repeats)
-    w_gate_up = _gate_up(w_gate, w_up)
     if activations is None:
-        gate_up = grouped(s, x, w_gate_up)
+        gate, up = grouped(s, x, w_gate), grouped(s, x, w_up)
     else:
-        gate_up = to_sorted(s, activations.reshape(activations.shape[0], -1))
-    hidden, gated_vjp = jax.vjp(_gated, *jnp.split(gate_up, 2, axis=1))
+        gate, up = (to_sorted(s, a) for a in jnp.unstack(activations, axis=1))
+    hidden, gated_vjp = jax.vjp(_gated, gate, up)
     d_hidden, d_w_down = grouped_grads(s, hidden, w_down, to_sorted(s, d_out.astype(rows.dtype)))
-    d_choices, d_w_gate_up = grouped_grads(s, x, w_gate_up, jnp.concatenate(gated_vjp(d_hidden), axis=1))
-    d_choices = from_sorted(s, d_choices)
+    d_gate, d_up = gated_vjp(d_hidden)
+    dx_gate, d_w_gate = grouped_grads(s, x, w_gate, d_gate)
+    dx_up, d_w_up = grouped_grads(s, x, w_up, d_up)
+    d_choices = from_sorted(s, dx_gate + dx_up)
     d_rows = d_choices.reshape(rows.shape[0], repeats, rows.shape[1]).sum(1) if repeats > 1 else d_choices
-    return d_rows, *jnp.split(d_w_gate_up, 2, axis=2), d_w_down
+    return d_rows, d_w_gate, d_w_up, d_w_down
 
 
 def routed_ffn(x, experts, w_gate, w_up, w_down, first_expert=0, keep_activations: bool = False):
