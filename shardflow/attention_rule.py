@@ -87,49 +87,35 @@ def _attention_signatures(eqn):
     return sigs
 
 
-# Implementations whose kernels take a causal shift only as a static int (the Mosaic GPU ones):
-# a query shard's shift is one of the shards' static ones, picked by a switch on the shard.
-STATIC_SHIFTS_ONLY = {"mosaic_gpu"}
-
-
 def _local_attention(local, eqn, ins):
     """Per-device attention. Under the "query_seq" signature this shard's queries start at its
-    offset: the causal mask moves with them (the offsets become operands, or, for kernels that
-    take only a static shift, each shard's shift is a branch of a switch on the shard)."""
+    offset: the causal mask moves with them (the offsets become operands)."""
     config = eqn.params["config"]
     ring = decision_of(eqn).named("ring")
     if ring:
         return _local_ring(local, eqn, ins, tuple(local.names[i] for i in ring))
     if not decision_of(eqn).named("query_seq"):
         return eqn.primitive.bind(*ins, config=config)
-    shard, count = local.shard_index(eqn.invars[0], _DIMS["q"]["seq"])
-    q_len = ins[0].shape[1]
-    shift = (shard * q_len).astype(jnp.int32)
-    operands = dict(zip(operand_names(eqn), ins))
-    if config.has_segment_ids:  # whole: this shard's queries' ids, every key's
-        ids = operands["segment_ids"]
-        operands["segment_ids"] = lax.dynamic_slice_in_dim(ids, shift, q_len, axis=1)
-        operands["kv_segment_ids"] = ids
-        config = dataclasses.replace(config, kv_segment_ids=True)
-    static = config.static_offset_delta is not None
-    if static and config.causal and config.implementation in STATIC_SHIFTS_ONLY:
-
-        def shard_at(index):
-            shifted = dataclasses.replace(config, static_offset_delta=config.static_offset_delta + index * q_len)
-            return lambda operands: _bind_named(eqn.primitive, operands, shifted)
-
-        return lax.switch(shard, [shard_at(i) for i in range(count)], operands)
-    if static:
+    names = operand_names(eqn)
+    shard, _ = local.shard_index(eqn.invars[0], _DIMS["q"]["seq"])
+    shift = (shard * ins[0].shape[1]).astype(jnp.int32)
+    operands = dict(zip(names, ins))
+    if config.static_offset_delta is None:
+        operands["q_offset"] = operands["q_offset"] + shift
+    else:
         operands["q_offset"], operands["kv_offset"] = jnp.int32(config.static_offset_delta) + shift, jnp.int32(0)
         config = dataclasses.replace(config, static_offset_delta=None)
-    else:
-        operands["q_offset"] = operands["q_offset"] + shift
-    return _bind_named(eqn.primitive, operands, config)
-
-
-def _bind_named(primitive, operands, config):
-    order = ("q", "k", "v", "out", "lse", "dout", "segment_ids", "kv_segment_ids", "q_offset", "kv_offset", "dlse")
-    return primitive.bind(*(operands[n] for n in order if n in operands), config=config)
+    if config.has_segment_ids:  # whole: this shard's queries' ids, every key's
+        ids = operands["segment_ids"]
+        operands["segment_ids"] = lax.dynamic_slice_in_dim(ids, shift, ins[0].shape[1], axis=1)
+        operands["kv_segment_ids"] = ids
+        config = dataclasses.replace(config, kv_segment_ids=True)
+    eqn_names = [
+        n
+        for n in ("q", "k", "v", "out", "lse", "dout", "segment_ids", "kv_segment_ids", "q_offset", "kv_offset", "dlse")
+        if n in operands
+    ]
+    return eqn.primitive.bind(*(operands[n] for n in eqn_names), config=config)
 
 
 def _local_ring(local, eqn, ins, axes):

@@ -66,21 +66,9 @@ def test_attention_inside_a_differentiated_scan():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "backend,traced_offsets,static_shifts",
-    [("xla", False, False), ("xla", True, False), ("interpret", False, False), ("interpret", True, False)]
-    + [("xla", False, True)],
-)
-def test_sequence_split_queries_gather_keys_and_shift_the_causal_mask(
-    backend, traced_offsets, static_shifts, monkeypatch
-):
-    """Each query shard's causal mask moves by its offset: as traced offsets, or (static_shifts:
-    what the Mosaic GPU kernels need, here run by the XLA attention) one static shift per shard
-    picked by a switch on the shard."""
-    from shardflow import attention_rule
-
-    if static_shifts:
-        monkeypatch.setattr(attention_rule, "STATIC_SHIFTS_ONLY", {backend})
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("traced_offsets", [False, True])
+def test_sequence_split_queries_gather_keys_and_shift_the_causal_mask(backend, traced_offsets):
     mesh = sf.make_mesh({"data": 2, "model": 4})
     q, k, v = inputs(b=2, s=32)
     offsets = (jnp.int32(5), jnp.int32(5)) if traced_offsets else (5, 5)
@@ -105,5 +93,3 @@ def test_sequence_split_queries_gather_keys_and_shift_the_causal_mask(
     plan = f.explain(q, k, v)
     assert not plan.fallbacks
     assert not any(c.kind == "all_to_all" for c in plan.collectives), str(plan)
-    hlo = jax.jit(f).lower(q, k, v).as_text()
-    assert ("stablehlo.case" in hlo) == static_shifts
