@@ -20,7 +20,8 @@ masked), non-causal, or causal with any static q_offset - kv_offset (query i see
 <= i + offset_delta: 0 is the plain diagonal, -1 a striped ring's later blocks, kv_len - q_len
 queries aligned to the end of the keys), query lengths that are multiples of 128 and key lengths
 that are multiples of 128, at least 256. A query that sees no key gets output 0 and lse -inf.
-Everything else goes elsewhere (`flash_attention_gpu`). Mosaic GPU has no interpret mode:
+`why_unsupported` dispatches only what has run on a GPU to them (``GPU_TESTED_CAUSAL_SHIFTS``);
+everything else goes elsewhere (`flash_attention_gpu`). Mosaic GPU has no interpret mode:
 benchmarks/attention.py --check tests these kernels on the GPU; on CPU the tests lower them
 for CUDA.
 """
@@ -43,6 +44,12 @@ from .attention_common import LN_2, LOG2_E
 BLOCK_Q = 64  # rows per compute warpgroup; a CTA covers 2 * BLOCK_Q rows
 BLOCK_KV = 128
 MAX_CONCURRENT_STEPS = 2
+# The kernels take any static causal shift, keys longer or shorter than the queries, and segment
+# ids apart for queries and keys: those lower for CUDA and their block ranges match brute force
+# (tests/test_attention.py), but only the plain diagonal and a striped ring's (-1, q_len ==
+# kv_len, one array of ids) have run on a GPU; `why_unsupported` sends the others to the XLA
+# attention until the GPU tests of the rest (test_gpu_mosaic_kernels_*) pass.
+GPU_TESTED_CAUSAL_SHIFTS = (0, -1)
 
 
 def why_unsupported(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> str | None:
@@ -59,9 +66,10 @@ def why_unsupported(q, k, segment_ids, offset_delta, *, causal: bool, scale: flo
     if scale <= 0:
         return f"scale {scale} (the Mosaic GPU kernels take a positive one)"
     if segment_ids is not None:
-        q_ids, kv_ids = common.segment_pair(segment_ids)
-        if q_ids.shape != (batch, q_len) or kv_ids.shape != (batch, kv_len):
-            return f"segment ids {q_ids.shape}, {kv_ids.shape} for q {q.shape}, k {k.shape}"
+        if isinstance(segment_ids, tuple) or q_len != kv_len:
+            return "segment ids of queries and keys apart (not yet run on a GPU)"
+        if segment_ids.shape != (batch, q_len):
+            return f"segment ids {segment_ids.shape} for q {q.shape}"
     if q_len % (2 * BLOCK_Q) or kv_len % BLOCK_KV or kv_len < MAX_CONCURRENT_STEPS * BLOCK_KV:
         return (
             f"q_len {q_len}, kv_len {kv_len} (the Mosaic GPU kernels take multiples of {2 * BLOCK_Q}, "
@@ -69,6 +77,8 @@ def why_unsupported(q, k, segment_ids, offset_delta, *, causal: bool, scale: flo
         )
     if causal and (not isinstance(offset_delta, int) or isinstance(offset_delta, bool)):
         return "a traced causal offset (the Mosaic GPU kernels take a static one)"
+    if causal and (offset_delta not in GPU_TESTED_CAUSAL_SHIFTS or q_len != kv_len):
+        return f"a causal shift of {offset_delta} with q_len {q_len}, kv_len {kv_len} (not yet run on a GPU)"
     return None
 
 

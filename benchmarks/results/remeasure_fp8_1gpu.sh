@@ -57,7 +57,7 @@ elif [ "${PART}" = 5 ]; then
   echo "fp8 gemms 32k exit $?"
   grep -A14 "^profile" "$OUT/moe_profile.log"; tail -26 "$OUT/fp8_gemms_32k.log"
 elif [ "${PART}" = 11 ]; then
-  attention_tests 330 "mosaic_masks and (two_blocks or keys_end or past_the) or queries_and_keys"
+  attention_tests 330 "beyond_what_dispatch"
   grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
   if [ -f .variants/old_mgpu.py ]; then  # the Mosaic backward before against now (carry .variants)
     timeout 90 python3 benchmarks/attention.py --bwd --causal yes --iters 10 \
@@ -84,7 +84,7 @@ elif [ "${PART}" = 13 ]; then  # the MoE layer's profile, this tree against .var
     echo "moe profile ($tree) exit $?"
     grep -A14 "^profile" "$OUT/moe_profile_$tree.log"
   done
-  attention_tests 300 "mosaic_masks and (two_blocks or keys_end or past_the) or queries_and_keys"
+  attention_tests 300 "beyond_what_dispatch"
   grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
 elif [ "${PART}" = 10 ]; then
   attention_tests 280 mosaic_masks
