@@ -10,6 +10,8 @@ Pallas Triton `mha`, all in one process.
       new=/tmp/edited.py                    # source variants of a kernel, against each other
   python benchmarks/attention.py --profile  # device time per kernel of ours' and cuDNN's fwd+bwd
   python benchmarks/attention.py --paths    # backend="auto" against the Triton kernels, per path
+  python benchmarks/attention.py --xla --variants old=/tmp/attention_xla.py --shapes 1,4096,4,2,64
+                                            # the XLA attention against a source variant (any backend)
 
 FLOPs: 4*B*S^2*H*D forward (H = q heads), half when causal, x3.5 for forward+backward.
 Times: device time, the sum of a call's kernel durations in a profiler trace of --iters calls,
@@ -542,6 +544,59 @@ def run_kernel_variants(args):
             )
 
 
+def run_xla_variants(args):
+    """The XLA blockwise attention's forward + backward (kernels/attention_xla.py) against source
+    variants of it (--variants NAME=FILE, e.g. the previous commit's), wall clock in interleaved
+    rounds on whatever backend runs (CPU included), with the largest difference from this tree's
+    results. Shapes from --shapes, fp32 (B,S,HQ,HKV,D)."""
+    from shardflow.kernels import attention_xla
+
+    contenders = {"this tree": attention_xla}
+    contenders.update(
+        {name: load_kernel_variant(name, path) for name, path in (v.split("=", 1) for v in args.variants)}
+    )
+    names = list(contenders)
+    print(
+        "attention_xla forward + backward, fp32, wall ms (median of interleaved rounds)\n| shape | causal | "
+        + " | ".join(f"{n} ms" for n in names)
+        + " | "
+        + " | ".join(f"{n} / this tree" for n in names[1:])
+        + " | max abs diff |\n|---|---|"
+        + "--:|" * (2 * len(names) - 1)
+        + "--:|"
+    )
+    for batch, seq, hq, hkv, dim in args.shapes:
+        q, k, v, dout = random_inputs(batch, seq, hq, hkv, dim, dtype=jnp.float32)
+        for causal in args.causal:
+            kw = dict(causal=causal, scale=dim**-0.5)
+
+            def fwd_bwd(q, k, v, dout, module):
+                out, lse = module.forward(q, k, v, None, 0, **kw)
+                return out, lse, module.backward(q, k, v, None, 0, out, lse, dout, **kw)
+
+            calls = {n: (jax.jit(partial(fwd_bwd, module=m)), (q, k, v, dout)) for n, m in contenders.items()}
+            results = {n: jax.block_until_ready(fn(*a)) for n, (fn, a) in calls.items()}
+            diff = (
+                max(
+                    float(jnp.max(jnp.abs(x - y)))
+                    for n in names[1:]
+                    for x, y in zip(jax.tree.leaves(results[n]), jax.tree.leaves(results[names[0]]))
+                )
+                if len(names) > 1
+                else 0.0
+            )
+            seconds = interleaved_medians(calls, partial(time_samples, iters=args.iters), rounds=args.rounds)
+            base = seconds[names[0]]
+            print(
+                f"| {batch},{seq},{hq}/{hkv},{dim} | {'yes' if causal else 'no'} | "
+                + " | ".join(f"{seconds[n] * 1e3:.1f}" for n in names)
+                + " | "
+                + " | ".join(f"{seconds[n] / base:.2f}" for n in names[1:])
+                + f" | {diff:.1e} |",
+                flush=True,
+            )
+
+
 def run_profile(args):
     """Where forward+backward spends its device time, kernel by kernel, ours against cuDNN."""
     for batch, seq, hq, hkv, dim in args.shapes:
@@ -640,6 +695,9 @@ def main():
     parser.add_argument("--paths", action="store_true", help="backend='auto' against the Triton kernels on PATH_CASES")
     parser.add_argument("--cases", nargs="*", default=[], help="with --paths: these PATH_CASES only")
     parser.add_argument(
+        "--xla", action="store_true", help="kernels/attention_xla.py against --variants of it, on any backend"
+    )
+    parser.add_argument(
         "--variants",
         nargs="*",
         default=[],
@@ -664,7 +722,9 @@ def main():
         run_sweep(args)
     if args.probe_mgpu:
         run_probe_mgpu(args)
-    if args.bwd or args.fwd:
+    if args.xla:
+        run_xla_variants(args)
+    elif args.bwd or args.fwd:
         run_kernel_variants(args)
     if args.profile:
         run_profile(args)
@@ -673,7 +733,7 @@ def main():
         if args.out:
             _results.write_json(args.out, rows)
     if args.table or not (
-        args.check or args.sweep or args.probe_mgpu or args.bwd or args.fwd or args.profile or args.paths
+        args.check or args.sweep or args.probe_mgpu or args.bwd or args.fwd or args.profile or args.paths or args.xla
     ):
         run_table(args)
     sys.exit(1 if failures else 0)
