@@ -15,7 +15,9 @@
 # attention paths (backend="auto" against the Triton kernels); PART=12: the GPU test that no
 # attention call reaches Triton, then the paths. Logs and
 # JSON under $OUT, a short table last. PART=13: the MoE layer's profile in this tree and in the
-# one .variants/moe_old.py patches in, then PART=11's GPU tests.
+# one .variants/moe_old.py patches in, then PART=11's GPU tests. PART=14 and 15: the attention
+# kernels' GPU tests in two halves (the Mosaic paths dispatched and their masks, then what
+# dispatch does not yet send them and the test that none reaches Triton), about nine minutes each.
 #
 #   OUT=/tmp/out PART=1 bash benchmarks/results/remeasure_fp8_1gpu.sh
 set -u
@@ -86,6 +88,12 @@ elif [ "${PART}" = 13 ]; then  # the MoE layer's profile, this tree against .var
   done
   attention_tests 300 "beyond_what_dispatch"
   grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
+elif [ "${PART}" = 14 ]; then  # the Mosaic kernels' GPU tests on the paths dispatch sends them, first half
+  attention_tests 560 "(test_gpu_kernels and 512 and (128 or 48)) or stacked_layers or mosaic_masks"
+  grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -14
+elif [ "${PART}" = 15 ]; then  # second half: what dispatch does not yet send them, and that none reaches Triton
+  attention_tests 560 "beyond_what_dispatch or reaches_triton"
+  grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -16
 elif [ "${PART}" = 10 ]; then
   attention_tests 280 mosaic_masks
   grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/gpu_tests.log" | tail -12
