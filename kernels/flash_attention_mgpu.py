@@ -52,9 +52,10 @@ MAX_CONCURRENT_STEPS = 2
 GPU_TESTED_CAUSAL_SHIFTS = (0, -1)
 
 
-def why_unsupported(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> str | None:
-    """None where the kernels take these operands (head_dim exactly 64 or 128: `attend` pads
-    others), else what they do not take."""
+def why_unsupported(q, k, segment_ids, offset_delta, *, causal: bool, scale: float, backward: bool = False):
+    """None where the kernels (with ``backward``, the backward too: its q blocks of BWD_BLOCK_Q
+    rows, kv blocks of 2 * BWD_BLOCK_KV) take these operands at exactly head_dim 64 or 128
+    (`attend` pads others: `widened`), else what they do not take."""
     batch, q_len, _, head_dim = q.shape
     kv_len = k.shape[1]
     if not on_hopper():
@@ -79,6 +80,8 @@ def why_unsupported(q, k, segment_ids, offset_delta, *, causal: bool, scale: flo
         return "a traced causal offset (the Mosaic GPU kernels take a static one)"
     if causal and (offset_delta not in GPU_TESTED_CAUSAL_SHIFTS or q_len != kv_len):
         return f"a causal shift of {offset_delta} with q_len {q_len}, kv_len {kv_len} (not yet run on a GPU)"
+    if backward and (q_len % BWD_BLOCK_Q[head_dim] or kv_len % (2 * BWD_BLOCK_KV)):
+        return f"q_len {q_len}, kv_len {kv_len} (the Mosaic GPU backward's tiles do not divide them)"
     return None
 
 
@@ -87,43 +90,44 @@ def supports(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> 
 
 
 def supports_backward(q, k, segment_ids, offset_delta, *, causal: bool, scale: float) -> bool:
-    """The forward's conditions, plus the backward's own tiles: q blocks of BWD_BLOCK_Q rows,
-    kv blocks of 2 * BWD_BLOCK_KV (both implied by the forward's today)."""
-    return (
-        supports(q, k, segment_ids, offset_delta, causal=causal, scale=scale)
-        and q.shape[1] % BWD_BLOCK_Q[q.shape[-1]] == 0
-        and k.shape[1] % (2 * BWD_BLOCK_KV) == 0
-    )
+    return why_unsupported(q, k, segment_ids, offset_delta, causal=causal, scale=scale, backward=True) is None
+
+
+def _wide(head_dim: int) -> int:
+    """The head dim `attend` runs ``head_dim`` at: below 128, zero-padded to 64 or 128 (zeros change
+    neither q.k nor the output's real columns, and their gradients are sliced off); a head of 80
+    or 96 runs at 128, as the Triton kernels pad it too, one of 16 or 32 at 64."""
+    return head_dim if head_dim > 128 else 64 if head_dim <= 64 else 128
+
+
+def widened(*xs):
+    """The shapes of ``xs`` at the head dim `attend` pads them to, for `why_unsupported`."""
+    return tuple(jax.ShapeDtypeStruct((*x.shape[:-1], _wide(x.shape[-1])), x.dtype) for x in xs)
 
 
 def pad_head_dim(*xs):
-    """``xs`` [..., head_dim] with a head_dim below 128 zero-padded to the kernels' next one (64,
-    128): zeros change neither q.k nor the output's real columns, and their gradients are sliced
-    off. A head of 80 or 96 runs at 128, as the Triton kernels pad it too; one of 16 or 32 at 64."""
-    head_dim = xs[0].shape[-1]
-    wide = 64 if head_dim <= 64 else 128
-    if head_dim == wide or head_dim > 128:
-        return xs
-    return tuple(jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, wide - head_dim)]) for x in xs)
+    """``xs`` [..., head_dim] zero-padded to `_wide`'s head dim."""
+    pad = _wide(xs[0].shape[-1]) - xs[0].shape[-1]
+    return xs if not pad else tuple(jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) for x in xs)
 
 
 def attend(q, k, v, segment_ids, offset_delta, *, causal: bool, scale: float):
     """`forward` with attention_common's conventions, the head zero-padded to 64 or 128; None
     where the kernels do not take these operands."""
-    wide = pad_head_dim(q, k, v)
-    if not supports(*wide[:2], segment_ids, offset_delta, causal=causal, scale=scale):
+    if not supports(*widened(q, k), segment_ids, offset_delta, causal=causal, scale=scale):
         return None
-    out, lse = forward(*wide, causal=causal, scale=scale, offset_delta=offset_delta, segment_ids=segment_ids)
+    out, lse = forward(
+        *pad_head_dim(q, k, v), causal=causal, scale=scale, offset_delta=offset_delta, segment_ids=segment_ids
+    )
     return out[..., : q.shape[-1]], lse
 
 
 def attend_backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causal: bool, scale: float, dlse=None):
     """`backward` with attention_common's conventions, the head zero-padded; None where the
     kernel does not take these operands."""
-    wide = pad_head_dim(q, k, v, out, dout)
-    if not supports_backward(*wide[:2], segment_ids, offset_delta, causal=causal, scale=scale):
+    if not supports_backward(*widened(q, k), segment_ids, offset_delta, causal=causal, scale=scale):
         return None
-    qw, kw, vw, ow, dw = wide
+    qw, kw, vw, ow, dw = pad_head_dim(q, k, v, out, dout)
     grads = backward(
         qw,
         kw,
@@ -138,12 +142,6 @@ def attend_backward(q, k, v, segment_ids, offset_delta, out, lse, dout, *, causa
         segment_ids=segment_ids,
     )
     return tuple(g[..., : q.shape[-1]] for g in grads)
-
-
-def _floor_div(x, n: int, low: int):
-    """floor(x / n) of an int32 array x >= low (static): lax.div rounds towards zero."""
-    lift = n * max(0, -(low // n))
-    return _div(x + lift, n) - lift // n
 
 
 class ForwardWork(NamedTuple):

@@ -122,9 +122,10 @@ def attention(
       q_offset, kv_offset: global positions of the first query / key (Python ints or traced int
         scalars), e.g. for one step of ring attention.
       return_lse: also return lse [batch, heads_q, seq_q], float32, natural log.
-      backend: "auto" (Pallas on Hopper GPUs and TPUs; XLA elsewhere — on other GPUs with a
-        warning, once —, or on GPU for heads too wide for the kernel), "pallas" (on GPU the
-        Mosaic GPU kernels where they apply, else the Triton ones, which jax deprecates),
+      backend: "auto" (on Hopper GPUs the Mosaic GPU kernels where they apply, else XLA with a
+        warning naming why; Pallas on TPUs; XLA elsewhere, on other GPUs with a warning),
+        "pallas" (on GPU the Mosaic GPU kernels where they apply, else the Triton ones, which
+        jax deprecates),
         "interpret" (the GPU Pallas kernels in interpret mode), "interpret_tpu" (the TPU Pallas
         kernels in interpret mode), "pallas_tpu", "xla"
         (blockwise, never materialises seq_q x seq_kv), "cudnn" (comparison pass-through to

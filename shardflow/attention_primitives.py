@@ -105,7 +105,7 @@ def _mosaic_or_xla_forward(q, k, v, segment_ids, offset_delta, *, causal, scale)
     """The Mosaic GPU kernel where it takes the operands, else (saying why, once) XLA's."""
     out = flash_attention_mgpu.attend(q, k, v, segment_ids, offset_delta, causal=causal, scale=scale)
     if out is None:
-        _warn_off_mosaic(_why_not_mosaic(q, k, segment_ids, offset_delta, causal=causal, scale=scale))
+        _warn_off_mosaic(_why_not_mosaic(q, k, segment_ids, offset_delta, causal=causal, scale=scale, backward=False))
         out = attention_xla.forward(q, k, v, segment_ids, offset_delta, causal=causal, scale=scale)
     return out
 
@@ -115,17 +115,15 @@ def _mosaic_or_xla_backward(q, k, v, segment_ids, offset_delta, out, lse, dout, 
         q, k, v, segment_ids, offset_delta, out, lse, dout, causal=causal, scale=scale, dlse=dlse
     )
     if grads is None:
-        _warn_off_mosaic(_why_not_mosaic(q, k, segment_ids, offset_delta, causal=causal, scale=scale))
+        _warn_off_mosaic(_why_not_mosaic(q, k, segment_ids, offset_delta, causal=causal, scale=scale, backward=True))
         grads = attention_xla.backward(
             q, k, v, segment_ids, offset_delta, out, lse, dout, causal=causal, scale=scale, dlse=dlse
         )
     return grads
 
 
-def _why_not_mosaic(q, k, segment_ids, offset_delta, *, causal, scale):
-    wide = flash_attention_mgpu.pad_head_dim(q, k)
-    reason = flash_attention_mgpu.why_unsupported(*wide, segment_ids, offset_delta, causal=causal, scale=scale)
-    return reason or "the Mosaic GPU backward's tiles do not divide the sequences"
+def _why_not_mosaic(q, k, segment_ids, offset_delta, **kw):
+    return flash_attention_mgpu.why_unsupported(*flash_attention_mgpu.widened(q, k), segment_ids, offset_delta, **kw)
 
 
 def _kernels(implementation: str):
